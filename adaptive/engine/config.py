@@ -1,0 +1,53 @@
+"""Generation settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adaptive.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate.
+
+    ``temperature == 0`` means greedy decoding. ``draft_len`` is the most tokens drafted per step
+    (the fixed draft length, or the upper bound for an adaptive policy). ``confidence_threshold``
+    stops drafting early once the draft's top probability falls below it (``None``: off).
+    ``stop``: strings that end generation; the text is cut before the stop string.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    draft_len: int = 4
+    confidence_threshold: float | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not isinstance(self.draft_len, int) or self.draft_len < 1:
+            raise ConfigError(f"draft_len must be an integer >= 1, got {self.draft_len!r}")
+        if self.draft_len > 64:
+            raise ConfigError(f"draft_len {self.draft_len} is beyond any useful draft (at most 64)")
+        if self.confidence_threshold is not None and not 0.0 < self.confidence_threshold < 1.0:
+            raise ConfigError(f"confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

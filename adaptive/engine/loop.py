@@ -1,0 +1,178 @@
+"""The decoding loop: plain autoregressive decoding and (self-)speculative decoding in one function.
+
+Plain decoding (``ar``) is the same loop with no drafter: every step verifies zero drafted tokens
+and keeps the target's own next token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from adaptive.drafters.base import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
+
+# (draft, p_logits [k+1, V], config, generator) -> (n_accepted, next_token)
+Acceptor = Callable[[Draft, torch.Tensor, GenerationConfig, torch.Generator | None], tuple[int, int]]
+
+
+def default_acceptor(draft: Draft, p_logits: torch.Tensor, cfg: GenerationConfig, gen) -> tuple[int, int]:
+    """Greedy: longest matching prefix. Sampling: speculative sampling against the warped target."""
+    if cfg.greedy:
+        return greedy_accept(draft.tokens, p_logits.argmax(-1))
+    p = warp_probs(p_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    q = draft.q
+    if q is None:  # deterministic proposal: a point mass on each drafted token
+        q = torch.zeros(len(draft), p.shape[-1], device=p.device)
+        q[torch.arange(len(draft)), draft.tokens] = 1.0
+    return speculative_accept(draft.tokens, q, p, gen)
+
+
+@dataclass
+class GenerationStats:
+    """Statistics of one generation. Steps are target verification forwards after the prefill."""
+
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per step -> count
+    draft_lengths: Counter = field(default_factory=Counter)  # drafted per step -> count
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    prompt_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per verification step, counting the target's own token (``ar`` = 1.0)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_time if self.total_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
+            "prefill_time_s": round(self.prefill_time, 4),
+            "draft_time_s": round(self.draft_time, 4),
+            "verify_time_s": round(self.verify_time, 4),
+            "total_time_s": round(self.total_time, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+        }
+
+
+@dataclass
+class Plan:
+    """What to decode with, possibly chosen after the prefill (routing uses the prefill embedding)."""
+
+    drafter: Drafter | None = None
+    policy: DraftLengthPolicy | None = None
+    info: dict = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode(
+    backbone,
+    prompt_ids: list[int],
+    cfg: GenerationConfig,
+    plan: Plan | Callable[[torch.Tensor], Plan] | None = None,
+    stats: GenerationStats | None = None,
+    acceptor: Acceptor = default_acceptor,
+) -> Iterator[list[int]]:
+    """Yield the new tokens of each step until ``cfg.max_new_tokens`` have been produced.
+
+    ``plan`` is a :class:`Plan`, or a function of the prompt's pooled embedding (``[hidden]``)
+    returning one, called once after the prefill; ``None`` decodes plainly. EOS and stop strings
+    are the caller's to watch (it stops iterating); this loop owns acceptance and KV rollback.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    dev = backbone.device
+    gen = None
+    if not cfg.greedy:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise ValueError("the prompt encodes to no tokens")
+    stats.prompt_tokens = n_prompt
+    cache = backbone.new_cache(n_prompt + cfg.max_new_tokens + cfg.draft_len + 1)
+
+    t0 = time.perf_counter()
+    out = backbone.forward(torch.tensor(prompt_ids, device=dev), cache, 0, logits="last", pool=callable(plan))
+    cache.length = n_prompt
+    logits = out.logits[0]
+    if cfg.greedy:
+        first = int(logits.argmax())
+    else:
+        first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1, generator=gen))
+    if callable(plan):
+        plan = plan(out.pooled)
+    plan = plan or Plan()
+    drafter = plan.drafter
+    policy = plan.policy or FixedDraftLength(cfg.draft_len)
+    _sync(dev)
+    stats.prefill_time = time.perf_counter() - t0
+    tokens = list(prompt_ids) + [first]
+    produced = 1
+    yield [first]
+
+    state = DecodeState(backbone, cache, tokens, cfg, gen)
+    while produced < cfg.max_new_tokens:
+        pos = cache.length  # position of the pending token tokens[-1]
+        remaining = cfg.max_new_tokens - produced
+        draft = None
+        t1 = time.perf_counter()
+        if drafter is not None and remaining > 1:
+            k = policy.choose(min(cfg.draft_len, remaining - 1))
+            draft = drafter.propose(state, k)
+        if draft is None or len(draft) == 0:
+            draft = Draft(torch.empty(0, dtype=torch.long, device=dev))
+        _sync(dev)
+        t2 = time.perf_counter()
+        verify_in = torch.cat([torch.tensor([tokens[-1]], device=dev), draft.tokens.to(dev)])
+        p_logits = backbone.forward(verify_in, cache, pos, logits="all").logits
+        n, nxt = acceptor(draft, p_logits, cfg, gen)
+        # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
+        # rejected drafts is this assignment: their stale keys are overwritten before being read.
+        cache.length = pos + n + 1
+        t3 = time.perf_counter()
+        k = len(draft)
+        stats.steps += 1
+        stats.drafted += k
+        stats.accepted += n
+        stats.accept_hist[n] += 1
+        stats.draft_time += t2 - t1
+        stats.verify_time += t3 - t2
+        if drafter is not None and k:
+            stats.draft_lengths[k] += 1
+            drafter.observe(k, n)
+            policy.update(k, n)
+        new = draft.tokens[:n].tolist() + [nxt]
+        tokens.extend(new)
+        produced += len(new)
+        yield new

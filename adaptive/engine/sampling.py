@@ -1,0 +1,88 @@
+"""Pure functions of speculative decoding: warping, greedy acceptance, speculative sampling.
+
+Notation: ``p`` is the target (full model), ``q`` the draft. ``k`` drafted tokens are verified by
+one target forward that yields ``k + 1`` rows of ``p`` (the last one for the bonus token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution(s) from ``logits`` (``[..., V]``) after temperature, top-k and top-p.
+
+    Top-k keeps the ``top_k`` largest logits (0: all); top-p keeps the smallest set of most likely
+    tokens whose mass reaches ``top_p`` (the token crossing the threshold is kept). Returns float32
+    probabilities of the same shape. ``temperature`` must be > 0 here (0 means greedy, handled
+    by the caller).
+
+    Example: logits ``[2.0, 1.0, 0.0]``, T=1 -> ``[0.665, 0.245, 0.090]``; with ``top_k=1`` ->
+    ``[1, 0, 0]``; with ``top_p=0.8`` -> the first two renormalised: ``[0.731, 0.269, 0]``.
+    """
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
+    """Greedy verification: accept the longest prefix where draft == target argmax.
+
+    ``draft``: ``[k]`` drafted ids; ``target_argmax``: ``[k + 1]`` argmax of ``p`` at each draft
+    position and after the last. Returns ``(n_accepted, next_token)`` where ``next_token`` is the
+    target's own token after the accepted prefix (the correction, or the bonus when all match).
+
+    Example: draft ``[5, 7, 9]``, target argmax ``[5, 7, 2, 4]`` -> ``(2, 2)``: 5 and 7 are kept,
+    9 is replaced by the target's 2. With target ``[5, 7, 9, 4]`` -> ``(3, 4)``: 4 is the bonus.
+    """
+    k = draft.shape[0]
+    if k == 0:
+        return 0, int(target_argmax[0])
+    mismatch = (draft != target_argmax[:k]).nonzero()
+    n = int(mismatch[0, 0]) if mismatch.numel() else k
+    return n, int(target_argmax[n])
+
+
+def speculative_accept(
+    draft: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al.; Chen et al.): the output is distributed exactly as ``p``.
+
+    ``draft``: ``[k]`` ids sampled from ``q``; ``q``: ``[k, V]`` the draft distributions they were
+    sampled from; ``p``: ``[k + 1, V]`` the target distributions (same warping). Draft token ``x_i``
+    is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection the next
+    token is drawn from the residual ``norm(max(0, p_i - q_i))``; if all ``k`` are accepted the bonus
+    is drawn from ``p_k``. Returns ``(n_accepted, next_token)``.
+
+    Example: ``q_0 = [0.5, 0.5]``, ``p_0 = [1.0, 0.0]``, draft ``[1]``: ``p/q = 0`` so token 1 is
+    always rejected and the residual ``[0.5, 0] / 0.5 = [1, 0]`` yields token 0: ``(0, 0)``.
+    """
+    k = draft.shape[0]
+    if k:
+        rows = torch.arange(k, device=draft.device)
+        p_x = p[rows, draft]
+        q_x = q[rows, draft]
+        u = torch.rand(k, generator=generator, device=p.device)
+        # accept iff u * q(x) <= p(x), i.e. u <= p/q without dividing by a zero q.
+        rejected = (u * q_x > p_x).nonzero()
+        if rejected.numel():
+            n = int(rejected[0, 0])
+            residual = (p[n] - q[n]).clamp_min(0.0)
+            total = residual.sum()
+            if total <= 0:  # p == q up to rounding: the residual is empty, fall back to p itself
+                residual, total = p[n], p[n].sum()
+            return n, int(torch.multinomial(residual / total, 1, generator=generator))
+    return k, int(torch.multinomial(p[k], 1, generator=generator))

