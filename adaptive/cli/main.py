@@ -1,0 +1,42 @@
+"""``adaptive``: a thin click layer over the library. User errors are one line and exit code 1."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from adaptive.cli.generate import generate_cmd
+from adaptive.cli.demo import demo_cmd
+from adaptive.errors import AdaptiveError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="adaptive")
+def cli() -> None:
+    """Adaptive, domain-aware self-speculative decoding."""
+
+
+cli.add_command(generate_cmd)
+cli.add_command(demo_cmd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except AdaptiveError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

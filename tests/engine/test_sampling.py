@@ -1,0 +1,65 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
+
+
+def test_greedy_accept_cases():
+    # 5 and 7 agree, 9 is replaced by the target's 2
+    assert greedy_accept(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 2, 4])) == (2, 2)
+    # all agree: the target's 4 is the bonus token
+    assert greedy_accept(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 9, 4])) == (3, 4)
+    # first token already wrong
+    assert greedy_accept(torch.tensor([1, 7]), torch.tensor([3, 7, 4])) == (0, 3)
+    # nothing drafted (plain decoding): the target's own token
+    assert greedy_accept(torch.tensor([], dtype=torch.long), torch.tensor([8])) == (0, 8)
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=8), st.lists(st.integers(0, 5), min_size=9, max_size=9))
+def test_greedy_accept_property(draft, target):
+    n, nxt = greedy_accept(torch.tensor(draft, dtype=torch.long), torch.tensor(target[: len(draft) + 1]))
+    assert draft[:n] == target[:n]
+    assert n == len(draft) or draft[n] != target[n]
+    assert nxt == target[n]
+
+
+def test_warp_probs_examples():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    assert torch.allclose(warp_probs(logits, 1.0), torch.tensor([0.6652, 0.2447, 0.0900]), atol=1e-4)
+    assert torch.equal(warp_probs(logits, 1.0, top_k=1), torch.tensor([1.0, 0.0, 0.0]))
+    # 0.665 < 0.8, so the second token (which crosses 0.8) is kept, the third dropped
+    assert torch.allclose(warp_probs(logits, 1.0, top_p=0.8), torch.tensor([0.7311, 0.2689, 0.0]), atol=1e-4)
+    # a lower temperature sharpens
+    assert warp_probs(logits, 0.5)[0] > warp_probs(logits, 1.0)[0]
+
+
+def test_speculative_accept_always_rejects_impossible_token():
+    q = torch.tensor([[0.5, 0.5]])
+    p = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # p(1) = 0: token 1 is always rejected, the residual is all on token 0
+        assert speculative_accept(torch.tensor([1]), q, p, g) == (0, 0)
+
+
+def test_speculative_accept_always_accepts_when_p_dominates():
+    q = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+    p = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.3, 0.7]])
+    g = torch.Generator().manual_seed(0)
+    n, nxt = speculative_accept(torch.tensor([0, 1]), q, p, g)
+    assert n == 2 and nxt in (0, 1)  # both drafts accepted (p >= q), bonus from p[2]
+
+
+def test_speculative_accept_single_position_matches_p():
+    """Monte Carlo over the rule itself: draft x ~ q, output distributed as p (V=3)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.tensor([0.6, 0.3, 0.1])
+    p = torch.tensor([0.2, 0.3, 0.5])
+    n = 20_000
+    counts = torch.zeros(3)
+    for _ in range(n):
+        x = torch.multinomial(q, 1, generator=g)
+        acc, nxt = speculative_accept(x, q.unsqueeze(0), torch.stack([p, p]), g)
+        counts[int(x) if acc else nxt] += 1
+    # 4 standard errors of a binomial proportion
+    assert torch.all((counts / n - p).abs() < 4 * torch.sqrt(p * (1 - p) / n))
