@@ -1,0 +1,14 @@
+"""adaptive: lossless, domain-aware self-speculative decoding.
+
+Main entry points: :func:`load_model`, :class:`Engine`, :class:`GenerationConfig`, :class:`SkipSet`.
+"""
+
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine, GenerationResult
+from adaptive.engine.skip import SkipSet, skipping
+from adaptive.errors import AdaptiveError
+from adaptive.models import LoadedModel, load_model
+
+__all__ = ["AdaptiveError", "Engine", "GenerationConfig", "GenerationResult", "LoadedModel", "SkipSet",
+           "load_model", "skipping"]
+__version__ = "0.1.0"

