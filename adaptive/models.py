@@ -172,11 +172,12 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype, local_only: bool = True):
+def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
+    """Load a local directory or a hub id from the local cache only: never a download."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=local_only)
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local_only)
+    tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=True)
     return model.to(device).eval(), tok
 
 
@@ -189,7 +190,6 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", d
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    tried: list[str] = []
     gguf: Path | None = None
     name = spec
     if spec in _EMBEDDED:
@@ -211,13 +211,12 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", d
             raise ModelNotFoundError(f"{spec} is a directory without config.json: not a Hugging Face model")
         model, tok = _load_hf(str(path), dev, dt)
         return LoadedModel(model, tok, path.name, str(path.resolve()), dev, dt)
-    tried.append(f"local directory {path} (not found)")
     try:
-        model, tok = _load_hf(spec, dev, dt, local_only=True)
+        model, tok = _load_hf(spec, dev, dt)
     except Exception as exc:
-        tried.append(f"hub id {spec!r} in the local Hugging Face cache ({type(exc).__name__})")
         raise ModelNotFoundError(
-            f"cannot load model {spec!r} offline; tried: " + "; ".join(tried)
-            + f". Known embedded names: {', '.join(_EMBEDDED)}"
+            f"cannot load model {spec!r} offline; tried: local directory {path} (not found); "
+            f"hub id {spec!r} in the local Hugging Face cache ({type(exc).__name__}). "
+            f"Known embedded names: {', '.join(_EMBEDDED)}"
         ) from None
     return LoadedModel(model, tok, spec, f"hf-cache:{spec}", dev, dt)

@@ -32,6 +32,12 @@ class GenerationResult:
                 "method": self.method, "stats": self.stats.to_dict(), **self.info}
 
 
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or ``None``."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -126,42 +132,39 @@ class Engine:
         stats = GenerationStats()
         out: list[int] = []
         emitted = ""
-        finish = "length"
+        finish = None
         hold = max((len(s) for s in cfg.stop), default=1) - 1
         t0 = time.perf_counter()
         steps = decode(self.backbone, prompt_ids, cfg, plan, stats, acceptor)
         for chunk in steps:
-            done = False
+            # Token by token, so that a multi-token step ends exactly where plain decoding would.
             for t in chunk:
                 out.append(t)
                 if t in self.eos and not cfg.ignore_eos:
-                    finish, done = "eos", True
-                    break
-                if len(out) >= cfg.max_new_tokens:
-                    done = True
+                    finish = "eos"
+                elif cfg.stop and (cut := _first_stop(self._text(out), cfg.stop)) is not None:
+                    finish = "stop"
+                elif len(out) >= cfg.max_new_tokens:
+                    finish = "length"
+                if finish:
                     break
             text = self._text(out)
-            if cfg.stop:
-                cut = min((i for i in (text.find(s) for s in cfg.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, finish, done = text[:cut], "stop", True
-            if done:
+            if finish == "stop":
+                text = text[:cut]
+            if finish:
                 steps.close()
                 if text.startswith(emitted) and len(text) > len(emitted):
                     yield text[len(emitted):]
                 break
             safe = text[: len(text) - hold] if hold else text
-            if safe.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                safe = safe.rstrip("\ufffd")
+            safe = safe.rstrip("\ufffd")  # an incomplete UTF-8 sequence waits for the next token
             if safe.startswith(emitted) and len(safe) > len(emitted):
                 yield safe[len(emitted):]
                 emitted = safe
-        else:
-            text = self._text(out)
         stats.tokens = len(out)
         stats.total_time = time.perf_counter() - t0
         info = dict(chosen[-1].info) if chosen else {}
-        yield GenerationResult(text, out, finish, stats, method, info)
+        yield GenerationResult(text, out, finish or "length", stats, method, info)
 
     def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
         result = None

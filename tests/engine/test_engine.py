@@ -45,6 +45,10 @@ def test_stop_string_cuts_text(engine, method):
                         method=method, skip=SKIP if method == "ssd" else None)
     assert r.finish_reason == "stop"
     assert r.text == full[: full.find(stop)]
+    # the ids end with the token that completed the stop string, whatever the method
+    ar = engine.generate("abc", GenerationConfig(max_new_tokens=40, ignore_eos=True, stop=(stop,)))
+    assert r.token_ids == ar.token_ids
+    assert stop not in engine._text(r.token_ids[:-1]) and stop in engine._text(r.token_ids)
 
 
 def test_stream_deltas_concatenate_to_text(engine):
