@@ -1,0 +1,45 @@
+import pytest
+
+from adaptive.calibrate.objective import best_draft_length, expected_speedup, expected_tokens_per_step, matchness
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine
+from adaptive.engine.skip import SkipSet
+from tests.conftest import tiny_lm
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(1.2, 2)
+
+
+def test_expected_speedup_and_best_length():
+    # 1 + 0.8 + 0.64 = 2.44 tokens for 2 * 0.5 + 1.05 = 2.05 units
+    assert expected_speedup(0.8, 2, 0.5, 1.05) == pytest.approx(2.44 / 2.05)
+    assert expected_speedup(0.3, 0, 0.5) == 1.0  # plain decoding
+    k, s = best_draft_length(0.8, 0.5)
+    assert k == 2 and s == pytest.approx(2.44 / 2.0)
+    # a draft as expensive as the target never pays
+    assert best_draft_length(0.9, 1.0)[1] < 1.0
+
+
+def test_matchness_full_model_is_one_and_skips_lower_it():
+    lm = tiny_lm("llama", n_layers=6, seed=5)
+    eng = Engine(lm)
+    seqs = []
+    for start in (3, 10, 20):
+        prompt = list(range(start, start + 8))
+        seqs.append((prompt, eng.generate(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True)).token_ids))
+    bb = lm.backbone
+    assert matchness(bb, seqs, None) == 1.0
+    light = matchness(bb, seqs, SkipSet(attn=(5,)).masks(6))
+    heavy = matchness(bb, seqs, SkipSet(attn=tuple(range(6)), mlp=tuple(range(6))).masks(6))
+    assert heavy < light <= 1.0
+    # the teacher-forced estimate agrees with what real greedy drafting accepts at k = 1
+    skip = SkipSet(attn=(1, 4))
+    est = matchness(bb, seqs, skip.masks(6))
+    acc = [eng.generate(p, GenerationConfig(max_new_tokens=20, draft_len=1, ignore_eos=True), method="ssd",
+                        skip=skip).stats.acceptance_rate for p, _ in seqs]
+    assert abs(est - sum(acc) / len(acc)) < 0.25
