@@ -17,7 +17,8 @@ DEFAULT_DEMO_SKIP = "attn=4,7,9,20,25"
 @model_option
 @click.option("--skip", "skip_text", default=DEFAULT_DEMO_SKIP, show_default=True,
               help="Skip set for ssd, e.g. 'attn=4,7;mlp=2'.")
-@click.option("--draft-len", type=int, default=4, show_default=True)
+@click.option("--draft-len", type=int, default=2, show_default=True,
+              help="Fixed draft length (2 measured best for the default skip set).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per method (median).")
 @dtype_option
