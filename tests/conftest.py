@@ -34,14 +34,16 @@ def tiny_model(family: str = "llama", n_layers: int = 4, vocab: int | None = Non
                init: float = 0.2, hidden: int = 64):
     """A randomly initialised decoder. ``init`` (weight std) well above HF's 0.02 gives peaked,
     varied outputs instead of one token repeated, so equality tests have something to check."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     vocab = vocab or len(SPECIALS) + len(CHARS)
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               initializer_range=init, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "mistral": (MistralConfig, MistralForCausalLM)}[family]
     model = cls[1](cls[0](**kw)).eval()
     return model
 

@@ -7,7 +7,7 @@ from adaptive.errors import PromptTooLongError, UnsupportedModelError
 from tests.conftest import tiny_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_forward_matches_hf_full_and_incremental(family):
     model = tiny_model(family)
     ids = torch.randint(0, model.config.vocab_size, (1, 20))
