@@ -21,8 +21,9 @@ def test_greedy_equality_on_cuda():
     ref = cpu.generate(prompt, cfg).token_ids
     gpu_model = tiny_model("llama", n_layers=6).cuda()
     gpu = Engine(LoadedModel(gpu_model, char_tokenizer(), "t", "-", torch.device("cuda"), torch.float32))
-    assert gpu.generate(prompt, cfg).token_ids == gpu.generate(prompt, cfg, method="ssd", skip=SkipSet(attn=(1, 3))).token_ids
-    assert len(ref) == 30
+    gpu_ar = gpu.generate(prompt, cfg).token_ids
+    assert gpu_ar == ref  # same weights (same seed), fp32: the CUDA path decodes as the CPU one
+    assert gpu.generate(prompt, cfg, method="ssd", skip=SkipSet(attn=(1, 3))).token_ids == ref
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
