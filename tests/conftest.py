@@ -85,3 +85,31 @@ def embedded_bf16(embedded_fp32):
     from adaptive.models import load_model
 
     return load_model("smollm2-135m", device="cpu", dtype="bfloat16")
+
+
+# -- calibration fixtures --------------------------------------------------------------------------
+
+TINY_DOMAINS = {
+    "math": [f"what is {i} plus {i + 3}? answer: {2 * i + 3}" for i in range(6)],
+    "chat": [f"hello there friend number {i}, how are you today?" for i in range(6)],
+    "code": [f"def f{i}(x): return x * {i} + {i + 1}" for i in range(6)],
+}
+
+
+def tiny_settings(**over):
+    """Calibration settings small enough for a tiny model in a couple of seconds."""
+    from adaptive.calibrate.runner import CalibrationSettings
+
+    base = dict(prompts_per_domain=4, anchors_per_domain=2, trials=6, init_trials=3, continuation_tokens=10,
+                confirm_candidates=1, confirm_prompts=1, confirm_tokens=12, max_draft_len=4, cost_context=16)
+    return CalibrationSettings(**{**base, **over})
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tiny_model_dir, tmp_path_factory):
+    """A profile calibrated on the tiny Llama (fp32) for the three ``TINY_DOMAINS``."""
+    from adaptive.calibrate.runner import calibrate
+
+    out = tmp_path_factory.mktemp("profiles") / "tiny"
+    calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(), dtype="float32", progress=False)
+    return out

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from adaptive.cli.calibrate import calibrate_cmd, profile_group, route_cmd
 from adaptive.cli.generate import generate_cmd
 from adaptive.cli.demo import demo_cmd
 from adaptive.errors import AdaptiveError
@@ -19,6 +20,9 @@ def cli() -> None:
 
 cli.add_command(generate_cmd)
 cli.add_command(demo_cmd)
+cli.add_command(calibrate_cmd)
+cli.add_command(profile_group)
+cli.add_command(route_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

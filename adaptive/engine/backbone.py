@@ -198,3 +198,30 @@ class Backbone:
             q, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+
+    @torch.inference_mode()
+    def sublayer_influence(self, input_ids: torch.Tensor, from_position: int = 0) -> torch.Tensor:
+        """How much each sublayer changes the residual stream: ``[2, n_layers]`` float32.
+
+        Row 0 is attention, row 1 the MLP; each value is ``1 - cos(h_in, h_in + f(h_in))`` averaged
+        over positions ``from_position ..`` of one full-model forward of ``input_ids`` (``[T]``).
+        A sublayer with a small value barely turns the hidden state: a cheap prior on which
+        sublayers a draft can skip (the calibrator's ranked search space).
+        """
+        ids = input_ids.reshape(1, -1)
+        T = ids.shape[1]
+        cache = self.new_cache(T)
+        cos, sin = self._rope(0, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if T > 1 else None
+        out = torch.zeros(2, self.n_layers)
+
+        def turn(a, b):
+            return float((1 - F.cosine_similarity(a[0, from_position:].float(), b[0, from_position:].float(), dim=-1)).mean())
+
+        h = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            nh = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, 0, T, cos, sin, mask)
+            out[0, i] = turn(h, nh)
+            h = nh + layer.mlp(layer.post_attention_layernorm(nh))
+            out[1, i] = turn(nh, h)
+        return out

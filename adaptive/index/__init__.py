@@ -1,0 +1,6 @@
+"""Routing index: prompt embeddings, FAISS anchors per domain, KNN vote."""
+
+from adaptive.index.anchors import AnchorIndex, IndexFileError, Route, kmeans_anchors, vote
+from adaptive.index.embedding import embed_prompt, pooled_to_numpy
+
+__all__ = ["AnchorIndex", "IndexFileError", "Route", "embed_prompt", "kmeans_anchors", "pooled_to_numpy", "vote"]

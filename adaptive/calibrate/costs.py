@@ -1,0 +1,125 @@
+"""The per-sublayer cost model, measured on this machine, in units of one full-model token step.
+
+Every decoder layer of a model has the same shape, so one attention sublayer costs the same as
+any other (and likewise MLPs); what differs between machines and dtypes is the split between
+attention, MLP and the fixed rest (embeddings, final norm, LM head, framework overhead), which
+every draft token pays whatever is skipped. :func:`measure_costs` times one-token forwards with
+all attention, all MLP, or nothing skipped, and multi-token verification forwards, at a given
+context length.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Relative costs. ``attn``/``mlp``: per sublayer (``[n_layers]`` each); ``base``: the rest.
+
+    ``verify``: ``verify[n-1]`` is the cost of a full forward over ``n`` tokens (``verify[0] == 1``).
+    ``step_ms``: the measured time of one full one-token step, for reference.
+    """
+
+    attn: tuple[float, ...]
+    mlp: tuple[float, ...]
+    base: float
+    verify: tuple[float, ...]
+    step_ms: float = 0.0
+    context: int = 0
+
+    def __post_init__(self):
+        if len(self.attn) != len(self.mlp) or not self.attn:
+            raise ValueError("attn and mlp costs need one value per layer")
+        if not self.verify or any(v <= 0 for v in self.verify):
+            raise ValueError("verify costs must be positive, one per token count from 1")
+        if self.base < 0 or any(c < 0 for c in self.attn + self.mlp):
+            raise ValueError("costs must be non-negative")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.attn)
+
+    def draft_cost(self, skip_masks) -> float:
+        """Cost of one draft token with ``skip_masks`` (``SkipSet.masks``), relative to a full step.
+
+        Example: 2 layers, attn ``(0.3, 0.3)``, mlp ``(0.15, 0.15)``, base ``0.1``; skipping
+        attention 0 costs ``0.1 + 0.3 + 0.15 + 0.15 = 0.7``.
+        """
+        sa, sm = skip_masks
+        return self.base + sum(c for c, s in zip(self.attn, sa) if not s) + sum(c for c, s in zip(self.mlp, sm) if not s)
+
+    def verify_cost(self, k: int) -> float:
+        """Cost of verifying ``k`` drafted tokens (a forward over ``k + 1`` tokens)."""
+        n = k + 1
+        if n <= len(self.verify):
+            return self.verify[n - 1]
+        # beyond the measured range: extrapolate linearly from the last two points
+        if len(self.verify) == 1:
+            return self.verify[0] * n
+        slope = max(self.verify[-1] - self.verify[-2], 0.0)
+        return self.verify[-1] + slope * (n - len(self.verify))
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(attn=tuple(map(float, d["attn"])), mlp=tuple(map(float, d["mlp"])), base=float(d["base"]),
+                   verify=tuple(map(float, d["verify"])), step_ms=float(d.get("step_ms", 0.0)),
+                   context=int(d.get("context", 0)))
+
+    @classmethod
+    def uniform(cls, n_layers: int, attn_share: float = 0.48, mlp_share: float = 0.32,
+                verify: tuple[float, ...] = (1.0,)) -> "CostModel":
+        """A model from shares of a step (defaults: the bf16 split measured on the 2-core CPU)."""
+        base = 1.0 - attn_share - mlp_share
+        return cls((attn_share / n_layers,) * n_layers, (mlp_share / n_layers,) * n_layers, base, verify)
+
+
+def _time(fn, repeats: int, sync) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_costs(backbone, context: int = 128, max_verify: int = 9, repeats: int = 15) -> CostModel:
+    """Time the forwards the cost model needs at ``context`` cached positions (median of ``repeats``)."""
+    L = backbone.n_layers
+    dev = backbone.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    context = max(1, min(context, backbone.max_positions - max_verify - 1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, backbone.vocab_size, (context + max_verify,), generator=gen).to(dev)
+    cache = backbone.new_cache(context + max_verify)
+    backbone.forward(ids[:context], cache, 0, logits="none")
+    none = (False,) * L
+    every = (True,) * L
+    one = ids[context:context + 1]
+
+    def step(masks):
+        return lambda: backbone.forward(one, cache, context, skip_masks=masks, logits="last")
+
+    for _ in range(3):  # warm-up
+        step(None)()
+    full = _time(step(None), repeats, sync)
+    no_attn = _time(step((every, none)), repeats, sync)
+    no_mlp = _time(step((none, every)), repeats, sync)
+    verify = [1.0]
+    for n in range(2, max_verify + 1):
+        t = _time(lambda: backbone.forward(ids[context:context + n], cache, context, logits="all"), max(5, repeats // 3), sync)
+        verify.append(max(t / full, verify[-1]))  # a longer forward never counts as cheaper
+    c_attn = max(full - no_attn, 0.0) / full / L
+    c_mlp = max(full - no_mlp, 0.0) / full / L
+    base = max(1.0 - L * (c_attn + c_mlp), 0.02)
+    return CostModel((c_attn,) * L, (c_mlp,) * L, base, tuple(verify), step_ms=full * 1e3, context=context)

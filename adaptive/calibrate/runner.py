@@ -1,0 +1,569 @@
+"""``calibrate()``: prompts per domain in, a profile directory out.
+
+Phases, each checkpointed in ``OUT.work/`` so that ``resume=True`` after a kill redoes nothing
+that finished:
+
+1. cost model: time the forwards of this machine (``costs.json``);
+2. per domain, in parallel: encode the prompts, generate the full model's greedy continuation of
+   each (its prefill yields the prompt embedding, exactly as at run time) and measure sublayer
+   influence (``prep-*.pt``);
+3. FAISS k-means anchors per domain, one index over all;
+4. per domain and once over all domains (the global set), in parallel: the Bayesian search (one
+   line of ``trials-*.jsonl`` per trial, fsynced), then timed self-speculative decoding of the
+   best candidates against plain decoding (``confirm-*.json``, one record per candidate);
+5. the profile, written atomically; the work directory is then removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from adaptive.calibrate.costs import CostModel, measure_costs
+from adaptive.calibrate.search import SPACES, Estimate, MatchnessScorer, estimate, make_space, run_search, top_candidates
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import AdaptiveError, ConfigError
+from adaptive.profile import DomainProfile, Profile, save_profile
+
+BACKENDS = ("loky", "threading", "dask", "ray")
+MIN_PROMPTS = 3
+GLOBAL = "__global__"
+
+
+class CalibrationError(AdaptiveError):
+    """A calibration cannot start or resume (locked output, mismatched checkpoint, bad domains)."""
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Everything that decides a calibration's result. Validated on construction."""
+
+    prompts_per_domain: int = 16
+    anchors_per_domain: int = 10
+    trials: int = 30
+    init_trials: int = 6
+    space: str = "ranked"
+    continuation_tokens: int = 32
+    confirm_candidates: int = 3
+    confirm_prompts: int = 3
+    confirm_tokens: int = 48
+    max_draft_len: int = 8
+    min_gain: float = 0.02
+    route_k: int = 5
+    cost_context: int = 128
+    chat: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        positive = ("prompts_per_domain", "anchors_per_domain", "trials", "continuation_tokens",
+                    "confirm_candidates", "confirm_prompts", "confirm_tokens", "max_draft_len", "route_k", "cost_context")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.prompts_per_domain < MIN_PROMPTS:
+            raise ConfigError(f"prompts-per-domain must be at least {MIN_PROMPTS}, got {self.prompts_per_domain}")
+        if not 0 <= self.init_trials <= self.trials:
+            raise ConfigError(f"init-trials must be between 0 and trials ({self.trials}), got {self.init_trials}")
+        if self.space not in SPACES:
+            raise ConfigError(f"space must be one of {', '.join(SPACES)}, got {self.space!r}")
+        if self.max_draft_len > 64:
+            raise ConfigError("max-draft-len must be at most 64")
+        if not 0 <= self.min_gain < 1:
+            raise ConfigError(f"min-gain must be in [0, 1), got {self.min_gain}")
+
+    @classmethod
+    def quick(cls, **overrides) -> "CalibrationSettings":
+        """The README preset: a few minutes on 2 CPU cores for the built-in domains."""
+        base = dict(prompts_per_domain=6, anchors_per_domain=6, trials=10, init_trials=4, continuation_tokens=24,
+                    confirm_candidates=2, confirm_prompts=2, confirm_tokens=40)
+        return cls(**{**base, **overrides})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- model sharing in workers --------------------------------------------------------------------
+
+_MODELS: dict = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def _model_key(spec, device, dtype) -> tuple:
+    return (str(spec), str(device), str(dtype))
+
+
+def _get_model(spec, device, dtype):
+    """Load a model once per process (workers of a pool reuse it across tasks)."""
+    from adaptive.models import load_model
+
+    key = _model_key(spec, device, dtype)
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = load_model(spec, device=device, dtype=dtype)
+        return _MODELS[key]
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+# -- checkpoint files ------------------------------------------------------------------------------
+
+def slug(name: str) -> str:
+    """A file-name-safe, collision-free form of a domain name: ``"a b"`` -> ``"a_b-<8 hex>"``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def _read_trials(path: Path) -> list[dict]:
+    """Complete trial records of a checkpoint; a torn last line (killed mid-write) is dropped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(rec, dict) or rec.get("trial") != len(out):
+            break
+        out.append(rec)
+    _atomic_write(path, "".join(json.dumps(r) + "\n" for r in out).encode())
+    return out
+
+
+def _append_line(path: Path, rec: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class WorkDir:
+    """``OUT.work/``: checkpoints of one calibration, guarded by a lock file."""
+
+    def __init__(self, out: Path):
+        self.path = Path(str(out) + ".work")
+
+    def file(self, kind: str, name: str | None = None, ext: str = "json") -> Path:
+        return self.path / (f"{kind}-{slug(name)}.{ext}" if name is not None else f"{kind}.{ext}")
+
+    def acquire(self) -> None:
+        """Take the lock, or raise if a live calibration holds it (a dead holder's lock is taken over)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = self.path / "lock"
+        me = f"{socket.gethostname()} {os.getpid()}"
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    host, pid = lock.read_text().split()
+                    alive = host != socket.gethostname() or _pid_alive(int(pid))
+                except (OSError, ValueError):
+                    alive = False
+                if alive:
+                    raise CalibrationError(
+                        f"another calibration ({lock.read_text().strip()}) is writing {self.path}; wait for it or choose another --out")
+                lock.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            return
+        raise CalibrationError(f"could not lock {lock}")
+
+    def release(self) -> None:
+        (self.path / "lock").unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- worker tasks ----------------------------------------------------------------------------------
+
+@dataclass
+class _Common:
+    spec: str
+    device: str
+    dtype: str
+    settings: dict
+    work: str
+    threads: int | None = None
+    progress: bool = True
+
+
+def prepare_domain(common: _Common, name: str, prompts: list[str]) -> dict:
+    """Encode, embed, continue greedily and measure influence for one domain (checkpointed)."""
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+    from adaptive.engine.loop import Plan, decode
+    from adaptive.index.embedding import pooled_to_numpy
+
+    path = WorkDir(Path(common.work[: -len(".work")])).file("prep", name, "pt")
+    if path.exists():
+        try:
+            return torch.load(path, weights_only=False)
+        except Exception:  # a torn checkpoint is redone
+            path.unlink(missing_ok=True)
+    _set_threads(common.threads)
+    s = CalibrationSettings(**common.settings)
+    lm = _get_model(common.spec, common.device, common.dtype)
+    engine = Engine(lm)
+    bb = lm.backbone
+    cfg = GenerationConfig(max_new_tokens=s.continuation_tokens)
+    ids, embs, seqs = [], [], []
+    influence = torch.zeros(2, bb.n_layers)
+    for prompt in _bar(prompts, f"prepare {name}", common.progress):
+        p = engine.encode(prompt, chat=s.chat)
+        pooled = {}
+
+        def grab(vec, _store=pooled):
+            _store["v"] = vec
+            return Plan()
+
+        cont: list[int] = []
+        for new in decode(bb, p, cfg, plan=grab):
+            cont.extend(new)
+            if any(t in engine.eos for t in new):
+                break
+        for j, t in enumerate(cont):  # keep through the first EOS
+            if t in engine.eos:
+                cont = cont[: j + 1]
+                break
+        tail = (p + cont)[-(len(cont) + 64):]
+        influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))
+        ids.append(p)
+        embs.append(pooled_to_numpy(pooled["v"]))
+        seqs.append((p, cont))
+    out = {"name": name, "ids": ids, "embeddings": np.stack(embs), "sequences": seqs,
+           "influence": influence / len(prompts)}
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
+def _bar(it, desc, on):
+    if not on:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, leave=False, file=None)
+
+
+def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], tokens: int,
+                       done: list[dict] | None = None, on_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """Timed plain vs self-speculative decoding of each candidate on the same prompts.
+
+    Plain decoding runs right before each candidate on every prompt, so drift hits both alike.
+    Speedup = (candidate tokens/s) / (plain tokens/s), each over all prompts. Candidates already
+    in ``done`` are not measured again.
+    """
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+
+    engine = Engine(lm)
+    out = list(done or [])
+    engine.generate(prompt_ids[0], GenerationConfig(max_new_tokens=4))  # warm-up
+    for cand in candidates[len(out):]:
+        skip = SkipSet.from_text(cand["skip"], lm.n_layers)
+        cfg = GenerationConfig(max_new_tokens=tokens, draft_len=int(cand["draft_len"]))
+        t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = 0
+        for p in prompt_ids:
+            a = engine.generate(p, cfg, method="ar")
+            b = engine.generate(p, cfg, method="ssd", skip=skip)
+            t_ar += a.stats.total_time
+            n_ar += a.stats.tokens
+            t_sd += b.stats.total_time
+            n_sd += b.stats.tokens
+            drafted += b.stats.drafted
+            accepted += b.stats.accepted
+            steps += b.stats.steps
+            same += a.token_ids == b.token_ids
+        rec = {**{k: cand[k] for k in ("skip", "draft_len", "matchness", "draft_cost", "target")},
+               "measured_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+               "measured_mean_accepted": round((accepted + steps) / steps, 4) if steps else 0.0,
+               "ar_tokens_per_s": round(n_ar / t_ar, 3), "ssd_tokens_per_s": round(n_sd / t_sd, 3),
+               "measured_speedup": round((n_sd / t_sd) / (n_ar / t_ar), 4), "identical_outputs": int(same),
+               "prompts": len(prompt_ids)}
+        out.append(rec)
+        if on_done is not None:
+            on_done(rec)
+    return out
+
+
+def search_domain(common: _Common, name: str, sequences: list, influence, costs: dict,
+                  confirm_ids: list[list[int]], meta: dict) -> dict:
+    """Bayesian search then timed confirmation for one domain (or the global set)."""
+    _set_threads(common.threads)
+    s = CalibrationSettings(**common.settings)
+    work = WorkDir(Path(common.work[: -len(".work")]))
+    lm = _get_model(common.spec, common.device, common.dtype)
+    bb = lm.backbone
+    cost_model = CostModel.from_dict(costs)
+    space = make_space(s.space, bb.n_layers, influence)
+    tpath = work.file("trials", name, "jsonl")
+    history = _read_trials(tpath)
+    scorer = None
+
+    def score(skip: SkipSet) -> Estimate:
+        nonlocal scorer
+        if scorer is None:
+            scorer = MatchnessScorer(bb, sequences)
+        return estimate(skip, scorer, cost_model, s.max_draft_len)
+
+    bar = None
+    if common.progress and len(history) < s.trials:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=s.trials, initial=len(history), desc=f"search {name}", leave=False)
+
+    def on_trial(rec):
+        _append_line(tpath, rec)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(best=f"{max(h['target'] for h in history + [rec]):.3f}")
+
+    history = run_search(space, score, s.trials, seed=s.seed * 1_000_003 + int(hashlib.sha1(name.encode()).hexdigest()[:6], 16),
+                         n_init=s.init_trials, history=history, on_trial=on_trial)
+    if bar is not None:
+        bar.close()
+    cands = top_candidates(history, s.confirm_candidates)
+    cpath = work.file("confirm", name)
+    done = json.loads(cpath.read_text()) if cpath.exists() else []
+    done = [d for d, c in zip(done, cands) if d.get("skip") == c["skip"]]
+
+    def on_done(rec, _acc=done):
+        _acc = _acc + [rec]
+        _write_json(cpath, _acc)
+
+    measured: list[dict] = []
+
+    def on_done_acc(rec):
+        measured.append(rec)
+        _write_json(cpath, done + measured)
+
+    results = measure_candidates(lm, confirm_ids, cands, s.confirm_tokens, done=done, on_done=on_done_acc)
+    best = max(results, key=lambda r: r["measured_speedup"])
+    pays = best["measured_speedup"] >= 1.0 + s.min_gain
+    return {"name": name, "skip": best["skip"], "draft_len": best["draft_len"], "pays": pays,
+            "estimated_matchness": best["matchness"], "estimated_draft_cost": best["draft_cost"],
+            "estimated_speedup": best["target"], "measured_acceptance": best["measured_acceptance"],
+            "measured_speedup": best["measured_speedup"], "measured_mean_accepted": best["measured_mean_accepted"],
+            "trials": len(history), "candidates": results, **meta}
+
+
+# -- parallel execution ------------------------------------------------------------------------------
+
+def _run_parallel(fn, arg_list: list[tuple], jobs: int, backend: str, scheduler: str | None) -> list:
+    """Run ``fn(*args)`` for each args tuple with joblib's ``backend``; in-process when ``jobs == 1``."""
+    if jobs == 1 and backend in ("loky", "threading"):
+        return [fn(*args) for args in arg_list]
+    from joblib import Parallel, delayed, parallel_config
+
+    if backend in ("loky", "threading"):
+        with parallel_config(backend=backend, n_jobs=jobs):
+            return Parallel()(delayed(fn)(*args) for args in arg_list)
+    if backend == "dask":
+        try:
+            from dask.distributed import Client, LocalCluster
+        except ImportError:
+            raise ConfigError("--backend dask needs dask[distributed]: pip install 'adaptive[dask]'") from None
+        cluster = None
+        if scheduler:
+            try:
+                client = Client(scheduler, timeout="20s")
+            except (OSError, TimeoutError) as exc:
+                raise ConfigError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
+        else:
+            cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True, dashboard_address=None)
+            client = Client(cluster)
+        try:
+            with parallel_config(backend="dask", n_jobs=jobs):
+                return Parallel()(delayed(fn)(*args) for args in arg_list)
+        finally:
+            client.close()
+            if cluster is not None:
+                cluster.close()
+    if backend == "ray":
+        try:
+            import ray
+            from ray.util.joblib import register_ray
+        except ImportError:
+            raise ConfigError("--backend ray needs ray: pip install 'adaptive[ray]'") from None
+        if not ray.is_initialized():
+            ray.init(address=scheduler) if scheduler else ray.init()
+        register_ray()
+        with parallel_config(backend="ray", n_jobs=jobs):
+            return Parallel()(delayed(fn)(*args) for args in arg_list)
+    raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+# -- the whole calibration -------------------------------------------------------------------------
+
+def _domains_digest(domains: dict[str, list[str]]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(domains):
+        h.update(name.encode() + b"\0")
+        for p in domains[name]:
+            h.update(p.encode() + b"\1")
+    return h.hexdigest()[:16]
+
+
+def check_domains(domains: dict[str, list[str]], settings: CalibrationSettings) -> dict[str, list[str]]:
+    """The prompts actually used: the first ``prompts_per_domain`` of each domain (in file order)."""
+    if not domains:
+        raise ConfigError("no domains to calibrate")
+    if GLOBAL in domains:
+        raise ConfigError(f"{GLOBAL!r} is reserved for the global skip set; rename that domain")
+    out = {}
+    for name, prompts in domains.items():
+        prompts = [p for p in prompts if isinstance(p, str) and p.strip()]
+        if len(prompts) < MIN_PROMPTS:
+            raise ConfigError(f"domain {name!r} has {len(prompts)} prompt(s); calibration needs at least {MIN_PROMPTS}")
+        out[name] = prompts[: settings.prompts_per_domain]
+    return out
+
+
+def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
+              settings: CalibrationSettings | None = None, *, jobs: int = 1, backend: str = "loky",
+              scheduler: str | None = None, resume: bool = False, device: str = "auto", dtype: str = "auto",
+              progress: bool = True, log: Callable[[str], None] = lambda msg: None,
+              cost_model: CostModel | None = None) -> Profile:
+    """Calibrate ``model_spec`` on ``domains`` (``{name: [prompt, ...]}``) and write the profile to ``out``.
+
+    ``cost_model`` replaces the timed measurement (e.g. another profile's, for a reproducible search:
+    with it and the same seed, the search is deterministic; the final choice among the
+    ``confirm_candidates`` best is by timed decoding, hence noisy unless that is 1).
+    """
+    from adaptive import __version__
+    from adaptive.index.anchors import AnchorIndex
+    from adaptive.models import resolve_device, resolve_dtype
+
+    settings = settings or CalibrationSettings()
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be a positive integer, got {jobs!r}")
+    if scheduler and backend not in ("dask", "ray"):
+        raise ConfigError("--scheduler is for --backend dask or ray")
+    domains = check_domains(domains, settings)
+    if jobs > len(domains) + 1:
+        raise ConfigError(f"{jobs} jobs for {len(domains) + 1} tasks ({len(domains)} domains and the global set): use at most {len(domains) + 1}")
+    out = Path(out)
+    if out.exists() and (out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists())):
+        raise ConfigError(f"{out}: exists and is not a profile; choose another --out or remove it")
+    started = time.perf_counter()
+    lm = _get_model(model_spec, device, dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    # the worker key must match what _get_model(model_spec, device, dtype) registered
+    fingerprint = {**lm.fingerprint(), "spec": model_spec, "dtype": str(dt).replace("torch.", "")}
+    work = WorkDir(out)
+    state = {"settings": settings.to_dict(), "model": fingerprint, "domains": _domains_digest(domains),
+             "costs": cost_model.to_dict() if cost_model is not None else "measured"}
+    state_path = work.path / "state.json"
+    if work.path.exists() and state_path.exists() and not resume:
+        raise CalibrationError(f"an interrupted calibration left {work.path}: pass --resume to continue it, or delete it to start over")
+    work.acquire()
+    try:
+        if state_path.exists():
+            old = json.loads(state_path.read_text())
+            if old != state:
+                diff = [k for k in state if old.get(k) != state[k]]
+                raise CalibrationError(f"--resume: the checkpoint in {work.path} was made with different {', '.join(diff)}; "
+                                       "rerun with the same model, domains and settings, or delete it")
+            log(f"resuming from {work.path}")
+        else:
+            _write_json(state_path, state)
+        cost_path = work.file("costs")
+        if cost_model is not None:
+            costs = cost_model
+        elif cost_path.exists():
+            costs = CostModel.from_dict(json.loads(cost_path.read_text()))
+        else:
+            log("measuring the cost model ...")
+            costs = measure_costs(lm.backbone, context=settings.cost_context)
+            _write_json(cost_path, costs.to_dict())
+        threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+        common = _Common(model_spec, device, dtype, settings.to_dict(), str(work.path), threads, progress)
+        names = sorted(domains)
+        log(f"preparing {len(names)} domains ...")
+        preps = _run_parallel(prepare_domain, [(common, n, domains[n]) for n in names], jobs, backend, scheduler)
+        prep = {p["name"]: p for p in preps}
+        index = AnchorIndex.build({n: prep[n]["embeddings"] for n in names}, per_domain=settings.anchors_per_domain,
+                                  seed=settings.seed, k=settings.route_k)
+        n_anchors = {n: index.labels.count(n) for n in names}
+        tasks = []
+        for n in names:
+            p = prep[n]
+            tasks.append((common, n, p["sequences"], p["influence"], costs.to_dict(),
+                          p["ids"][: settings.confirm_prompts], {"prompts": len(p["ids"]), "anchors": n_anchors[n]}))
+        # the global set: sequences taken round-robin over domains, as many as one domain has
+        pool = [p["sequences"][i] for i in range(settings.prompts_per_domain) for n in names
+                for p in [prep[n]] if i < len(p["sequences"])][: settings.prompts_per_domain]
+        confirm = [prep[n]["ids"][0] for n in names][: max(settings.confirm_prompts, 1)]
+        influence = sum(prep[n]["influence"] for n in names) / len(names)
+        tasks.append((common, GLOBAL, pool, influence, costs.to_dict(), confirm,
+                      {"prompts": sum(len(prep[n]["ids"]) for n in names), "anchors": len(index.labels)}))
+        log(f"searching skip sets ({settings.trials} trials each) ...")
+        results = _run_parallel(search_domain, tasks, jobs, backend, scheduler)
+        by_name = {r["name"]: r for r in results}
+        dprof = {n: _domain_profile(by_name[n]) for n in names}
+        glob = _domain_profile({**by_name[GLOBAL], "name": "global"})
+        profile = Profile(model=fingerprint, settings={**settings.to_dict(), "jobs": jobs, "backend": backend,
+                                                       "seconds": round(time.perf_counter() - started, 1)},
+                          cost_model=costs, domains=dprof, global_set=glob, index=index,
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), version=__version__)
+        save_profile(profile, out)
+    except BaseException:
+        work.release()
+        raise
+    work.remove()
+    return profile
+
+
+def _domain_profile(r: dict) -> DomainProfile:
+    return DomainProfile(
+        name=r["name"], skip=SkipSet.from_text(r["skip"]) if r["skip"] else SkipSet((), ()), draft_len=int(r["draft_len"]),
+        pays=bool(r["pays"]), prompts=int(r["prompts"]), anchors=int(r["anchors"]),
+        estimated_matchness=float(r["estimated_matchness"]), estimated_draft_cost=float(r["estimated_draft_cost"]),
+        estimated_speedup=float(r["estimated_speedup"]), measured_acceptance=r["measured_acceptance"],
+        measured_speedup=r["measured_speedup"], measured_mean_accepted=r["measured_mean_accepted"],
+        trials=int(r["trials"]), candidates=tuple(r["candidates"]))

@@ -1,0 +1,204 @@
+"""The skip-set search: a Bayesian optimisation (``bayesian-optimization``) of the expected speedup.
+
+Two parameterisations of a skip set:
+
+* ``sublayer`` (Self-SD's): one variable in ``[0, 1]`` per attention and per MLP sublayer, the
+  sublayer being skipped where its variable exceeds 0.5 (``2 * n_layers`` dimensions);
+* ``ranked`` (ours, the default): sublayers are ordered by their measured influence on the residual
+  stream over the domain's own text (:meth:`Backbone.sublayer_influence`, least influential
+  first) and the search is over two integers, how many attention and how many MLP sublayers to
+  skip from the front of those orders. Two dimensions are what a Bayesian optimiser can model
+  with the few dozen trials a CPU affords; docs/results.md compares both at equal trials.
+
+Each trial scores a candidate by teacher-forced matchness (one forward per calibration
+sequence) turned into an expected speedup with the measured cost model. Trials are a pure
+function of the seed, the trial number and the history, so a resumed search proposes exactly
+what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from adaptive.calibrate.costs import CostModel
+from adaptive.calibrate.objective import expected_tokens_per_step
+from adaptive.engine.skip import SkipSet
+
+SPACES = ("ranked", "sublayer")
+
+
+class RankedSpace:
+    """Skip the ``n_attn`` / ``n_mlp`` least influential sublayers (``influence``: ``[2, n_layers]``)."""
+
+    name = "ranked"
+
+    def __init__(self, influence: torch.Tensor | np.ndarray):
+        inf = np.asarray(influence, dtype=np.float64)
+        if inf.ndim != 2 or inf.shape[0] != 2:
+            raise ValueError("influence must be [2, n_layers]")
+        self.n_layers = inf.shape[1]
+        # stable sort: equal influence keeps layer order, so the space is deterministic
+        self.attn_order = [int(i) for i in np.argsort(inf[0], kind="stable")]
+        self.mlp_order = [int(i) for i in np.argsort(inf[1], kind="stable")]
+        self.pbounds = {"n_attn": (0, self.n_layers, int), "n_mlp": (0, self.n_layers, int)}
+
+    def decode(self, params: dict) -> SkipSet:
+        na = int(round(float(params["n_attn"])))
+        nm = int(round(float(params["n_mlp"])))
+        return SkipSet(attn=self.attn_order[:na], mlp=self.mlp_order[:nm], n_layers=self.n_layers)
+
+
+class SublayerSpace:
+    """One ``[0, 1]`` variable per sublayer; skipped where above 0.5 (Self-SD)."""
+
+    name = "sublayer"
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.pbounds = {**{f"a{i}": (0.0, 1.0) for i in range(n_layers)}, **{f"m{i}": (0.0, 1.0) for i in range(n_layers)}}
+
+    def decode(self, params: dict) -> SkipSet:
+        L = self.n_layers
+        return SkipSet(attn=[i for i in range(L) if float(params[f"a{i}"]) > 0.5],
+                       mlp=[i for i in range(L) if float(params[f"m{i}"]) > 0.5], n_layers=L)
+
+
+def make_space(name: str, n_layers: int, influence=None):
+    if name == "ranked":
+        if influence is None:
+            raise ValueError("the ranked space needs sublayer influence")
+        return RankedSpace(influence)
+    if name == "sublayer":
+        return SublayerSpace(n_layers)
+    raise ValueError(f"unknown search space {name!r}; choose one of {', '.join(SPACES)}")
+
+
+class MatchnessScorer:
+    """Teacher-forced matchness of skip sets on fixed ``(prompt_ids, continuation_ids)`` sequences.
+
+    The prompt's keys are computed once by the full model (as at run time, where the prefill and
+    every verification write full-model keys); each candidate then runs only the continuation,
+    ``[prompt[-1]] + continuation[:-1]``, with its sublayers skipped, in one forward per sequence,
+    and scores the positions where its argmax equals the continuation's next token.
+    """
+
+    def __init__(self, backbone, sequences: list[tuple[list[int], list[int]]]):
+        self.backbone = backbone
+        self.items = []
+        for prompt, cont in sequences:
+            if not prompt or not cont:
+                continue
+            P, C = len(prompt), len(cont)
+            cache = backbone.new_cache(P - 1 + C)
+            if P > 1:
+                backbone.forward(torch.tensor(prompt[:-1], device=backbone.device), cache, 0, logits="none")
+            feed = torch.tensor([prompt[-1]] + list(cont[:-1]), device=backbone.device)
+            self.items.append((cache, P - 1, feed, torch.tensor(cont, device=backbone.device)))
+        if not self.items:
+            raise ValueError("no sequences with a continuation to score")
+        self.total = sum(len(t) for *_, t in self.items)
+
+    @torch.inference_mode()
+    def __call__(self, skip_masks) -> float:
+        hits = 0
+        for cache, start, feed, target in self.items:
+            logits = self.backbone.forward(feed, cache, start, skip_masks=skip_masks, logits="all").logits
+            hits += int((logits.argmax(-1) == target).sum())
+        return hits / self.total
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's score: matchness ``a``, draft cost, best draft length and expected speedup."""
+
+    matchness: float
+    draft_cost: float
+    draft_len: int
+    speedup: float
+
+
+def estimate(skip: SkipSet, scorer: Callable, costs: CostModel, max_draft_len: int = 8) -> Estimate:
+    """Score ``skip``: matchness from ``scorer(masks)``, speedup from the cost model at the best k."""
+    masks = skip.masks(costs.n_layers)
+    a = float(scorer(masks)) if skip.size else 1.0
+    c = costs.draft_cost(masks)
+    best_k, best = 1, -1.0
+    for k in range(1, max_draft_len + 1):
+        s = expected_tokens_per_step(min(a, 1.0), k) / (k * c + costs.verify_cost(k))
+        if s > best:
+            best_k, best = k, s
+    return Estimate(a, c, best_k, best)
+
+
+def _random_params(pbounds: dict, rng: np.random.RandomState) -> dict:
+    out = {}
+    for name, b in pbounds.items():
+        lo, hi = b[0], b[1]
+        out[name] = int(rng.randint(lo, hi + 1)) if len(b) > 2 and b[2] is int else float(rng.uniform(lo, hi))
+    return out
+
+
+def suggest(space, history: list[dict], trial: int, seed: int, n_init: int) -> dict:
+    """Parameters for trial ``trial`` given the scored ``history`` (``[{"params", "target"}]``).
+
+    The first ``n_init`` trials are uniform random; later ones maximise the acquisition of a
+    Gaussian process fitted to the history. Deterministic in ``(seed, trial, history)``.
+    """
+    rng = np.random.RandomState((seed * 7919 + trial) % (2**32))
+    if trial < n_init or len(history) < 2:
+        return _random_params(space.pbounds, rng)
+    from bayes_opt import BayesianOptimization
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # integer parameters are flagged "experimental"; tested here
+        opt = BayesianOptimization(f=None, pbounds=space.pbounds, random_state=rng, verbose=0,
+                                   allow_duplicate_points=True)
+        for h in history:
+            opt.register(params=h["params"], target=h["target"])
+        params = opt.suggest()
+    return {k: (int(round(float(v))) if len(space.pbounds[k]) > 2 else float(v)) for k, v in params.items()}
+
+
+def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: int = 0, n_init: int = 5,
+               history: list[dict] | None = None, on_trial: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run trials ``len(history) .. trials-1``; returns the full history (one dict per trial).
+
+    ``on_trial`` receives each new record right after it is scored (the checkpoint hook). A skip set
+    already scored is not scored again: its earlier estimate is reused.
+    """
+    history = list(history or [])
+    seen = {h["skip"]: h for h in history}
+    for t in range(len(history), trials):
+        params = suggest(space, history, t, seed, n_init)
+        skip = space.decode(params)
+        key = skip.to_text()
+        t0 = time.perf_counter()
+        if key in seen:
+            est = Estimate(seen[key]["matchness"], seen[key]["draft_cost"], seen[key]["draft_len"], seen[key]["target"])
+        else:
+            est = score(skip)
+        rec = {"trial": t, "params": params, "skip": key, "n_attn": len(skip.attn), "n_mlp": len(skip.mlp),
+               "matchness": round(est.matchness, 6), "draft_cost": round(est.draft_cost, 6),
+               "draft_len": est.draft_len, "target": round(est.speedup, 6),
+               "seconds": round(time.perf_counter() - t0, 3)}
+        history.append(rec)
+        seen.setdefault(key, rec)
+        if on_trial is not None:
+            on_trial(rec)
+    return history
+
+
+def top_candidates(history: list[dict], n: int) -> list[dict]:
+    """The ``n`` best distinct skip sets of a history by expected speedup (ties: fewer skipped first)."""
+    best: dict[str, dict] = {}
+    for h in history:
+        if h["skip"] not in best or h["target"] > best[h["skip"]]["target"]:
+            best[h["skip"]] = h
+    ranked = sorted(best.values(), key=lambda h: (-h["target"], h["n_attn"] + h["n_mlp"], h["trial"]))
+    return ranked[:n]

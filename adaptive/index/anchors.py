@@ -1,0 +1,208 @@
+"""Domain anchors: FAISS k-means centroids of prompt embeddings, searched to route a request.
+
+Routing policy (KNN-SSD's, made explicit):
+
+1. the request's pooled embedding is L2-normalised (:meth:`AnchorIndex.transform`; optionally
+   centred on the calibration mean first), as the anchors were;
+2. the ``k`` nearest anchors are found (exact L2 search, ``faiss.IndexFlatL2``);
+3. each neighbour votes for its domain with weight ``1 / (distance + eps)`` (:func:`vote`);
+4. if even the nearest anchor is farther than ``ood_threshold`` (learnt at calibration: a margin
+   over the leave-one-out distances of the calibration prompts to their nearest anchor), the
+   request is out-of-domain and the runtime uses the global skip set.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from adaptive.errors import AdaptiveError
+
+EPS = 1e-6
+
+
+class IndexFileError(AdaptiveError, ValueError):
+    """An anchor index on disk is missing, truncated, corrupt or inconsistent."""
+
+
+def vote(labels: list[str], distances: list[float], eps: float = EPS) -> tuple[str, dict[str, float]]:
+    """Distance-weighted vote: each neighbour adds ``1 / (d + eps)`` to its label's score.
+
+    Returns the winning label and the normalised scores. Ties go to the label of the nearer
+    neighbour (labels are visited nearest first).
+
+    Example: labels ``["math", "code", "code"]`` at distances ``[0.1, 0.3, 0.3]`` score
+    math ``10``, code ``3.33 + 3.33 = 6.67``: ``math`` wins with share 0.6.
+    """
+    if not labels or len(labels) != len(distances):
+        raise ValueError("need as many labels as distances, at least one")
+    scores: dict[str, float] = defaultdict(float)
+    for lab, d in zip(labels, distances):
+        scores[lab] += 1.0 / (max(float(d), 0.0) + eps)
+    best = max(scores, key=lambda lab: (scores[lab], -labels.index(lab)))
+    total = sum(scores.values())
+    return best, {lab: s / total for lab, s in scores.items()}
+
+
+def kmeans_anchors(vectors: np.ndarray, k: int, seed: int = 0, niter: int = 25) -> np.ndarray:
+    """``[n, d]`` unit vectors -> ``[min(k, n), d]`` unit-length centroids (``faiss.Kmeans``).
+
+    With ``k >= n`` every vector is its own anchor (k-means would only reproduce them).
+    """
+    import faiss
+
+    n = vectors.shape[0]
+    if n == 0:
+        raise ValueError("no vectors to cluster")
+    k = min(k, n)
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    if k == n:
+        cent = x.copy()
+    else:
+        km = faiss.Kmeans(x.shape[1], k, niter=niter, seed=int(seed) + 1, verbose=False, min_points_per_centroid=1)
+        km.train(x)
+        cent = km.centroids.copy()
+    return _unit(cent)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return (x / np.maximum(norm, 1e-12)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A routing decision: ``domain`` is ``None`` when the request is out-of-domain."""
+
+    domain: str | None
+    nearest_domain: str
+    neighbours: tuple[tuple[str, float], ...]  # (domain, distance), nearest first
+    scores: dict
+    out_of_domain: bool
+
+    def to_dict(self) -> dict:
+        return {"domain": self.domain, "nearest_domain": self.nearest_domain, "out_of_domain": self.out_of_domain,
+                "neighbours": [{"domain": d, "distance": round(x, 5)} for d, x in self.neighbours],
+                "scores": {k: round(v, 4) for k, v in self.scores.items()}}
+
+
+class AnchorIndex:
+    """Anchors ``[K, d]`` (unit length) with a domain label each, in a FAISS index."""
+
+    FILES = ("anchors.faiss", "anchors.json", "embedding_mean.npy")
+
+    def __init__(self, anchors: np.ndarray, labels: list[str], mean: np.ndarray, ood_threshold: float, k: int = 5):
+        import faiss
+
+        if anchors.ndim != 2 or anchors.shape[0] != len(labels) or anchors.shape[0] == 0:
+            raise ValueError("anchors must be [K, d] with one label per row, K >= 1")
+        if mean.shape != (anchors.shape[1],):
+            raise ValueError(f"mean has shape {mean.shape}, expected ({anchors.shape[1]},)")
+        self.anchors = np.ascontiguousarray(anchors, dtype=np.float32)
+        self.labels = list(labels)
+        self.mean = mean.astype(np.float32)
+        self.ood_threshold = float(ood_threshold)
+        self.k = int(k)
+        self.index = faiss.IndexFlatL2(self.anchors.shape[1])
+        self.index.add(self.anchors)
+
+    @property
+    def dim(self) -> int:
+        return self.anchors.shape[1]
+
+    @property
+    def domains(self) -> list[str]:
+        return sorted(set(self.labels))
+
+    def transform(self, vectors: np.ndarray) -> np.ndarray:
+        """Raw pooled embeddings ``[d]`` or ``[n, d]`` -> unit-length ``[n, d]`` (minus ``mean`` first)."""
+        x = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
+        if x.shape[1] != self.dim:
+            raise IndexFileError(f"embedding has dimension {x.shape[1]} but the index has {self.dim}")
+        return _unit(x - self.mean)
+
+    @classmethod
+    def build(cls, embeddings: dict[str, np.ndarray], per_domain: int = 10, seed: int = 0, k: int = 5,
+              ood_margin: float = 1.25, center: bool = False) -> "AnchorIndex":
+        """Cluster each domain's raw embeddings (``{domain: [n, d]}``) into at most ``per_domain`` anchors.
+
+        The out-of-domain threshold is ``ood_margin`` times the largest leave-one-out distance:
+        for each calibration prompt, its distance to the nearest anchor of its own domain
+        clustered *without* it (a prompt is always close to anchors fitted on itself).
+        ``center`` subtracts the calibration mean before normalising (measured slightly worse on
+        Spec-Bench with the embedded model, so off by default; see docs/profile.md).
+        """
+        if not embeddings:
+            raise ValueError("no domains to index")
+        dim = next(iter(embeddings.values())).shape[1]
+        mean = (np.concatenate(list(embeddings.values())).mean(axis=0) if center else np.zeros(dim)).astype(np.float32)
+        anchors, labels, worst = [], [], 0.0
+        for i, (name, raw) in enumerate(sorted(embeddings.items())):
+            x = _unit(np.asarray(raw, dtype=np.float32) - mean)
+            cent = kmeans_anchors(x, per_domain, seed=seed * 1009 + i)
+            anchors.append(cent)
+            labels += [name] * len(cent)
+            for j in range(len(x)) if len(x) > 1 else ():
+                rest = np.delete(x, j, axis=0)
+                c = kmeans_anchors(rest, min(per_domain, len(rest)), seed=seed * 1009 + i)
+                worst = max(worst, float(((c - x[j]) ** 2).sum(-1).min()))
+        return cls(np.concatenate(anchors), labels, mean, ood_threshold=max(worst * ood_margin, 1e-4), k=k)
+
+    def search(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Squared L2 distances and anchor indices, ``[n, k]`` each, nearest first."""
+        k = min(k or self.k, len(self.labels))
+        return self.index.search(self.transform(vectors), k)
+
+    def route(self, vector: np.ndarray, k: int | None = None) -> Route:
+        """Route one raw embedding ``[d]`` (see the module docstring for the policy)."""
+        dist, idx = self.search(vector, k)
+        labs = [self.labels[j] for j in idx[0]]
+        ds = [float(x) for x in dist[0]]
+        winner, scores = vote(labs, ds)
+        ood = ds[0] > self.ood_threshold
+        return Route(None if ood else winner, labs[0], tuple(zip(labs, ds)), scores, ood)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        import faiss
+
+        directory = Path(directory)
+        faiss.write_index(self.index, str(directory / "anchors.faiss"))
+        np.save(directory / "embedding_mean.npy", self.mean)
+        meta = {"labels": self.labels, "ood_threshold": self.ood_threshold, "k": self.k, "dim": self.dim}
+        (directory / "anchors.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+    @classmethod
+    def load(cls, directory: Path) -> "AnchorIndex":
+        """Load and check an index; every problem is an :class:`IndexFileError` naming the file."""
+        import faiss
+
+        directory = Path(directory)
+        for name in cls.FILES:
+            if not (directory / name).is_file():
+                raise IndexFileError(f"{directory / name}: missing from the profile")
+        try:
+            meta = json.loads((directory / "anchors.json").read_text(encoding="utf-8"))
+            labels, thr, k = list(meta["labels"]), float(meta["ood_threshold"]), int(meta["k"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IndexFileError(f"{directory / 'anchors.json'}: unreadable ({exc})") from None
+        try:
+            mean = np.load(directory / "embedding_mean.npy", allow_pickle=False)
+        except Exception as exc:  # numpy raises several types for a damaged file
+            raise IndexFileError(f"{directory / 'embedding_mean.npy'}: unreadable ({exc})") from None
+        try:
+            index = faiss.read_index(str(directory / "anchors.faiss"))
+            anchors = index.reconstruct_n(0, index.ntotal)
+        except Exception as exc:  # faiss raises RuntimeError with its C++ message
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise IndexFileError(f"{directory / 'anchors.faiss'}: not a readable FAISS index ({first})") from None
+        if index.ntotal != len(labels):
+            raise IndexFileError(f"{directory / 'anchors.faiss'}: {index.ntotal} anchors but {len(labels)} labels")
+        if mean.ndim != 1 or mean.shape[0] != index.d:
+            raise IndexFileError(f"{directory / 'embedding_mean.npy'}: dimension does not match the index ({index.d})")
+        return cls(np.asarray(anchors), labels, mean, thr, k)

@@ -1,0 +1,257 @@
+"""Calibration profiles: the directory the calibrator writes and the runtime loads.
+
+Layout (documented in docs/profile.md)::
+
+    PROFILE/
+      profile.json        schema version, model fingerprint, settings, cost model, domains, global set
+      anchors.faiss       FAISS IndexFlatL2 over the anchors (unit vectors after centring)
+      anchors.json        one domain label per anchor, k, out-of-domain threshold
+      embedding_mean.npy  the calibration mean the embeddings are centred on
+
+``profile.json`` records the SHA-256 of the other files, so a truncated or altered file is
+reported as such. A profile is written to a temporary sibling directory and renamed into place:
+readers see the old profile or the new one, never a mixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adaptive.calibrate.costs import CostModel
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import AdaptiveError, SkipSetError
+from adaptive.index.anchors import AnchorIndex, IndexFileError
+
+SCHEMA_VERSION = 1
+FORMAT = "adaptive-profile"
+
+
+class ProfileError(AdaptiveError, ValueError):
+    """A profile directory is missing, incomplete, corrupt, too new, or made for another model."""
+
+
+@dataclass(frozen=True)
+class DomainProfile:
+    """What calibration found for one domain (or the global set over all domains)."""
+
+    name: str
+    skip: SkipSet
+    draft_len: int
+    pays: bool
+    prompts: int = 0
+    anchors: int = 0
+    estimated_matchness: float = 0.0
+    estimated_draft_cost: float = 1.0
+    estimated_speedup: float = 0.0
+    measured_acceptance: float | None = None
+    measured_speedup: float | None = None
+    measured_mean_accepted: float | None = None
+    trials: int = 0
+    candidates: tuple = ()
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.draft_len < 1:
+            raise ValueError(f"draft_len must be >= 1, got {self.draft_len}")
+
+    @property
+    def decision(self) -> str:
+        """``"ssd"`` where layer-skip drafting measured faster than plain decoding, else ``"ar"``."""
+        return "ssd" if self.pays else "ar"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "skip": self.skip.to_dict(), "skip_text": self.skip.to_text(),
+                "draft_len": self.draft_len, "pays": self.pays, "decision": self.decision,
+                "prompts": self.prompts, "anchors": self.anchors,
+                "estimated_matchness": self.estimated_matchness, "estimated_draft_cost": self.estimated_draft_cost,
+                "estimated_speedup": self.estimated_speedup, "measured_acceptance": self.measured_acceptance,
+                "measured_speedup": self.measured_speedup, "measured_mean_accepted": self.measured_mean_accepted,
+                "trials": self.trials, "candidates": list(self.candidates), **({"extra": self.extra} if self.extra else {})}
+
+    @classmethod
+    def from_dict(cls, d: dict, n_layers: int) -> "DomainProfile":
+        return cls(name=str(d["name"]), skip=SkipSet.from_dict(d["skip"]).validate_for(n_layers),
+                   draft_len=int(d["draft_len"]), pays=bool(d["pays"]), prompts=int(d.get("prompts", 0)),
+                   anchors=int(d.get("anchors", 0)), estimated_matchness=float(d.get("estimated_matchness", 0.0)),
+                   estimated_draft_cost=float(d.get("estimated_draft_cost", 1.0)),
+                   estimated_speedup=float(d.get("estimated_speedup", 0.0)),
+                   measured_acceptance=d.get("measured_acceptance"), measured_speedup=d.get("measured_speedup"),
+                   measured_mean_accepted=d.get("measured_mean_accepted"), trials=int(d.get("trials", 0)),
+                   candidates=tuple(d.get("candidates", ())), extra=dict(d.get("extra", {})))
+
+
+@dataclass
+class Profile:
+    """A loaded (or freshly calibrated) profile."""
+
+    model: dict  # fingerprint: name, model_type, n_layers, config_hash, weights_hash (+ spec, dtype)
+    settings: dict
+    cost_model: CostModel
+    domains: dict[str, DomainProfile]
+    global_set: DomainProfile
+    index: AnchorIndex
+    created: str = ""
+    version: str = ""
+    path: Path | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.model["n_layers"])
+
+    def domain(self, name: str | None) -> DomainProfile:
+        """The domain's profile, or the global one for ``None`` (out-of-domain)."""
+        if name is None:
+            return self.global_set
+        try:
+            return self.domains[name]
+        except KeyError:
+            raise ProfileError(f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}") from None
+
+    def check_model(self, fingerprint: dict) -> None:
+        """Raise :class:`ProfileError` unless ``fingerprint`` (``LoadedModel.fingerprint()``) is this profile's model."""
+        for key in ("model_type", "n_layers", "config_hash", "weights_hash"):
+            if str(fingerprint.get(key)) != str(self.model.get(key)):
+                where = f" ({self.path})" if self.path else ""
+                raise ProfileError(
+                    f"the profile{where} was calibrated for {self.model.get('name')!r} "
+                    f"({key} {self.model.get(key)}), not for the loaded model {fingerprint.get('name')!r} "
+                    f"({key} {fingerprint.get(key)}); calibrate this model or load the profile's model")
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": self.created,
+                "adaptive_version": self.version, "model": self.model, "settings": self.settings,
+                "cost_model": self.cost_model.to_dict(),
+                "routing": {"k": self.index.k, "ood_threshold": self.index.ood_threshold,
+                            "anchors": len(self.index.labels), "dim": self.index.dim},
+                "domains": {n: d.to_dict() for n, d in sorted(self.domains.items())},
+                "global": self.global_set.to_dict()}
+
+    def summary_rows(self) -> list[dict]:
+        """One row per domain (then the global set) for tables."""
+        rows = []
+        for d in [*(self.domains[n] for n in sorted(self.domains)), self.global_set]:
+            rows.append({"domain": d.name, "prompts": d.prompts, "anchors": d.anchors,
+                         "skip_attn": len(d.skip.attn), "skip_mlp": len(d.skip.mlp), "draft_len": d.draft_len,
+                         "est_acceptance": d.estimated_matchness, "meas_acceptance": d.measured_acceptance,
+                         "est_speedup": d.estimated_speedup, "meas_speedup": d.measured_speedup,
+                         "decision": d.decision, "skip": d.skip.to_text()})
+        return rows
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_profile(profile: Profile, out: str | Path) -> Path:
+    """Write ``profile`` to ``out`` atomically and return the path.
+
+    An existing profile at ``out`` is replaced; any other existing non-empty directory or file is
+    refused (:class:`ProfileError`) rather than overwritten.
+    """
+    out = Path(out)
+    if out.exists():
+        if out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists()):
+            raise ProfileError(f"{out}: exists and is not a profile; choose another --out or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        profile.index.save(tmp)
+        data = profile.to_dict()
+        data["files"] = {name: _sha256(tmp / name) for name in AnchorIndex.FILES}
+        with open(tmp / "profile.json", "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for name in AnchorIndex.FILES:
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{int(time.time() * 1e6)}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    profile.path = out
+    return out
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Load and verify a profile directory; every problem is a :class:`ProfileError` naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise ProfileError(f"{path}: no such profile directory")
+    if not path.is_dir():
+        raise ProfileError(f"{path}: a profile is a directory (written by `adaptive calibrate`)")
+    pj = path / "profile.json"
+    if not pj.is_file():
+        raise ProfileError(f"{pj}: missing; {path} is not a complete profile")
+    try:
+        data = json.loads(pj.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"{pj}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{pj}: not an adaptive profile")
+    version = data.get("schema_version")
+    if not isinstance(version, int):
+        raise ProfileError(f"{pj}: no schema_version")
+    if version > SCHEMA_VERSION:
+        raise ProfileError(f"{pj}: schema version {version} is newer than this adaptive reads ({SCHEMA_VERSION}); upgrade adaptive")
+    if version < 1:
+        raise ProfileError(f"{pj}: unknown schema version {version}")
+    files = data.get("files", {})
+    for name in AnchorIndex.FILES:
+        f = path / name
+        if not f.is_file():
+            raise ProfileError(f"{f}: missing from the profile")
+        if name in files and _sha256(f) != files[name]:
+            raise ProfileError(f"{f}: does not match its checksum in profile.json (truncated or altered)")
+    try:
+        index = AnchorIndex.load(path)
+    except IndexFileError as exc:
+        raise ProfileError(str(exc)) from None
+    try:
+        model = dict(data["model"])
+        n_layers = int(model["n_layers"])
+        domains = {n: DomainProfile.from_dict(d, n_layers) for n, d in data["domains"].items()}
+        glob = DomainProfile.from_dict(data["global"], n_layers)
+        costs = CostModel.from_dict(data["cost_model"])
+        settings = dict(data.get("settings", {}))
+    except (KeyError, TypeError, ValueError, SkipSetError) as exc:
+        raise ProfileError(f"{pj}: malformed ({type(exc).__name__}: {exc})") from None
+    missing = set(index.labels) - set(domains)
+    if missing:
+        raise ProfileError(f"{pj}: anchors labelled {sorted(missing)} have no domain entry")
+    return Profile(model=model, settings=settings, cost_model=costs, domains=domains, global_set=glob,
+                   index=index, created=str(data.get("created", "")), version=str(data.get("adaptive_version", "")),
+                   path=path)

@@ -1,0 +1,164 @@
+"""The whole calibration on a tiny model: profile contents, checkpoints, resume, locks, backends."""
+
+import json
+import os
+
+import pytest
+
+from adaptive.calibrate import runner
+from adaptive.calibrate.costs import CostModel
+from adaptive.calibrate.runner import (CalibrationError, CalibrationSettings, WorkDir, calibrate, check_domains,
+                                       slug)
+from adaptive.errors import ConfigError
+from adaptive.profile import load_profile
+from tests.conftest import TINY_DOMAINS, tiny_settings
+
+
+def test_settings_are_validated():
+    with pytest.raises(ConfigError, match="trials"):
+        CalibrationSettings(trials=0)
+    with pytest.raises(ConfigError, match="prompts-per-domain"):
+        CalibrationSettings(prompts_per_domain=2)
+    with pytest.raises(ConfigError, match="init-trials"):
+        CalibrationSettings(trials=3, init_trials=5)
+    with pytest.raises(ConfigError, match="space"):
+        CalibrationSettings(space="grid")
+    with pytest.raises(ConfigError, match="min-gain"):
+        CalibrationSettings(min_gain=-0.1)
+    q = CalibrationSettings.quick()
+    assert q.trials < CalibrationSettings().trials
+
+
+def test_domain_checks():
+    with pytest.raises(ConfigError, match="at least 3"):
+        check_domains({"a": ["x", "y"]}, CalibrationSettings())
+    with pytest.raises(ConfigError, match="reserved"):
+        check_domains({"__global__": ["x"] * 5}, CalibrationSettings())
+    with pytest.raises(ConfigError, match="no domains"):
+        check_domains({}, CalibrationSettings())
+    used = check_domains({"a": [f"p{i}" for i in range(30)]}, CalibrationSettings(prompts_per_domain=5))
+    assert used == {"a": ["p0", "p1", "p2", "p3", "p4"]}  # the first N, in file order
+
+
+def test_slug_is_safe_and_distinct():
+    assert slug("a b/c").startswith("a_b_c-")
+    assert slug("a b") != slug("a_b")
+
+
+def test_calibration_writes_a_complete_profile(tiny_profile):
+    p = load_profile(tiny_profile)
+    assert not WorkDir(tiny_profile).path.exists()  # checkpoints removed after success
+    assert p.settings["trials"] == 6 and p.settings["space"] == "ranked"
+    cm = p.cost_model
+    assert cm.n_layers == 4 and cm.verify[0] == 1.0
+    for d in [*p.domains.values(), p.global_set]:
+        assert len(d.candidates) == 1  # confirm_candidates=1
+        c = d.candidates[0]
+        assert c["skip"] == d.skip.to_text() and c["prompts"] >= 1
+        assert 0.0 <= d.estimated_matchness <= 1.0
+        assert d.estimated_speedup == c["target"]
+
+
+def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "prof"
+    settings = tiny_settings(trials=5, init_trials=2)
+    costs = CostModel.uniform(4, verify=(1.0, 1.02, 1.04, 1.06, 1.08))  # fixed: timing noise cannot differ
+    kw = dict(dtype="float32", progress=False, cost_model=costs)
+    reference = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "ref", settings, **kw)
+
+    real_measure = runner.measure_candidates
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt  # as if killed after the first domain's search
+
+    monkeypatch.setattr(runner, "measure_candidates", killed)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
+    work = WorkDir(out)
+    assert not out.exists() and work.path.exists()
+    first = sorted(TINY_DOMAINS)[0]
+    trials = work.file("trials", first, "jsonl").read_text().splitlines()
+    assert len(trials) == 5 and json.loads(trials[-1])["trial"] == 4
+
+    # without --resume the leftover checkpoint is not silently discarded
+    monkeypatch.setattr(runner, "measure_candidates", real_measure)
+    with pytest.raises(CalibrationError, match="--resume"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
+
+    scored = []
+    real_estimate = runner.estimate
+
+    def counting(skip, *a, **kw):
+        scored.append(skip)
+        return real_estimate(skip, *a, **kw)
+
+    monkeypatch.setattr(runner, "estimate", counting)
+    # a torn last line (killed mid-write) is dropped and that trial redone
+    with open(work.file("trials", first, "jsonl"), "a") as f:
+        f.write('{"trial": 5, "par')
+    resumed = calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, resume=True, **kw)
+    assert not work.path.exists()
+    # the first domain's 5 trials were not scored again; the other domains and the global set were
+    assert len(scored) <= 5 * len(TINY_DOMAINS)
+    # same seed, same candidates: the same skip sets as an uninterrupted run
+    for name in TINY_DOMAINS:
+        assert resumed.domains[name].skip == reference.domains[name].skip
+    assert resumed.global_set.skip == reference.global_set.skip
+
+
+def test_resume_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "prof"
+    monkeypatch.setattr(runner, "measure_candidates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(trials=3, init_trials=2),
+                  dtype="float32", progress=False)
+    with pytest.raises(CalibrationError, match="different settings"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(trials=4, init_trials=2),
+                  dtype="float32", progress=False, resume=True)
+
+
+def test_a_live_lock_refuses_a_second_calibration(tiny_model_dir, tmp_path):
+    out = tmp_path / "prof"
+    work = WorkDir(out)
+    work.path.mkdir(parents=True)
+    (work.path / "lock").write_text(f"{os.uname().nodename} {os.getppid()}")  # a live process
+    with pytest.raises(CalibrationError, match="another calibration"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(), dtype="float32", progress=False)
+    # a dead holder's lock is taken over
+    (work.path / "lock").write_text(f"{os.uname().nodename} 999999999")
+    work.acquire()
+    assert (work.path / "lock").read_text().endswith(str(os.getpid()))
+    work.release()
+
+
+def test_impossible_options(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="jobs"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), jobs=0)
+    with pytest.raises(ConfigError, match="at most 4"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), jobs=9)
+    with pytest.raises(ConfigError, match="backend"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), backend="mpi")
+    with pytest.raises(ConfigError, match="--scheduler"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), scheduler="tcp://x:1")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="not a profile"):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "f", tiny_settings())
+
+
+def test_threading_backend(tiny_model_dir, tmp_path):
+    p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(trials=3, init_trials=2),
+                  jobs=2, backend="threading", dtype="float32", progress=False)
+    assert sorted(p.domains) == sorted(TINY_DOMAINS)
+    assert load_profile(tmp_path / "p").global_set.trials == 3
+
+
+def test_dask_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
+    pytest.importorskip("dask.distributed")
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(trials=3, init_trials=2),
+                      jobs=2, backend="dask", scheduler=cluster.scheduler_address, dtype="float32", progress=False)
+    assert sorted(p.domains) == sorted(TINY_DOMAINS)
+    prof = load_profile(tmp_path / "p")
+    assert all(d.trials == 3 for d in prof.domains.values())

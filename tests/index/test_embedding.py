@@ -1,0 +1,36 @@
+"""The calibration embedding and the runtime's prefill embedding are the same vector."""
+
+import numpy as np
+import torch
+
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.loop import Plan, decode
+from adaptive.index.embedding import embed_prompt
+from tests.conftest import tiny_lm
+
+
+def test_embed_prompt_equals_the_decode_prefill_pooling():
+    lm = tiny_lm("llama")
+    ids = list(range(3, 40))
+    seen = {}
+
+    def plan(pooled):
+        seen["v"] = pooled.clone()
+        return Plan()
+
+    for _ in decode(lm.backbone, ids, GenerationConfig(max_new_tokens=3), plan=plan):
+        pass
+    vec = embed_prompt(lm.backbone, ids)
+    assert vec.shape == (lm.model.config.hidden_size,) and vec.dtype == np.float32
+    np.testing.assert_array_equal(vec, seen["v"].numpy())
+    # it depends on the prompt
+    assert not np.allclose(vec, embed_prompt(lm.backbone, list(range(5, 42))))
+
+
+def test_embed_prompt_is_the_mean_final_hidden_state():
+    lm = tiny_lm("qwen2")
+    ids = [4, 9, 12, 7, 30]
+    with torch.inference_mode():
+        out = lm.model(torch.tensor([ids]), output_hidden_states=True)
+    expected = out.hidden_states[-1][0].mean(0).numpy()  # HF applies the final norm to the last state
+    np.testing.assert_allclose(embed_prompt(lm.backbone, ids), expected, atol=1e-5)

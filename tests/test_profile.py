@@ -1,0 +1,102 @@
+"""Profile files: round trip, atomic replacement, and every kind of damage as a clear error."""
+
+import json
+import shutil
+
+import pytest
+
+from adaptive.profile import SCHEMA_VERSION, ProfileError, load_profile, save_profile
+from tests.conftest import TINY_DOMAINS
+
+
+@pytest.fixture
+def prof(tiny_profile, tmp_path):
+    dst = tmp_path / "p"
+    shutil.copytree(tiny_profile, dst)
+    return dst
+
+
+def test_profile_round_trip(prof, tmp_path):
+    p = load_profile(prof)
+    assert sorted(p.domains) == sorted(TINY_DOMAINS)
+    assert p.global_set.name == "global"
+    assert p.n_layers == 4 and p.model["dtype"] == "float32"
+    for name, d in p.domains.items():
+        assert d.prompts == 4 and d.anchors == 2 and d.trials == 6
+        assert d.draft_len >= 1 and d.decision in ("ar", "ssd")
+        assert d.measured_speedup is not None and d.measured_speedup > 0
+        assert d.decision == ("ssd" if d.measured_speedup >= 1.02 else "ar")
+    assert sorted(set(p.index.labels)) == sorted(TINY_DOMAINS)
+    again = save_profile(p, tmp_path / "copy")
+    q = load_profile(again)
+    assert q.to_dict() == p.to_dict()
+
+
+def test_save_replaces_a_profile_atomically_and_refuses_other_directories(prof, tmp_path):
+    p = load_profile(prof)
+    save_profile(p, prof)  # replace in place
+    assert load_profile(prof).to_dict() == p.to_dict()
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".p.")]  # no temporary left behind
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ProfileError, match="not a profile"):
+        save_profile(p, other)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_profile_for_another_model_is_refused(prof):
+    p = load_profile(prof)
+    p.check_model(dict(p.model))
+    with pytest.raises(ProfileError, match="calibrated for"):
+        p.check_model({**p.model, "weights_hash": "0000", "name": "other"})
+    with pytest.raises(ProfileError, match="n_layers"):
+        p.check_model({**p.model, "n_layers": 30})
+
+
+def _edit(prof, fn):
+    pj = prof / "profile.json"
+    data = json.loads(pj.read_text())
+    fn(data)
+    pj.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("newer", "newer"),
+    ("format", "not an adaptive profile"),
+    ("json", "not valid JSON"),
+    ("missing_json", "profile.json: missing"),
+    ("missing_index", "anchors.faiss: missing"),
+    ("truncated_index", "checksum"),
+    ("bad_skip", "malformed"),
+    ("no_domain", "no domain entry"),
+    ("not_dir", "is a directory"),
+])
+def test_damaged_profiles_are_clear_errors(prof, case, match):
+    target = prof
+    if case == "newer":
+        _edit(prof, lambda d: d.update(schema_version=SCHEMA_VERSION + 1))
+    elif case == "format":
+        _edit(prof, lambda d: d.update(format="something"))
+    elif case == "json":
+        (prof / "profile.json").write_text("{ truncated")
+    elif case == "missing_json":
+        (prof / "profile.json").unlink()
+    elif case == "missing_index":
+        (prof / "anchors.faiss").unlink()
+    elif case == "truncated_index":
+        f = prof / "anchors.faiss"
+        f.write_bytes(f.read_bytes()[:-16])
+    elif case == "bad_skip":
+        _edit(prof, lambda d: d["domains"]["math"]["skip"].update(attn=[99]))
+    elif case == "no_domain":
+        _edit(prof, lambda d: d["domains"].pop("math"))
+    elif case == "not_dir":
+        target = prof / "profile.json"
+    with pytest.raises(ProfileError, match=match):
+        load_profile(target)
+
+
+def test_missing_profile_directory(tmp_path):
+    with pytest.raises(ProfileError, match="no such profile"):
+        load_profile(tmp_path / "nope")
