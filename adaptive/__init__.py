@@ -1,6 +1,7 @@
 """adaptive: lossless, domain-aware self-speculative decoding.
 
-Main entry points: :func:`load_model`, :class:`Engine`, :class:`GenerationConfig`, :class:`SkipSet`.
+Main entry points: :class:`AdaptiveRuntime` (serving), :func:`load_model`, :class:`Engine`,
+:class:`GenerationConfig`, :class:`SkipSet`.
 """
 
 from adaptive.engine.config import GenerationConfig
@@ -8,7 +9,8 @@ from adaptive.engine.engine import Engine, GenerationResult
 from adaptive.engine.skip import SkipSet, skipping
 from adaptive.errors import AdaptiveError
 from adaptive.models import LoadedModel, load_model
+from adaptive.runtime import AdaptiveRuntime, RuntimeResult
 
-__all__ = ["AdaptiveError", "Engine", "GenerationConfig", "GenerationResult", "LoadedModel", "SkipSet",
+__all__ = ["AdaptiveError", "AdaptiveRuntime", "RuntimeResult", "Engine", "GenerationConfig", "GenerationResult", "LoadedModel", "SkipSet",
            "load_model", "skipping"]
 __version__ = "0.1.0"

@@ -58,7 +58,7 @@ class CalibrationSettings:
     continuation_tokens: int = 32
     confirm_candidates: int = 3
     confirm_prompts: int = 3
-    confirm_tokens: int = 48
+    confirm_tokens: int = 64
     max_draft_len: int = 8
     min_gain: float = 0.02
     route_k: int = 5
@@ -287,13 +287,20 @@ def _bar(it, desc, on):
     return tqdm(it, desc=desc, leave=False, file=None)
 
 
+def _decode_rate(stats) -> tuple[int, float]:
+    """Tokens decoded after the prefill and the time they took (the prefill is the same for every
+    method, and on long prompts its noise would swamp the difference being measured)."""
+    return max(stats.tokens - 1, 0), max(stats.total_time - stats.prefill_time, 1e-9)
+
+
 def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], tokens: int,
-                       done: list[dict] | None = None, on_done: Callable[[dict], None] | None = None) -> list[dict]:
+                       done: list[dict] | None = None, on_done: Callable[[dict], None] | None = None,
+                       repeats: int = 1) -> list[dict]:
     """Timed plain vs self-speculative decoding of each candidate on the same prompts.
 
-    Plain decoding runs right before each candidate on every prompt, so drift hits both alike.
-    Speedup = (candidate tokens/s) / (plain tokens/s), each over all prompts. Candidates already
-    in ``done`` are not measured again.
+    Plain decoding runs right before each candidate on every prompt (``repeats`` times), so drift
+    hits both alike. Speedup = (candidate tokens/s) / (plain tokens/s), decode phase only, each
+    over all prompts. Candidates already in ``done`` are not measured again.
     """
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
@@ -305,23 +312,24 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
         skip = SkipSet.from_text(cand["skip"], lm.n_layers)
         cfg = GenerationConfig(max_new_tokens=tokens, draft_len=int(cand["draft_len"]))
         t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = 0
-        for p in prompt_ids:
-            a = engine.generate(p, cfg, method="ar")
-            b = engine.generate(p, cfg, method="ssd", skip=skip)
-            t_ar += a.stats.total_time
-            n_ar += a.stats.tokens
-            t_sd += b.stats.total_time
-            n_sd += b.stats.tokens
-            drafted += b.stats.drafted
-            accepted += b.stats.accepted
-            steps += b.stats.steps
-            same += a.token_ids == b.token_ids
+        for _ in range(repeats):
+            for p in prompt_ids:
+                a = engine.generate(p, cfg, method="ar")
+                b = engine.generate(p, cfg, method="ssd", skip=skip)
+                n, t = _decode_rate(a.stats)
+                n_ar, t_ar = n_ar + n, t_ar + t
+                n, t = _decode_rate(b.stats)
+                n_sd, t_sd = n_sd + n, t_sd + t
+                drafted += b.stats.drafted
+                accepted += b.stats.accepted
+                steps += b.stats.steps
+                same += a.token_ids == b.token_ids
         rec = {**{k: cand[k] for k in ("skip", "draft_len", "matchness", "draft_cost", "target")},
                "measured_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
                "measured_mean_accepted": round((accepted + steps) / steps, 4) if steps else 0.0,
                "ar_tokens_per_s": round(n_ar / t_ar, 3), "ssd_tokens_per_s": round(n_sd / t_sd, 3),
                "measured_speedup": round((n_sd / t_sd) / (n_ar / t_ar), 4), "identical_outputs": int(same),
-               "prompts": len(prompt_ids)}
+               "prompts": len(prompt_ids), "repeats": repeats}
         out.append(rec)
         if on_done is not None:
             on_done(rec)
@@ -354,11 +362,14 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
 
         bar = tqdm(total=s.trials, initial=len(history), desc=f"search {name}", leave=False)
 
+    best_so_far = [max((h["target"] for h in history), default=0.0)]
+
     def on_trial(rec):
         _append_line(tpath, rec)
+        best_so_far[0] = max(best_so_far[0], rec["target"])
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(best=f"{max(h['target'] for h in history + [rec]):.3f}")
+            bar.set_postfix(best=f"{best_so_far[0]:.3f}")
 
     history = run_search(space, score, s.trials, seed=s.seed * 1_000_003 + int(hashlib.sha1(name.encode()).hexdigest()[:6], 16),
                          n_init=s.init_trials, history=history, on_trial=on_trial)
@@ -369,10 +380,6 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
     done = json.loads(cpath.read_text()) if cpath.exists() else []
     done = [d for d, c in zip(done, cands) if d.get("skip") == c["skip"]]
 
-    def on_done(rec, _acc=done):
-        _acc = _acc + [rec]
-        _write_json(cpath, _acc)
-
     measured: list[dict] = []
 
     def on_done_acc(rec):
@@ -381,12 +388,25 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
 
     results = measure_candidates(lm, confirm_ids, cands, s.confirm_tokens, done=done, on_done=on_done_acc)
     best = max(results, key=lambda r: r["measured_speedup"])
-    pays = best["measured_speedup"] >= 1.0 + s.min_gain
+    recheck = None
+    if best["measured_speedup"] >= 1.0 + s.min_gain:
+        # The best of several noisy measurements is biased upwards: time the winner once more and
+        # decide on the mean of both.
+        rpath = work.file("recheck", name)
+        if rpath.exists():
+            recheck = json.loads(rpath.read_text())
+        else:
+            recheck = measure_candidates(lm, confirm_ids, [best], s.confirm_tokens)[0]
+            _write_json(rpath, recheck)
+        speedup = (best["measured_speedup"] + recheck["measured_speedup"]) / 2
+    else:
+        speedup = best["measured_speedup"]
+    pays = speedup >= 1.0 + s.min_gain
     return {"name": name, "skip": best["skip"], "draft_len": best["draft_len"], "pays": pays,
             "estimated_matchness": best["matchness"], "estimated_draft_cost": best["draft_cost"],
             "estimated_speedup": best["target"], "measured_acceptance": best["measured_acceptance"],
-            "measured_speedup": best["measured_speedup"], "measured_mean_accepted": best["measured_mean_accepted"],
-            "trials": len(history), "candidates": results, **meta}
+            "measured_speedup": round(speedup, 4), "measured_mean_accepted": best["measured_mean_accepted"],
+            "trials": len(history), "candidates": results + ([{**recheck, "recheck": True}] if recheck else []), **meta}
 
 
 # -- parallel execution ------------------------------------------------------------------------------

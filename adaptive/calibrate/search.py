@@ -82,23 +82,38 @@ def make_space(name: str, n_layers: int, influence=None):
 class MatchnessScorer:
     """Teacher-forced matchness of skip sets on fixed ``(prompt_ids, continuation_ids)`` sequences.
 
-    The prompt's keys are computed once by the full model (as at run time, where the prefill and
-    every verification write full-model keys); each candidate then runs only the continuation,
-    ``[prompt[-1]] + continuation[:-1]``, with its sublayers skipped, in one forward per sequence,
-    and scores the positions where its argmax equals the continuation's next token.
+    Two modes, both one forward per sequence and candidate:
+
+    * ``"context"`` (default): the full model's keys are computed once for the prompt *and* the
+      continuation; a candidate runs ``[prompt[-1]] + continuation[:-1]`` with its sublayers
+      skipped, reading those keys without writing any (``read_only``). Each position is then
+      drafted as the first token of a draft is at run time, after a verification has written
+      full-model keys for everything before it (only the key at its own position differs: the
+      full model's rather than the candidate's). It estimates the per-token acceptance.
+    * ``"chain"`` (SWIFT's): the prompt's keys are the full model's but the continuation's are
+      the candidate's own, so errors compound over the whole continuation: a pessimistic bound.
+
+    The score is the fraction of positions where the candidate's argmax is the continuation's
+    next token.
     """
 
-    def __init__(self, backbone, sequences: list[tuple[list[int], list[int]]]):
+    MODES = ("context", "chain")
+
+    def __init__(self, backbone, sequences: list[tuple[list[int], list[int]]], mode: str = "context"):
+        if mode not in self.MODES:
+            raise ValueError(f"unknown matchness mode {mode!r}; choose one of {', '.join(self.MODES)}")
         self.backbone = backbone
+        self.mode = mode
         self.items = []
         for prompt, cont in sequences:
             if not prompt or not cont:
                 continue
             P, C = len(prompt), len(cont)
             cache = backbone.new_cache(P - 1 + C)
-            if P > 1:
-                backbone.forward(torch.tensor(prompt[:-1], device=backbone.device), cache, 0, logits="none")
             feed = torch.tensor([prompt[-1]] + list(cont[:-1]), device=backbone.device)
+            known = list(prompt[:-1]) + (list(prompt[-1:]) + list(cont[:-1]) if mode == "context" else [])
+            if known:
+                backbone.forward(torch.tensor(known, device=backbone.device), cache, 0, logits="none")
             self.items.append((cache, P - 1, feed, torch.tensor(cont, device=backbone.device)))
         if not self.items:
             raise ValueError("no sequences with a continuation to score")
@@ -107,8 +122,10 @@ class MatchnessScorer:
     @torch.inference_mode()
     def __call__(self, skip_masks) -> float:
         hits = 0
+        read_only = self.mode == "context"
         for cache, start, feed, target in self.items:
-            logits = self.backbone.forward(feed, cache, start, skip_masks=skip_masks, logits="all").logits
+            logits = self.backbone.forward(feed, cache, start, skip_masks=skip_masks, logits="all",
+                                           read_only=read_only).logits
             hits += int((logits.argmax(-1) == target).sum())
         return hits / self.total
 
@@ -159,8 +176,12 @@ def suggest(space, history: list[dict], trial: int, seed: int, n_init: int) -> d
         warnings.simplefilter("ignore")  # integer parameters are flagged "experimental"; tested here
         opt = BayesianOptimization(f=None, pbounds=space.pbounds, random_state=rng, verbose=0,
                                    allow_duplicate_points=True)
+        registered = set()
         for h in history:
-            opt.register(params=h["params"], target=h["target"])
+            key = tuple(sorted((k, round(float(v), 9)) for k, v in h["params"].items()))
+            if key not in registered:  # bayes_opt prints a line for every duplicate
+                registered.add(key)
+                opt.register(params=h["params"], target=h["target"])
         params = opt.suggest()
     return {k: (int(round(float(v))) if len(space.pbounds[k]) > 2 else float(v)) for k, v in params.items()}
 
@@ -169,18 +190,30 @@ def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: i
                history: list[dict] | None = None, on_trial: Callable[[dict], None] | None = None) -> list[dict]:
     """Run trials ``len(history) .. trials-1``; returns the full history (one dict per trial).
 
-    ``on_trial`` receives each new record right after it is scored (the checkpoint hook). A skip set
-    already scored is not scored again: its earlier estimate is reused.
+    ``on_trial`` receives each new record right after it is scored (the checkpoint hook). When
+    the optimiser proposes a skip set already scored, a random unseen one is tried instead (a
+    converged optimiser would otherwise spend the remaining trials on one point). The empty skip
+    set is not a drafter (it is plain decoding at twice the cost): it scores 0 without a forward.
     """
     history = list(history or [])
     seen = {h["skip"]: h for h in history}
     for t in range(len(history), trials):
         params = suggest(space, history, t, seed, n_init)
         skip = space.decode(params)
+        if skip.to_text() in seen:
+            rng = np.random.RandomState((seed * 7919 + t + 104729) % (2**32))
+            for _ in range(200):
+                alt = _random_params(space.pbounds, rng)
+                alt_skip = space.decode(alt)
+                if alt_skip.to_text() not in seen and alt_skip.size:
+                    params, skip = alt, alt_skip
+                    break
         key = skip.to_text()
         t0 = time.perf_counter()
         if key in seen:
             est = Estimate(seen[key]["matchness"], seen[key]["draft_cost"], seen[key]["draft_len"], seen[key]["target"])
+        elif not skip.size:
+            est = Estimate(1.0, 1.0, 1, 0.0)
         else:
             est = score(skip)
         rec = {"trial": t, "params": params, "skip": key, "n_attn": len(skip.attn), "n_mlp": len(skip.mlp),
@@ -198,6 +231,8 @@ def top_candidates(history: list[dict], n: int) -> list[dict]:
     """The ``n`` best distinct skip sets of a history by expected speedup (ties: fewer skipped first)."""
     best: dict[str, dict] = {}
     for h in history:
+        if h["skip"] == "none":  # not a drafter
+            continue
         if h["skip"] not in best or h["target"] > best[h["skip"]]["target"]:
             best[h["skip"]] = h
     ranked = sorted(best.values(), key=lambda h: (-h["target"], h["n_attn"] + h["n_mlp"], h["trial"]))

@@ -1,4 +1,10 @@
-"""``adaptive demo``: the README's main job on the embedded default model."""
+"""``adaptive demo``: the README's main job on the embedded default model.
+
+1. Calibrate on the built-in domains with the quick preset (or reuse the profile already at
+   ``--profile`` when it was made for this model), and print the profile summary.
+2. Route a built-in prompt that calibration did not use, decode it with plain decoding (``ar``)
+   and with what the profile chose for its domain, interleaved, and print the speedup.
+"""
 
 from __future__ import annotations
 
@@ -8,67 +14,108 @@ import click
 
 from adaptive.cli.common import device_option, dtype_option, echo_json, json_option, load, model_option
 
-# Hand-found on the embedded model (bf16): attention sublayers whose removal keeps drafts closest
-# to the full model per unit of cost (see docs/results.md). Calibration replaces it per domain.
-DEFAULT_DEMO_SKIP = "attn=4,7,9,20,25"
+DEMO_DOMAIN = "math"
+DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first N calibration uses
 
 
 @click.command("demo")
 @model_option
-@click.option("--skip", "skip_text", default=DEFAULT_DEMO_SKIP, show_default=True,
-              help="Skip set for ssd, e.g. 'attn=4,7;mlp=2'.")
-@click.option("--draft-len", type=int, default=2, show_default=True,
-              help="Fixed draft length (2 measured best for the default skip set).")
+@click.option("--profile", "profile_dir", default="adaptive-profile", show_default=True, type=click.Path(file_okay=False),
+              help="Profile to reuse, or to write with a quick calibration when absent.")
+@click.option("--recalibrate", is_flag=True, help="Calibrate even when --profile already holds a profile.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per method (median).")
 @dtype_option
 @device_option
+@click.option("--quiet", is_flag=True, help="No progress bars.")
 @json_option
-def demo_cmd(model_spec, skip_text, draft_len, max_new_tokens, repeats, dtype, device, as_json):
-    """Decode a built-in prompt with ar and ssd; print whether outputs are identical and the speed ratio."""
+def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtype, device, quiet, as_json):
+    """Calibrate on the built-in domains (quick), then route and decode a prompt and print the speedup."""
+    from pathlib import Path
+
     from adaptive.calibrate.prompts import builtin_domains
+    from adaptive.calibrate.runner import CalibrationSettings, calibrate
+    from adaptive.cli.calibrate import summary_table
     from adaptive.engine.audit import audit_divergence
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
     from adaptive.engine.skip import SkipSet
+    from adaptive.index.router import route_prompt
+    from adaptive.profile import ProfileError, load_profile
 
     if repeats < 1:
         raise click.BadParameter("must be >= 1", param_hint="--repeats")
+    if max_new_tokens < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-new-tokens")
     lm = load(model_spec, device, dtype)
-    skip = SkipSet.from_text(skip_text, lm.n_layers)
+    profile = None
+    if (Path(profile_dir) / "profile.json").exists() and not recalibrate:
+        profile = load_profile(profile_dir)
+        try:
+            profile.check_model(lm.fingerprint())
+        except ProfileError as exc:
+            raise ProfileError(f"{exc}; pass --recalibrate to replace it") from None
+        click.echo(f"reusing the profile in {profile_dir} (--recalibrate to redo it)", err=True)
+    if profile is None:
+        domains = builtin_domains()
+        click.echo(f"calibrating on {len(domains)} built-in domains (quick preset) ...", err=True)
+        from adaptive.calibrate import runner
+
+        runner._MODELS[runner._model_key(model_spec, device, dtype)] = lm  # reuse the loaded model
+        profile = calibrate(model_spec, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
+                            progress=not quiet, log=lambda m: click.echo(m, err=True))
     engine = Engine(lm)
-    prompt = builtin_domains()["math"][0]
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len)
+    prompt = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
+    decision = route_prompt(profile, engine, prompt)
+    applied = profile.domain(decision.route.domain)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=applied.draft_len)
+    skip = SkipSet.from_text(applied.skip.to_text(), lm.n_layers)
     engine.generate(prompt, GenerationConfig(max_new_tokens=8))  # warm-up
-    runs = {"ar": [], "ssd": []}
+    methods = {"ar": dict(method="ar"), "routed": dict(method=decision.method, skip=skip if decision.method == "ssd" else None)}
+    if decision.method != "ssd":  # show what the domain's skip set would have done anyway
+        methods["ssd"] = dict(method="ssd", skip=skip)
+    tps = {m: [] for m in methods}
     results = {}
-    for _ in range(repeats):  # interleaved so that machine drift hits both alike
-        for method in ("ar", "ssd"):
-            r = engine.generate(prompt, cfg, method=method, skip=skip if method == "ssd" else None)
-            runs[method].append(r.stats.tokens_per_s)
-            results[method] = r
-    ar_tps, ssd_tps = statistics.median(runs["ar"]), statistics.median(runs["ssd"])
-    audit = audit_divergence(lm.backbone, engine.encode(prompt), results["ar"].token_ids, results["ssd"].token_ids)
+    for _ in range(repeats):  # interleaved so that machine drift hits all alike
+        for m, kw in methods.items():
+            r = engine.generate(prompt, cfg, **kw)
+            tps[m].append(r.stats.tokens_per_s)
+            results[m] = r
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    ids = engine.encode(prompt)
+    audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
+              for m in methods if m != "ar"}
     out = {
-        "model": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "prompt": prompt,
-        "skip": skip.to_text(), "identical": audit.identical, "audit": audit.to_dict(),
-        "ar_tokens_per_s": round(ar_tps, 2), "ssd_tokens_per_s": round(ssd_tps, 2),
-        "speedup": round(ssd_tps / ar_tps, 3),
-        "acceptance_rate": round(results["ssd"].stats.acceptance_rate, 3),
-        "mean_accepted_tokens": round(results["ssd"].stats.mean_accepted_tokens, 3),
-        "text": results["ssd"].text,
+        "model": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "profile": str(profile.path),
+        "summary": profile.summary_rows(), "prompt": prompt, "route": decision.to_dict(),
+        "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
+        "speedup": {m: round(med[m] / med["ar"], 3) for m in methods if m != "ar"},
+        "identical": {m: a.identical for m, a in audits.items()},
+        "lossless_violations": sum(a.violation for a in audits.values()),
+        "acceptance_rate": {m: round(results[m].stats.acceptance_rate, 3) for m in methods if m != "ar"},
+        "text": results["routed"].text,
     }
     if as_json:
         echo_json(out)
         return
-    click.echo(f"prompt: {prompt}\n")
-    click.echo(results["ssd"].text + "\n")
-    click.echo(f"model {out['model']} ({out['dtype']}), skip set {out['skip']}, draft length {draft_len}")
-    click.echo(f"ar : {ar_tps:.1f} tok/s")
-    click.echo(f"ssd: {ssd_tps:.1f} tok/s, acceptance {out['acceptance_rate']:.2f}, "
-               f"{out['mean_accepted_tokens']:.2f} tokens/step")
-    same = "yes" if audit.identical else (
-        f"no: first difference at token {audit.position}, margin {audit.margin:.3f} "
-        f"({'LOSSLESS VIOLATION' if audit.violation else 'a near-tie within bf16 rounding'})")
-    click.echo(f"identical output: {same}")
-    click.echo(f"speedup ssd/ar: {out['speedup']:.2f}x (median of {repeats})")
+    click.echo(summary_table(profile) + "\n")
+    click.echo(f"prompt ({DEMO_DOMAIN}, not used for calibration): {prompt}\n")
+    click.echo(results["routed"].text.strip() + "\n")
+    where = "out-of-domain: global set" if decision.route.out_of_domain else f"domain {decision.route.domain}"
+    click.echo(f"routed to {where}; the profile decodes it with {decision.method}"
+               + (f" (skip {applied.skip.to_text()}, draft length {applied.draft_len})" if decision.method == "ssd"
+                  else f" (no skip set measured faster than plain decoding there; best was {applied.skip.to_text()})"))
+    click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, median of {repeats} interleaved runs")
+    click.echo(f"  ar     : {med['ar']:.1f} tok/s")
+    for m in methods:
+        if m == "ar":
+            continue
+        a = audits[m]
+        same = "identical to ar" if a.identical else (
+            f"parts from ar at token {a.position}, margin {a.margin:.3f}: "
+            + ("LOSSLESS VIOLATION" if a.violation else "a near-tie within bf16 rounding"))
+        label = "routed" if m == "routed" else "ssd*"
+        click.echo(f"  {label:7s}: {med[m]:.1f} tok/s, speedup {med[m] / med['ar']:.2f}x, "
+                   f"acceptance {results[m].stats.acceptance_rate:.2f}, {same}")
+    if "ssd" in methods:
+        click.echo("  * ssd with the domain's best skip set, shown for comparison; the runtime would not use it")

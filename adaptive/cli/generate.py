@@ -10,8 +10,11 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @click.command("generate")
 @click.argument("prompt")
 @model_option
-@click.option("--method", type=click.Choice(["ar", "ssd"]), default="ssd", show_default=True,
-              help="ar: plain decoding; ssd: self-speculative with the given skip set.")
+@click.option("--profile", "profile_dir", type=click.Path(), default=None,
+              help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
+@click.option("--method", type=click.Choice(["ar", "ssd", "auto", "ssd-static"]), default=None,
+              help="ar: plain; ssd: self-speculative with the given skip set; with --profile: auto "
+                   "(routed, the default) or ssd-static (the profile's global skip set).  [default: ssd, or auto with --profile]")
 @click.option("--skip-attn", default="", help="Attention sublayers to skip while drafting, e.g. 3,5,10-14.")
 @click.option("--skip-mlp", default="", help="MLP sublayers to skip while drafting.")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Most tokens drafted per step.")
@@ -27,7 +30,7 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @device_option
 @click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 @json_option
-def generate_cmd(prompt, model_spec, method, skip_attn, skip_mlp, draft_len, confidence, max_new_tokens,
+def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, draft_len, confidence, max_new_tokens,
                  temperature, top_p, top_k, seed, stop, raw, dtype, device, stream, as_json):
     """Decode PROMPT and print the text (or, with --json, text, token_ids and stats)."""
     from adaptive.engine.config import GenerationConfig
@@ -37,6 +40,12 @@ def generate_cmd(prompt, model_spec, method, skip_attn, skip_mlp, draft_len, con
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                            seed=seed, stop=tuple(stop), draft_len=draft_len, confidence_threshold=confidence)
     skip = SkipSet(parse_layer_list(skip_attn), parse_layer_list(skip_mlp))
+    method = method or ("auto" if profile_dir else "ssd")
+    if profile_dir:
+        return _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json,
+                                bool(skip_attn or skip_mlp))
+    if method in ("auto", "ssd-static"):
+        raise click.UsageError(f"--method {method} needs --profile")
     if method == "ssd" and not skip:
         raise click.UsageError("--method ssd needs a skip set: give --skip-attn and/or --skip-mlp")
     lm = load(model_spec, device, dtype)
@@ -60,3 +69,36 @@ def generate_cmd(prompt, model_spec, method, skip_attn, skip_mlp, draft_len, con
     s = result.stats
     click.echo(f"[{method}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
                f"{s.mean_accepted_tokens:.2f} tokens/step", err=True)
+
+
+def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json, has_skip):
+    """``generate --profile``: the runtime routes the prompt and picks skip set and draft lengths."""
+    from adaptive.models import DEFAULT_MODEL
+    from adaptive.runtime import AdaptiveRuntime
+
+    if method == "ssd" or has_skip:
+        raise click.UsageError("with --profile the skip set comes from the profile: use --method auto, ssd-static or ar")
+    if raw:
+        raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")
+    click.echo(f"loading profile {profile_dir} ...", err=True)
+    rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
+                                      device=device, dtype=None if dtype == "auto" else dtype)
+    result = None
+    for item in rt.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                          top_k=cfg.top_k, stop=cfg.stop, seed=cfg.seed, method=method,
+                          confidence_threshold=cfg.confidence_threshold):
+        if isinstance(item, str):
+            if stream and not as_json:
+                click.echo(item, nl=False)
+        else:
+            result = item
+    if as_json:
+        echo_json({**result.to_dict(), "model": rt.lm.name, "dtype": str(rt.lm.dtype).replace("torch.", "")})
+        return
+    click.echo() if stream else click.echo(result.text)
+    s = result.stats
+    where = "out-of-domain (global set)" if result.domain is None else f"domain {result.domain}"
+    click.echo(f"[{method}] {where}, decoded with {result.decision}"
+               + (f" (skip {result.skip}, draft lengths {dict(sorted(result.draft_lengths.items()))})"
+                  if result.decision == "ssd" else "")
+               + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}", err=True)

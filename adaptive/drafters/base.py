@@ -63,7 +63,7 @@ class DraftLengthPolicy(ABC):
 
     @abstractmethod
     def choose(self, max_len: int) -> int:
-        """A draft length in ``1 .. max_len``."""
+        """A draft length in ``0 .. max_len`` (0: no draft this step, a plain decoding step)."""
 
     def update(self, drafted: int, accepted: int) -> None:
         """Learn from one verification."""

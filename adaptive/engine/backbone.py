@@ -147,6 +147,7 @@ class Backbone:
         logits: str = "last",
         pool: bool = False,
         head: torch.Tensor | None = None,
+        read_only: bool = False,
     ) -> ForwardOutput:
         """Run tokens ``input_ids`` (``[T]`` or ``[1, T]``) at positions ``start .. start+T-1``.
 
@@ -155,6 +156,8 @@ class Backbone:
         full model). ``logits`` is ``"last"``, ``"all"`` or ``"none"``. ``head`` optionally replaces
         the LM-head weight (``[V', hidden]``) for reduced-vocabulary drafting.
         Does not change ``cache.length``: the caller owns acceptance and rollback.
+        ``read_only=True`` writes nothing: every query attends to the keys already in the cache at
+        ``0 .. its own position`` (the calibrator scores drafts against full-model keys this way).
         """
         ids = input_ids.reshape(1, -1)
         T = ids.shape[1]
@@ -172,7 +175,8 @@ class Backbone:
         h = self.embed(ids)
         for i, layer in enumerate(self.layers):
             if not skip_attn[i]:
-                h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, start, end, cos, sin, mask)
+                h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, start, end, cos, sin, mask,
+                                        read_only)
             if not skip_mlp[i]:
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h)
@@ -184,14 +188,18 @@ class Backbone:
         out = F.linear(hs, weight, self.lm_head.bias if head is None else None)
         return ForwardOutput(out.float(), pooled)
 
-    def _attention(self, attn, x, cache: KVCache, i: int, start: int, end: int, cos, sin, mask):
+    def _attention(self, attn, x, cache: KVCache, i: int, start: int, end: int, cos, sin, mask, read_only=False):
         T = x.shape[1]
         q = attn.q_proj(x).view(1, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self._apply_rotary(q, k, cos, sin)
-        cache.k[i, :, start:end] = k[0]
-        cache.v[i, :, start:end] = v[0]
+        if read_only:
+            k = torch.zeros(1, self.n_kv_heads, T, self.head_dim, dtype=q.dtype, device=q.device)
+            q, _ = self._apply_rotary(q, k, cos, sin)
+        else:
+            k = attn.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._apply_rotary(q, k, cos, sin)
+            cache.k[i, :, start:end] = k[0]
+            cache.v[i, :, start:end] = v[0]
         keys = cache.k[i, :, :end].unsqueeze(0)
         vals = cache.v[i, :, :end].unsqueeze(0)
         out = F.scaled_dot_product_attention(

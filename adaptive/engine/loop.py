@@ -149,7 +149,8 @@ def decode(
         t1 = time.perf_counter()
         if drafter is not None and remaining > 1:
             k = policy.choose(min(cfg.draft_len, remaining - 1))
-            draft = drafter.propose(state, k)
+            if k > 0:
+                draft = drafter.propose(state, k)
         if draft is None or len(draft) == 0:
             draft = Draft(torch.empty(0, dtype=torch.long, device=dev))
         _sync(dev)
@@ -168,10 +169,11 @@ def decode(
         stats.accept_hist[n] += 1
         stats.draft_time += t2 - t1
         stats.verify_time += t3 - t2
-        if drafter is not None and k:
-            stats.draft_lengths[k] += 1
-            drafter.observe(k, n)
-            policy.update(k, n)
+        if drafter is not None and remaining > 1:
+            stats.draft_lengths[k] += 1  # 0 when the policy chose a plain step
+            if k:
+                drafter.observe(k, n)
+                policy.update(k, n)
         new = draft.tokens[:n].tolist() + [nxt]
         tokens.extend(new)
         produced += len(new)

@@ -106,14 +106,14 @@ def test_matchness_of_the_full_model_on_its_own_greedy_output_is_one():
     assert scorer(everything) < 0.5  # embeddings straight to the head rarely agree
 
 
-def test_matchness_scorer_matches_a_brute_force_count():
+def test_chain_matchness_matches_a_brute_force_count():
     lm = tiny_lm("qwen2", n_layers=4)
     seqs = _sequences(lm, n=2, cont=8)
     skip = SkipSet(attn=[1, 3], mlp=[2])
     masks = skip.masks(4)
     bb = lm.backbone
     hits = total = 0
-    for prompt, cont in seqs:  # full-model prompt keys, skipped model on the continuation
+    for prompt, cont in seqs:  # full-model prompt keys, then the skipped model on its own continuation keys
         cache = bb.new_cache(len(prompt) + len(cont))
         bb.forward(torch.tensor(prompt[:-1]), cache, 0, logits="none")
         for j in range(len(cont)):
@@ -121,7 +121,40 @@ def test_matchness_scorer_matches_a_brute_force_count():
             logits = bb.forward(torch.tensor([tok]), cache, len(prompt) - 1 + j, skip_masks=masks).logits[0]
             hits += int(logits.argmax()) == cont[j]
             total += 1
+    assert MatchnessScorer(bb, seqs, mode="chain")(masks) == pytest.approx(hits / total)
+
+
+def test_context_matchness_is_first_draft_token_acceptance():
+    # Each position drafted as the first token after a verification: full-model keys for
+    # everything up to it, one skipped-model forward of one token that reads them.
+    lm = tiny_lm("llama", n_layers=4)
+    seqs = _sequences(lm, n=2, cont=8)
+    masks = SkipSet(attn=[0, 2], mlp=[3]).masks(4)
+    bb = lm.backbone
+    hits = total = 0
+    for prompt, cont in seqs:
+        for j in range(len(cont)):
+            ctx = list(prompt) + list(cont[:j])
+            cache = bb.new_cache(len(ctx))
+            bb.forward(torch.tensor(ctx), cache, 0, logits="none")  # full keys incl. the pending token
+            logits = bb.forward(torch.tensor(ctx[-1:]), cache, len(ctx) - 1, skip_masks=masks,
+                                read_only=True).logits[0]
+            hits += int(logits.argmax()) == cont[j]
+            total += 1
     assert MatchnessScorer(bb, seqs)(masks) == pytest.approx(hits / total)
+    with pytest.raises(ValueError, match="mode"):
+        MatchnessScorer(bb, seqs, mode="other")
+
+
+def test_read_only_forward_writes_nothing():
+    lm = tiny_lm("llama", n_layers=2)
+    bb = lm.backbone
+    cache = bb.new_cache(12)
+    bb.forward(torch.arange(3, 15), cache, 0, logits="none")
+    k, v = cache.k.clone(), cache.v.clone()
+    out = bb.forward(torch.arange(5, 9), cache, 6, skip_masks=SkipSet(mlp=[0]).masks(2), logits="all", read_only=True)
+    assert out.logits.shape[0] == 4
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
 
 
 def test_estimate_uses_the_cost_model():
@@ -134,3 +167,18 @@ def test_estimate_uses_the_cost_model():
     assert none.speedup == pytest.approx(1.0)
     half = estimate(SkipSet(attn=[0, 1]), scorer, cm, max_draft_len=4)
     assert half.draft_cost == pytest.approx(1.0 - 0.24)
+
+
+def test_search_does_not_spend_trials_on_one_point_or_on_the_empty_set():
+    space = RankedSpace(np.arange(8, dtype=float).reshape(2, 4))
+
+    def flat(skip):  # a landscape whose best point is the corner the optimiser keeps proposing
+        return Estimate(1.0, 1.0, 1, 1.0 if skip.size == 1 else 0.5)
+
+    hist = run_search(space, flat, trials=15, seed=0, n_init=3)
+    skips = [h["skip"] for h in hist]
+    assert len(set(skips)) == 15  # every trial scored a new skip set
+    for h in hist:
+        if h["skip"] == "none":
+            assert h["target"] == 0.0
+    assert all(c["skip"] != "none" for c in top_candidates(hist, 5))

@@ -57,3 +57,31 @@ def test_generate_errors_are_one_line(capsys, tiny_model_dir, args, message):
 def test_unknown_model_is_clear(capsys, tmp_path):
     code, _, err = run(capsys, "generate", "abc", "--model", str(tmp_path / "nope"), "--method", "ar")
     assert code == 1 and "cannot load model" in err and "tried" in err
+
+
+def test_generate_with_a_profile_routes_and_is_lossless(capsys, tiny_model_dir, tiny_profile):
+    out, err = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
+                      str(tiny_profile), "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    obj = json.loads(out)
+    assert obj["method"] == "runtime/auto" and "route" in obj and obj["decision"] in ("ar", "ssd")
+    ar, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--method", "ar",
+                   "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    assert json.loads(ar)["token_ids"] == obj["token_ids"]
+    static, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
+                       str(tiny_profile), "--method", "ssd-static", "--max-new-tokens", "12", "--dtype", "float32",
+                       "--json")
+    assert json.loads(static)["applied"] == "global"
+    _, err = run_ok(capsys, "generate", "hello", "--model", str(tiny_model_dir), "--profile", str(tiny_profile),
+                    "--max-new-tokens", "6", "--dtype", "float32")
+    assert "decoded with" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "auto"], "needs --profile"),
+    (["--profile", "PROFILE", "--skip-attn", "1"], "comes from the profile"),
+    (["--profile", "PROFILE", "--raw"], "--raw"),
+])
+def test_generate_profile_option_errors(capsys, tiny_model_dir, tiny_profile, args, message):
+    args = [str(tiny_profile) if a == "PROFILE" else a for a in args]
+    code, _, err = run(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
+    assert code != 0 and message in err

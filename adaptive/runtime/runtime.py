@@ -1,0 +1,184 @@
+"""``AdaptiveRuntime``: route each request with a calibration profile and decode it losslessly.
+
+Per request: the prompt is encoded as at calibration (the profile's chat setting); the engine's
+prefill yields the prompt embedding (no extra forward); the anchor index picks the domain
+(distance-weighted KNN vote; out-of-domain requests use the global set); the domain's decision
+from calibration applies (``ssd`` with its skip set where that measured faster than plain
+decoding, ``ar`` otherwise); the domain's Thompson-sampling bandit picks each step's draft length.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from adaptive.drafters.layerskip import LayerSkipDrafter
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine, GenerationResult
+from adaptive.engine.loop import Plan
+from adaptive.errors import ConfigError
+from adaptive.index.embedding import pooled_to_numpy
+from adaptive.index.router import Decision, decide
+from adaptive.runtime.bandit import ThompsonDraftLength
+
+METHODS = ("auto", "ar", "ssd-static")
+
+
+@dataclass
+class RuntimeResult(GenerationResult):
+    """A :class:`GenerationResult` with the routing decision (``info`` holds it all for JSON)."""
+
+    @property
+    def domain(self) -> str | None:
+        """The routed domain; ``None`` when the request was out-of-domain (global set)."""
+        return self.info.get("route", {}).get("domain")
+
+    @property
+    def neighbours(self) -> list[dict]:
+        return self.info.get("route", {}).get("neighbours", [])
+
+    @property
+    def skip(self) -> str | None:
+        """The skip set drafted with (text form), ``None`` when decoded plainly."""
+        return self.info.get("skip_text")
+
+    @property
+    def decision(self) -> str:
+        """What decoded the request: ``ssd`` (layer-skip drafting) or ``ar``."""
+        return self.info.get("decision", "ar")
+
+    @property
+    def draft_lengths(self) -> dict[int, int]:
+        """Draft length -> number of steps (0: the bandit chose a plain step)."""
+        return dict(self.stats.draft_lengths)
+
+
+class AdaptiveRuntime:
+    """Serving-side entry point; safe to share between threads (requests are serialised on the model).
+
+    ``method``: ``"auto"`` (the profile's per-domain decision), ``"ssd-static"`` (the global skip
+    set for every request, the Self-SD baseline), or ``"ar"``. ``bandit=False`` drafts the fixed
+    draft length calibration found instead of Thompson sampling.
+    """
+
+    def __init__(self, profile, lm, *, bandit: bool = True, seed: int | None = 0, window: float = 500.0):
+        profile.check_model(lm.fingerprint())
+        self.profile = profile
+        self.lm = lm
+        self.engine = Engine(lm)
+        self.bandit = bandit
+        self._seed = seed
+        self._window = window
+        self._lock = threading.Lock()
+        self._bandits: dict[str, ThompsonDraftLength] = {}
+        self._drafters: dict[str, LayerSkipDrafter] = {}
+        self.max_draft_len = int(profile.settings.get("max_draft_len", 8))
+
+    @classmethod
+    def from_profile(cls, directory: str | Path, model=None, device: str = "auto", dtype: str | None = None,
+                     **kwargs) -> "AdaptiveRuntime":
+        """Load a profile and its model (the one it names unless ``model`` is a spec or a loaded model).
+
+        A model the profile was not calibrated for is a :class:`~adaptive.profile.ProfileError`.
+        ``dtype`` defaults to the one calibration used.
+        """
+        from adaptive.models import LoadedModel, load_model
+        from adaptive.profile import load_profile
+
+        profile = load_profile(directory)
+        if isinstance(model, LoadedModel):
+            lm = model
+        else:
+            spec = model or profile.model.get("spec") or profile.model.get("name")
+            lm = load_model(spec, device=device, dtype=dtype or profile.model.get("dtype", "auto"))
+        return cls(profile, lm, **kwargs)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def route(self, prompt: str | Sequence[dict]) -> Decision:
+        """Route without decoding (one prefill forward)."""
+        from adaptive.index.embedding import embed_prompt
+
+        ids = self.engine.encode(prompt, chat=self.profile.settings.get("chat"))
+        with self._lock:
+            vec = embed_prompt(self.engine.backbone, ids)
+        return decide(self.profile, vec)
+
+    def _policy(self, name: str, dp) -> ThompsonDraftLength:
+        if name not in self._bandits:
+            cm = self.profile.cost_model
+            c = dp.estimated_draft_cost
+            a = dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness
+            a = min(max(float(a), 0.01), 0.99)
+            prior = (1.0 + 10.0 * a, 1.0 + 10.0 * (1.0 - a))  # worth ~10 observed drafts
+            self._bandits[name] = ThompsonDraftLength(
+                c, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)], self.max_draft_len, prior,
+                window=self._window, seed=None if self._seed is None else self._seed + len(self._bandits))
+        return self._bandits[name]
+
+    def _plan(self, method: str):
+        def plan(pooled) -> Plan:
+            d = decide(self.profile, pooled_to_numpy(pooled))
+            if method == "ssd-static":
+                dp, use = self.profile.global_set, "ssd"
+            elif method == "ar":
+                dp, use = self.profile.domain(d.route.domain), "ar"
+            else:
+                dp, use = self.profile.domain(d.route.domain), d.method
+            info = {"route": d.route.to_dict(), "applied": dp.name, "decision": use, "runtime_method": method}
+            if use == "ar":
+                return Plan(None, None, info)
+            key = f"{method}:{dp.name}"
+            drafter = self._drafters.get(key)
+            if drafter is None:
+                drafter = self._drafters[key] = LayerSkipDrafter(dp.skip, self.lm.n_layers)
+            if self.bandit:
+                policy = self._policy(key, dp)
+            else:
+                from adaptive.drafters.base import FixedDraftLength
+
+                policy = FixedDraftLength(dp.draft_len)
+            info.update(skip_text=dp.skip.to_text(), skip=dp.skip.to_dict(),
+                        draft_policy="thompson" if self.bandit else f"fixed {dp.draft_len}")
+            return Plan(drafter, policy, info)
+
+        return plan
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
+               method: str = "auto", confidence_threshold: float | None = None) -> Iterator[str | RuntimeResult]:
+        """Yield text deltas, then the final :class:`RuntimeResult`."""
+        if method not in METHODS:
+            raise ConfigError(f"unknown runtime method {method!r}; choose one of {', '.join(METHODS)}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               seed=seed, stop=tuple(stop), draft_len=self.max_draft_len,
+                               confidence_threshold=confidence_threshold)
+        ids = self.engine.encode(prompt, chat=self.profile.settings.get("chat"))
+        with self._lock:  # one request at a time on the model; the lock is released if the caller stops early
+            for item in self.engine.stream(ids, cfg, plan=self._plan(method)):
+                if isinstance(item, GenerationResult):
+                    info = dict(item.info)
+                    if self.bandit and info.get("decision") == "ssd":
+                        info["bandit"] = self._bandits[f"{method}:{info['applied']}"].state()
+                    yield RuntimeResult(item.text, item.token_ids, item.finish_reason, item.stats,
+                                        f"runtime/{method}", info)
+                else:
+                    yield item
+
+    def generate(self, prompt: str | Sequence[dict], **kwargs) -> RuntimeResult:
+        """Decode ``prompt`` (a string or chat messages); see :meth:`stream` for the options."""
+        result = None
+        for item in self.stream(prompt, **kwargs):
+            result = item
+        return result
+
+    def bandit_state(self) -> dict:
+        """Each domain bandit's posterior and choices so far."""
+        with self._lock:
+            return {k: b.state() for k, b in self._bandits.items()}

@@ -1,0 +1,103 @@
+"""``adaptive calibrate``, ``profile show`` and ``route`` end to end on the tiny model."""
+
+import json
+
+import pytest
+
+from tests.cli.test_generate_cli import run, run_ok
+from tests.conftest import TINY_DOMAINS
+
+SMALL = ["--prompts-per-domain", "3", "--anchors-per-domain", "2", "--trials", "3", "--dtype", "float32", "--quiet"]
+
+
+@pytest.fixture
+def domain_files(tmp_path):
+    args = []
+    for name, prompts in TINY_DOMAINS.items():
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"prompt": p, "category": name}) + "\n" for p in prompts))
+        args += ["--domains", f"{name}={f}"]
+    return args
+
+
+def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tmp_path):
+    out_dir = tmp_path / "prof"
+    out, err = run_ok(capsys, "calibrate", "--model", str(tiny_model_dir), *domain_files, "--out", str(out_dir),
+                      "--quick", *SMALL)
+    assert "profile written to" in out
+    for name in TINY_DOMAINS:
+        assert name in out
+    assert "global" in out and "meas.x" in out
+
+    shown, _ = run_ok(capsys, "profile", "show", str(out_dir), "--json")
+    data = json.loads(shown)
+    assert data["schema_version"] == 1 and sorted(data["domains"]) == sorted(TINY_DOMAINS)
+    assert data["settings"]["trials"] == 3
+    text, _ = run_ok(capsys, "profile", "show", str(out_dir))
+    assert "skip sets:" in text and "anchors" in text
+
+    # --data with --json: one object per line with the domain and the input's category
+    data_file = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": TINY_DOMAINS[n][-1], "category": n} for n in TINY_DOMAINS]
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    routed, _ = run_ok(capsys, "route", "--profile", str(out_dir), "--model", str(tiny_model_dir), "--data",
+                       str(data_file), "--json", "--dtype", "float32")
+    lines = [json.loads(x) for x in routed.strip().splitlines()]
+    assert len(lines) == 3
+    for line, row in zip(lines, rows):
+        assert line["category"] == row["category"]
+        assert "domain" in line and line["neighbours"] and line["method"] in ("ar", "ssd")
+        assert line["domain"] in (*TINY_DOMAINS, None)
+    one, _ = run_ok(capsys, "route", "--profile", str(out_dir), "--model", str(tiny_model_dir), "hello friend",
+                    "--dtype", "float32")
+    assert "nearest:" in one and "decode with" in one
+
+
+def test_calibrate_json(capsys, tiny_model_dir, domain_files, tmp_path):
+    out, _ = run_ok(capsys, "calibrate", "--model", str(tiny_model_dir), *domain_files, "--out",
+                    str(tmp_path / "p"), *SMALL, "--json")
+    data = json.loads(out)
+    assert data["profile"] == str(tmp_path / "p") and "global" in data and data["routing"]["anchors"] == 6
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--domains", "x=/nonexistent/file.jsonl"], "no such file"),
+    (["--domains", "x"], "NAME=PATH"),
+    (["--jobs", "0"], "jobs"),
+    (["--trials", "0"], "trials"),
+    (["--prompts-per-domain", "1"], "prompts-per-domain"),
+    (["--scheduler", "tcp://h:1"], "--scheduler"),
+])
+def test_calibrate_errors_are_one_line(capsys, tiny_model_dir, tmp_path, extra, message):
+    code, _, err = run(capsys, "calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "p"),
+                       "--quiet", *extra)
+    assert code != 0 and message in err and "Traceback" not in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_malformed_prompt_file_names_file_and_line(capsys, tiny_model_dir, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "fine"}\n{"prompt": broken\n')
+    code, _, err = run(capsys, "calibrate", "--model", str(tiny_model_dir), "--domains", f"a={f}",
+                       "--out", str(tmp_path / "p"))
+    assert code == 1 and f"{f}:2" in err and "malformed JSON" in err
+
+
+def test_route_errors(capsys, tiny_profile, tmp_path):
+    code, _, err = run(capsys, "route", "--profile", str(tmp_path / "none"), "x")
+    assert code == 1 and "no such profile" in err
+    code, _, err = run(capsys, "route", "--profile", str(tiny_profile))
+    assert code != 0 and "PROMPT or --data" in err
+    code, _, err = run(capsys, "profile", "show", str(tmp_path))
+    assert code == 1 and "profile.json: missing" in err
+
+
+def test_route_refuses_a_profile_of_another_model(capsys, tiny_profile, tmp_path):
+    from tests.conftest import char_tokenizer, tiny_model
+
+    other = tmp_path / "other-model"
+    tiny_model("llama", seed=5).save_pretrained(other)
+    char_tokenizer().save_pretrained(other)
+    code, _, err = run(capsys, "route", "--profile", str(tiny_profile), "--model", str(other), "hi",
+                       "--dtype", "float32")
+    assert code == 1 and "calibrated for" in err

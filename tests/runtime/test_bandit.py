@@ -1,0 +1,91 @@
+"""The Thompson-sampling draft-length bandit."""
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptive.runtime.bandit import ThompsonDraftLength, best_length
+
+VERIFY = (1.0, 1.0, 1.05, 1.1, 1.15, 1.2)
+
+
+def test_best_length_worked_examples():
+    # a = 0.9: k=1 -> 1.9/1.5 = 1.267, k=2 -> 2.71/2.05 = 1.322, k=3 -> 3.439/2.7 = 1.274
+    assert best_length(0.9, 0.5, (1.0, 1.0, 1.05, 1.2), 3) == 2
+    # a cheaper 4-token verification tips it to k=3: 3.439/2.6 = 1.323 > 1.322
+    assert best_length(0.9, 0.5, (1.0, 1.0, 1.05, 1.1), 3) == 3
+    # a = 0.3: k=1 -> 1.3/1.5 = 0.87 < 1: do not draft
+    assert best_length(0.3, 0.5, (1.0, 1.0, 1.05), 2) == 0
+    # near-free, near-perfect drafts: the longest allowed
+    assert best_length(0.99, 0.01, VERIFY, 5) == 5
+
+
+def test_update_counts_successes_until_the_first_rejection():
+    b = ThompsonDraftLength(0.5, VERIFY, 5, prior=(1, 1))
+    b.update(4, 2)  # two accepted, then one rejection; the fourth draft is unobserved
+    assert (b.alpha, b.beta) == (3.0, 2.0)
+    b.update(3, 3)  # all accepted: no failure observed
+    assert (b.alpha, b.beta) == (6.0, 2.0)
+    b.update(0, 0)  # a plain step teaches nothing
+    assert (b.alpha, b.beta) == (6.0, 2.0)
+    with pytest.raises(ValueError):
+        b.update(2, 3)
+
+
+def test_posterior_is_bounded_by_the_window():
+    b = ThompsonDraftLength(0.5, VERIFY, 5, prior=(1, 1), window=50)
+    for _ in range(1000):
+        b.update(3, 2)
+    assert b.alpha + b.beta <= 50 + 1e-9
+    assert b.mean == pytest.approx(2 / 3, abs=0.02)
+
+
+def test_bandit_learns_to_stop_drafting_when_drafts_fail_and_to_draft_when_they_pass():
+    bad = ThompsonDraftLength(0.9, VERIFY, 5, prior=(5, 5), seed=1)
+    for _ in range(200):
+        k = bad.choose(5)
+        if k:
+            bad.update(k, 0)  # every draft rejected
+    assert sum(bad.choose(5) == 0 for _ in range(100)) >= 95
+    good = ThompsonDraftLength(0.1, VERIFY, 5, prior=(1, 1), seed=1)
+    for _ in range(200):
+        k = good.choose(5)
+        if k:
+            good.update(k, k)
+    assert sum(good.choose(5) == 5 for _ in range(100)) >= 95
+    assert good.choose(2) <= 2  # respects the step's limit
+
+
+def test_allow_zero_false_always_drafts():
+    b = ThompsonDraftLength(0.99, VERIFY, 5, prior=(1, 50), allow_zero=False)
+    assert all(b.choose(5) >= 1 for _ in range(20))
+
+
+def test_bandit_is_thread_safe():
+    b = ThompsonDraftLength(0.5, VERIFY, 5, prior=(1, 1), window=1e9)
+
+    def work():
+        for _ in range(2000):
+            b.choose(5)
+            b.update(2, 1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert b.alpha == pytest.approx(1 + 8000) and b.beta == pytest.approx(1 + 8000)
+    assert sum(b.state()["chosen"].values()) == 8000
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), max_size=50))
+def test_updates_keep_a_valid_posterior(steps):
+    b = ThompsonDraftLength(0.5, VERIFY + (1.3, 1.4, 1.5), 8, window=40)
+    for drafted, accepted in steps:
+        accepted = min(accepted, drafted)
+        b.update(drafted, accepted)
+        assert b.alpha > 0 and b.beta > 0 and b.alpha + b.beta <= 40 + 1e-9
+        assert 0 <= b.choose(8) <= 8
