@@ -12,9 +12,9 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @model_option
 @click.option("--profile", "profile_dir", type=click.Path(), default=None,
               help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
-@click.option("--method", type=click.Choice(["ar", "ssd", "auto", "ssd-static"]), default=None,
-              help="ar: plain; ssd: self-speculative with the given skip set; with --profile: auto "
-                   "(routed, the default) or ssd-static (the profile's global skip set).  [default: ssd, or auto with --profile]")
+@click.option("--method", type=click.Choice(["ar", "ssd", "knn-ssd", "ssd-static"]), default=None,
+              help="ar: plain; ssd: self-speculative with the given skip set; with --profile: knn-ssd "
+                   "(routed, the default) or ssd-static (the profile's global skip set).  [default: ssd, or knn-ssd with --profile]")
 @click.option("--skip-attn", default="", help="Attention sublayers to skip while drafting, e.g. 3,5,10-14.")
 @click.option("--skip-mlp", default="", help="MLP sublayers to skip while drafting.")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Most tokens drafted per step.")
@@ -40,11 +40,11 @@ def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, d
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                            seed=seed, stop=tuple(stop), draft_len=draft_len, confidence_threshold=confidence)
     skip = SkipSet(parse_layer_list(skip_attn), parse_layer_list(skip_mlp))
-    method = method or ("auto" if profile_dir else "ssd")
+    method = method or ("knn-ssd" if profile_dir else "ssd")
     if profile_dir:
         return _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json,
                                 bool(skip_attn or skip_mlp))
-    if method in ("auto", "ssd-static"):
+    if method in ("knn-ssd", "ssd-static"):
         raise click.UsageError(f"--method {method} needs --profile")
     if method == "ssd" and not skip:
         raise click.UsageError("--method ssd needs a skip set: give --skip-attn and/or --skip-mlp")
@@ -77,7 +77,7 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
     from adaptive.runtime import AdaptiveRuntime
 
     if method == "ssd" or has_skip:
-        raise click.UsageError("with --profile the skip set comes from the profile: use --method auto, ssd-static or ar")
+        raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, ssd-static or ar")
     if raw:
         raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")
     click.echo(f"loading profile {profile_dir} ...", err=True)

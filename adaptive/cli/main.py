@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from adaptive.cli.bench import bench_cmd
 from adaptive.cli.calibrate import calibrate_cmd, profile_group, route_cmd
 from adaptive.cli.generate import generate_cmd
 from adaptive.cli.demo import demo_cmd
@@ -23,6 +24,7 @@ cli.add_command(demo_cmd)
 cli.add_command(calibrate_cmd)
 cli.add_command(profile_group)
 cli.add_command(route_cmd)
+cli.add_command(bench_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ from adaptive.index.embedding import pooled_to_numpy
 from adaptive.index.router import Decision, decide
 from adaptive.runtime.bandit import ThompsonDraftLength
 
-METHODS = ("auto", "ar", "ssd-static")
+METHODS = ("knn-ssd", "ssd-static", "ar")
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RuntimeResult(GenerationResult):
 class AdaptiveRuntime:
     """Serving-side entry point; safe to share between threads (requests are serialised on the model).
 
-    ``method``: ``"auto"`` (the profile's per-domain decision), ``"ssd-static"`` (the global skip
+    ``method``: ``"knn-ssd"`` (routed: the profile's per-domain decision), ``"ssd-static"`` (the global skip
     set for every request, the Self-SD baseline), or ``"ar"``. ``bandit=False`` drafts the fixed
     draft length calibration found instead of Thompson sampling.
     """
@@ -150,7 +150,7 @@ class AdaptiveRuntime:
 
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-               method: str = "auto", confidence_threshold: float | None = None) -> Iterator[str | RuntimeResult]:
+               method: str = "knn-ssd", confidence_threshold: float | None = None) -> Iterator[str | RuntimeResult]:
         """Yield text deltas, then the final :class:`RuntimeResult`."""
         if method not in METHODS:
             raise ConfigError(f"unknown runtime method {method!r}; choose one of {', '.join(METHODS)}")
@@ -167,7 +167,7 @@ class AdaptiveRuntime:
                     if self.bandit and info.get("decision") == "ssd":
                         info["bandit"] = self._bandits[f"{method}:{info['applied']}"].state()
                     yield RuntimeResult(item.text, item.token_ids, item.finish_reason, item.stats,
-                                        f"runtime/{method}", info)
+                                        method, info)
                 else:
                     yield item
 

@@ -32,7 +32,7 @@ def _ar(rt, prompt, n=24):
     return Engine(rt.lm).generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
 
 
-@pytest.mark.parametrize("method", ["auto", "ssd-static", "ar"])
+@pytest.mark.parametrize("method", ["knn-ssd", "ssd-static", "ar"])
 def test_runtime_greedy_output_equals_plain_decoding(runtime, method):
     for prompt in PROMPTS:
         r = runtime.generate(prompt, max_new_tokens=24, method=method)

@@ -1,0 +1,1 @@
+"""Benchmarks: Spec-Bench-style comparison of decoding methods (``adaptive bench``)."""

@@ -1,0 +1,68 @@
+"""Benchmark prompts: Spec-Bench's format (``question_id``, ``category``, ``turns``) or plain JSONL.
+
+The eight MT-bench categories form one ``mt_bench`` group, as Spec-Bench reports them, unless
+``group_mt_bench=False``. ``per_category`` keeps the first N prompts of each group, in file order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaptive.calibrate.sources import PromptFileError, read_prompt_rows
+
+MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark item: its user turns (one unless all turns were asked for)."""
+
+    id: str
+    group: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def group_of(category: str, group_mt_bench: bool = True) -> str:
+    """``"writing"`` -> ``"mt_bench"``; ``"qa"`` -> ``"qa"``; with ``group_mt_bench=False`` unchanged."""
+    return "mt_bench" if group_mt_bench and category in MT_BENCH else category
+
+
+def load_bench_prompts(path: str | Path, per_category: int | None = None, group_mt_bench: bool = True,
+                       all_turns: bool = False, skip_first: int = 0) -> list[BenchPrompt]:
+    """Read benchmark prompts (errors name the file and line).
+
+    ``skip_first`` drops the first N prompts of each group (those a profile was calibrated on),
+    then ``per_category`` keeps the next N. ``all_turns`` keeps every user turn of Spec-Bench rows
+    (each later turn is answered after the earlier turns and the reference method's replies).
+    A plain JSONL row with no ``category`` is in group ``default``.
+    """
+    if per_category is not None and per_category < 1:
+        raise PromptFileError(f"per-category must be >= 1, got {per_category}")
+    if skip_first < 0:
+        raise PromptFileError(f"skip-first must be >= 0, got {skip_first}")
+    path = Path(path)
+    rows = read_prompt_rows(path)
+    all_rows = []
+    if all_turns and path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        all_rows = [json.loads(line) for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    out: list[BenchPrompt] = []
+    seen: dict[str, int] = defaultdict(int)
+    for i, row in enumerate(rows):
+        category = str(row.get("category", "default"))
+        group = group_of(category, group_mt_bench)
+        seen[group] += 1
+        if seen[group] <= skip_first:
+            continue
+        if per_category is not None and seen[group] > skip_first + per_category:
+            continue
+        turns = (row["prompt"],)
+        if all_rows and isinstance(all_rows[i].get("turns"), list):
+            turns = tuple(str(t) for t in all_rows[i]["turns"] if str(t).strip()) or turns
+        out.append(BenchPrompt(str(row.get("question_id", i)), group, category, turns))
+    if not out:
+        raise PromptFileError(f"{path}: no prompts selected (skip-first {skip_first}, per-category {per_category})")
+    return out

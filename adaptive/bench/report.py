@@ -1,0 +1,108 @@
+"""Aggregating benchmark runs into Spec-Bench's metrics; Markdown and PNG renderings.
+
+A *run* is one (prompt, method) measurement: ``{"id", "group", "method", "tokens_per_s",
+"steps", "drafted", "accepted", "identical", "violation"}`` (``steps`` is ``None`` for methods
+that do not report them, e.g. Hugging Face's).
+"""
+
+from __future__ import annotations
+
+REFERENCE = "ar"
+
+
+def summarize(runs: list[dict], methods: list[str]) -> dict:
+    """``{method: {speedup, tokens_per_s, mean_accepted_tokens, acceptance_rate, identical_to_ar,
+    differing_prompts, lossless_violations, prompts, by_category: {group: same fields}}}``.
+
+    speedup = mean over prompts of the method's tokens/s / the same mean for ``ar``;
+    mean accepted tokens = (accepted + steps) / steps over all prompts (``ar`` = 1.0);
+    acceptance rate = accepted / drafted.
+
+    Example: ar at 10 and 20 tok/s, ssd at 15 and 20: speedup ``17.5 / 15 = 1.1667``.
+    """
+    out = {}
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        entry = _fields(mine, [r for r in runs if r["method"] == REFERENCE])
+        groups = sorted({r["group"] for r in mine})
+        entry["by_category"] = {g: _fields([r for r in mine if r["group"] == g],
+                                           [r for r in runs if r["method"] == REFERENCE and r["group"] == g])
+                                for g in groups}
+        out[m] = entry
+    return out
+
+
+def _mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fields(mine: list[dict], ref: list[dict]) -> dict:
+    tps = _mean(r["tokens_per_s"] for r in mine)
+    ref_tps = _mean(r["tokens_per_s"] for r in ref)
+    stepped = [r for r in mine if r.get("steps") is not None]
+    steps = sum(r["steps"] for r in stepped)
+    drafted = sum(r.get("drafted") or 0 for r in stepped)
+    accepted = sum(r.get("accepted") or 0 for r in stepped)
+    differing = [r["id"] for r in mine if r.get("identical") is False]
+    return {
+        "prompts": len(mine),
+        "tokens_per_s": round(tps, 3) if tps is not None else None,
+        "speedup": round(tps / ref_tps, 4) if tps is not None and ref_tps else None,
+        "mean_accepted_tokens": round((accepted + steps) / steps, 4) if steps else None,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else (0.0 if stepped else None),
+        "identical_to_ar": not differing,
+        "differing_prompts": differing,
+        "lossless_violations": sum(1 for r in mine if r.get("violation")),
+    }
+
+
+def markdown(summary: dict, methods: list[str]) -> str:
+    """A table: one row per group (then overall), a ``speedup (tok/s)`` cell per method, and the
+    acceptance / tokens-per-step and equality figures below it."""
+    groups = sorted({g for m in methods for g in summary[m]["by_category"]})
+    head = "| group | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods) + "\n"
+    lines = []
+    for g in [*groups, "overall"]:
+        cells = []
+        for m in methods:
+            f = summary[m] if g == "overall" else summary[m]["by_category"].get(g)
+            cells.append("-" if not f or f["speedup"] is None else f"{f['speedup']:.2f}x ({f['tokens_per_s']:.1f})")
+        name = "**overall**" if g == "overall" else g
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    detail = ["", "| method | mean accepted tokens | acceptance rate | identical to ar | lossless violations |",
+              "|---|---|---|---|---|"]
+    for m in methods:
+        f = summary[m]
+        mat = "-" if f["mean_accepted_tokens"] is None else f"{f['mean_accepted_tokens']:.2f}"
+        acc = "-" if f["acceptance_rate"] is None else f"{f['acceptance_rate']:.2f}"
+        same = "yes" if f["identical_to_ar"] else f"no ({len(f['differing_prompts'])} prompts)"
+        detail.append(f"| {m} | {mat} | {acc} | {same} | {f['lossless_violations']} |")
+    return head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n"
+
+
+def plot(summary: dict, methods: list[str], path, title: str = "") -> None:
+    """Bar chart of speedup over ``ar`` per group (and overall), one bar per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [m for m in methods if m != REFERENCE]
+    groups = sorted({g for m in shown for g in summary[m]["by_category"]}) + ["overall"]
+    width = 0.8 / max(1, len(shown))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups) + 2), 4.2))
+    for i, m in enumerate(shown):
+        vals = [(summary[m] if g == "overall" else summary[m]["by_category"].get(g, {})).get("speedup") or 0.0
+                for g in groups]
+        xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, vals, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=20, ha="right")
+    ax.set_ylabel("speedup over ar (tokens/s ratio)")
+    ax.set_title(title or "speedup per group")
+    ax.legend(fontsize=8, ncol=min(4, len(shown)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,69 @@
+"""``adaptive bench``: Spec-Bench-style comparison of methods against plain decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from adaptive.cli.common import device_option, dtype_option, load, model_option
+
+
+@click.command("bench")
+@click.option("--data", "data_file", required=True, type=click.Path(),
+              help="Spec-Bench JSONL (question_id, category, turns) or prompt JSONL (prompt, optional category).")
+@click.option("--profile", "profile_dir", type=click.Path(), default=None, help="Profile for ssd-static and knn-ssd.")
+@model_option
+@click.option("--methods", default="ar,hf,ssd-static,knn-ssd", show_default=True,
+              help="Comma-separated: ar, hf, hf-pld, hf-early-exit, ssd-static, knn-ssd, knn-ssd-fixed.")
+@click.option("--per-category", type=int, default=None, help="First N prompts of each group.")
+@click.option("--skip-first", type=int, default=0, show_default=True,
+              help="Leave out the first N of each group (e.g. the prompts a profile was calibrated on).")
+@click.option("--no-group-mt-bench", is_flag=True, help="Keep the eight MT-bench categories apart.")
+@click.option("--all-turns", is_flag=True, help="Every turn, each after the earlier turns and ar's replies.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--warmup", type=int, default=1, show_default=True, help="Unmeasured runs of every method first.")
+@click.option("--threads", type=int, default=None, help="torch threads (default: torch's).")
+@dtype_option
+@device_option
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), default="report.json", show_default=True)
+@click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None, help="Also write a Markdown table.")
+@click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
+              max_new_tokens, warmup, threads, dtype, device, out_json, out_md, out_png, quiet):
+    """Measure speedup, acceptance and equality with ar per group, for each method."""
+    from adaptive.bench.data import load_bench_prompts
+    from adaptive.bench.report import markdown, plot
+    from adaptive.bench.runner import NEEDS_PROFILE, BenchSettings, parse_methods, run_bench
+    from adaptive.models import DEFAULT_MODEL
+    from adaptive.profile import load_profile
+
+    method_list = parse_methods(methods)
+    settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads)
+    needs = [m for m in method_list if m in NEEDS_PROFILE]
+    if needs and not profile_dir:
+        raise click.UsageError(f"method(s) {', '.join(needs)} need --profile DIR (from adaptive calibrate)")
+    prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
+    profile = load_profile(profile_dir) if profile_dir else None
+    spec = model_spec
+    if profile is not None and model_spec == DEFAULT_MODEL:
+        spec = profile.model.get("spec", DEFAULT_MODEL)
+    if profile is not None and dtype == "auto":
+        dtype = profile.model.get("dtype", "auto")
+    lm = load(spec, device, dtype)
+    report = run_bench(lm, prompts, method_list, settings, profile, progress=not quiet)
+    report["settings"].update(data=str(data_file), per_category=per_category, skip_first=skip_first,
+                              group_mt_bench=not no_group_mt_bench, all_turns=all_turns)
+    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    table = markdown(report["results"], method_list)
+    if out_md:
+        Path(out_md).write_text(table, encoding="utf-8")
+    if out_png:
+        plot(report["results"], method_list, out_png, title=f"{lm.name} ({report['model']['dtype']}), "
+             f"{max_new_tokens} new tokens, speedup over ar")
+    click.echo(table)
+    click.echo(f"report written to {out_json}" + (f", {out_md}" if out_md else "") + (f", {out_png}" if out_png else ""),
+               err=True)

@@ -1,0 +1,85 @@
+"""Benchmark aggregation with literal runs, the table, the chart, prompt loading and method lists."""
+
+import json
+
+import pytest
+
+from adaptive.bench.data import load_bench_prompts
+from adaptive.bench.report import markdown, plot, summarize
+from adaptive.bench.runner import parse_methods
+from adaptive.calibrate.sources import PromptFileError
+from adaptive.errors import ConfigError
+
+RUNS = [
+    # prompt a (qa): ar 10 tok/s; ssd 15 tok/s with 3 steps, 6 drafted, 4 accepted
+    {"id": "a", "group": "qa", "method": "ar", "tokens_per_s": 10.0, "steps": 8, "drafted": 0, "accepted": 0,
+     "identical": True},
+    {"id": "a", "group": "qa", "method": "ssd", "tokens_per_s": 15.0, "steps": 3, "drafted": 6, "accepted": 4,
+     "identical": True, "violation": False},
+    {"id": "a", "group": "qa", "method": "hf", "tokens_per_s": 9.0, "steps": None, "drafted": None,
+     "accepted": None, "identical": True, "violation": False},
+    # prompt b (rag): ar 20 tok/s; ssd 20 tok/s, 2 steps, 4 drafted, 2 accepted, parted at a near-tie
+    {"id": "b", "group": "rag", "method": "ar", "tokens_per_s": 20.0, "steps": 6, "drafted": 0, "accepted": 0,
+     "identical": True},
+    {"id": "b", "group": "rag", "method": "ssd", "tokens_per_s": 20.0, "steps": 2, "drafted": 4, "accepted": 2,
+     "identical": False, "violation": False},
+    {"id": "b", "group": "rag", "method": "hf", "tokens_per_s": 21.0, "steps": None, "drafted": None,
+     "accepted": None, "identical": True, "violation": False},
+]
+
+
+def test_summarize_worked_example():
+    s = summarize(RUNS, ["ar", "ssd", "hf"])
+    # speedup: mean(15, 20) / mean(10, 20) = 17.5 / 15
+    assert s["ssd"]["speedup"] == pytest.approx(17.5 / 15, abs=1e-4)
+    assert s["ar"]["speedup"] == 1.0 and s["ar"]["mean_accepted_tokens"] == 1.0
+    # (accepted + steps) / steps = (6 + 5) / 5; acceptance 6 / 10
+    assert s["ssd"]["mean_accepted_tokens"] == pytest.approx(2.2)
+    assert s["ssd"]["acceptance_rate"] == pytest.approx(0.6)
+    assert s["ssd"]["identical_to_ar"] is False and s["ssd"]["differing_prompts"] == ["b"]
+    assert s["ssd"]["lossless_violations"] == 0
+    assert s["ssd"]["by_category"]["qa"]["speedup"] == pytest.approx(1.5)
+    assert s["ssd"]["by_category"]["rag"]["identical_to_ar"] is False
+    assert s["hf"]["mean_accepted_tokens"] is None and s["hf"]["acceptance_rate"] is None
+    assert s["hf"]["speedup"] == pytest.approx(1.0)
+
+
+def test_markdown_and_plot(tmp_path):
+    s = summarize(RUNS, ["ar", "ssd", "hf"])
+    md = markdown(s, ["ar", "ssd", "hf"])
+    assert "| qa | 1.00x (10.0) | 1.50x (15.0) | 0.90x (9.0) |" in md
+    assert "| ssd | 2.20 | 0.60 | no (1 prompts) | 0 |" in md
+    plot(s, ["ar", "ssd", "hf"], tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_methods():
+    assert parse_methods("knn-ssd,hf") == ["ar", "knn-ssd", "hf"]
+    assert parse_methods("hf,ar") == ["ar", "hf"]
+    with pytest.raises(ConfigError, match="unknown"):
+        parse_methods("ar,turbo")
+    with pytest.raises(ConfigError, match="twice"):
+        parse_methods("hf,hf")
+
+
+def test_load_spec_bench_format(tmp_path):
+    f = tmp_path / "sb.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}", f"follow{i}"]}
+            for i, c in enumerate(["writing", "coding", "qa", "qa", "qa", "rag"])]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_bench_prompts(f)
+    assert [p.group for p in ps] == ["mt_bench", "mt_bench", "qa", "qa", "qa", "rag"]
+    assert ps[0].turns == ("q0",)
+    assert [p.id for p in load_bench_prompts(f, per_category=1)] == ["0", "2", "5"]
+    assert [p.id for p in load_bench_prompts(f, per_category=1, skip_first=1)] == ["1", "3"]
+    apart = load_bench_prompts(f, group_mt_bench=False)
+    assert {p.group for p in apart} == {"writing", "coding", "qa", "rag"}
+    assert load_bench_prompts(f, all_turns=True)[0].turns == ("q0", "follow0")
+    plain = tmp_path / "p.jsonl"
+    plain.write_text('{"prompt": "hi"}\n{"prompt": "yo", "category": "x"}\n')
+    assert [p.group for p in load_bench_prompts(plain)] == ["default", "x"]
+    with pytest.raises(PromptFileError, match="no prompts selected"):
+        load_bench_prompts(f, skip_first=10)
+    with pytest.raises(PromptFileError, match=":2"):
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+        load_bench_prompts(tmp_path / "bad.jsonl")

@@ -1,0 +1,74 @@
+"""``adaptive bench`` end to end on the tiny model."""
+
+import json
+
+import pytest
+
+from tests.cli.test_generate_cli import run, run_ok
+from tests.conftest import TINY_DOMAINS
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    f = tmp_path / "sb.jsonl"
+    rows = [{"question_id": f"{n}{i}", "category": n, "turns": [p, "and then?"]}
+            for n, ps in TINY_DOMAINS.items() for i, p in enumerate(ps[-2:])]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_profile, data_file, tmp_path):
+    out = tmp_path / "report.json"
+    md, png = tmp_path / "report.md", tmp_path / "report.png"
+    table, err = run_ok(capsys, "bench", "--data", str(data_file), "--profile", str(tiny_profile), "--model",
+                        str(tiny_model_dir), "--methods", "ar,hf,hf-pld,hf-early-exit,ssd-static,knn-ssd,knn-ssd-fixed",
+                        "--max-new-tokens", "10", "--dtype", "float32", "--out", str(out), "--markdown", str(md),
+                        "--plot", str(png), "--quiet")
+    report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "model", "settings", "methods", "results", "runs"}
+    assert report["machine"]["torch"] and report["machine"]["threads"] >= 1
+    res = report["results"]
+    assert list(res) == ["ar", "hf", "hf-pld", "hf-early-exit", "ssd-static", "knn-ssd", "knn-ssd-fixed"]
+    for m, r in res.items():
+        assert set(r) >= {"speedup", "mean_accepted_tokens", "acceptance_rate", "tokens_per_s", "identical_to_ar",
+                          "lossless_violations", "by_category"}
+        assert r["prompts"] == 6 and r["lossless_violations"] == 0
+        assert r["identical_to_ar"], (m, r["differing_prompts"])  # fp32: every method token for token
+        assert set(r["by_category"]) == set(TINY_DOMAINS)
+    assert res["ar"]["speedup"] == 1.0 and res["ar"]["mean_accepted_tokens"] == 1.0
+    assert res["knn-ssd"]["mean_accepted_tokens"] >= 1.0
+    knn_runs = [r for r in report["runs"] if r["method"] == "knn-ssd"]
+    assert all("applied" in r and "decision" in r for r in knn_runs)
+    assert "| **overall** |" in table and md.read_text() == table
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_all_turns(capsys, tiny_model_dir, data_file, tmp_path):
+    out = tmp_path / "r.json"
+    run_ok(capsys, "bench", "--data", str(data_file), "--model", str(tiny_model_dir), "--methods", "ar,hf",
+           "--per-category", "1", "--all-turns", "--max-new-tokens", "6", "--dtype", "float32", "--out", str(out),
+           "--quiet", "--warmup", "0")
+    runs = json.loads(out.read_text())["runs"]
+    ids = sorted({r["id"] for r in runs})
+    assert len(ids) == 6 and all("/turn" in i for i in ids)
+    tokens = {r["id"]: r["prompt_tokens"] for r in runs if r["method"] == "ar"}
+    for i in ids:
+        if i.endswith("turn2"):  # the second turn carries the first turn and ar's reply to it
+            assert tokens[i] > tokens[i.replace("turn2", "turn1")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "ar,knn-ssd"], "need --profile"),
+    (["--methods", "ar,warp"], "unknown method"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--per-category", "0"], "per-category"),
+])
+def test_bench_errors(capsys, tiny_model_dir, data_file, args, message):
+    code, _, err = run(capsys, "bench", "--data", str(data_file), "--model", str(tiny_model_dir), "--quiet",
+                       "--dtype", "float32", *args)
+    assert code != 0 and message in err and "Traceback" not in err
+
+
+def test_bench_missing_data_file(capsys, tmp_path):
+    code, _, err = run(capsys, "bench", "--data", str(tmp_path / "none.jsonl"), "--methods", "ar")
+    assert code == 1 and "no such file" in err
