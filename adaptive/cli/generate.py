@@ -51,21 +51,10 @@ def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, d
     lm = load(model_spec, device, dtype)
     skip.validate_for(lm.n_layers)
     engine = Engine(lm)
-    result = None
-    for item in engine.stream(prompt, cfg, method=method, skip=skip if method == "ssd" else None,
-                              chat=False if raw else None):
-        if isinstance(item, str):
-            if stream and not as_json:
-                click.echo(item, nl=False)
-        else:
-            result = item
+    result = _print_stream(engine.stream(prompt, cfg, method=method, skip=skip if method == "ssd" else None,
+                                         chat=False if raw else None), lm, stream, as_json)
     if as_json:
-        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
         return
-    if stream:
-        click.echo()
-    else:
-        click.echo(result.text)
     s = result.stats
     click.echo(f"[{method}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
                f"{s.mean_accepted_tokens:.2f} tokens/step", err=True)
@@ -83,22 +72,33 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
     click.echo(f"loading profile {profile_dir} ...", err=True)
     rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
                                       device=device, dtype=None if dtype == "auto" else dtype)
-    result = None
-    for item in rt.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                          top_k=cfg.top_k, stop=cfg.stop, seed=cfg.seed, method=method,
-                          confidence_threshold=cfg.confidence_threshold):
-        if isinstance(item, str):
-            if stream and not as_json:
-                click.echo(item, nl=False)
-        else:
-            result = item
+    items = rt.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                      top_k=cfg.top_k, stop=cfg.stop, seed=cfg.seed, method=method,
+                      confidence_threshold=cfg.confidence_threshold)
+    result = _print_stream(items, rt.lm, stream, as_json)
     if as_json:
-        echo_json({**result.to_dict(), "model": rt.lm.name, "dtype": str(rt.lm.dtype).replace("torch.", "")})
         return
-    click.echo() if stream else click.echo(result.text)
     s = result.stats
     where = "out-of-domain (global set)" if result.domain is None else f"domain {result.domain}"
     click.echo(f"[{method}] {where}, decoded with {result.decision}"
                + (f" (skip {result.skip}, draft lengths {dict(sorted(result.draft_lengths.items()))})"
                   if result.decision == "ssd" else "")
                + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}", err=True)
+
+
+def _print_stream(items, lm, stream: bool, as_json: bool):
+    """Print text deltas (``--stream``), then the text or the JSON object; return the result."""
+    result = None
+    for item in items:
+        if isinstance(item, str):
+            if stream and not as_json:
+                click.echo(item, nl=False)
+        else:
+            result = item
+    if as_json:
+        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
+    elif stream:
+        click.echo()
+    else:
+        click.echo(result.text)
+    return result

@@ -153,9 +153,23 @@ class AnchorIndex:
         return cls(np.concatenate(anchors), labels, mean, ood_threshold=max(worst * ood_margin, 1e-4), k=k)
 
     def search(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Squared L2 distances and anchor indices, ``[n, k]`` each, nearest first."""
+        """Squared L2 distances and anchor indices, ``[n, k]`` each, nearest first.
+
+        A single query runs on one OpenMP thread: with 10,000 anchors FAISS's thread fan-out
+        made one search 4x slower (2.1 ms against 0.5 ms on 2 cores; benchmarks/routing_overhead.py).
+        """
+        import faiss
+
         k = min(k or self.k, len(self.labels))
-        return self.index.search(self.transform(vectors), k)
+        x = self.transform(vectors)
+        if x.shape[0] > 1:
+            return self.index.search(x, k)
+        before = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)  # per calling thread (OpenMP semantics)
+        try:
+            return self.index.search(x, k)
+        finally:
+            faiss.omp_set_num_threads(before)
 
     def route(self, vector: np.ndarray, k: int | None = None) -> Route:
         """Route one raw embedding ``[d]`` (see the module docstring for the policy)."""
