@@ -55,16 +55,25 @@ class DomainProfile:
     measured_mean_accepted: float | None = None
     trials: int = 0
     candidates: tuple = ()
+    method: str = ""  # "ar", "ssd" or "pld": what the runtime uses; "" -> from ``pays``
+    pld_speedup: float | None = None
+    pld_acceptance: float | None = None
+    pld_draft_len: int = 8
     extra: dict = field(default_factory=dict)
 
+    METHODS = ("ar", "ssd", "pld")
+
     def __post_init__(self):
-        if self.draft_len < 1:
-            raise ValueError(f"draft_len must be >= 1, got {self.draft_len}")
+        if self.draft_len < 1 or self.pld_draft_len < 1:
+            raise ValueError(f"draft lengths must be >= 1, got {self.draft_len}, {self.pld_draft_len}")
+        if self.method and self.method not in self.METHODS:
+            raise ValueError(f"method must be one of {', '.join(self.METHODS)}, got {self.method!r}")
 
     @property
     def decision(self) -> str:
-        """``"ssd"`` where layer-skip drafting measured faster than plain decoding, else ``"ar"``."""
-        return "ssd" if self.pays else "ar"
+        """What the runtime decodes this domain with: the fastest measured of layer-skip drafting
+        (``ssd``) and prompt lookup (``pld``) where it beat plain decoding by the margin, else ``ar``."""
+        return self.method or ("ssd" if self.pays else "ar")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "skip": self.skip.to_dict(), "skip_text": self.skip.to_text(),
@@ -73,7 +82,9 @@ class DomainProfile:
                 "estimated_matchness": self.estimated_matchness, "estimated_draft_cost": self.estimated_draft_cost,
                 "estimated_speedup": self.estimated_speedup, "measured_acceptance": self.measured_acceptance,
                 "measured_speedup": self.measured_speedup, "measured_mean_accepted": self.measured_mean_accepted,
-                "trials": self.trials, "candidates": list(self.candidates), **({"extra": self.extra} if self.extra else {})}
+                "trials": self.trials, "candidates": list(self.candidates), "method": self.decision,
+                "pld_speedup": self.pld_speedup, "pld_acceptance": self.pld_acceptance,
+                "pld_draft_len": self.pld_draft_len, **({"extra": self.extra} if self.extra else {})}
 
     @classmethod
     def from_dict(cls, d: dict, n_layers: int) -> "DomainProfile":
@@ -84,7 +95,9 @@ class DomainProfile:
                    estimated_speedup=float(d.get("estimated_speedup", 0.0)),
                    measured_acceptance=d.get("measured_acceptance"), measured_speedup=d.get("measured_speedup"),
                    measured_mean_accepted=d.get("measured_mean_accepted"), trials=int(d.get("trials", 0)),
-                   candidates=tuple(d.get("candidates", ())), extra=dict(d.get("extra", {})))
+                   candidates=tuple(d.get("candidates", ())), method=str(d.get("method", "")),
+                   pld_speedup=d.get("pld_speedup"), pld_acceptance=d.get("pld_acceptance"),
+                   pld_draft_len=int(d.get("pld_draft_len", 8)), extra=dict(d.get("extra", {})))
 
 
 @dataclass
@@ -141,7 +154,7 @@ class Profile:
                          "skip_attn": len(d.skip.attn), "skip_mlp": len(d.skip.mlp), "draft_len": d.draft_len,
                          "est_acceptance": d.estimated_matchness, "meas_acceptance": d.measured_acceptance,
                          "est_speedup": d.estimated_speedup, "meas_speedup": d.measured_speedup,
-                         "decision": d.decision, "skip": d.skip.to_text()})
+                         "pld_speedup": d.pld_speedup, "decision": d.decision, "skip": d.skip.to_text()})
         return rows
 
 

@@ -14,15 +14,18 @@ from adaptive.bench.data import BenchPrompt
 from adaptive.bench.report import summarize
 from adaptive.errors import ConfigError
 
-METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "ssd-static", "knn-ssd", "knn-ssd-fixed")
+METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed")
+PLD_DRAFT_LEN = 8
 NEEDS_PROFILE = ("ssd-static", "knn-ssd", "knn-ssd-fixed")
 DESCRIPTIONS = {
     "ar": "our loop, plain greedy decoding (the reference)",
     "hf": "transformers generate, greedy",
     "hf-pld": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
     "hf-early-exit": "transformers assisted generation with assistant_early_exit = half the layers",
+    "pld": f"our loop with prompt-lookup drafts (n-gram 3..1), fixed draft length {PLD_DRAFT_LEN}",
     "ssd-static": "self-speculative with the profile's global skip set and its draft length (Self-SD)",
-    "knn-ssd": "the runtime: KNN-routed skip set per domain, Thompson-sampled draft length",
+    "knn-ssd": "the runtime: KNN routing to the domain's calibrated choice (layer-skip drafting, prompt lookup "
+               "or plain decoding), Thompson-sampled draft length",
     "knn-ssd-fixed": "the runtime with calibration's fixed draft length instead of the bandit",
 }
 
@@ -102,6 +105,9 @@ class _Methods:
             return _from_result(r)
         if method.startswith("hf"):
             return self._hf(method, self.ids(messages), n)
+        if method == "pld":
+            cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN)
+            return _from_result(self.engine.generate(self.ids(messages), cfg, method="pld"))
         if method == "knn-ssd":
             return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="knn-ssd"))
         if method == "knn-ssd-fixed":

@@ -12,8 +12,8 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @model_option
 @click.option("--profile", "profile_dir", type=click.Path(), default=None,
               help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
-@click.option("--method", type=click.Choice(["ar", "ssd", "knn-ssd", "ssd-static"]), default=None,
-              help="ar: plain; ssd: self-speculative with the given skip set; with --profile: knn-ssd "
+@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "knn-ssd", "ssd-static"]), default=None,
+              help="ar: plain; ssd: self-speculative with the given skip set; pld: prompt lookup; with --profile: knn-ssd "
                    "(routed, the default) or ssd-static (the profile's global skip set).  [default: ssd, or knn-ssd with --profile]")
 @click.option("--skip-attn", default="", help="Attention sublayers to skip while drafting, e.g. 3,5,10-14.")
 @click.option("--skip-mlp", default="", help="MLP sublayers to skip while drafting.")
@@ -65,7 +65,7 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
     from adaptive.models import DEFAULT_MODEL
     from adaptive.runtime import AdaptiveRuntime
 
-    if method == "ssd" or has_skip:
+    if method in ("ssd", "pld") or has_skip:
         raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, ssd-static or ar")
     if raw:
         raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")

@@ -52,7 +52,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 class Engine:
     """Decodes prompts with a loaded model (:class:`adaptive.models.LoadedModel`).
 
-    ``generate(prompt, config, method="ar"|"ssd", skip=...)`` returns a :class:`GenerationResult`;
+    ``generate(prompt, config, method="ar"|"ssd"|"pld", skip=...)`` returns a :class:`GenerationResult`;
     ``stream(...)`` yields text deltas and finally the result.
     """
 
@@ -93,12 +93,17 @@ class Engine:
             return Plan(drafter, policy, {"drafter": drafter.describe()})
         if method == "ar":
             return Plan()
+        if method == "pld":
+            from adaptive.drafters.ngram import NgramDrafter
+
+            d = NgramDrafter()
+            return Plan(d, policy, {"drafter": d.describe()})
         if method == "ssd":
             if skip is None:
                 raise ConfigError("method 'ssd' needs a skip set (e.g. --skip-attn 4,7,9)")
             d = LayerSkipDrafter(skip, self.backbone.n_layers)
             return Plan(d, policy, {"skip": skip.to_dict(), "drafter": d.describe()})
-        raise ConfigError(f"unknown method {method!r}; choose ar or ssd")
+        raise ConfigError(f"unknown method {method!r}; choose ar, ssd or pld")
 
     def stream(
         self,

@@ -3,8 +3,9 @@
 Per request: the prompt is encoded as at calibration (the profile's chat setting); the engine's
 prefill yields the prompt embedding (no extra forward); the anchor index picks the domain
 (distance-weighted KNN vote; out-of-domain requests use the global set); the domain's decision
-from calibration applies (``ssd`` with its skip set where that measured faster than plain
-decoding, ``ar`` otherwise); the domain's Thompson-sampling bandit picks each step's draft length.
+from calibration applies (``ssd`` with its skip set, or ``pld`` prompt lookup, whichever measured
+faster than plain decoding by the margin; ``ar`` otherwise); the domain's Thompson-sampling bandit
+picks each step's draft length.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from adaptive.drafters.base import FixedDraftLength
 from adaptive.drafters.layerskip import LayerSkipDrafter
+from adaptive.drafters.ngram import NgramDrafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine, GenerationResult
 from adaptive.engine.loop import Plan
@@ -24,6 +27,7 @@ from adaptive.index.router import Decision, decide
 from adaptive.runtime.bandit import ThompsonDraftLength
 
 METHODS = ("knn-ssd", "ssd-static", "ar")
+PLD_DRAFT_COST = 0.005  # a prompt-lookup draft token, in full steps (about 0.1 ms against ~30 ms)
 
 
 @dataclass
@@ -41,12 +45,12 @@ class RuntimeResult(GenerationResult):
 
     @property
     def skip(self) -> str | None:
-        """The skip set drafted with (text form), ``None`` when decoded plainly."""
+        """The skip set drafted with (text form), ``None`` unless layer-skip drafting was used."""
         return self.info.get("skip_text")
 
     @property
     def decision(self) -> str:
-        """What decoded the request: ``ssd`` (layer-skip drafting) or ``ar``."""
+        """What decoded the request: ``ssd`` (layer-skip drafting), ``pld`` (prompt lookup) or ``ar``."""
         return self.info.get("decision", "ar")
 
     @property
@@ -106,11 +110,14 @@ class AdaptiveRuntime:
             vec = embed_prompt(self.engine.backbone, ids)
         return decide(self.profile, vec)
 
-    def _policy(self, name: str, dp) -> ThompsonDraftLength:
+    def _policy(self, name: str, dp, use: str) -> ThompsonDraftLength:
         if name not in self._bandits:
             cm = self.profile.cost_model
-            c = dp.estimated_draft_cost
-            a = dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness
+            if use == "pld":  # a lookup over token ids: negligible against a forward
+                c, a = PLD_DRAFT_COST, dp.pld_acceptance if dp.pld_acceptance is not None else 0.5
+            else:
+                c = dp.estimated_draft_cost
+                a = dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness
             a = min(max(float(a), 0.01), 0.99)
             prior = (1.0 + 10.0 * a, 1.0 + 10.0 * (1.0 - a))  # worth ~10 observed drafts
             self._bandits[name] = ThompsonDraftLength(
@@ -133,15 +140,17 @@ class AdaptiveRuntime:
             key = f"{method}:{dp.name}"
             drafter = self._drafters.get(key)
             if drafter is None:
-                drafter = self._drafters[key] = LayerSkipDrafter(dp.skip, self.lm.n_layers)
+                drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
+                                                 else LayerSkipDrafter(dp.skip, self.lm.n_layers))
+            fixed_len = dp.pld_draft_len if use == "pld" else dp.draft_len
             if self.bandit:
-                policy = self._policy(key, dp)
+                policy = self._policy(key, dp, use)
             else:
-                from adaptive.drafters.base import FixedDraftLength
-
-                policy = FixedDraftLength(dp.draft_len)
-            info.update(skip_text=dp.skip.to_text(), skip=dp.skip.to_dict(),
-                        draft_policy="thompson" if self.bandit else f"fixed {dp.draft_len}")
+                policy = FixedDraftLength(fixed_len)
+            info.update(draft_policy="thompson" if self.bandit else f"fixed {fixed_len}",
+                        drafter=drafter.describe())
+            if use == "ssd":
+                info.update(skip_text=dp.skip.to_text(), skip=dp.skip.to_dict())
             return Plan(drafter, policy, info)
 
         return plan
@@ -164,7 +173,7 @@ class AdaptiveRuntime:
             for item in self.engine.stream(ids, cfg, plan=self._plan(method)):
                 if isinstance(item, GenerationResult):
                     info = dict(item.info)
-                    if self.bandit and info.get("decision") == "ssd":
+                    if self.bandit and info.get("decision") in ("ssd", "pld"):
                         info["bandit"] = self._bandits[f"{method}:{info['applied']}"].state()
                     yield RuntimeResult(item.text, item.token_ids, item.finish_reason, item.stats,
                                         method, info)

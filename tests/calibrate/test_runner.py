@@ -52,18 +52,26 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
     cm = p.cost_model
     assert cm.n_layers == 4 and cm.verify[0] == 1.0
     for d in [*p.domains.values(), p.global_set]:
-        confirmed = [c for c in d.candidates if not c.get("recheck")]
-        assert len(confirmed) == 1  # confirm_candidates=1
-        c = confirmed[0]
+        ssd = [c for c in d.candidates if not c.get("recheck") and c["method"] == "ssd"]
+        pld = [c for c in d.candidates if not c.get("recheck") and c["method"] == "pld"]
+        assert len(ssd) == 1 and len(pld) == 1  # confirm_candidates=1, and prompt lookup
+        c = ssd[0]
         assert c["skip"] == d.skip.to_text() and c["prompts"] >= 1
         assert 0.0 <= d.estimated_matchness <= 1.0
         assert d.estimated_speedup == c["target"]
         rechecks = [r for r in d.candidates if r.get("recheck")]
-        if rechecks:  # a winner that measured faster is timed again; the decision uses the mean
-            assert d.measured_speedup == pytest.approx((c["measured_speedup"] + rechecks[0]["measured_speedup"]) / 2,
-                                                       abs=1e-3)
+        if rechecks:  # the winner of ssd and pld measured faster: timed again, decided on the mean
+            r = rechecks[0]
+            first = c if r["method"] == "ssd" else pld[0]
+            got = d.measured_speedup if r["method"] == "ssd" else d.pld_speedup
+            assert got == pytest.approx((first["measured_speedup"] + r["measured_speedup"]) / 2, abs=1e-3)
         else:
-            assert d.measured_speedup == c["measured_speedup"] and not d.pays
+            assert d.measured_speedup == c["measured_speedup"] and d.pld_speedup == pld[0]["measured_speedup"]
+            assert d.decision == "ar"
+        if d.decision == "ssd":
+            assert d.measured_speedup >= 1.02 and d.measured_speedup >= d.pld_speedup
+        if d.decision == "pld":
+            assert d.pld_speedup >= 1.02 and d.pld_speedup >= d.measured_speedup
 
 
 def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):

@@ -15,12 +15,14 @@ from tests.conftest import TINY_DOMAINS
 
 @pytest.fixture(scope="module")
 def runtime(tiny_profile, tiny_model_dir):
-    """A runtime whose domains all decode with ssd (the tiny model's timings decide nothing)."""
+    """A runtime whose domains draft: math with prompt lookup, the others and the global set with
+    layer skipping (the tiny model's timings decide nothing)."""
     from adaptive.models import load_model
 
     p = load_profile(tiny_profile)
-    p.domains = {n: dataclasses.replace(d, pays=True) for n, d in p.domains.items()}
-    p.global_set = dataclasses.replace(p.global_set, pays=True)
+    p.domains = {n: dataclasses.replace(d, pays=True, method="pld" if n == "math" else "ssd")
+                 for n, d in p.domains.items()}
+    p.global_set = dataclasses.replace(p.global_set, pays=True, method="ssd")
     lm = load_model(str(tiny_model_dir), dtype="float32")
     return AdaptiveRuntime(p, lm, seed=0)
 
@@ -37,15 +39,23 @@ def test_runtime_greedy_output_equals_plain_decoding(runtime, method):
     for prompt in PROMPTS:
         r = runtime.generate(prompt, max_new_tokens=24, method=method)
         assert r.token_ids == _ar(runtime, prompt), (method, prompt)
-        assert r.decision == ("ar" if method == "ar" else "ssd")
+        if method == "ar":
+            assert r.decision == "ar"
+        elif method == "ssd-static":
+            assert r.decision == "ssd" and r.info["applied"] == "global"
+        else:
+            assert r.decision == runtime.profile.domain(r.domain).decision
 
 
 def test_result_records_the_routing_decision(runtime):
-    r = runtime.generate(TINY_DOMAINS["math"][-1], max_new_tokens=16)
+    r = runtime.generate(TINY_DOMAINS["code"][-1], max_new_tokens=16)
     assert r.domain in (*TINY_DOMAINS, None)
     assert r.info["applied"] in (*TINY_DOMAINS, "global")
     assert r.neighbours and all({"domain", "distance"} <= set(n) for n in r.neighbours)
-    assert r.skip == runtime.profile.domain(r.domain).skip.to_text()
+    if r.decision == "ssd":
+        assert r.skip == runtime.profile.domain(r.domain).skip.to_text()
+    else:
+        assert r.decision == "pld" and r.skip is None and r.info["drafter"]["name"] == "ngram"
     assert sum(r.draft_lengths.values()) >= 1
     assert r.info["draft_policy"] == "thompson" and "alpha" in r.info["bandit"]
     assert r.to_dict()["route"]["neighbours"]
@@ -117,3 +127,12 @@ def test_concurrent_requests_match_single_threaded_output(runtime):
             assert 1 <= len(ids) <= 20 and all(0 <= t < runtime.lm.backbone.vocab_size for t in ids)
     # bounded state: one bandit per (method, domain) at most
     assert len(runtime.bandit_state()) <= 2 * (len(TINY_DOMAINS) + 1)
+
+
+def test_prompt_lookup_domain_is_routed_and_lossless(runtime):
+    # calibration prompts of "math" route to math, which this runtime decodes with prompt lookup
+    prompt = TINY_DOMAINS["math"][0]
+    r = runtime.generate(prompt, max_new_tokens=24)
+    if r.domain == "math":
+        assert r.decision == "pld" and r.info["drafter"]["name"] == "ngram"
+    assert r.token_ids == _ar(runtime, prompt)

@@ -1,0 +1,83 @@
+"""Prompt lookup: literal arrays, one commented case each, and lossless decoding with it."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from adaptive.drafters.ngram import NgramDrafter, ngram_lookup
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine
+from tests.conftest import tiny_lm
+
+
+def test_longest_suffix_wins():
+    # suffix [5, 6] occurred at 0; [7, 8, 5] followed it
+    assert ngram_lookup([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
+
+
+def test_latest_occurrence_wins():
+    # [1] occurred at 0 (then 2) and at 2 (then 3): the later one proposes 3
+    assert ngram_lookup([1, 2, 1, 3, 1], 1, max_ngram=1) == [3]
+
+
+def test_falls_back_to_shorter_ngrams():
+    # [9, 4] never occurred before, but [4] did (at 1, followed by 7)
+    assert ngram_lookup([3, 4, 7, 9, 4], 2, max_ngram=2) == [7, 9]
+
+
+def test_nothing_repeats():
+    assert ngram_lookup([1, 2, 3], 4) == []
+    assert ngram_lookup([1], 4) == []
+
+
+def test_proposal_is_cut_at_k_and_at_the_end():
+    # [1, 2] at 0 is followed by [3, 1, 2]; k = 2 keeps [3, 1]
+    assert ngram_lookup([1, 2, 3, 1, 2], 2) == [3, 1]
+    # the continuation runs into the end of the context: only what exists
+    assert ngram_lookup([7, 7], 5) == [7]
+
+
+def test_min_ngram_is_respected_and_arguments_checked():
+    # only a 1-gram ([2]) repeats; with min_ngram 2 nothing qualifies
+    assert ngram_lookup([2, 5, 2], 3, max_ngram=3, min_ngram=2) == []
+    with pytest.raises(ValueError):
+        ngram_lookup([1, 2], 0)
+    with pytest.raises(ValueError):
+        ngram_lookup([1, 2], 2, max_ngram=1, min_ngram=2)
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.integers(1, 6), st.integers(1, 4))
+def test_proposals_really_followed_a_matching_occurrence(ctx, k, max_ngram):
+    out = ngram_lookup(ctx, k, max_ngram)
+    assert len(out) <= k
+    if out:  # some earlier window equal to a suffix of length n is followed by exactly `out`
+        ok = any(ctx[i:i + n] == ctx[-n:] and ctx[i + n:i + n + len(out)] == out
+                 for n in range(1, max_ngram + 1) for i in range(len(ctx) - n))
+        assert ok
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pld_decoding_equals_plain_greedy(family):
+    lm = tiny_lm(family)
+    engine = Engine(lm)
+    for prompt in ["abc abc abc abc", "the cat sat on the mat. the cat sat on", "xyz 123 xyz 12"]:
+        for k in (1, 3, 8):
+            cfg = GenerationConfig(max_new_tokens=30, draft_len=k)
+            ar = engine.generate(prompt, cfg, method="ar")
+            pld = engine.generate(prompt, cfg, method="pld")
+            assert pld.token_ids == ar.token_ids, (prompt, k)
+            assert pld.info["drafter"]["name"] == "ngram"
+
+
+def test_pld_sampling_runs_and_drafts():
+    lm = tiny_lm("llama")
+    r = Engine(lm).generate("ab ab ab ab ab", GenerationConfig(max_new_tokens=20, temperature=0.9, seed=1,
+                                                             draft_len=4), method="pld")
+    assert 1 <= len(r.token_ids) <= 20
+
+
+def test_ngram_drafter_validates():
+    with pytest.raises(ValueError):
+        NgramDrafter(max_ngram=0)
+    assert NgramDrafter(4, 2).describe() == {"name": "ngram", "max_ngram": 4, "min_ngram": 2}
