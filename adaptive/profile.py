@@ -4,13 +4,13 @@ Layout (documented in docs/profile.md)::
 
     PROFILE/
       profile.json        schema version, model fingerprint, settings, cost model, domains, global set
-      anchors.faiss       FAISS IndexFlatL2 over the anchors (unit vectors after centring)
+      anchors.faiss       FAISS IndexFlatL2 over the anchors (unit vectors)
       anchors.json        one domain label per anchor, k, out-of-domain threshold
-      embedding_mean.npy  the calibration mean the embeddings are centred on
+      embedding_mean.npy  subtracted before normalising (zeros: centring is off by default)
 
 ``profile.json`` records the SHA-256 of the other files, so a truncated or altered file is
 reported as such. A profile is written to a temporary sibling directory and renamed into place:
-readers see the old profile or the new one, never a mixture.
+readers see the old profile or the new one, never a mixture (see :func:`save_profile`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adaptive.calibrate.costs import CostModel
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
@@ -58,7 +59,7 @@ class DomainProfile:
     method: str = ""  # "ar", "ssd" or "pld": what the runtime uses; "" -> from ``pays``
     pld_speedup: float | None = None
     pld_acceptance: float | None = None
-    pld_draft_len: int = 8
+    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
     extra: dict = field(default_factory=dict)
 
     METHODS = ("ar", "ssd", "pld")
@@ -97,7 +98,7 @@ class DomainProfile:
                    measured_mean_accepted=d.get("measured_mean_accepted"), trials=int(d.get("trials", 0)),
                    candidates=tuple(d.get("candidates", ())), method=str(d.get("method", "")),
                    pld_speedup=d.get("pld_speedup"), pld_acceptance=d.get("pld_acceptance"),
-                   pld_draft_len=int(d.get("pld_draft_len", 8)), extra=dict(d.get("extra", {})))
+                   pld_draft_len=int(d.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)), extra=dict(d.get("extra", {})))
 
 
 @dataclass
@@ -179,19 +180,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_writable(out: Path) -> None:
+    """Refuse an output path that exists and is not a profile (nothing of the user's is overwritten)."""
+    out = Path(out)
+    if out.exists() and (out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists())):
+        raise ProfileError(f"{out}: exists and is not a profile; choose another --out or remove it")
+
+
 def save_profile(profile: Profile, out: str | Path) -> Path:
     """Write ``profile`` to ``out`` atomically and return the path.
 
-    An existing profile at ``out`` is replaced; any other existing non-empty directory or file is
+    An existing profile at ``out`` is replaced: it is renamed aside, the new one renamed into place,
+    then the old one deleted (put back if the second rename fails). Between the two renames, a
+    few microseconds, ``out`` does not exist. Any other existing non-empty directory or file is
     refused (:class:`ProfileError`) rather than overwritten.
     """
     out = Path(out)
-    if out.exists():
-        if out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists()):
-            raise ProfileError(f"{out}: exists and is not a profile; choose another --out or remove it")
+    check_writable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a profile is shared like any directory
         profile.index.save(tmp)
         data = profile.to_dict()
         data["files"] = {name: _sha256(tmp / name) for name in AnchorIndex.FILES}
@@ -204,17 +216,18 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
-        old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}-{int(time.time() * 1e6)}"
             os.rename(out, old)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        if old is not None and not out.exists():
+            os.rename(old, out)  # put the previous profile back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     profile.path = out
     return out
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from adaptive.calibrate.sources import read_prompt_rows
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt
-from adaptive.models import load_model
+from adaptive.models import DEFAULT_MODEL, load_model
 from adaptive.profile import load_profile
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", type=Path, default=None)
     args = ap.parse_args()
     profile = load_profile(args.profile)
-    lm = load_model(profile.model.get("spec", "smollm2-135m"), dtype=profile.model.get("dtype", "auto"))
+    lm = load_model(profile.model.get("spec", DEFAULT_MODEL), dtype=profile.model.get("dtype", "auto"))
     profile.check_model(lm.fingerprint())
     engine = Engine(lm)
     ok, total, ood = Counter(), Counter(), Counter()

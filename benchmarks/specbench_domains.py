@@ -15,11 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-
-
-def group_of(category: str) -> str:
-    return "mt_bench" if category in MT_BENCH else category
+from adaptive.bench.data import group_of
 
 
 def main() -> None:

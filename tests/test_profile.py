@@ -101,3 +101,25 @@ def test_damaged_profiles_are_clear_errors(prof, case, match):
 def test_missing_profile_directory(tmp_path):
     with pytest.raises(ProfileError, match="no such profile"):
         load_profile(tmp_path / "nope")
+
+
+def test_a_failed_replacement_puts_the_old_profile_back(prof, monkeypatch):
+    import os
+
+    p = load_profile(prof)
+    before = (prof / "profile.json").read_text()
+    real_rename = os.rename
+    calls = []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the new profile's rename into place
+            raise OSError("disk trouble")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="disk trouble"):
+        save_profile(p, prof)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert (prof / "profile.json").read_text() == before
+    assert not [x for x in prof.parent.iterdir() if x.name.startswith(".p.")]

@@ -15,7 +15,7 @@ from adaptive.bench.report import summarize
 from adaptive.errors import ConfigError
 
 METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed")
-PLD_DRAFT_LEN = 8
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN  # noqa: E402
 NEEDS_PROFILE = ("ssd-static", "knn-ssd", "knn-ssd-fixed")
 DESCRIPTIONS = {
     "ar": "our loop, plain greedy decoding (the reference)",

@@ -24,7 +24,7 @@ import shutil
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,9 +33,10 @@ import torch
 
 from adaptive.calibrate.costs import CostModel, measure_costs
 from adaptive.calibrate.search import SPACES, Estimate, MatchnessScorer, estimate, make_space, run_search, top_candidates
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, ConfigError
-from adaptive.profile import DomainProfile, Profile, save_profile
+from adaptive.profile import DomainProfile, Profile, check_writable, save_profile
 
 BACKENDS = ("loky", "threading", "dask", "ray")
 MIN_PROMPTS = 3
@@ -60,7 +61,7 @@ class CalibrationSettings:
     confirm_prompts: int = 3
     confirm_tokens: int = 64
     max_draft_len: int = 8
-    pld_draft_len: int = 8
+    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
     min_gain: float = 0.02
     route_k: int = 5
     cost_context: int = 128
@@ -75,6 +76,8 @@ class CalibrationSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.confirm_tokens < 2:
+            raise ConfigError(f"confirm-tokens must be at least 2 (decode-phase timing), got {self.confirm_tokens}")
         if self.prompts_per_domain < MIN_PROMPTS:
             raise ConfigError(f"prompts-per-domain must be at least {MIN_PROMPTS}, got {self.prompts_per_domain}")
         if not 0 <= self.init_trials <= self.trials:
@@ -314,7 +317,7 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
         method = cand.get("method", "ssd")
         skip = SkipSet.from_text(cand["skip"], lm.n_layers) if method == "ssd" else None
         cfg = GenerationConfig(max_new_tokens=tokens, draft_len=int(cand["draft_len"]))
-        t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = 0
+        t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = rejections = 0
         for _ in range(repeats):
             for p in prompt_ids:
                 a = engine.generate(p, cfg, method="ar")
@@ -325,13 +328,17 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
                 n_sd, t_sd = n_sd + n, t_sd + t
                 drafted += b.stats.drafted
                 accepted += b.stats.accepted
+                rejections += b.stats.rejections
                 steps += b.stats.steps
                 same += a.token_ids == b.token_ids
         rec = {"method": method, **{k: cand.get(k) for k in ("skip", "draft_len", "matchness", "draft_cost", "target")},
                "measured_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+               # per-token acceptance up to the first rejection (what the runtime's bandit models)
+               "token_acceptance": round(accepted / (accepted + rejections), 4) if accepted + rejections else 0.0,
                "measured_mean_accepted": round((accepted + steps) / steps, 4) if steps else 0.0,
                "ar_tokens_per_s": round(n_ar / t_ar, 3), "ssd_tokens_per_s": round(n_sd / t_sd, 3),
-               "measured_speedup": round((n_sd / t_sd) / (n_ar / t_ar), 4), "identical_outputs": int(same),
+               "measured_speedup": round((n_sd / t_sd) / (n_ar / t_ar), 4) if n_ar else 0.0,
+               "identical_outputs": int(same),
                "prompts": len(prompt_ids), "repeats": repeats}
         out.append(rec)
         if on_done is not None:
@@ -380,8 +387,11 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
         bar.close()
     cands = top_candidates(history, s.confirm_candidates)
     cpath = work.file("confirm", name)
-    done = json.loads(cpath.read_text()) if cpath.exists() else []
-    done = [d for d, c in zip(done, cands) if d.get("skip") == c["skip"]]
+    done = []
+    for d, c in zip(json.loads(cpath.read_text()) if cpath.exists() else [], cands):
+        if (d.get("method", "ssd"), d.get("skip"), d.get("draft_len")) != ("ssd", c["skip"], c["draft_len"]):
+            break  # measured for another candidate list: measure from here on
+        done.append(d)
 
     measured: list[dict] = []
 
@@ -389,8 +399,11 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
         measured.append(rec)
         _write_json(cpath, done + measured)
 
-    results = measure_candidates(lm, confirm_ids, cands, s.confirm_tokens, done=done, on_done=on_done_acc)
-    best = max(results, key=lambda r: r["measured_speedup"])
+    results = measure_candidates(lm, confirm_ids, cands, s.confirm_tokens, done=done, on_done=on_done_acc) if cands else []
+    # no candidate at all (every trial proposed the empty set): layer skipping cannot be chosen
+    best = max(results, key=lambda r: r["measured_speedup"]) if results else {
+        "method": "ssd", "skip": "none", "draft_len": 1, "matchness": 1.0, "draft_cost": 1.0, "target": 0.0,
+        "measured_acceptance": 0.0, "token_acceptance": 0.0, "measured_mean_accepted": 1.0, "measured_speedup": 0.0}
     # prompt lookup, timed the same way (it needs no search: its draft costs no forward)
     ppath = work.file("pld", name)
     if ppath.exists():
@@ -419,6 +432,7 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
             "estimated_speedup": best["target"], "measured_acceptance": best["measured_acceptance"],
             "measured_speedup": round(speed["ssd"], 4), "measured_mean_accepted": best["measured_mean_accepted"],
             "pld_speedup": round(speed["pld"], 4), "pld_acceptance": pld["measured_acceptance"],
+            "token_acceptance": {"ssd": best.get("token_acceptance"), "pld": pld.get("token_acceptance")},
             "pld_draft_len": s.pld_draft_len, "trials": len(history),
             "candidates": results + [pld] + ([{**recheck, "recheck": True}] if recheck else []), **meta}
 
@@ -484,8 +498,9 @@ def check_domains(domains: dict[str, list[str]], settings: CalibrationSettings) 
     """The prompts actually used: the first ``prompts_per_domain`` of each domain (in file order)."""
     if not domains:
         raise ConfigError("no domains to calibrate")
-    if GLOBAL in domains:
-        raise ConfigError(f"{GLOBAL!r} is reserved for the global skip set; rename that domain")
+    for reserved in (GLOBAL, "global"):
+        if reserved in domains:
+            raise ConfigError(f"{reserved!r} is reserved for the global skip set; rename that domain")
     out = {}
     for name, prompts in domains.items():
         prompts = [p for p in prompts if isinstance(p, str) and p.strip()]
@@ -521,13 +536,11 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
     if jobs > len(domains) + 1:
         raise ConfigError(f"{jobs} jobs for {len(domains) + 1} tasks ({len(domains)} domains and the global set): use at most {len(domains) + 1}")
     out = Path(out)
-    if out.exists() and (out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists())):
-        raise ConfigError(f"{out}: exists and is not a profile; choose another --out or remove it")
+    check_writable(out)
     started = time.perf_counter()
     lm = _get_model(model_spec, device, dtype)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    # the worker key must match what _get_model(model_spec, device, dtype) registered
     fingerprint = {**lm.fingerprint(), "spec": model_spec, "dtype": str(dt).replace("torch.", "")}
     work = WorkDir(out)
     state = {"settings": settings.to_dict(), "model": fingerprint, "domains": _domains_digest(domains),
@@ -572,7 +585,7 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
         # the global set: sequences taken round-robin over domains, as many as one domain has
         pool = [p["sequences"][i] for i in range(settings.prompts_per_domain) for n in names
                 for p in [prep[n]] if i < len(p["sequences"])][: settings.prompts_per_domain]
-        confirm = [prep[n]["ids"][0] for n in names][: max(settings.confirm_prompts, 1)]
+        confirm = [prep[n]["ids"][0] for n in names][: settings.confirm_prompts]
         influence = sum(prep[n]["influence"] for n in names) / len(names)
         tasks.append((common, GLOBAL, pool, influence, costs.to_dict(), confirm,
                       {"prompts": sum(len(prep[n]["ids"]) for n in names), "anchors": len(index.labels)}))
@@ -602,4 +615,5 @@ def _domain_profile(r: dict) -> DomainProfile:
         measured_speedup=r["measured_speedup"], measured_mean_accepted=r["measured_mean_accepted"],
         trials=int(r["trials"]), candidates=tuple(r["candidates"]), method=r.get("method", ""),
         pld_speedup=r.get("pld_speedup"), pld_acceptance=r.get("pld_acceptance"),
-        pld_draft_len=int(r.get("pld_draft_len", 8)))
+        pld_draft_len=int(r.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)),
+        extra={"token_acceptance": r["token_acceptance"]} if r.get("token_acceptance") else {})

@@ -54,7 +54,7 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     over = {k: v for k, v in dict(prompts_per_domain=prompts_per_domain, anchors_per_domain=anchors_per_domain,
                                   trials=trials).items() if v is not None}
     over.update(space=space, seed=seed)
-    if trials is not None and "init_trials" not in over:
+    if trials is not None:
         base = CalibrationSettings.quick() if quick else CalibrationSettings()
         over["init_trials"] = min(base.init_trials, trials)
     settings = CalibrationSettings.quick(**over) if quick else CalibrationSettings(**over)
@@ -138,5 +138,6 @@ def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, device, as_j
             continue
         where = "out-of-domain: global set" if d.route.out_of_domain else f"domain {d.route.domain}"
         click.echo(f"{row['prompt'][:70]!r}")
-        click.echo(f"  -> {where}; decode with {d.method}, skip {d.skip_text}, draft length {d.draft_len}")
+        how = f"skip {d.skip_text}, " if d.method == "ssd" else ""
+        click.echo(f"  -> {where}; decode with {d.method} ({how}draft length {d.draft_len})")
         click.echo("  nearest: " + ", ".join(f"{dom} {dist:.3f}" for dom, dist in d.route.neighbours))

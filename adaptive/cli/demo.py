@@ -3,7 +3,8 @@
 1. Calibrate on the built-in domains with the quick preset (or reuse the profile already at
    ``--profile`` when it was made for this model), and print the profile summary.
 2. Route a built-in prompt that calibration did not use, decode it with plain decoding (``ar``)
-   and with what the profile chose for its domain, interleaved, and print the speedup.
+   and with the runtime (``AdaptiveRuntime``: the profile's choice for that domain, bandit draft
+   lengths), interleaved, and print the speedup.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     from adaptive.engine.audit import audit_divergence
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
-    from adaptive.engine.skip import SkipSet
-    from adaptive.index.router import route_prompt
+    from adaptive.runtime import AdaptiveRuntime
     from adaptive.profile import ProfileError, load_profile
 
     if repeats < 1:
@@ -65,20 +65,23 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
         profile = calibrate(model_spec, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
                             progress=not quiet, log=lambda m: click.echo(m, err=True))
     engine = Engine(lm)
+    runtime = AdaptiveRuntime(profile, lm)
     prompt = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
-    decision = route_prompt(profile, engine, prompt)
+    decision = runtime.route(prompt)
     applied = profile.domain(decision.route.domain)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=applied.draft_len)
-    skip = SkipSet.from_text(applied.skip.to_text(), lm.n_layers)
+    skip = applied.skip
     engine.generate(prompt, GenerationConfig(max_new_tokens=8))  # warm-up
-    methods = {"ar": dict(method="ar"), "routed": dict(method=decision.method, skip=skip if decision.method == "ssd" else None)}
-    if decision.method != "ssd":  # show what the domain's skip set would have done anyway
-        methods["ssd"] = dict(method="ssd", skip=skip)
+    runs = {"ar": lambda: engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens), method="ar"),
+            "routed": lambda: runtime.generate(prompt, max_new_tokens=max_new_tokens)}
+    if decision.method != "ssd" and skip:  # show what the domain's skip set would have done anyway
+        ssd_cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=applied.draft_len)
+        runs["ssd"] = lambda: engine.generate(prompt, ssd_cfg, method="ssd", skip=skip)
+    methods = list(runs)
     tps = {m: [] for m in methods}
     results = {}
     for _ in range(repeats):  # interleaved so that machine drift hits all alike
-        for m, kw in methods.items():
-            r = engine.generate(prompt, cfg, **kw)
+        for m in methods:
+            r = runs[m]()
             tps[m].append(r.stats.tokens_per_s)
             results[m] = r
     med = {m: statistics.median(v) for m, v in tps.items()}
@@ -102,9 +105,11 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     click.echo(f"prompt ({DEMO_DOMAIN}, not used for calibration): {prompt}\n")
     click.echo(results["routed"].text.strip() + "\n")
     where = "out-of-domain: global set" if decision.route.out_of_domain else f"domain {decision.route.domain}"
-    click.echo(f"routed to {where}; the profile decodes it with {decision.method}"
-               + (f" (skip {applied.skip.to_text()}, draft length {applied.draft_len})" if decision.method == "ssd"
-                  else f" (no skip set measured faster than plain decoding there; best was {applied.skip.to_text()})"))
+    how = {"ssd": f" (skip {applied.skip.to_text()}, draft length {applied.draft_len})",
+           "pld": f" (prompt lookup, draft length {applied.pld_draft_len}: it measured faster than the best skip set"
+                  f" {applied.skip.to_text()})",
+           "ar": f" (no drafter measured faster than plain decoding there; best skip set {applied.skip.to_text()})"}
+    click.echo(f"routed to {where}; the profile decodes it with {decision.method}" + how[decision.method])
     click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, median of {repeats} interleaved runs")
     click.echo(f"  ar     : {med['ar']:.1f} tok/s")
     for m in methods:

@@ -13,6 +13,8 @@ import torch
 
 from adaptive.drafters.base import DecodeState, Draft, Drafter
 
+DEFAULT_PLD_DRAFT_LEN = 8  # prompt-lookup drafts cost no forward: long drafts are cheap to try
+
 
 def ngram_lookup(context, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the context's suffix.

@@ -41,6 +41,7 @@ class GenerationStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # steps whose draft was cut short by a rejected token
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per step -> count
     draft_lengths: Counter = field(default_factory=Counter)  # drafted per step -> count
     prefill_time: float = 0.0
@@ -70,6 +71,7 @@ class GenerationStats:
             "steps": self.steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "rejections": self.rejections,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
@@ -166,6 +168,7 @@ def decode(
         stats.steps += 1
         stats.drafted += k
         stats.accepted += n
+        stats.rejections += n < k
         stats.accept_hist[n] += 1
         stats.draft_time += t2 - t1
         stats.verify_time += t3 - t2

@@ -75,7 +75,8 @@ class AdaptiveRuntime:
         self.bandit = bandit
         self._seed = seed
         self._window = window
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the model: one decode at a time (re-entrant: route() inside stream())
+        self._state_lock = threading.Lock()  # bandits and drafters, created on first use
         self._bandits: dict[str, ThompsonDraftLength] = {}
         self._drafters: dict[str, LayerSkipDrafter] = {}
         self.max_draft_len = int(profile.settings.get("max_draft_len", 8))
@@ -113,11 +114,15 @@ class AdaptiveRuntime:
     def _policy(self, name: str, dp, use: str) -> ThompsonDraftLength:
         if name not in self._bandits:
             cm = self.profile.cost_model
+            # the prior is the per-token acceptance up to the first rejection, as the bandit models it
+            token = dp.extra.get("token_acceptance", {}).get(use)
             if use == "pld":  # a lookup over token ids: negligible against a forward
-                c, a = PLD_DRAFT_COST, dp.pld_acceptance if dp.pld_acceptance is not None else 0.5
+                c = PLD_DRAFT_COST
+                a = token if token is not None else (dp.pld_acceptance if dp.pld_acceptance is not None else 0.5)
             else:
                 c = dp.estimated_draft_cost
-                a = dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness
+                a = token if token is not None else (
+                    dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness)
             a = min(max(float(a), 0.01), 0.99)
             prior = (1.0 + 10.0 * a, 1.0 + 10.0 * (1.0 - a))  # worth ~10 observed drafts
             self._bandits[name] = ThompsonDraftLength(
@@ -138,15 +143,13 @@ class AdaptiveRuntime:
             if use == "ar":
                 return Plan(None, None, info)
             key = f"{method}:{dp.name}"
-            drafter = self._drafters.get(key)
-            if drafter is None:
-                drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
-                                                 else LayerSkipDrafter(dp.skip, self.lm.n_layers))
             fixed_len = dp.pld_draft_len if use == "pld" else dp.draft_len
-            if self.bandit:
-                policy = self._policy(key, dp, use)
-            else:
-                policy = FixedDraftLength(fixed_len)
+            with self._state_lock:
+                drafter = self._drafters.get(key)
+                if drafter is None:
+                    drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
+                                                     else LayerSkipDrafter(dp.skip, self.lm.n_layers))
+                policy = self._policy(key, dp, use) if self.bandit else FixedDraftLength(fixed_len)
             info.update(draft_policy="thompson" if self.bandit else f"fixed {fixed_len}",
                         drafter=drafter.describe())
             if use == "ssd":
@@ -169,12 +172,16 @@ class AdaptiveRuntime:
                                seed=seed, stop=tuple(stop), draft_len=self.max_draft_len,
                                confidence_threshold=confidence_threshold)
         ids = self.engine.encode(prompt, chat=self.profile.settings.get("chat"))
-        with self._lock:  # one request at a time on the model; the lock is released if the caller stops early
+        # One request at a time on the model. The lock is held while the caller iterates and released
+        # when the generator finishes or is closed (or garbage-collected, if abandoned).
+        with self._lock:
             for item in self.engine.stream(ids, cfg, plan=self._plan(method)):
                 if isinstance(item, GenerationResult):
                     info = dict(item.info)
                     if self.bandit and info.get("decision") in ("ssd", "pld"):
-                        info["bandit"] = self._bandits[f"{method}:{info['applied']}"].state()
+                        with self._state_lock:
+                            bandit = self._bandits[f"{method}:{info['applied']}"]
+                        info["bandit"] = bandit.state()
                     yield RuntimeResult(item.text, item.token_ids, item.finish_reason, item.stats,
                                         method, info)
                 else:
@@ -188,6 +195,7 @@ class AdaptiveRuntime:
         return result
 
     def bandit_state(self) -> dict:
-        """Each domain bandit's posterior and choices so far."""
-        with self._lock:
-            return {k: b.state() for k, b in self._bandits.items()}
+        """Each domain bandit's posterior and choices so far (does not wait for a running decode)."""
+        with self._state_lock:
+            bandits = dict(self._bandits)
+        return {k: b.state() for k, b in bandits.items()}

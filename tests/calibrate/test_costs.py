@@ -39,8 +39,5 @@ def test_measure_costs_on_a_tiny_model():
     lm = tiny_lm("llama", n_layers=4)
     cm = measure_costs(lm.backbone, context=32, max_verify=5, repeats=5)
     assert cm.n_layers == 4 and len(cm.verify) == 5
-    assert cm.verify[0] == 1.0 and list(cm.verify) == sorted(cm.verify)
-    assert cm.step_ms > 0 and cm.context == 32
-    # skipping everything cannot cost more than the full model
-    full = cm.draft_cost(SkipSet().masks(4))
-    assert cm.draft_cost(SkipSet(attn=range(4), mlp=range(4)).masks(4)) <= full
+    assert cm.verify[0] == 1.0 and cm.step_ms > 0 and cm.context == 32
+    assert CostModel.from_dict(cm.to_dict()) == cm

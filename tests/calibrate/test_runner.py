@@ -10,7 +10,7 @@ from adaptive.calibrate.costs import CostModel
 from adaptive.calibrate.runner import (CalibrationError, CalibrationSettings, WorkDir, calibrate, check_domains,
                                        slug)
 from adaptive.errors import ConfigError
-from adaptive.profile import load_profile
+from adaptive.profile import ProfileError, load_profile
 from tests.conftest import TINY_DOMAINS, tiny_settings
 
 
@@ -25,6 +25,8 @@ def test_settings_are_validated():
         CalibrationSettings(space="grid")
     with pytest.raises(ConfigError, match="min-gain"):
         CalibrationSettings(min_gain=-0.1)
+    with pytest.raises(ConfigError, match="confirm-tokens"):
+        CalibrationSettings(confirm_tokens=1)
     q = CalibrationSettings.quick()
     assert q.trials < CalibrationSettings().trials
 
@@ -34,6 +36,8 @@ def test_domain_checks():
         check_domains({"a": ["x", "y"]}, CalibrationSettings())
     with pytest.raises(ConfigError, match="reserved"):
         check_domains({"__global__": ["x"] * 5}, CalibrationSettings())
+    with pytest.raises(ConfigError, match="reserved"):
+        check_domains({"global": ["x"] * 5}, CalibrationSettings())
     with pytest.raises(ConfigError, match="no domains"):
         check_domains({}, CalibrationSettings())
     used = check_domains({"a": [f"p{i}" for i in range(30)]}, CalibrationSettings(prompts_per_domain=5))
@@ -100,21 +104,21 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
     with pytest.raises(CalibrationError, match="--resume"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
 
-    scored = []
-    real_estimate = runner.estimate
+    started_with = []
+    real_search = runner.run_search
 
-    def counting(skip, *a, **kw):
-        scored.append(skip)
-        return real_estimate(skip, *a, **kw)
+    def recording(space, score, trials, **kws):
+        started_with.append(len(kws.get("history") or []))
+        return real_search(space, score, trials, **kws)
 
-    monkeypatch.setattr(runner, "estimate", counting)
-    # a torn last line (killed mid-write) is dropped and that trial redone
-    with open(work.file("trials", first, "jsonl"), "a") as f:
-        f.write('{"trial": 5, "par')
+    monkeypatch.setattr(runner, "run_search", recording)
+    # as if killed while writing trial 3: three complete lines, then a torn one
+    tfile = work.file("trials", first, "jsonl")
+    tfile.write_text("".join(line + "\n" for line in trials[:3]) + '{"trial": 3, "par')
     resumed = calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, resume=True, **kw)
     assert not work.path.exists()
-    # the first domain's 5 trials were not scored again; the other domains and the global set were
-    assert len(scored) <= 5 * len(TINY_DOMAINS)
+    # jobs=1 searches domains in name order, then the global set: the first resumed from 3 trials
+    assert started_with == [3] + [0] * len(TINY_DOMAINS)
     # same seed, same candidates: the same skip sets as an uninterrupted run
     for name in TINY_DOMAINS:
         assert resumed.domains[name].skip == reference.domains[name].skip
@@ -156,7 +160,7 @@ def test_impossible_options(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="--scheduler"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), scheduler="tcp://x:1")
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ConfigError, match="not a profile"):
+    with pytest.raises(ProfileError, match="not a profile"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "f", tiny_settings())
 
 
