@@ -58,7 +58,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps({
             "profile": args.profile, "skip": args.skip, "overall": overall, "excluded": args.exclude,
             "per_group": {g: {"correct": ok[g], "total": total[g], "out_of_domain": ood[g]} for g in total},
-            "confusion": {f"{a}->{b}": n for (a, b), n in sorted(confusion.items())}}, indent=1))
+            "confusion": {f"{a}->{b}": n for (a, b), n in sorted(confusion.items(), key=str)}}, indent=1))
 
 
 if __name__ == "__main__":
