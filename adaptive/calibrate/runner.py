@@ -237,7 +237,7 @@ def prepare_domain(common: _Common, name: str, prompts: list[str]) -> dict:
     """Encode, embed, continue greedily and measure influence for one domain (checkpointed)."""
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
-    from adaptive.engine.loop import Plan, decode
+    from adaptive.engine.loop import Plan
     from adaptive.index.embedding import pooled_to_numpy
 
     path = WorkDir(Path(common.work[: -len(".work")])).file("prep", name, "pt")
@@ -262,15 +262,7 @@ def prepare_domain(common: _Common, name: str, prompts: list[str]) -> dict:
             _store["v"] = vec
             return Plan()
 
-        cont: list[int] = []
-        for new in decode(bb, p, cfg, plan=grab):
-            cont.extend(new)
-            if any(t in engine.eos for t in new):
-                break
-        for j, t in enumerate(cont):  # keep through the first EOS
-            if t in engine.eos:
-                cont = cont[: j + 1]
-                break
+        cont = engine.generate(p, cfg, plan=grab).token_ids  # greedy, through the first EOS
         tail = (p + cont)[-(len(cont) + 64):]
         influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))
         ids.append(p)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from adaptive.cli.common import device_option, dtype_option, load, model_option
+from adaptive.cli.common import device_option, dtype_option, load, model_option, profile_model
 
 
 @click.command("bench")
@@ -37,7 +37,6 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     from adaptive.bench.data import load_bench_prompts
     from adaptive.bench.report import markdown, plot
     from adaptive.bench.runner import NEEDS_PROFILE, BenchSettings, parse_methods, run_bench
-    from adaptive.models import DEFAULT_MODEL
     from adaptive.profile import load_profile
 
     method_list = parse_methods(methods)
@@ -48,10 +47,8 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
     profile = load_profile(profile_dir) if profile_dir else None
     spec = model_spec
-    if profile is not None and model_spec == DEFAULT_MODEL:
-        spec = profile.model.get("spec", DEFAULT_MODEL)
-    if profile is not None and dtype == "auto":
-        dtype = profile.model.get("dtype", "auto")
+    if profile is not None:
+        spec, dtype = profile_model(profile, model_spec, dtype)
     lm = load(spec, device, dtype)
     report = run_bench(lm, prompts, method_list, settings, profile, progress=not quiet)
     report["settings"].update(data=str(data_file), per_category=per_category, skip_first=skip_first,

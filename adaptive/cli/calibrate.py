@@ -114,10 +114,9 @@ def profile_show(directory, as_json):
 def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, device, as_json):
     """Show the domain, skip set and nearest anchors a prompt is routed to."""
     from adaptive.calibrate.sources import read_prompt_rows
-    from adaptive.cli.common import load
+    from adaptive.cli.common import load, profile_model
     from adaptive.engine.engine import Engine
     from adaptive.index.router import route_prompt
-    from adaptive.models import DEFAULT_MODEL
     from adaptive.profile import load_profile
 
     if (prompt is None) == (data_file is None):
@@ -125,8 +124,8 @@ def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, device, as_j
     if k is not None and k < 1:
         raise click.BadParameter("must be >= 1", param_hint="--k")
     p = load_profile(profile_dir)
-    spec = p.model.get("spec", DEFAULT_MODEL) if model_spec == DEFAULT_MODEL else model_spec
-    lm = load(spec, device, dtype if dtype != "auto" else p.model.get("dtype", "auto"))
+    spec, dt = profile_model(p, model_spec, dtype)
+    lm = load(spec, device, dt)
     p.check_model(lm.fingerprint())
     engine = Engine(lm)
     rows = read_prompt_rows(data_file) if data_file else [{"prompt": prompt}]

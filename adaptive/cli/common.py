@@ -25,3 +25,9 @@ def load(model_spec: str, device: str, dtype: str):
 
     click.echo(f"loading {model_spec} ...", err=True)
     return load_model(model_spec, device=device, dtype=dtype)
+
+
+def profile_model(profile, model_spec: str, dtype: str) -> tuple[str, str]:
+    """The model spec and dtype to load for ``profile``: its own unless ``--model``/``--dtype`` say otherwise."""
+    spec = profile.model.get("spec", DEFAULT_MODEL) if model_spec == DEFAULT_MODEL else model_spec
+    return spec, profile.model.get("dtype", "auto") if dtype == "auto" else dtype
