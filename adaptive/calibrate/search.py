@@ -8,7 +8,8 @@ Two parameterisations of a skip set:
   stream over the domain's own text (:meth:`Backbone.sublayer_influence`, least influential
   first) and the search is over two integers, how many attention and how many MLP sublayers to
   skip from the front of those orders. Two dimensions are what a Bayesian optimiser can model
-  with the few dozen trials a CPU affords; docs/results.md compares both at equal trials.
+  with the few dozen trials a CPU affords. Measured at 30 trials on maths (docs/results.md):
+  ranked reached a median best estimate of 0.95 in 57 s, sublayer 0.79 in 484 s.
 
 Each trial scores a candidate by teacher-forced matchness (one forward per calibration
 sequence) turned into an expected speedup with the measured cost model. Trials are a pure
