@@ -7,6 +7,7 @@ Layout (documented in docs/profile.md)::
       anchors.faiss       FAISS IndexFlatL2 over the anchors (unit vectors)
       anchors.json        one domain label per anchor, k, out-of-domain threshold
       embedding_mean.npy  subtracted before normalising (zeros: centring is off by default)
+      bigrams.npz         each domain's bigram table for the cascade's statistical drafter
 
 ``profile.json`` records the SHA-256 of the other files, so a truncated or altered file is
 reported as such. A profile is written to a temporary sibling directory and renamed into place:
@@ -21,17 +22,21 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from adaptive.calibrate.costs import CostModel
-from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
+from adaptive.drafters.cascade import CascadeConfig
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
 
 SCHEMA_VERSION = 1
 FORMAT = "adaptive-profile"
+BIGRAMS = "bigrams.npz"
 
 
 class ProfileError(AdaptiveError, ValueError):
@@ -61,6 +66,9 @@ class DomainProfile:
     pld_acceptance: float | None = None
     pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
     extra: dict = field(default_factory=dict)
+    cascade: CascadeConfig | None = None  # the cascade drafter's settings (None: made before cascades)
+    cascade_speedup: float | None = None
+    bigram: BigramTable | None = field(default=None, compare=False, repr=False)  # stored in bigrams.npz
 
     METHODS = ("ar", "ssd", "pld")
 
@@ -85,7 +93,9 @@ class DomainProfile:
                 "measured_speedup": self.measured_speedup, "measured_mean_accepted": self.measured_mean_accepted,
                 "trials": self.trials, "candidates": list(self.candidates), "method": self.decision,
                 "pld_speedup": self.pld_speedup, "pld_acceptance": self.pld_acceptance,
-                "pld_draft_len": self.pld_draft_len, **({"extra": self.extra} if self.extra else {})}
+                "pld_draft_len": self.pld_draft_len, **({"extra": self.extra} if self.extra else {}),
+                **({"cascade": self.cascade.to_dict(), "cascade_speedup": self.cascade_speedup}
+                   if self.cascade is not None else {})}
 
     @classmethod
     def from_dict(cls, d: dict, n_layers: int) -> "DomainProfile":
@@ -98,7 +108,9 @@ class DomainProfile:
                    measured_mean_accepted=d.get("measured_mean_accepted"), trials=int(d.get("trials", 0)),
                    candidates=tuple(d.get("candidates", ())), method=str(d.get("method", "")),
                    pld_speedup=d.get("pld_speedup"), pld_acceptance=d.get("pld_acceptance"),
-                   pld_draft_len=int(d.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)), extra=dict(d.get("extra", {})))
+                   pld_draft_len=int(d.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)), extra=dict(d.get("extra", {})),
+                   cascade=CascadeConfig.from_dict(d["cascade"]) if d.get("cascade") else None,
+                   cascade_speedup=d.get("cascade_speedup"))
 
 
 @dataclass
@@ -155,7 +167,8 @@ class Profile:
                          "skip_attn": len(d.skip.attn), "skip_mlp": len(d.skip.mlp), "draft_len": d.draft_len,
                          "est_acceptance": d.estimated_matchness, "meas_acceptance": d.measured_acceptance,
                          "est_speedup": d.estimated_speedup, "meas_speedup": d.measured_speedup,
-                         "pld_speedup": d.pld_speedup, "decision": d.decision, "skip": d.skip.to_text()})
+                         "pld_speedup": d.pld_speedup, "cascade_speedup": d.cascade_speedup,
+                         "decision": d.decision, "skip": d.skip.to_text()})
         return rows
 
 
@@ -206,13 +219,16 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a profile is shared like any directory
         profile.index.save(tmp)
         data = profile.to_dict()
-        data["files"] = {name: _sha256(tmp / name) for name in AnchorIndex.FILES}
+        names = list(AnchorIndex.FILES)
+        if _save_bigrams(profile, data, tmp / BIGRAMS):
+            names.append(BIGRAMS)
+        data["files"] = {name: _sha256(tmp / name) for name in names}
         with open(tmp / "profile.json", "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        for name in AnchorIndex.FILES:
+        for name in names:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -230,6 +246,44 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     profile.path = out
     return out
+
+
+def _save_bigrams(profile: Profile, data: dict, path: Path) -> bool:
+    """Write every domain's bigram table into one ``.npz`` (entry ``i``: ``i_keys``, ``i_succ``,
+    ``i_prob``) and record the entry number in ``data``; ``False`` when no domain has one."""
+    arrays = {}
+    entries = [(data["domains"][n], d) for n, d in sorted(profile.domains.items())] + [(data["global"], profile.global_set)]
+    for i, (entry, dp) in enumerate(entries):
+        if dp.bigram is not None:
+            entry["bigram"] = {"entry": i, "entries": len(dp.bigram)}
+            arrays.update({f"{i}_keys": dp.bigram.keys.astype(np.int32), f"{i}_succ": dp.bigram.succ.astype(np.int32),
+                           f"{i}_prob": dp.bigram.prob.astype(np.float16)})
+    if not arrays:
+        return False
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    return True
+
+
+def _load_bigrams(path: Path, entries: dict[str, dict]) -> dict[str, BigramTable]:
+    """The bigram tables referenced by ``entries`` (domain name -> its profile.json entry)."""
+    wanted = {n: e["bigram"] for n, e in entries.items() if e.get("bigram")}
+    if not wanted:
+        return {}
+    f = path / BIGRAMS
+    if not f.is_file():
+        raise ProfileError(f"{f}: missing from the profile")
+    try:
+        with np.load(f, allow_pickle=False) as z:
+            out = {}
+            for name, ref in wanted.items():
+                i = int(ref["entry"])
+                out[name] = BigramTable(z[f"{i}_keys"], z[f"{i}_succ"], z[f"{i}_prob"].astype(np.float32))
+                if len(out[name]) != int(ref.get("entries", len(out[name]))):
+                    raise ValueError(f"entry {i} has {len(out[name])} rows, profile.json says {ref['entries']}")
+            return out
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise ProfileError(f"{f}: unreadable or inconsistent ({type(exc).__name__}: {exc})") from None
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -256,7 +310,7 @@ def load_profile(path: str | Path) -> Profile:
     if version < 1:
         raise ProfileError(f"{pj}: unknown schema version {version}")
     files = data.get("files", {})
-    for name in AnchorIndex.FILES:
+    for name in [*AnchorIndex.FILES, *([BIGRAMS] if BIGRAMS in files else [])]:
         f = path / name
         if not f.is_file():
             raise ProfileError(f"{f}: missing from the profile")
@@ -271,6 +325,9 @@ def load_profile(path: str | Path) -> Profile:
         n_layers = int(model["n_layers"])
         domains = {n: DomainProfile.from_dict(d, n_layers) for n, d in data["domains"].items()}
         glob = DomainProfile.from_dict(data["global"], n_layers)
+        bigrams = _load_bigrams(path, {**{n: data["domains"][n] for n in domains}, None: data["global"]})
+        domains = {n: replace(d, bigram=bigrams.get(n)) for n, d in domains.items()}
+        glob = replace(glob, bigram=bigrams.get(None))
         costs = CostModel.from_dict(data["cost_model"])
         settings = dict(data.get("settings", {}))
     except (KeyError, TypeError, ValueError, SkipSetError) as exc:

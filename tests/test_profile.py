@@ -28,9 +28,17 @@ def test_profile_round_trip(prof, tmp_path):
         best = max(d.measured_speedup, d.pld_speedup)
         assert d.decision == ("ar" if best < 1.02 else ("ssd" if d.measured_speedup == best else "pld"))
     assert sorted(set(p.index.labels)) == sorted(TINY_DOMAINS)
+    for d in [*p.domains.values(), p.global_set]:  # the cascade: a config, a timing, a bigram table
+        assert d.cascade is not None and d.cascade.draft_len >= 1 and d.cascade_speedup > 0
+        assert d.bigram is not None and len(d.bigram) > 0
+        assert 0.0 <= d.extra["cascade"]["statistical"]["token_acceptance"] <= 1.0
     again = save_profile(p, tmp_path / "copy")
     q = load_profile(again)
     assert q.to_dict() == p.to_dict()
+    for name, d in p.domains.items():  # the bigram tables round-trip (ids and float16 probabilities)
+        e = q.domains[name].bigram
+        assert e.keys.tolist() == d.bigram.keys.tolist() and e.succ.tolist() == d.bigram.succ.tolist()
+        assert e.prob.tolist() == pytest.approx(d.bigram.prob.tolist(), abs=1e-3)
 
 
 def test_save_replaces_a_profile_atomically_and_refuses_other_directories(prof, tmp_path):
@@ -69,6 +77,9 @@ def _edit(prof, fn):
     ("missing_json", "profile.json: missing"),
     ("missing_index", "anchors.faiss: missing"),
     ("truncated_index", "checksum"),
+    ("missing_bigrams", "bigrams.npz: missing"),
+    ("truncated_bigrams", "checksum"),
+    ("bad_bigram_entry", "bigrams.npz: unreadable or inconsistent"),
     ("bad_skip", "malformed"),
     ("no_domain", "no domain entry"),
     ("not_dir", "is a directory"),
@@ -88,6 +99,13 @@ def test_damaged_profiles_are_clear_errors(prof, case, match):
     elif case == "truncated_index":
         f = prof / "anchors.faiss"
         f.write_bytes(f.read_bytes()[:-16])
+    elif case == "missing_bigrams":
+        (prof / "bigrams.npz").unlink()
+    elif case == "truncated_bigrams":
+        f = prof / "bigrams.npz"
+        f.write_bytes(f.read_bytes()[:-16])
+    elif case == "bad_bigram_entry":
+        _edit(prof, lambda d: d["domains"]["math"]["bigram"].update(entry=99))
     elif case == "bad_skip":
         _edit(prof, lambda d: d["domains"]["math"]["skip"].update(attn=[99]))
     elif case == "no_domain":

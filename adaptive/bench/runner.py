@@ -14,9 +14,10 @@ from adaptive.bench.data import BenchPrompt
 from adaptive.bench.report import summarize
 from adaptive.errors import ConfigError
 
-METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed")
+METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed", "cascade",
+           "cascade-fixed")
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN  # noqa: E402
-NEEDS_PROFILE = ("ssd-static", "knn-ssd", "knn-ssd-fixed")
+NEEDS_PROFILE = ("ssd-static", "knn-ssd", "knn-ssd-fixed", "cascade", "cascade-fixed")
 DESCRIPTIONS = {
     "ar": "our loop, plain greedy decoding (the reference)",
     "hf": "transformers generate, greedy",
@@ -27,6 +28,9 @@ DESCRIPTIONS = {
     "knn-ssd": "the runtime: KNN routing to the domain's calibrated choice (layer-skip drafting, prompt lookup "
                "or plain decoding), Thompson-sampled draft length",
     "knn-ssd-fixed": "the runtime with calibration's fixed draft length instead of the bandit",
+    "cascade": "the runtime's cascade: KNN routing to the domain's cascade (prompt lookup and its bigram table, "
+               "under and after the domain's layer-skip drafter), split and draft length by a two-level Thompson sampler",
+    "cascade-fixed": "the runtime's cascade with calibration's split and draft length instead of the sampler",
 }
 
 
@@ -87,9 +91,9 @@ class _Methods:
         if profile is not None:
             from adaptive.runtime import AdaptiveRuntime
 
-            if "knn-ssd" in methods:
+            if {"knn-ssd", "cascade"} & set(methods):
                 self.runtime = AdaptiveRuntime(profile, lm, bandit=True, seed=0)
-            if "knn-ssd-fixed" in methods or "ssd-static" in methods:
+            if {"knn-ssd-fixed", "ssd-static", "cascade-fixed"} & set(methods):
                 self.fixed = AdaptiveRuntime(profile, lm, bandit=False)
 
     def ids(self, messages) -> list[int]:
@@ -114,6 +118,10 @@ class _Methods:
             return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="knn-ssd"))
         if method == "ssd-static":
             return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="ssd-static"))
+        if method == "cascade":
+            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="cascade"))
+        if method == "cascade-fixed":
+            return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="cascade"))
         raise ConfigError(f"unknown method {method!r}")
 
     @torch.inference_mode()

@@ -10,7 +10,10 @@ that finished:
 3. FAISS k-means anchors per domain, one index over all;
 4. per domain and once over all domains (the global set), in parallel: the Bayesian search (one
    line of ``trials-*.jsonl`` per trial, fsynced), then timed self-speculative decoding of the
-   best candidates against plain decoding (``confirm-*.json``, one record per candidate);
+   best candidates against plain decoding (``confirm-*.json``, one record per candidate), then
+   prompt lookup timed the same way (``pld-*.json``), then the cascade: the domain's bigram table,
+   its statistical drafter's teacher-forced acceptance, the starting split, and a timed run
+   (``cascade-*.json``);
 5. the profile, written atomically; the work directory is then removed.
 """
 
@@ -33,7 +36,8 @@ import torch
 
 from adaptive.calibrate.costs import CostModel, measure_costs
 from adaptive.calibrate.search import SPACES, Estimate, MatchnessScorer, estimate, make_space, run_search, top_candidates
-from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
+from adaptive.drafters.cascade import CascadeConfig
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.profile import DomainProfile, Profile, check_writable, save_profile
@@ -63,6 +67,9 @@ class CalibrationSettings:
     max_draft_len: int = 8
     pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
     min_gain: float = 0.02
+    bigram_min_count: int = 2
+    cascade_max_split: int = 2
+    cascade_lenience: float = 1.0
     route_k: int = 5
     cost_context: int = 128
     chat: bool | None = None
@@ -71,7 +78,7 @@ class CalibrationSettings:
     def __post_init__(self):
         positive = ("prompts_per_domain", "anchors_per_domain", "trials", "continuation_tokens",
                     "confirm_candidates", "confirm_prompts", "confirm_tokens", "max_draft_len", "pld_draft_len", "route_k",
-                    "cost_context")
+                    "cost_context", "bigram_min_count")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -88,6 +95,10 @@ class CalibrationSettings:
             raise ConfigError("max-draft-len must be at most 64")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"min-gain must be in [0, 1), got {self.min_gain}")
+        if not isinstance(self.cascade_max_split, int) or not 0 <= self.cascade_max_split <= self.max_draft_len:
+            raise ConfigError(f"cascade-max-split must be in 0 .. max-draft-len, got {self.cascade_max_split!r}")
+        if not self.cascade_lenience >= 1.0:
+            raise ConfigError(f"cascade-lenience must be >= 1, got {self.cascade_lenience}")
 
     @classmethod
     def quick(cls, **overrides) -> "CalibrationSettings":
@@ -290,14 +301,27 @@ def _decode_rate(stats) -> tuple[int, float]:
     return max(stats.tokens - 1, 0), max(stats.total_time - stats.prefill_time, 1e-9)
 
 
+def _candidate_plan(lm, cand: dict, bigram):
+    """The :class:`Plan` of a ``cascade`` candidate (``skip``, ``split``, ``vertical``, ``lenience``, ``min_prob``)."""
+    from adaptive.drafters.cascade import CascadeDrafter
+    from adaptive.drafters.ngram import NgramDrafter
+    from adaptive.engine.loop import Plan
+
+    skip = SkipSet.from_text(cand["skip"], lm.n_layers) if cand.get("split") else None
+    drafter = CascadeDrafter(NgramDrafter(bigram=bigram, min_prob=float(cand["min_prob"])), skip, lm.n_layers,
+                             split=int(cand["split"]), vertical=bool(cand["vertical"]), lenience=float(cand["lenience"]))
+    return Plan(drafter)
+
+
 def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], tokens: int,
                        done: list[dict] | None = None, on_done: Callable[[dict], None] | None = None,
-                       repeats: int = 1) -> list[dict]:
+                       repeats: int = 1, bigram=None) -> list[dict]:
     """Timed plain vs self-speculative decoding of each candidate on the same prompts.
 
     Plain decoding runs right before each candidate on every prompt (``repeats`` times), so drift
     hits both alike. Speedup = (candidate tokens/s) / (plain tokens/s), decode phase only, each
-    over all prompts. Candidates already in ``done`` are not measured again.
+    over all prompts. Candidates already in ``done`` are not measured again. A candidate's
+    ``method`` is ``ssd`` (default), ``pld`` or ``cascade`` (drafting with ``bigram``).
     """
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
@@ -308,12 +332,13 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
     for cand in candidates[len(out):]:
         method = cand.get("method", "ssd")
         skip = SkipSet.from_text(cand["skip"], lm.n_layers) if method == "ssd" else None
+        plan = _candidate_plan(lm, cand, bigram) if method == "cascade" else None
         cfg = GenerationConfig(max_new_tokens=tokens, draft_len=int(cand["draft_len"]))
         t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = rejections = 0
         for _ in range(repeats):
             for p in prompt_ids:
                 a = engine.generate(p, cfg, method="ar")
-                b = engine.generate(p, cfg, method=method, skip=skip)
+                b = engine.generate(p, cfg, method=method, skip=skip, plan=plan)
                 n, t = _decode_rate(a.stats)
                 n_ar, t_ar = n_ar + n, t_ar + t
                 n, t = _decode_rate(b.stats)
@@ -323,7 +348,8 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
                 rejections += b.stats.rejections
                 steps += b.stats.steps
                 same += a.token_ids == b.token_ids
-        rec = {"method": method, **{k: cand.get(k) for k in ("skip", "draft_len", "matchness", "draft_cost", "target")},
+        rec = {"method": method, **{k: cand[k] for k in ("skip", "draft_len", "matchness", "draft_cost", "target", "split",
+                                                          "vertical", "lenience", "min_prob") if k in cand},
                "measured_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
                # per-token acceptance up to the first rejection (what the runtime's bandit models)
                "token_acceptance": round(accepted / (accepted + rejections), 4) if accepted + rejections else 0.0,
@@ -419,6 +445,7 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
         speed[winner] = (speed[winner] + recheck["measured_speedup"]) / 2
     paying = {m: v for m, v in speed.items() if v >= 1.0 + s.min_gain}
     method = max(paying, key=paying.get) if paying else "ar"
+    cascade = _calibrate_cascade(lm, s, work, name, sequences, best, cost_model, confirm_ids)
     return {"name": name, "skip": best["skip"], "draft_len": best["draft_len"], "pays": speed["ssd"] >= 1.0 + s.min_gain,
             "method": method, "estimated_matchness": best["matchness"], "estimated_draft_cost": best["draft_cost"],
             "estimated_speedup": best["target"], "measured_acceptance": best["measured_acceptance"],
@@ -426,7 +453,33 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
             "pld_speedup": round(speed["pld"], 4), "pld_acceptance": pld["measured_acceptance"],
             "token_acceptance": {"ssd": best.get("token_acceptance"), "pld": pld.get("token_acceptance")},
             "pld_draft_len": s.pld_draft_len, "trials": len(history),
-            "candidates": results + [pld] + ([{**recheck, "recheck": True}] if recheck else []), **meta}
+            "candidates": results + [pld] + ([{**recheck, "recheck": True}] if recheck else []),
+            **cascade, **meta}
+
+
+def _calibrate_cascade(lm, s: CalibrationSettings, work: "WorkDir", name: str, sequences: list, best: dict,
+                       cost_model: CostModel, confirm_ids: list[list[int]]) -> dict:
+    """The domain's bigram table, its statistical drafter's measured acceptance, the cascade's starting
+    configuration (from those and the best skip set's measured acceptance), and its timed speedup."""
+    from adaptive.calibrate.cascade import choose_cascade, statistical_acceptance
+    from adaptive.drafters.ngram import build_bigram_table
+
+    bigram = build_bigram_table([list(p) + list(c) for p, c in sequences], s.bigram_min_count)
+    path = work.file("cascade", name)
+    if path.exists():
+        rec = json.loads(path.read_text())
+    else:
+        stats = statistical_acceptance(sequences, s.max_draft_len, s.bigram_min_count)
+        skip_ok = best["skip"] not in ("none", "") and (best.get("token_acceptance") or 0) > 0
+        cfg = choose_cascade(stats["token_acceptance"], float(best.get("token_acceptance") or 0.0),
+                             float(best["draft_cost"]), [cost_model.verify_cost(k) for k in range(s.max_draft_len + 1)],
+                             s.max_draft_len, s.cascade_max_split if skip_ok else 0, s.cascade_lenience)
+        timed = measure_candidates(lm, confirm_ids, [{"method": "cascade", "skip": best["skip"], **cfg.to_dict()}],
+                                   s.confirm_tokens, bigram=bigram)[0]
+        rec = {"cascade": cfg.to_dict(), "cascade_speedup": timed["measured_speedup"],
+               "cascade_stats": {"statistical": stats, "timed": timed}}
+        _write_json(path, rec)
+    return {**rec, "bigram": (bigram.keys, bigram.succ, bigram.prob)}
 
 
 # -- parallel execution ------------------------------------------------------------------------------
@@ -608,4 +661,8 @@ def _domain_profile(r: dict) -> DomainProfile:
         trials=int(r["trials"]), candidates=tuple(r["candidates"]), method=r.get("method", ""),
         pld_speedup=r.get("pld_speedup"), pld_acceptance=r.get("pld_acceptance"),
         pld_draft_len=int(r.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)),
-        extra={"token_acceptance": r["token_acceptance"]} if r.get("token_acceptance") else {})
+        extra={**({"token_acceptance": r["token_acceptance"]} if r.get("token_acceptance") else {}),
+               **({"cascade": r["cascade_stats"]} if r.get("cascade_stats") else {})},
+        cascade=CascadeConfig.from_dict(r["cascade"]) if r.get("cascade") else None,
+        cascade_speedup=r.get("cascade_speedup"),
+        bigram=BigramTable(*r["bigram"]) if r.get("bigram") is not None else None)

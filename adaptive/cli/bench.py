@@ -13,10 +13,11 @@ from adaptive.cli.common import device_option, dtype_option, load, model_option,
 @click.command("bench")
 @click.option("--data", "data_file", required=True, type=click.Path(),
               help="Spec-Bench JSONL (question_id, category, turns) or prompt JSONL (prompt, optional category).")
-@click.option("--profile", "profile_dir", type=click.Path(), default=None, help="Profile for ssd-static and knn-ssd.")
+@click.option("--profile", "profile_dir", type=click.Path(), default=None, help="Profile for ssd-static, knn-ssd and the cascade methods.")
 @model_option
 @click.option("--methods", default="ar,hf,ssd-static,knn-ssd", show_default=True,
-              help="Comma-separated: ar, hf, hf-pld, hf-early-exit, pld, ssd-static, knn-ssd, knn-ssd-fixed.")
+              help="Comma-separated: ar, hf, hf-pld, hf-early-exit, pld, ssd-static, knn-ssd, knn-ssd-fixed, cascade, "
+                   "cascade-fixed.")
 @click.option("--per-category", type=int, default=None, help="First N prompts of each group.")
 @click.option("--skip-first", type=int, default=0, show_default=True,
               help="Leave out the first N of each group (e.g. the prompts a profile was calibrated on).")

@@ -14,10 +14,11 @@ def _fmt(v, nd=3):
 def summary_table(profile) -> str:
     """The end-of-calibration table: one row per domain, then the global set."""
     head = ["domain", "prompts", "anchors", "attn", "mlp", "k", "est.acc", "meas.acc", "est.x", "meas.x", "pld.x",
-            "decode"]
+            "casc.x", "decode"]
     rows = [[r["domain"], r["prompts"], r["anchors"], r["skip_attn"], r["skip_mlp"], r["draft_len"],
              _fmt(r["est_acceptance"], 2), _fmt(r["meas_acceptance"], 2), _fmt(r["est_speedup"], 2),
-             _fmt(r["meas_speedup"], 2), _fmt(r.get("pld_speedup"), 2), r["decision"]] for r in profile.summary_rows()]
+             _fmt(r["meas_speedup"], 2), _fmt(r.get("pld_speedup"), 2), _fmt(r.get("cascade_speedup"), 2), r["decision"]]
+            for r in profile.summary_rows()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])

@@ -1,4 +1,4 @@
-"""``adaptive generate PROMPT``: decode one prompt with ar or ssd."""
+"""``adaptive generate PROMPT``: decode one prompt with ar, ssd, pld or cascade, or through a profile."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @model_option
 @click.option("--profile", "profile_dir", type=click.Path(), default=None,
               help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
-@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "knn-ssd", "ssd-static"]), default=None,
-              help="ar: plain; ssd: self-speculative with the given skip set; pld: prompt lookup; with --profile: knn-ssd "
-                   "(routed, the default) or ssd-static (the profile's global skip set).  [default: ssd, or knn-ssd with --profile]")
+@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "cascade", "knn-ssd", "ssd-static"]), default=None,
+              help="ar: plain; ssd: self-speculative with the given skip set; pld: prompt lookup; cascade: prompt lookup "
+                   "under one layer-skip position (with a skip set) or alone; with --profile: knn-ssd (routed, the "
+                   "default), cascade (the domain's cascade and bigram table) or ssd-static (the profile's global "
+                   "skip set).  [default: ssd, or knn-ssd with --profile]")
 @click.option("--skip-attn", default="", help="Attention sublayers to skip while drafting, e.g. 3,5,10-14.")
 @click.option("--skip-mlp", default="", help="MLP sublayers to skip while drafting.")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Most tokens drafted per step.")
@@ -51,7 +53,7 @@ def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, d
     lm = load(model_spec, device, dtype)
     skip.validate_for(lm.n_layers)
     engine = Engine(lm)
-    result = _print_stream(engine.stream(prompt, cfg, method=method, skip=skip if method == "ssd" else None,
+    result = _print_stream(engine.stream(prompt, cfg, method=method, skip=skip if method in ("ssd", "cascade") else None,
                                          chat=False if raw else None), lm, stream, as_json)
     if as_json:
         return
@@ -66,7 +68,8 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
     from adaptive.runtime import AdaptiveRuntime
 
     if method in ("ssd", "pld") or has_skip:
-        raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, ssd-static or ar")
+        raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, cascade, "
+                               "ssd-static or ar")
     if raw:
         raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")
     click.echo(f"loading profile {profile_dir} ...", err=True)
@@ -82,7 +85,7 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
     where = "out-of-domain (global set)" if result.domain is None else f"domain {result.domain}"
     click.echo(f"[{method}] {where}, decoded with {result.decision}"
                + (f" (skip {result.skip}, draft lengths {dict(sorted(result.draft_lengths.items()))})"
-                  if result.decision == "ssd" else "")
+                  if result.decision in ("ssd", "cascade") and result.skip else "")
                + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}", err=True)
 
 

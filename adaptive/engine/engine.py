@@ -52,7 +52,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 class Engine:
     """Decodes prompts with a loaded model (:class:`adaptive.models.LoadedModel`).
 
-    ``generate(prompt, config, method="ar"|"ssd"|"pld", skip=...)`` returns a :class:`GenerationResult`;
+    ``generate(prompt, config, method="ar"|"ssd"|"pld"|"cascade", skip=...)`` returns a :class:`GenerationResult`;
     ``stream(...)`` yields text deltas and finally the result.
     """
 
@@ -103,7 +103,14 @@ class Engine:
                 raise ConfigError("method 'ssd' needs a skip set (e.g. --skip-attn 4,7,9)")
             d = LayerSkipDrafter(skip, self.backbone.n_layers)
             return Plan(d, policy, {"skip": skip.to_dict(), "drafter": d.describe()})
-        raise ConfigError(f"unknown method {method!r}; choose ar, ssd or pld")
+        if method == "cascade":  # without a profile: no bigram table; one layer-skip position if a skip set is given
+            from adaptive.drafters.cascade import CascadeDrafter
+            from adaptive.drafters.ngram import NgramDrafter
+
+            skip = skip if skip is not None and (skip.attn or skip.mlp) else None
+            d = CascadeDrafter(NgramDrafter(), skip, self.backbone.n_layers, split=1 if skip else 0)
+            return Plan(d, policy, {"drafter": d.describe(), **({"skip": skip.to_dict()} if skip else {})})
+        raise ConfigError(f"unknown method {method!r}; choose ar, ssd, pld or cascade")
 
     def stream(
         self,

@@ -34,6 +34,78 @@ def best_length(a: float, draft_cost: float, verify: list[float] | tuple[float, 
     return best_k
 
 
+def cascade_expected_tokens(a_n: float, h: int, a_s: float, t: int) -> float:
+    """Expected tokens per step of a cascade draft: ``h`` layer-skip tokens then ``t`` statistical ones.
+
+    Each layer-skip token is accepted with probability ``a_n`` and each statistical one with
+    ``a_s``, until the first rejection; the target's own token counts too:
+    ``1 + sum_{i<=h} a_n^i + a_n^h * sum_{j<=t} a_s^j``.
+    Example: ``a_n = 0.8, h = 1, a_s = 0.5, t = 2``: ``1 + 0.8 + 0.8 * (0.5 + 0.25) = 2.4``.
+    """
+    return (expected_tokens_per_step(a_n, h)
+            + a_n ** h * (expected_tokens_per_step(a_s, t) - 1.0))
+
+
+def best_split(a_n: float, a_s: float, neural_cost: float, stat_cost: float,
+               verify: list[float] | tuple[float, ...], max_len: int, max_split: int) -> tuple[int, int]:
+    """The ``(split, k)`` maximising expected tokens per unit cost for a cascade draft.
+
+    ``split`` tokens from the layer-skip level (``neural_cost`` each, in full steps), ``k - split``
+    from the statistical drafter (``stat_cost`` each), verified at ``verify[k]``; ``(0, 0)`` is a
+    plain step (cost ``verify[0] = 1``).
+    Example: ``a_n = 0.9, a_s = 0.3``, costs 0.5 and 0, verify ``(1, 1, 1.05)``, ``max_len = 2``:
+    (0, 1) gives 1.3, (0, 2) 1.39 / 1.05 = 1.32, (1, 1) 1.9 / 1.5 = 1.27, (1, 2) 2.17 / 1.55 = 1.40,
+    (2, 2) 2.71 / 2.05 = 1.32: ``(1, 2)``.
+    """
+    best, best_v = (0, 0), 1.0 / verify[0]
+    for h in range(0, min(max_split, max_len) + 1):
+        for k in range(max(h, 1), max_len + 1):
+            v = cascade_expected_tokens(a_n, h, a_s, k - h) / (h * neural_cost + (k - h) * stat_cost + verify[k])
+            if v > best_v:
+                best, best_v = (h, k), v
+    return best
+
+
+class BetaPosterior:
+    """A Beta posterior on a per-token acceptance, with a bounded memory (``window``).
+
+    When ``alpha + beta`` exceeds ``window`` both are scaled down, keeping their ratio: memory stays
+    bounded and the posterior follows drift. Not thread-safe on its own (its owner locks).
+    """
+
+    def __init__(self, prior: tuple[float, float] = (1.0, 1.0), window: float = 500.0):
+        if min(prior) <= 0 or window <= 2:
+            raise ValueError("prior counts must be positive and the window above 2")
+        self.alpha, self.beta = map(float, prior)
+        self.window = float(window)
+
+    @property
+    def mean(self) -> float:
+        return self.alpha / (self.alpha + self.beta)
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return float(rng.beta(self.alpha, self.beta))
+
+    def update(self, successes: float, failures: float) -> None:
+        self.alpha += successes
+        self.beta += failures
+        total = self.alpha + self.beta
+        if total > self.window:
+            scale = self.window / total
+            self.alpha *= scale
+            self.beta *= scale
+
+    def state(self) -> dict:
+        return {"alpha": round(self.alpha, 3), "beta": round(self.beta, 3), "mean_acceptance": round(self.mean, 4)}
+
+
+def _chain_observation(drafted: int, accepted: int) -> tuple[int, int]:
+    """Successes and failures of one verification under the until-first-rejection model."""
+    if not 0 <= accepted <= drafted:
+        raise ValueError(f"accepted {accepted} of {drafted} drafts")
+    return accepted, int(accepted < drafted)
+
+
 class ThompsonDraftLength(DraftLengthPolicy):
     """A thread-safe bandit for one domain; plugs into the engine as its draft-length policy.
 
@@ -47,25 +119,30 @@ class ThompsonDraftLength(DraftLengthPolicy):
                  allow_zero: bool = True):
         if max_len < 1 or len(verify) < max_len + 1:
             raise ValueError("need max_len >= 1 and a verify cost for 0 .. max_len drafts")
-        if min(prior) <= 0 or window <= 2:
-            raise ValueError("prior counts must be positive and the window above 2")
         self.draft_cost = float(draft_cost)
         self.verify = tuple(float(v) for v in verify)
         self.max_len = int(max_len)
-        self.alpha, self.beta = map(float, prior)
-        self.window = float(window)
+        self.posterior = BetaPosterior(prior, window)
         self.allow_zero = allow_zero
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self.chosen: dict[int, int] = {}
 
     @property
+    def alpha(self) -> float:
+        return self.posterior.alpha
+
+    @property
+    def beta(self) -> float:
+        return self.posterior.beta
+
+    @property
     def mean(self) -> float:
-        return self.alpha / (self.alpha + self.beta)
+        return self.posterior.mean
 
     def choose(self, max_len: int) -> int:
         with self._lock:
-            a = float(self._rng.beta(self.alpha, self.beta))
+            a = self.posterior.sample(self._rng)
         k = best_length(a, self.draft_cost, self.verify, min(max_len, self.max_len))
         if k == 0 and not self.allow_zero:
             k = 1
@@ -76,18 +153,71 @@ class ThompsonDraftLength(DraftLengthPolicy):
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        if not 0 <= accepted <= drafted:
-            raise ValueError(f"accepted {accepted} of {drafted} drafts")
+        ok, bad = _chain_observation(drafted, accepted)
         with self._lock:
-            self.alpha += accepted
-            self.beta += 1.0 if accepted < drafted else 0.0
-            total = self.alpha + self.beta
-            if total > self.window:
-                scale = self.window / total
-                self.alpha *= scale
-                self.beta *= scale
+            self.posterior.update(ok, bad)
 
     def state(self) -> dict:
         with self._lock:
-            return {"alpha": round(self.alpha, 3), "beta": round(self.beta, 3), "mean_acceptance": round(self.mean, 4),
+            return {**self.posterior.state(), "chosen": dict(sorted(self.chosen.items()))}
+
+
+class ThompsonCascade(DraftLengthPolicy):
+    """Thompson sampling of a cascade's draft length *and* split (EESD's bandit, extended).
+
+    Two Beta posteriors, one per level: the per-token acceptance of layer-skip tokens and of
+    statistical tokens. Each step samples both and picks the ``(split, k)`` of :func:`best_split`
+    (the layer-skip cost scaled by the drafter's measured forwards per token, below 1 when vertical
+    drafting gets several tokens from one forward); the split is handed to ``drafter``. After the
+    verification each drafted token up to the first rejection is credited to the level it came
+    from (``drafter.last_sources``).
+    """
+
+    def __init__(self, drafter, neural_cost: float, verify: list[float] | tuple[float, ...], max_len: int,
+                 max_split: int, neural_prior: tuple[float, float] = (1.0, 1.0),
+                 stat_prior: tuple[float, float] = (1.0, 1.0), stat_cost: float = 0.005, window: float = 500.0,
+                 seed: int | None = 0):
+        if max_len < 1 or len(verify) < max_len + 1:
+            raise ValueError("need max_len >= 1 and a verify cost for 0 .. max_len drafts")
+        if max_split < 0:
+            raise ValueError(f"max_split must be >= 0, got {max_split}")
+        self.drafter = drafter
+        self.neural_cost = float(neural_cost)
+        self.stat_cost = float(stat_cost)
+        self.verify = tuple(float(v) for v in verify)
+        self.max_len = int(max_len)
+        self.max_split = int(max_split) if drafter.masks is not None else 0
+        self.levels = {"n": BetaPosterior(neural_prior, window), "s": BetaPosterior(stat_prior, window)}
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self.chosen: dict[str, int] = {}
+
+    def choose(self, max_len: int) -> int:
+        with self._lock:
+            a_n = self.levels["n"].sample(self._rng)
+            a_s = self.levels["s"].sample(self._rng)
+        cost = self.neural_cost * min(1.0, self.drafter.forwards_per_token)
+        h, k = best_split(a_n, a_s, cost, self.stat_cost, self.verify, min(max_len, self.max_len), self.max_split)
+        self.drafter.split = h
+        with self._lock:
+            key = f"{h}+{k - h}"
+            self.chosen[key] = self.chosen.get(key, 0) + 1
+        return k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        _chain_observation(drafted, accepted)
+        sources = self.drafter.last_sources[:drafted]
+        with self._lock:
+            for i, src in enumerate(sources[: accepted + 1]):
+                if i < accepted:
+                    self.levels[src].update(1.0, 0.0)
+                else:  # the first rejected token
+                    self.levels[src].update(0.0, 1.0)
+
+    def state(self) -> dict:
+        with self._lock:
+            return {"layer_skip": self.levels["n"].state(), "statistical": self.levels["s"].state(),
+                    "forwards_per_token": round(self.drafter.forwards_per_token, 3),
                     "chosen": dict(sorted(self.chosen.items()))}

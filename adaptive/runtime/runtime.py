@@ -5,7 +5,9 @@ prefill yields the prompt embedding (no extra forward); the anchor index picks t
 (distance-weighted KNN vote; out-of-domain requests use the global set); the domain's decision
 from calibration applies (``ssd`` with its skip set, or ``pld`` prompt lookup, whichever measured
 faster than plain decoding by the margin; ``ar`` otherwise); the domain's Thompson-sampling bandit
-picks each step's draft length.
+picks each step's draft length. Method ``cascade`` instead drafts every request with its domain's
+cascade (the bigram-backed statistical drafter under and after the domain's skip set), its split
+and draft length chosen by a two-level Thompson sampler.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from adaptive.drafters.base import FixedDraftLength
+from adaptive.drafters.cascade import CascadeConfig, CascadeDrafter
 from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.drafters.ngram import NgramDrafter
 from adaptive.engine.config import GenerationConfig
@@ -24,10 +27,10 @@ from adaptive.engine.loop import Plan
 from adaptive.errors import ConfigError
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.index.router import Decision, decide
-from adaptive.runtime.bandit import ThompsonDraftLength
+from adaptive.calibrate.cascade import STAT_DRAFT_COST as PLD_DRAFT_COST
+from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 
-METHODS = ("knn-ssd", "ssd-static", "ar")
-PLD_DRAFT_COST = 0.005  # a prompt-lookup draft token, in full steps (about 0.1 ms against ~30 ms)
+METHODS = ("knn-ssd", "cascade", "ssd-static", "ar")
 
 
 @dataclass
@@ -50,7 +53,7 @@ class RuntimeResult(GenerationResult):
 
     @property
     def decision(self) -> str:
-        """What decoded the request: ``ssd`` (layer-skip drafting), ``pld`` (prompt lookup) or ``ar``."""
+        """What decoded the request: ``ssd`` (layer-skip drafting), ``pld`` (prompt lookup), ``cascade`` or ``ar``."""
         return self.info.get("decision", "ar")
 
     @property
@@ -59,11 +62,18 @@ class RuntimeResult(GenerationResult):
         return dict(self.stats.draft_lengths)
 
 
+def _prior(a) -> tuple[float, float]:
+    """Beta pseudo-counts worth ~10 observed drafts around a measured per-token acceptance ``a``."""
+    a = min(max(float(a), 0.01), 0.99)
+    return 1.0 + 10.0 * a, 1.0 + 10.0 * (1.0 - a)
+
+
 class AdaptiveRuntime:
     """Serving-side entry point; safe to share between threads (requests are serialised on the model).
 
-    ``method``: ``"knn-ssd"`` (routed: the profile's per-domain decision), ``"ssd-static"`` (the global skip
-    set for every request, the Self-SD baseline), or ``"ar"``. ``bandit=False`` drafts the fixed
+    ``method``: ``"knn-ssd"`` (routed: the profile's per-domain decision), ``"cascade"`` (routed: the
+    domain's cascade drafter), ``"ssd-static"`` (the global skip set for every request, the Self-SD
+    baseline), or ``"ar"``. ``bandit=False`` drafts the fixed
     draft length calibration found instead of Thompson sampling.
     """
 
@@ -78,7 +88,8 @@ class AdaptiveRuntime:
         self._lock = threading.RLock()  # the model: one decode at a time (re-entrant: route() inside stream())
         self._state_lock = threading.Lock()  # bandits and drafters, created on first use
         self._bandits: dict[str, ThompsonDraftLength] = {}
-        self._drafters: dict[str, LayerSkipDrafter] = {}
+        self._drafters: dict[str, object] = {}
+        self._cascade_policies: dict[str, object] = {}
         self.max_draft_len = int(profile.settings.get("max_draft_len", 8))
 
     @classmethod
@@ -123,36 +134,61 @@ class AdaptiveRuntime:
                 c = dp.estimated_draft_cost
                 a = token if token is not None else (
                     dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness)
-            a = min(max(float(a), 0.01), 0.99)
-            prior = (1.0 + 10.0 * a, 1.0 + 10.0 * (1.0 - a))  # worth ~10 observed drafts
             self._bandits[name] = ThompsonDraftLength(
-                c, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)], self.max_draft_len, prior,
+                c, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)], self.max_draft_len, _prior(a),
                 window=self._window, seed=None if self._seed is None else self._seed + len(self._bandits))
         return self._bandits[name]
+
+    def _cascade(self, dp):
+        """The domain's cascade drafter and its policy (created once, kept with the bandits)."""
+        cc = dp.cascade or CascadeConfig(split=0, draft_len=dp.pld_draft_len, max_split=0)  # a profile without cascades
+        use_skip = cc.max_split > 0 and bool(dp.skip.attn or dp.skip.mlp)
+        drafter = CascadeDrafter(NgramDrafter(bigram=dp.bigram, min_prob=cc.min_prob), dp.skip if use_skip else None,
+                                 self.lm.n_layers, split=cc.split if use_skip else 0, vertical=cc.vertical,
+                                 lenience=cc.lenience)
+        if not self.bandit:
+            return drafter, FixedDraftLength(min(cc.draft_len, self.max_draft_len))
+        cm = self.profile.cost_model
+        stats = dp.extra.get("cascade", {}).get("statistical", {})
+        a_s = stats.get("token_acceptance", dp.extra.get("token_acceptance", {}).get("pld") or 0.3)
+        a_n = dp.extra.get("token_acceptance", {}).get("ssd") or dp.measured_acceptance or dp.estimated_matchness
+        policy = ThompsonCascade(drafter, dp.estimated_draft_cost, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)],
+                                 self.max_draft_len, cc.max_split if use_skip else 0, _prior(a_n), _prior(a_s),
+                                 stat_cost=PLD_DRAFT_COST, window=self._window,
+                                 seed=None if self._seed is None else self._seed + len(self._bandits))
+        return drafter, policy
 
     def _plan(self, method: str):
         def plan(pooled) -> Plan:
             d = decide(self.profile, pooled_to_numpy(pooled))
             if method == "ssd-static":
                 dp, use = self.profile.global_set, "ssd"
-            elif method == "ar":
-                dp, use = self.profile.domain(d.route.domain), "ar"
+            elif method in ("ar", "cascade"):
+                dp, use = self.profile.domain(d.route.domain), method
             else:
                 dp, use = self.profile.domain(d.route.domain), d.method
             info = {"route": d.route.to_dict(), "applied": dp.name, "decision": use, "runtime_method": method}
             if use == "ar":
                 return Plan(None, None, info)
             key = f"{method}:{dp.name}"
-            fixed_len = dp.pld_draft_len if use == "pld" else dp.draft_len
             with self._state_lock:
-                drafter = self._drafters.get(key)
-                if drafter is None:
-                    drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
-                                                     else LayerSkipDrafter(dp.skip, self.lm.n_layers))
-                policy = self._policy(key, dp, use) if self.bandit else FixedDraftLength(fixed_len)
+                if use == "cascade":
+                    if key not in self._drafters:
+                        self._drafters[key], self._cascade_policies[key] = self._cascade(dp)
+                        if self.bandit:
+                            self._bandits[key] = self._cascade_policies[key]
+                    drafter, policy = self._drafters[key], self._cascade_policies[key]
+                    fixed_len = None if self.bandit else policy.k
+                else:
+                    fixed_len = dp.pld_draft_len if use == "pld" else dp.draft_len
+                    drafter = self._drafters.get(key)
+                    if drafter is None:
+                        drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
+                                                         else LayerSkipDrafter(dp.skip, self.lm.n_layers))
+                    policy = self._policy(key, dp, use) if self.bandit else FixedDraftLength(fixed_len)
             info.update(draft_policy="thompson" if self.bandit else f"fixed {fixed_len}",
                         drafter=drafter.describe())
-            if use == "ssd":
+            if use == "ssd" or (use == "cascade" and drafter.skip is not None):
                 info.update(skip_text=dp.skip.to_text(), skip=dp.skip.to_dict())
             return Plan(drafter, policy, info)
 
@@ -178,7 +214,7 @@ class AdaptiveRuntime:
             for item in self.engine.stream(ids, cfg, plan=self._plan(method)):
                 if isinstance(item, GenerationResult):
                     info = dict(item.info)
-                    if self.bandit and info.get("decision") in ("ssd", "pld"):
+                    if self.bandit and info.get("decision") in ("ssd", "pld", "cascade"):
                         with self._state_lock:
                             bandit = self._bandits[f"{method}:{info['applied']}"]
                         info["bandit"] = bandit.state()

@@ -76,6 +76,12 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
             assert d.measured_speedup >= 1.02 and d.measured_speedup >= d.pld_speedup
         if d.decision == "pld":
             assert d.pld_speedup >= 1.02 and d.pld_speedup >= d.measured_speedup
+        # the cascade: its statistical drafter scored teacher-forced, its starting point timed
+        timed = d.extra["cascade"]["timed"]
+        assert timed["method"] == "cascade" and d.cascade_speedup == timed["measured_speedup"]
+        assert (timed["split"], timed["draft_len"]) == (d.cascade.split, d.cascade.draft_len)
+        assert d.extra["cascade"]["statistical"]["positions"] > 0
+        assert d.cascade.max_split in (0, 2) and d.cascade.split <= d.cascade.max_split
 
 
 def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):

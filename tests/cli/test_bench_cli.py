@@ -24,14 +24,15 @@ def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_pro
     out = tmp_path / "report.json"
     md, png = tmp_path / "report.md", tmp_path / "report.png"
     table, err = run_ok(capsys, "bench", "--data", str(data_file), "--profile", str(tiny_profile), "--model",
-                        str(tiny_model_dir), "--methods", "ar,hf,hf-pld,hf-early-exit,pld,ssd-static,knn-ssd,knn-ssd-fixed",
-                        "--max-new-tokens", "10", "--dtype", "float32", "--out", str(out), "--markdown", str(md),
+                        str(tiny_model_dir), "--methods", "ar,hf,hf-pld,hf-early-exit,pld,ssd-static,knn-ssd,knn-ssd-fixed,"
+                        "cascade,cascade-fixed", "--max-new-tokens", "10", "--dtype", "float32", "--out", str(out), "--markdown", str(md),
                         "--plot", str(png), "--quiet")
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "model", "settings", "methods", "results", "runs"}
     assert report["machine"]["torch"] and report["machine"]["threads"] >= 1
     res = report["results"]
-    assert list(res) == ["ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed"]
+    assert list(res) == ["ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed",
+                         "cascade", "cascade-fixed"]
     for m, r in res.items():
         assert set(r) >= {"speedup", "mean_accepted_tokens", "acceptance_rate", "tokens_per_s", "identical_to_ar",
                           "lossless_violations", "by_category"}
@@ -42,6 +43,7 @@ def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_pro
     assert res["knn-ssd"]["mean_accepted_tokens"] >= 1.0
     knn_runs = [r for r in report["runs"] if r["method"] == "knn-ssd"]
     assert all("applied" in r and "decision" in r for r in knn_runs)
+    assert {r["decision"] for r in report["runs"] if r["method"].startswith("cascade")} == {"cascade"}
     assert "| **overall** |" in table and md.read_text().strip() == table.strip()
     assert png.read_bytes()[:4] == b"\x89PNG"
 

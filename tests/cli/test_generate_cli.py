@@ -54,6 +54,17 @@ def test_generate_errors_are_one_line(capsys, tiny_model_dir, args, message):
     assert "Traceback" not in err
 
 
+def test_generate_cascade_without_a_profile(capsys, tiny_model_dir):
+    ar, _ = run_ok(capsys, "generate", "ab ab ab ab", "--model", str(tiny_model_dir), "--method", "ar",
+                   "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    for skip in ([], ["--skip-attn", "1"]):
+        out, _ = run_ok(capsys, "generate", "ab ab ab ab", "--model", str(tiny_model_dir), "--method", "cascade",
+                        *skip, "--max-new-tokens", "12", "--dtype", "float32", "--json")
+        obj = json.loads(out)
+        assert obj["token_ids"] == json.loads(ar)["token_ids"]
+        assert obj["drafter"]["split"] == (1 if skip else 0)
+
+
 def test_unknown_model_is_clear(capsys, tmp_path):
     code, _, err = run(capsys, "generate", "abc", "--model", str(tmp_path / "nope"), "--method", "ar")
     assert code == 1 and "cannot load model" in err and "tried" in err
@@ -71,6 +82,11 @@ def test_generate_with_a_profile_routes_and_is_lossless(capsys, tiny_model_dir, 
                        str(tiny_profile), "--method", "ssd-static", "--max-new-tokens", "12", "--dtype", "float32",
                        "--json")
     assert json.loads(static)["applied"] == "global"
+    casc, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
+                     str(tiny_profile), "--method", "cascade", "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    casc = json.loads(casc)
+    assert casc["decision"] == "cascade" and casc["drafter"]["name"] == "cascade"
+    assert casc["token_ids"] == obj["token_ids"]
     _, err = run_ok(capsys, "generate", "hello", "--model", str(tiny_model_dir), "--profile", str(tiny_profile),
                     "--max-new-tokens", "6", "--dtype", "float32")
     assert "decoded with" in err

@@ -82,3 +82,61 @@ def test_ngram_drafter_validates():
     with pytest.raises(ValueError):
         NgramDrafter(max_ngram=0)
     assert NgramDrafter(4, 2).describe() == {"name": "ngram", "max_ngram": 4, "min_ngram": 2}
+
+
+# -- the bigram table ------------------------------------------------------------------------------
+
+from adaptive.drafters.ngram import BigramTable, bigram_chain, build_bigram_table, statistical_draft  # noqa: E402
+
+
+def test_build_bigram_table_docstring_case():
+    # 1 -> 2 three times out of three; 2 -> 3 once and 2 -> 4 once; 3 -> 1 and 4 -> 1 once: below min_count 2
+    t = build_bigram_table([[1, 2, 3, 1, 2, 4, 1, 2]])
+    assert t.keys.tolist() == [1] and t.succ.tolist() == [2] and t.prob.tolist() == [1.0]
+    # with min_count 1 every token is kept; ties (2 -> 3, 2 -> 4) go to the smaller id at probability 1/2
+    t = build_bigram_table([[1, 2, 3, 1, 2, 4, 1, 2]], min_count=1)
+    assert t.get(2) == (3, 0.5) and t.get(4) == (1, 1.0) and t.get(9) is None
+
+
+def test_build_bigram_table_counts_across_sequences_only():
+    # the pair (5, 6) never occurs inside one sequence: it must not be counted across the boundary
+    t = build_bigram_table([[7, 5], [6, 7, 5], [7]], min_count=1)
+    assert t.get(7) == (5, 1.0) and t.get(5) is None
+    assert len(build_bigram_table([[1], []])) == 0
+
+
+def test_bigram_chain_docstring_case():
+    t = BigramTable([1, 2, 3], [2, 3, 1], [1.0, 0.6, 0.5])
+    # chances 1.0, 0.6, 0.3, 0.3; the next would be 0.15 < 0.25
+    assert bigram_chain(t, 1, 5, min_prob=0.25) == [2, 3, 1, 2]
+    assert bigram_chain(t, 1, 2, min_prob=0.0) == [2, 3]  # cut at k
+    assert bigram_chain(t, 7, 3) == []  # no entry for 7
+
+
+def test_statistical_draft_docstring_cases():
+    t = BigramTable([2, 9], [9, 7], [0.9, 0.5])
+    # prompt lookup finds [2, 9, 1] after the earlier 1; the table has nothing after 1
+    assert statistical_draft([4, 1, 2, 9, 1], 4, t) == [2, 9, 1]
+    # no repeat: the chain from 2 (0.9, then 0.45)
+    assert statistical_draft([8, 2], 4, t) == [9, 7]
+    assert statistical_draft([8, 2], 4, None) == []  # prompt lookup alone
+
+
+def test_bigram_table_validation():
+    with pytest.raises(ValueError):
+        BigramTable([2, 1], [0, 0], [0.5, 0.5])  # unsorted
+    with pytest.raises(ValueError):
+        BigramTable([1], [2], [1.5])
+    with pytest.raises(ValueError):
+        BigramTable([1, 2], [2], [1.0])
+    with pytest.raises(ValueError):
+        build_bigram_table([[1, 2]], min_count=0)
+
+
+@given(st.lists(st.lists(st.integers(0, 6), max_size=15), max_size=5), st.integers(1, 3))
+def test_bigram_table_entries_are_real_majority_successors(seqs, min_count):
+    t = build_bigram_table(seqs, min_count)
+    for a, s, p in zip(t.keys.tolist(), t.succ.tolist(), t.prob.tolist()):
+        follow = [seq[i + 1] for seq in seqs for i in range(len(seq) - 1) if seq[i] == a]
+        assert follow.count(s) >= min_count and follow.count(s) == max(follow.count(x) for x in set(follow))
+        assert p == pytest.approx(follow.count(s) / len(follow), rel=1e-6)

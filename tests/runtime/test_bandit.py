@@ -89,3 +89,62 @@ def test_updates_keep_a_valid_posterior(steps):
         b.update(drafted, accepted)
         assert b.alpha > 0 and b.beta > 0 and b.alpha + b.beta <= 40 + 1e-9
         assert 0 <= b.choose(8) <= 8
+
+
+# -- the cascade's two-level sampler ---------------------------------------------------------------
+
+from adaptive.runtime.bandit import ThompsonCascade, best_split, cascade_expected_tokens  # noqa: E402
+
+
+def test_cascade_expected_tokens_docstring_case():
+    # 1 + 0.8 + 0.8 * (0.5 + 0.25)
+    assert cascade_expected_tokens(0.8, 1, 0.5, 2) == pytest.approx(2.4)
+    assert cascade_expected_tokens(0.8, 0, 0.5, 0) == 1.0  # a plain step
+
+
+def test_best_split_docstring_case():
+    # (1, 2): one layer-skip token then one statistical token: 2.17 / 1.55 = 1.40 beats the rest
+    assert best_split(0.9, 0.3, 0.5, 0.0, (1, 1, 1.05), 2, 2) == (1, 2)
+    # no layer-skip level allowed: the best statistical-only draft
+    assert best_split(0.9, 0.3, 0.5, 0.0, (1, 1, 1.05), 2, 0) == (0, 2)
+    # nothing is ever accepted and drafting costs: a plain step
+    assert best_split(0.0, 0.0, 0.5, 0.01, (1, 1.01, 1.05), 2, 2) == (0, 0)
+
+
+class _FakeDrafter:
+    masks = object()  # has a layer-skip level
+
+    def __init__(self):
+        self.split = None
+        self.last_sources = []
+        self.forwards_per_token = 1.0
+
+
+def test_thompson_cascade_credits_each_level():
+    d = _FakeDrafter()
+    b = ThompsonCascade(d, 0.5, [1.0] * 6, 5, 2, neural_prior=(1, 1), stat_prior=(1, 1))
+    d.last_sources = ["n", "n", "s", "s", "s"]
+    b.update(5, 3)  # n, n accepted; s accepted; the 2nd s rejected; the last s says nothing
+    assert (b.levels["n"].alpha, b.levels["n"].beta) == (3.0, 1.0)
+    assert (b.levels["s"].alpha, b.levels["s"].beta) == (2.0, 2.0)
+    d.last_sources = ["n", "s"]
+    b.update(2, 2)  # all accepted: one success each, no failure
+    assert (b.levels["n"].alpha, b.levels["s"].alpha, b.levels["s"].beta) == (4.0, 3.0, 2.0)
+    with pytest.raises(ValueError):
+        b.update(2, 3)
+
+
+def test_thompson_cascade_sets_the_split():
+    d = _FakeDrafter()
+    # a near-perfect, cheap layer-skip level and a useless statistical one: layer-skip positions
+    b = ThompsonCascade(d, 0.1, [1.0] * 9, 8, 3, neural_prior=(500, 1), stat_prior=(1, 500), seed=0)
+    k = b.choose(8)
+    assert d.split == 3 and k >= 3
+    # the reverse: statistical tokens only
+    b = ThompsonCascade(d, 0.9, [1.0] * 9, 8, 3, neural_prior=(1, 500), stat_prior=(500, 1), seed=0)
+    assert b.choose(8) == 8 and d.split == 0
+    d.masks = None  # no layer-skip level at all: never a split
+    b = ThompsonCascade(d, 0.1, [1.0] * 9, 8, 3, neural_prior=(500, 1), stat_prior=(1, 500), seed=0)
+    b.choose(8)
+    assert d.split == 0 and b.max_split == 0
+    assert set(b.state()) == {"layer_skip", "statistical", "forwards_per_token", "chosen"}

@@ -34,7 +34,7 @@ def _ar(rt, prompt, n=24):
     return Engine(rt.lm).generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
 
 
-@pytest.mark.parametrize("method", ["knn-ssd", "ssd-static", "ar"])
+@pytest.mark.parametrize("method", ["knn-ssd", "cascade", "ssd-static", "ar"])
 def test_runtime_greedy_output_equals_plain_decoding(runtime, method):
     for prompt in PROMPTS:
         r = runtime.generate(prompt, max_new_tokens=24, method=method)
@@ -43,6 +43,8 @@ def test_runtime_greedy_output_equals_plain_decoding(runtime, method):
             assert r.decision == "ar"
         elif method == "ssd-static":
             assert r.decision == "ssd" and r.info["applied"] == "global"
+        elif method == "cascade":
+            assert r.decision == "cascade" and r.info["drafter"]["name"] == "cascade"
         else:
             assert r.decision == runtime.profile.domain(r.domain).decision
 
@@ -125,8 +127,8 @@ def test_concurrent_requests_match_single_threaded_output(runtime):
             assert ids == expected[j], j
         else:  # sampled: a complete, valid generation
             assert 1 <= len(ids) <= 20 and all(0 <= t < runtime.lm.backbone.vocab_size for t in ids)
-    # bounded state: one bandit per (method, domain) at most
-    assert len(runtime.bandit_state()) <= 2 * (len(TINY_DOMAINS) + 1)
+    # bounded state: one bandit per (drafting method, domain) at most: knn-ssd, cascade, ssd-static
+    assert len(runtime.bandit_state()) <= 3 * (len(TINY_DOMAINS) + 1)
 
 
 def test_prompt_lookup_domains_are_lossless(runtime):
@@ -151,3 +153,41 @@ def test_route_inside_a_stream_does_not_deadlock(runtime):
     assert runtime.route("what is 1 plus 2?").route.nearest_domain in TINY_DOMAINS  # same thread, lock held
     assert isinstance(runtime.bandit_state(), dict)
     list(it)
+
+
+def test_cascade_uses_the_domains_table_and_split(runtime):
+    """Each domain's cascade drafts with its own bigram table; a profile split puts layer-skip tokens
+    first; greedy output stays that of plain decoding; the two-level bandit learns per level."""
+    from adaptive.drafters.cascade import CascadeConfig
+
+    p = dataclasses.replace(runtime.profile)
+    p.domains = {n: dataclasses.replace(d, cascade=CascadeConfig(split=1, draft_len=4, max_split=2),
+                                        skip=d.skip if (d.skip.attn or d.skip.mlp) else d.skip.__class__((1,), ()))
+                 for n, d in p.domains.items()}
+    for bandit in (False, True):
+        rt = AdaptiveRuntime(p, runtime.lm, bandit=bandit)
+        for prompt in PROMPTS[:3]:
+            r = rt.generate(prompt, max_new_tokens=24, method="cascade")
+            assert r.token_ids == _ar(runtime, prompt), (bandit, prompt)
+            if r.domain is not None:
+                d = r.info["drafter"]
+                assert d["statistical"]["bigram_entries"] == len(p.domains[r.domain].bigram)
+                assert r.skip == p.domains[r.domain].skip.to_text()
+                if not bandit:
+                    assert d["split"] == 1 and r.stats.drafted > 0
+        if bandit:
+            states = [v for k, v in rt.bandit_state().items() if k.startswith("cascade:")]
+            assert states and all({"layer_skip", "statistical"} <= set(s) for s in states)
+            # some tokens were credited to a level beyond the priors' pseudo-counts
+            assert any(s["chosen"] for s in states)
+
+
+def test_cascade_with_a_profile_made_before_cascades(runtime):
+    """A profile without cascade settings or tables: the cascade is prompt lookup alone, still lossless."""
+    p = dataclasses.replace(runtime.profile)
+    p.domains = {n: dataclasses.replace(d, cascade=None, bigram=None) for n, d in p.domains.items()}
+    p.global_set = dataclasses.replace(p.global_set, cascade=None, bigram=None)
+    rt = AdaptiveRuntime(p, runtime.lm, bandit=False)
+    r = rt.generate("ab ab ab ab ab ab", max_new_tokens=16, method="cascade")
+    assert r.info["drafter"]["split"] == 0 and "bigram_entries" not in r.info["drafter"]["statistical"]
+    assert r.token_ids == _ar(runtime, "ab ab ab ab ab ab", 16) and r.stats.drafted > 0
