@@ -61,7 +61,7 @@ class DomainProfile:
     measured_mean_accepted: float | None = None
     trials: int = 0
     candidates: tuple = ()
-    method: str = ""  # "ar", "ssd" or "pld": what the runtime uses; "" -> from ``pays``
+    method: str = ""  # "ar", "ssd", "pld" or "cascade": what the runtime uses; "" -> from ``pays``
     pld_speedup: float | None = None
     pld_acceptance: float | None = None
     pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
@@ -70,7 +70,7 @@ class DomainProfile:
     cascade_speedup: float | None = None
     bigram: BigramTable | None = field(default=None, compare=False, repr=False)  # stored in bigrams.npz
 
-    METHODS = ("ar", "ssd", "pld")
+    METHODS = ("ar", "ssd", "pld", "cascade")
 
     def __post_init__(self):
         if self.draft_len < 1 or self.pld_draft_len < 1:
@@ -81,7 +81,8 @@ class DomainProfile:
     @property
     def decision(self) -> str:
         """What the runtime decodes this domain with: the fastest measured of layer-skip drafting
-        (``ssd``) and prompt lookup (``pld``) where it beat plain decoding by the margin, else ``ar``."""
+        (``ssd``), prompt lookup (``pld``) and the cascade (``cascade``) where it beat plain decoding
+        by the margin, else ``ar``."""
         return self.method or ("ssd" if self.pays else "ar")
 
     def to_dict(self) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from adaptive.drafters.cascade import CascadeConfig
-from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, build_bigram_table, statistical_draft
+from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, build_bigram_table, statistical_draft
 from adaptive.runtime.bandit import best_split
 
 STAT_DRAFT_COST = 0.005  # a statistical draft token, in full steps (a lookup, ~0.1 ms against ~30 ms)
@@ -29,28 +29,36 @@ def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
 
 
 def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int, min_count: int = 2,
-                           min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True) -> dict:
+                           min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True,
+                           table: BigramTable | None = None) -> dict:
     """Teacher-forced acceptance of the statistical drafter on ``(prompt_ids, continuation_ids)`` pairs.
+
+    ``bigram=True`` builds each sequence's table from the other sequences (leave one out) unless a
+    fixed ``table`` (built from other text) is given; ``bigram=False``: prompt lookup alone.
 
     Returns ``token_acceptance`` (accepted / (accepted + first rejections), the bandit's model),
     ``position_acceptance`` (``[k]``: accepted / reached at each draft position), ``available``
-    (share of positions with any proposal) and ``positions`` (how many were scored). Positions whose
+    (share of positions with any proposal), ``accepted_per_step`` and ``drafted_per_step`` (means
+    over all scored positions, a position without a proposal counting 0) and ``positions``. Positions whose
     proposal runs past the continuation's end are scored only up to that end.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     reached, accepted = [0] * k, [0] * k
-    ok = rejections = positions = available = 0
+    ok = rejections = positions = available = drafted = 0
     for i, (prompt, cont) in enumerate(sequences):
-        table = (build_bigram_table([p + c for j, (p, c) in enumerate(sequences) if j != i], min_count)
-                 if bigram else None)
+        used = None
+        if bigram:
+            used = table if table is not None else build_bigram_table(
+                [list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i], min_count)
         for t in range(1, len(cont)):
             actual = cont[t:t + k]
-            proposal = statistical_draft(list(prompt) + list(cont[:t]), k, table, min_prob=min_prob)[: len(actual)]
+            proposal = statistical_draft(list(prompt) + list(cont[:t]), k, used, min_prob=min_prob)[: len(actual)]
             positions += 1
             if not proposal:
                 continue
             available += 1
+            drafted += len(proposal)
             n = accepted_prefix(proposal, actual)
             for j in range(min(n + 1, len(proposal))):
                 reached[j] += 1
@@ -59,7 +67,9 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
             rejections += n < len(proposal)
     return {"token_acceptance": round(ok / (ok + rejections), 4) if ok + rejections else 0.0,
             "position_acceptance": [round(a / r, 4) if r else 0.0 for a, r in zip(accepted, reached)],
-            "available": round(available / positions, 4) if positions else 0.0, "positions": positions}
+            "available": round(available / positions, 4) if positions else 0.0, "positions": positions,
+            "accepted_per_step": round(ok / positions, 4) if positions else 0.0,
+            "drafted_per_step": round(drafted / positions, 4) if positions else 0.0}
 
 
 def choose_cascade(stat_acceptance: float, neural_acceptance: float, neural_cost: float, verify: Sequence[float],

@@ -430,7 +430,9 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
         pld = measure_candidates(lm, confirm_ids, [{"method": "pld", "skip": "none", "draft_len": s.pld_draft_len}],
                                  s.confirm_tokens)[0]
         _write_json(ppath, pld)
-    speed = {"ssd": best["measured_speedup"], "pld": pld["measured_speedup"]}
+    cascade, bigram = _calibrate_cascade(lm, s, work, name, sequences, best, cost_model, confirm_ids)
+    timed = {"ssd": best, "pld": pld, "cascade": cascade["cascade_stats"]["timed"]}
+    speed = {m: r["measured_speedup"] for m, r in timed.items()}
     winner = max(speed, key=speed.get)
     recheck = None
     if speed[winner] >= 1.0 + s.min_gain:
@@ -440,27 +442,28 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
         if rpath.exists():
             recheck = json.loads(rpath.read_text())
         else:
-            recheck = measure_candidates(lm, confirm_ids, [best if winner == "ssd" else pld], s.confirm_tokens)[0]
+            recheck = measure_candidates(lm, confirm_ids, [timed[winner]], s.confirm_tokens, bigram=bigram)[0]
             _write_json(rpath, recheck)
         speed[winner] = (speed[winner] + recheck["measured_speedup"]) / 2
     paying = {m: v for m, v in speed.items() if v >= 1.0 + s.min_gain}
     method = max(paying, key=paying.get) if paying else "ar"
-    cascade = _calibrate_cascade(lm, s, work, name, sequences, best, cost_model, confirm_ids)
+    cascade["cascade_speedup"] = round(speed["cascade"], 4)
     return {"name": name, "skip": best["skip"], "draft_len": best["draft_len"], "pays": speed["ssd"] >= 1.0 + s.min_gain,
             "method": method, "estimated_matchness": best["matchness"], "estimated_draft_cost": best["draft_cost"],
             "estimated_speedup": best["target"], "measured_acceptance": best["measured_acceptance"],
             "measured_speedup": round(speed["ssd"], 4), "measured_mean_accepted": best["measured_mean_accepted"],
             "pld_speedup": round(speed["pld"], 4), "pld_acceptance": pld["measured_acceptance"],
-            "token_acceptance": {"ssd": best.get("token_acceptance"), "pld": pld.get("token_acceptance")},
+            "token_acceptance": {m: r.get("token_acceptance") for m, r in timed.items()},
             "pld_draft_len": s.pld_draft_len, "trials": len(history),
             "candidates": results + [pld] + ([{**recheck, "recheck": True}] if recheck else []),
             **cascade, **meta}
 
 
 def _calibrate_cascade(lm, s: CalibrationSettings, work: "WorkDir", name: str, sequences: list, best: dict,
-                       cost_model: CostModel, confirm_ids: list[list[int]]) -> dict:
+                       cost_model: CostModel, confirm_ids: list[list[int]]) -> tuple[dict, object]:
     """The domain's bigram table, its statistical drafter's measured acceptance, the cascade's starting
-    configuration (from those and the best skip set's measured acceptance), and its timed speedup."""
+    configuration (from those and the best skip set's measured acceptance), and its timed speedup.
+    Returns the profile fields and the table."""
     from adaptive.calibrate.cascade import choose_cascade, statistical_acceptance
     from adaptive.drafters.ngram import build_bigram_table
 
@@ -479,7 +482,7 @@ def _calibrate_cascade(lm, s: CalibrationSettings, work: "WorkDir", name: str, s
         rec = {"cascade": cfg.to_dict(), "cascade_speedup": timed["measured_speedup"],
                "cascade_stats": {"statistical": stats, "timed": timed}}
         _write_json(path, rec)
-    return {**rec, "bigram": (bigram.keys, bigram.succ, bigram.prob)}
+    return {**rec, "bigram": (bigram.keys, bigram.succ, bigram.prob)}, bigram
 
 
 # -- parallel execution ------------------------------------------------------------------------------

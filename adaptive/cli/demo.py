@@ -108,6 +108,9 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     how = {"ssd": f" (skip {applied.skip.to_text()}, draft length {applied.draft_len})",
            "pld": f" (prompt lookup, draft length {applied.pld_draft_len}: it measured faster than the best skip set"
                   f" {applied.skip.to_text()})",
+           "cascade": (f" (the cascade: prompt lookup and the domain's bigram table"
+                       + (f" after {applied.cascade.split} layer-skip position(s)" if applied.cascade and applied.cascade.split
+                          else "") + f"; it measured fastest, {applied.cascade_speedup}x at calibration)"),
            "ar": f" (no drafter measured faster than plain decoding there; best skip set {applied.skip.to_text()})"}
     click.echo(f"routed to {where}; the profile decodes it with {decision.method}" + how[decision.method])
     click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, median of {repeats} interleaved runs")

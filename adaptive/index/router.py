@@ -16,7 +16,7 @@ class Decision:
     profile_domain: str  # the domain whose settings apply ("global" when out-of-domain)
     skip_text: str
     draft_len: int
-    method: str  # the domain's calibrated choice: "ssd", "pld" or "ar"
+    method: str  # the domain's calibrated choice: "ssd", "pld", "cascade" or "ar"
 
     def to_dict(self) -> dict:
         return {**self.route.to_dict(), "applied": self.profile_domain, "skip": self.skip_text,
@@ -27,8 +27,8 @@ def decide(profile, vector, k: int | None = None) -> Decision:
     """Route a raw pooled embedding ``[hidden]`` with ``profile`` (a :class:`adaptive.profile.Profile`)."""
     route = profile.index.route(vector, k)
     dp = profile.domain(route.domain)
-    return Decision(route, dp.name, dp.skip.to_text(), dp.pld_draft_len if dp.decision == "pld" else dp.draft_len,
-                    dp.decision)
+    lengths = {"pld": dp.pld_draft_len, "cascade": dp.cascade.draft_len if dp.cascade else dp.pld_draft_len}
+    return Decision(route, dp.name, dp.skip.to_text(), lengths.get(dp.decision, dp.draft_len), dp.decision)
 
 
 def route_prompt(profile, engine, prompt, k: int | None = None) -> Decision:

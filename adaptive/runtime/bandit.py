@@ -34,25 +34,38 @@ def best_length(a: float, draft_cost: float, verify: list[float] | tuple[float, 
     return best_k
 
 
-def cascade_expected_tokens(a_n: float, h: int, a_s: float, t: int) -> float:
+def _reach(a, t: int) -> float:
+    """``sum_{j<=t} prod_{i<j} a_i``: expected accepted tokens of ``t`` drafts with acceptance ``a``
+    (a number, the same at every position, or one per position)."""
+    if isinstance(a, (int, float)):
+        return expected_tokens_per_step(float(a), t) - 1.0
+    total, p = 0.0, 1.0
+    for j in range(t):
+        p *= a[j]
+        total += p
+    return total
+
+
+def cascade_expected_tokens(a_n: float, h: int, a_s, t: int) -> float:
     """Expected tokens per step of a cascade draft: ``h`` layer-skip tokens then ``t`` statistical ones.
 
-    Each layer-skip token is accepted with probability ``a_n`` and each statistical one with
-    ``a_s``, until the first rejection; the target's own token counts too:
-    ``1 + sum_{i<=h} a_n^i + a_n^h * sum_{j<=t} a_s^j``.
-    Example: ``a_n = 0.8, h = 1, a_s = 0.5, t = 2``: ``1 + 0.8 + 0.8 * (0.5 + 0.25) = 2.4``.
+    Each layer-skip token is accepted with probability ``a_n`` and statistical token ``j`` of the
+    tail with ``a_s`` (or ``a_s[j]``: acceptance by tail position, given the ones before it were
+    accepted), until the first rejection; the target's own token counts too:
+    ``1 + sum_{i<=h} a_n^i + a_n^h * sum_{j<=t} prod_{i<j} a_s[i]``.
+    Example: ``a_n = 0.8, h = 1, a_s = 0.5, t = 2``: ``1 + 0.8 + 0.8 * (0.5 + 0.25) = 2.4``; with
+    ``a_s = [0.5, 0.9]``: ``1 + 0.8 + 0.8 * (0.5 + 0.45) = 2.56``.
     """
-    return (expected_tokens_per_step(a_n, h)
-            + a_n ** h * (expected_tokens_per_step(a_s, t) - 1.0))
+    return expected_tokens_per_step(a_n, h) + a_n ** h * _reach(a_s, t)
 
 
-def best_split(a_n: float, a_s: float, neural_cost: float, stat_cost: float,
+def best_split(a_n: float, a_s, neural_cost: float, stat_cost: float,
                verify: list[float] | tuple[float, ...], max_len: int, max_split: int) -> tuple[int, int]:
     """The ``(split, k)`` maximising expected tokens per unit cost for a cascade draft.
 
     ``split`` tokens from the layer-skip level (``neural_cost`` each, in full steps), ``k - split``
-    from the statistical drafter (``stat_cost`` each), verified at ``verify[k]``; ``(0, 0)`` is a
-    plain step (cost ``verify[0] = 1``).
+    from the statistical drafter (``stat_cost`` each; acceptance ``a_s``, a number or one per tail
+    position), verified at ``verify[k]``; ``(0, 0)`` is a plain step (cost ``verify[0] = 1``).
     Example: ``a_n = 0.9, a_s = 0.3``, costs 0.5 and 0, verify ``(1, 1, 1.05)``, ``max_len = 2``:
     (0, 1) gives 1.3, (0, 2) 1.39 / 1.05 = 1.32, (1, 1) 1.9 / 1.5 = 1.27, (1, 2) 2.17 / 1.55 = 1.40,
     (2, 2) 2.71 / 2.05 = 1.32: ``(1, 2)``.
@@ -165,37 +178,43 @@ class ThompsonDraftLength(DraftLengthPolicy):
 class ThompsonCascade(DraftLengthPolicy):
     """Thompson sampling of a cascade's draft length *and* split (EESD's bandit, extended).
 
-    Two Beta posteriors, one per level: the per-token acceptance of layer-skip tokens and of
-    statistical tokens. Each step samples both and picks the ``(split, k)`` of :func:`best_split`
-    (the layer-skip cost scaled by the drafter's measured forwards per token, below 1 when vertical
-    drafting gets several tokens from one forward); the split is handed to ``drafter``. After the
-    verification each drafted token up to the first rejection is credited to the level it came
-    from (``drafter.last_sources``).
+    Beta posteriors per level: one on the per-token acceptance of layer-skip tokens, and one per
+    tail position on the acceptance of statistical tokens (a copied span tends to go on being
+    right once its first token was: calibration measured about 0.5 at the first position and
+    0.65-0.7 at later ones, so one shared rate would undervalue long tails). Each step samples
+    them all and picks the ``(split, k)`` of :func:`best_split` (the layer-skip cost scaled by the
+    drafter's measured forwards per token, below 1 when vertical drafting gets several tokens
+    from one forward); the split is handed to ``drafter``. After the verification each drafted
+    token up to the first rejection is credited to its level and position (``drafter.last_sources``).
+    ``stat_prior`` is one ``(alpha, beta)`` for every tail position or a list, one per position.
     """
 
     def __init__(self, drafter, neural_cost: float, verify: list[float] | tuple[float, ...], max_len: int,
                  max_split: int, neural_prior: tuple[float, float] = (1.0, 1.0),
-                 stat_prior: tuple[float, float] = (1.0, 1.0), stat_cost: float = 0.005, window: float = 500.0,
-                 seed: int | None = 0):
+                 stat_prior: tuple[float, float] | list[tuple[float, float]] = (1.0, 1.0), stat_cost: float = 0.005,
+                 window: float = 500.0, seed: int | None = 0):
         if max_len < 1 or len(verify) < max_len + 1:
             raise ValueError("need max_len >= 1 and a verify cost for 0 .. max_len drafts")
         if max_split < 0:
             raise ValueError(f"max_split must be >= 0, got {max_split}")
+        priors = list(stat_prior) if isinstance(stat_prior[0], (tuple, list)) else [stat_prior]
+        priors += [priors[-1]] * (max_len - len(priors))  # positions beyond those measured: the last one's
         self.drafter = drafter
         self.neural_cost = float(neural_cost)
         self.stat_cost = float(stat_cost)
         self.verify = tuple(float(v) for v in verify)
         self.max_len = int(max_len)
         self.max_split = int(max_split) if drafter.masks is not None else 0
-        self.levels = {"n": BetaPosterior(neural_prior, window), "s": BetaPosterior(stat_prior, window)}
+        self.neural = BetaPosterior(neural_prior, window)
+        self.tail = [BetaPosterior(p, window) for p in priors[:max_len]]
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self.chosen: dict[str, int] = {}
 
     def choose(self, max_len: int) -> int:
         with self._lock:
-            a_n = self.levels["n"].sample(self._rng)
-            a_s = self.levels["s"].sample(self._rng)
+            a_n = self.neural.sample(self._rng)
+            a_s = [b.sample(self._rng) for b in self.tail]
         cost = self.neural_cost * min(1.0, self.drafter.forwards_per_token)
         h, k = best_split(a_n, a_s, cost, self.stat_cost, self.verify, min(max_len, self.max_len), self.max_split)
         self.drafter.split = h
@@ -210,14 +229,15 @@ class ThompsonCascade(DraftLengthPolicy):
         _chain_observation(drafted, accepted)
         sources = self.drafter.last_sources[:drafted]
         with self._lock:
+            j = 0  # position within the statistical tail
             for i, src in enumerate(sources[: accepted + 1]):
-                if i < accepted:
-                    self.levels[src].update(1.0, 0.0)
-                else:  # the first rejected token
-                    self.levels[src].update(0.0, 1.0)
+                post = self.neural if src == "n" else self.tail[min(j, len(self.tail) - 1)]
+                post.update(*((1.0, 0.0) if i < accepted else (0.0, 1.0)))  # i == accepted: the first rejection
+                j += src != "n"
 
     def state(self) -> dict:
         with self._lock:
-            return {"layer_skip": self.levels["n"].state(), "statistical": self.levels["s"].state(),
+            return {"layer_skip": self.neural.state(),
+                    "statistical": [round(b.mean, 4) for b in self.tail],
                     "forwards_per_token": round(self.drafter.forwards_per_token, 3),
                     "chosen": dict(sorted(self.chosen.items()))}

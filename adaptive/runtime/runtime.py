@@ -3,10 +3,10 @@
 Per request: the prompt is encoded as at calibration (the profile's chat setting); the engine's
 prefill yields the prompt embedding (no extra forward); the anchor index picks the domain
 (distance-weighted KNN vote; out-of-domain requests use the global set); the domain's decision
-from calibration applies (``ssd`` with its skip set, or ``pld`` prompt lookup, whichever measured
-faster than plain decoding by the margin; ``ar`` otherwise); the domain's Thompson-sampling bandit
-picks each step's draft length. Method ``cascade`` instead drafts every request with its domain's
-cascade (the bigram-backed statistical drafter under and after the domain's skip set), its split
+from calibration applies (``ssd`` with its skip set, ``pld`` prompt lookup, or ``cascade``,
+whichever measured fastest where it beat plain decoding by the margin; ``ar`` otherwise); the
+domain's Thompson-sampling bandit picks each step's draft length. Method ``cascade`` drafts every
+request with its domain's cascade (the bigram-backed statistical drafter under and after the domain's skip set), its split
 and draft length chosen by a two-level Thompson sampler.
 """
 
@@ -151,9 +151,14 @@ class AdaptiveRuntime:
         cm = self.profile.cost_model
         stats = dp.extra.get("cascade", {}).get("statistical", {})
         a_s = stats.get("token_acceptance", dp.extra.get("token_acceptance", {}).get("pld") or 0.3)
+        # by tail position, up to the first one calibration saw nothing accepted at (or never reached)
+        by_pos = list(stats.get("position_acceptance", []))
+        by_pos = by_pos[: by_pos.index(0.0)] if 0.0 in by_pos else by_pos
+        by_pos = by_pos or [a_s]
         a_n = dp.extra.get("token_acceptance", {}).get("ssd") or dp.measured_acceptance or dp.estimated_matchness
         policy = ThompsonCascade(drafter, dp.estimated_draft_cost, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)],
-                                 self.max_draft_len, cc.max_split if use_skip else 0, _prior(a_n), _prior(a_s),
+                                 self.max_draft_len, cc.max_split if use_skip else 0, _prior(a_n),
+                                 [_prior(a) for a in by_pos],
                                  stat_cost=PLD_DRAFT_COST, window=self._window,
                                  seed=None if self._seed is None else self._seed + len(self._bandits))
         return drafter, policy

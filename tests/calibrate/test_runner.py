@@ -63,23 +63,21 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         assert c["skip"] == d.skip.to_text() and c["prompts"] >= 1
         assert 0.0 <= d.estimated_matchness <= 1.0
         assert d.estimated_speedup == c["target"]
-        rechecks = [r for r in d.candidates if r.get("recheck")]
-        if rechecks:  # the winner of ssd and pld measured faster: timed again, decided on the mean
-            r = rechecks[0]
-            first = c if r["method"] == "ssd" else pld[0]
-            got = d.measured_speedup if r["method"] == "ssd" else d.pld_speedup
-            assert got == pytest.approx((first["measured_speedup"] + r["measured_speedup"]) / 2, abs=1e-3)
-        else:
-            assert d.measured_speedup == c["measured_speedup"] and d.pld_speedup == pld[0]["measured_speedup"]
-            assert d.decision == "ar"
-        if d.decision == "ssd":
-            assert d.measured_speedup >= 1.02 and d.measured_speedup >= d.pld_speedup
-        if d.decision == "pld":
-            assert d.pld_speedup >= 1.02 and d.pld_speedup >= d.measured_speedup
-        # the cascade: its statistical drafter scored teacher-forced, its starting point timed
         timed = d.extra["cascade"]["timed"]
-        assert timed["method"] == "cascade" and d.cascade_speedup == timed["measured_speedup"]
+        assert timed["method"] == "cascade"
         assert (timed["split"], timed["draft_len"]) == (d.cascade.split, d.cascade.draft_len)
+        first = {"ssd": c, "pld": pld[0], "cascade": timed}
+        got = {"ssd": d.measured_speedup, "pld": d.pld_speedup, "cascade": d.cascade_speedup}
+        rechecks = [r for r in d.candidates if r.get("recheck")]
+        if rechecks:  # the fastest of ssd, pld and cascade beat ar: timed again, decided on the mean
+            r = rechecks[0]
+            assert got[r["method"]] == pytest.approx((first[r["method"]]["measured_speedup"] + r["measured_speedup"]) / 2,
+                                                     abs=1e-3)
+        else:
+            assert all(got[m] == first[m]["measured_speedup"] for m in got)
+            assert d.decision == "ar"
+        if d.decision != "ar":  # the fastest of the three, by the margin
+            assert got[d.decision] >= 1.02 and got[d.decision] == max(got.values())
         assert d.extra["cascade"]["statistical"]["positions"] > 0
         assert d.cascade.max_split in (0, 2) and d.cascade.split <= d.cascade.max_split
 

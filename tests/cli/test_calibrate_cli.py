@@ -46,7 +46,7 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
     assert len(lines) == 3
     for line, row in zip(lines, rows):
         assert line["category"] == row["category"]
-        assert "domain" in line and line["neighbours"] and line["method"] in ("ar", "ssd", "pld")
+        assert "domain" in line and line["neighbours"] and line["method"] in ("ar", "ssd", "pld", "cascade")
         assert line["domain"] in (*TINY_DOMAINS, None)
     one, _ = run_ok(capsys, "route", "--profile", str(out_dir), "--model", str(tiny_model_dir), "hello friend",
                     "--dtype", "float32")

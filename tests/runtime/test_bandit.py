@@ -100,6 +100,8 @@ def test_cascade_expected_tokens_docstring_case():
     # 1 + 0.8 + 0.8 * (0.5 + 0.25)
     assert cascade_expected_tokens(0.8, 1, 0.5, 2) == pytest.approx(2.4)
     assert cascade_expected_tokens(0.8, 0, 0.5, 0) == 1.0  # a plain step
+    # by tail position: the second statistical token is likelier once the first was right
+    assert cascade_expected_tokens(0.8, 1, [0.5, 0.9], 2) == pytest.approx(2.56)
 
 
 def test_best_split_docstring_case():
@@ -124,12 +126,15 @@ def test_thompson_cascade_credits_each_level():
     d = _FakeDrafter()
     b = ThompsonCascade(d, 0.5, [1.0] * 6, 5, 2, neural_prior=(1, 1), stat_prior=(1, 1))
     d.last_sources = ["n", "n", "s", "s", "s"]
-    b.update(5, 3)  # n, n accepted; s accepted; the 2nd s rejected; the last s says nothing
-    assert (b.levels["n"].alpha, b.levels["n"].beta) == (3.0, 1.0)
-    assert (b.levels["s"].alpha, b.levels["s"].beta) == (2.0, 2.0)
+    b.update(5, 3)  # n, n accepted; tail position 0 accepted; tail position 1 rejected; the last says nothing
+    assert (b.neural.alpha, b.neural.beta) == (3.0, 1.0)
+    assert [(t.alpha, t.beta) for t in b.tail[:3]] == [(2.0, 1.0), (1.0, 2.0), (1.0, 1.0)]
     d.last_sources = ["n", "s"]
     b.update(2, 2)  # all accepted: one success each, no failure
-    assert (b.levels["n"].alpha, b.levels["s"].alpha, b.levels["s"].beta) == (4.0, 3.0, 2.0)
+    assert (b.neural.alpha, b.tail[0].alpha, b.tail[0].beta) == (4.0, 3.0, 1.0)
+    d.last_sources = ["s", "s"]
+    b.update(2, 0)  # tail position 0 rejected at once
+    assert (b.tail[0].alpha, b.tail[0].beta, b.tail[1].alpha) == (3.0, 2.0, 1.0)
     with pytest.raises(ValueError):
         b.update(2, 3)
 
@@ -148,3 +153,9 @@ def test_thompson_cascade_sets_the_split():
     b.choose(8)
     assert d.split == 0 and b.max_split == 0
     assert set(b.state()) == {"layer_skip", "statistical", "forwards_per_token", "chosen"}
+    # priors by tail position: a long tail pays when later positions are likely once reached
+    d.masks = None
+    rising = ThompsonCascade(d, 0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0,
+                             stat_prior=[(400, 600), (900, 100), (900, 100), (900, 100), (900, 100)], seed=0)
+    flat = ThompsonCascade(d, 0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0, stat_prior=(400, 600), seed=0)
+    assert rising.choose(5) == 5 and flat.choose(5) < 5
