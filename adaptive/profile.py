@@ -8,6 +8,7 @@ Layout (documented in docs/profile.md)::
       anchors.json        one domain label per anchor, k, out-of-domain threshold
       embedding_mean.npy  subtracted before normalising (zeros: centring is off by default)
       bigrams.npz         each domain's bigram table for the cascade's statistical drafter
+      vocab.npz           each domain's reduced draft vocabulary (token ids)
 
 ``profile.json`` records the SHA-256 of the other files, so a truncated or altered file is
 reported as such. A profile is written to a temporary sibling directory and renamed into place:
@@ -37,6 +38,8 @@ from adaptive.index.anchors import AnchorIndex, IndexFileError
 SCHEMA_VERSION = 1
 FORMAT = "adaptive-profile"
 BIGRAMS = "bigrams.npz"
+VOCAB = "vocab.npz"
+OPTIONAL_FILES = (BIGRAMS, VOCAB)
 
 
 class ProfileError(AdaptiveError, ValueError):
@@ -69,6 +72,8 @@ class DomainProfile:
     cascade: CascadeConfig | None = None  # the cascade drafter's settings (None: made before cascades)
     cascade_speedup: float | None = None
     bigram: BigramTable | None = field(default=None, compare=False, repr=False)  # stored in bigrams.npz
+    reduced_vocab: bool = False  # draft over ``draft_vocab`` (measured faster than the full head)
+    draft_vocab: np.ndarray | None = field(default=None, compare=False, repr=False)  # stored in vocab.npz
 
     METHODS = ("ar", "ssd", "pld", "cascade")
 
@@ -96,7 +101,8 @@ class DomainProfile:
                 "pld_speedup": self.pld_speedup, "pld_acceptance": self.pld_acceptance,
                 "pld_draft_len": self.pld_draft_len, **({"extra": self.extra} if self.extra else {}),
                 **({"cascade": self.cascade.to_dict(), "cascade_speedup": self.cascade_speedup}
-                   if self.cascade is not None else {})}
+                   if self.cascade is not None else {}),
+                "reduced_vocab": self.reduced_vocab}
 
     @classmethod
     def from_dict(cls, d: dict, n_layers: int) -> "DomainProfile":
@@ -111,7 +117,7 @@ class DomainProfile:
                    pld_speedup=d.get("pld_speedup"), pld_acceptance=d.get("pld_acceptance"),
                    pld_draft_len=int(d.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)), extra=dict(d.get("extra", {})),
                    cascade=CascadeConfig.from_dict(d["cascade"]) if d.get("cascade") else None,
-                   cascade_speedup=d.get("cascade_speedup"))
+                   cascade_speedup=d.get("cascade_speedup"), reduced_vocab=bool(d.get("reduced_vocab", False)))
 
 
 @dataclass
@@ -169,6 +175,7 @@ class Profile:
                          "est_acceptance": d.estimated_matchness, "meas_acceptance": d.measured_acceptance,
                          "est_speedup": d.estimated_speedup, "meas_speedup": d.measured_speedup,
                          "pld_speedup": d.pld_speedup, "cascade_speedup": d.cascade_speedup,
+                         "draft_vocab": len(d.draft_vocab) if d.reduced_vocab and d.draft_vocab is not None else None,
                          "decision": d.decision, "skip": d.skip.to_text()})
         return rows
 
@@ -220,9 +227,7 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a profile is shared like any directory
         profile.index.save(tmp)
         data = profile.to_dict()
-        names = list(AnchorIndex.FILES)
-        if _save_bigrams(profile, data, tmp / BIGRAMS):
-            names.append(BIGRAMS)
+        names = list(AnchorIndex.FILES) + [kind for kind in OPTIONAL_FILES if _save_tables(kind, profile, data, tmp / kind)]
         data["files"] = {name: _sha256(tmp / name) for name in names}
         with open(tmp / "profile.json", "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
@@ -249,16 +254,26 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
     return out
 
 
-def _save_bigrams(profile: Profile, data: dict, path: Path) -> bool:
-    """Write every domain's bigram table into one ``.npz`` (entry ``i``: ``i_keys``, ``i_succ``,
-    ``i_prob``) and record the entry number in ``data``; ``False`` when no domain has one."""
+def _table_arrays(kind: str, dp: DomainProfile) -> dict[str, np.ndarray] | None:
+    if kind == BIGRAMS:
+        t = dp.bigram
+        return None if t is None else {"keys": t.keys.astype(np.int32), "succ": t.succ.astype(np.int32),
+                                       "prob": t.prob.astype(np.float16)}
+    return None if dp.draft_vocab is None else {"ids": np.asarray(dp.draft_vocab).astype(np.int32)}
+
+
+def _save_tables(kind: str, profile: Profile, data: dict, path: Path) -> bool:
+    """Write every domain's table of ``kind`` (``bigrams.npz``: ``i_keys``, ``i_succ``, ``i_prob``;
+    ``vocab.npz``: ``i_ids``) into one ``.npz`` and record each entry number in ``data``
+    (``bigram`` / ``draft_vocab``: ``{"entry": i, "entries": rows}``); ``False`` when no domain has one."""
+    key = "bigram" if kind == BIGRAMS else "draft_vocab"
     arrays = {}
     entries = [(data["domains"][n], d) for n, d in sorted(profile.domains.items())] + [(data["global"], profile.global_set)]
     for i, (entry, dp) in enumerate(entries):
-        if dp.bigram is not None:
-            entry["bigram"] = {"entry": i, "entries": len(dp.bigram)}
-            arrays.update({f"{i}_keys": dp.bigram.keys.astype(np.int32), f"{i}_succ": dp.bigram.succ.astype(np.int32),
-                           f"{i}_prob": dp.bigram.prob.astype(np.float16)})
+        a = _table_arrays(kind, dp)
+        if a is not None:
+            entry[key] = {"entry": i, "entries": int(next(iter(a.values())).shape[0])}
+            arrays.update({f"{i}_{name}": arr for name, arr in a.items()})
     if not arrays:
         return False
     with open(path, "wb") as f:
@@ -266,12 +281,13 @@ def _save_bigrams(profile: Profile, data: dict, path: Path) -> bool:
     return True
 
 
-def _load_bigrams(path: Path, entries: dict[str, dict]) -> dict[str, BigramTable]:
-    """The bigram tables referenced by ``entries`` (domain name -> its profile.json entry)."""
-    wanted = {n: e["bigram"] for n, e in entries.items() if e.get("bigram")}
+def _load_tables(kind: str, path: Path, entries: dict) -> dict:
+    """The tables of ``kind`` referenced by ``entries`` (domain name -> its profile.json entry)."""
+    key = "bigram" if kind == BIGRAMS else "draft_vocab"
+    wanted = {n: e[key] for n, e in entries.items() if isinstance(e.get(key), dict)}
     if not wanted:
         return {}
-    f = path / BIGRAMS
+    f = path / kind
     if not f.is_file():
         raise ProfileError(f"{f}: missing from the profile")
     try:
@@ -279,7 +295,12 @@ def _load_bigrams(path: Path, entries: dict[str, dict]) -> dict[str, BigramTable
             out = {}
             for name, ref in wanted.items():
                 i = int(ref["entry"])
-                out[name] = BigramTable(z[f"{i}_keys"], z[f"{i}_succ"], z[f"{i}_prob"].astype(np.float32))
+                if kind == BIGRAMS:
+                    out[name] = BigramTable(z[f"{i}_keys"], z[f"{i}_succ"], z[f"{i}_prob"].astype(np.float32))
+                else:
+                    out[name] = z[f"{i}_ids"].astype(np.int64)
+                    if out[name].ndim != 1 or out[name].min(initial=0) < 0 or np.unique(out[name]).size != out[name].size:
+                        raise ValueError(f"entry {i} is not a list of distinct token ids")
                 if len(out[name]) != int(ref.get("entries", len(out[name]))):
                     raise ValueError(f"entry {i} has {len(out[name])} rows, profile.json says {ref['entries']}")
             return out
@@ -311,7 +332,7 @@ def load_profile(path: str | Path) -> Profile:
     if version < 1:
         raise ProfileError(f"{pj}: unknown schema version {version}")
     files = data.get("files", {})
-    for name in [*AnchorIndex.FILES, *([BIGRAMS] if BIGRAMS in files else [])]:
+    for name in [*AnchorIndex.FILES, *(n for n in OPTIONAL_FILES if n in files)]:
         f = path / name
         if not f.is_file():
             raise ProfileError(f"{f}: missing from the profile")
@@ -326,11 +347,14 @@ def load_profile(path: str | Path) -> Profile:
         n_layers = int(model["n_layers"])
         domains = {n: DomainProfile.from_dict(d, n_layers) for n, d in data["domains"].items()}
         glob = DomainProfile.from_dict(data["global"], n_layers)
-        bigrams = _load_bigrams(path, {**{n: data["domains"][n] for n in domains}, None: data["global"]})
-        domains = {n: replace(d, bigram=bigrams.get(n)) for n, d in domains.items()}
-        glob = replace(glob, bigram=bigrams.get(None))
+        entries = {**{n: data["domains"][n] for n in domains}, None: data["global"]}
+        bigrams, vocab = _load_tables(BIGRAMS, path, entries), _load_tables(VOCAB, path, entries)
+        domains = {n: replace(d, bigram=bigrams.get(n), draft_vocab=vocab.get(n)) for n, d in domains.items()}
+        glob = replace(glob, bigram=bigrams.get(None), draft_vocab=vocab.get(None))
         costs = CostModel.from_dict(data["cost_model"])
         settings = dict(data.get("settings", {}))
+    except ProfileError:
+        raise
     except (KeyError, TypeError, ValueError, SkipSetError) as exc:
         raise ProfileError(f"{pj}: malformed ({type(exc).__name__}: {exc})") from None
     missing = set(index.labels) - set(domains)

@@ -101,7 +101,8 @@ def tiny_settings(**over):
     from adaptive.calibrate.runner import CalibrationSettings
 
     base = dict(prompts_per_domain=4, anchors_per_domain=2, trials=6, init_trials=3, continuation_tokens=10,
-                confirm_candidates=1, confirm_prompts=1, confirm_tokens=12, max_draft_len=4, cost_context=16)
+                confirm_candidates=1, confirm_prompts=1, confirm_tokens=12, max_draft_len=4, cost_context=16,
+                vocab_sizes=(16, 32))
     return CalibrationSettings(**{**base, **over})
 
 

@@ -36,6 +36,10 @@ def test_profile_round_trip(prof, tmp_path):
     again = save_profile(p, tmp_path / "copy")
     q = load_profile(again)
     assert q.to_dict() == p.to_dict()
+    assert any(d.draft_vocab is not None for d in p.domains.values())
+    for name, d in p.domains.items():  # reduced vocabularies round-trip
+        if d.draft_vocab is not None:
+            assert q.domains[name].draft_vocab.tolist() == d.draft_vocab.tolist()
     for name, d in p.domains.items():  # the bigram tables round-trip (ids and float16 probabilities)
         e = q.domains[name].bigram
         assert e.keys.tolist() == d.bigram.keys.tolist() and e.succ.tolist() == d.bigram.succ.tolist()
@@ -81,6 +85,8 @@ def _edit(prof, fn):
     ("missing_bigrams", "bigrams.npz: missing"),
     ("truncated_bigrams", "checksum"),
     ("bad_bigram_entry", "bigrams.npz: unreadable or inconsistent"),
+    ("missing_vocab", "vocab.npz: missing"),
+    ("bad_vocab_size", "vocab.npz: unreadable or inconsistent"),
     ("bad_skip", "malformed"),
     ("no_domain", "no domain entry"),
     ("not_dir", "is a directory"),
@@ -107,6 +113,13 @@ def test_damaged_profiles_are_clear_errors(prof, case, match):
         f.write_bytes(f.read_bytes()[:-16])
     elif case == "bad_bigram_entry":
         _edit(prof, lambda d: d["domains"]["math"]["bigram"].update(entry=99))
+    elif case == "missing_vocab":
+        (prof / "vocab.npz").unlink()
+    elif case == "bad_vocab_size":
+        def grow(d):
+            entry = next(e for e in d["domains"].values() if e.get("draft_vocab"))
+            entry["draft_vocab"]["entries"] += 1
+        _edit(prof, grow)
     elif case == "bad_skip":
         _edit(prof, lambda d: d["domains"]["math"]["skip"].update(attn=[99]))
     elif case == "no_domain":

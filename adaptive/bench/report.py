@@ -45,12 +45,15 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
     drafted = sum(r.get("drafted") or 0 for r in stepped)
     accepted = sum(r.get("accepted") or 0 for r in stepped)
     differing = [r["id"] for r in mine if r.get("identical") is False]
+    draft_s = sum(r.get("draft_time_s") or 0.0 for r in stepped)
     return {
         "prompts": len(mine),
         "tokens_per_s": round(tps, 3) if tps is not None else None,
         "speedup": round(tps / ref_tps, 4) if tps is not None and ref_tps else None,
         "mean_accepted_tokens": round((accepted + steps) / steps, 4) if steps else None,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else (0.0 if stepped else None),
+        # drafting time per drafted token (a layer-skip draft forward; near 0 for prompt lookup)
+        "draft_ms_per_token": round(1e3 * draft_s / drafted, 3) if drafted else None,
         "identical_to_ar": not differing,
         "differing_prompts": differing,
         "lossless_violations": sum(1 for r in mine if r.get("violation")),
@@ -70,14 +73,15 @@ def markdown(summary: dict, methods: list[str]) -> str:
             cells.append("-" if not f or f["speedup"] is None else f"{f['speedup']:.2f}x ({f['tokens_per_s']:.1f})")
         name = "**overall**" if g == "overall" else g
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    detail = ["", "| method | mean accepted tokens | acceptance rate | identical to ar | lossless violations |",
-              "|---|---|---|---|---|"]
+    detail = ["", "| method | mean accepted tokens | acceptance rate | draft ms/token | identical to ar | lossless violations |",
+              "|---|---|---|---|---|---|"]
     for m in methods:
         f = summary[m]
         mat = "-" if f["mean_accepted_tokens"] is None else f"{f['mean_accepted_tokens']:.2f}"
         acc = "-" if f["acceptance_rate"] is None else f"{f['acceptance_rate']:.2f}"
         same = "yes" if f["identical_to_ar"] else f"no ({len(f['differing_prompts'])} prompts)"
-        detail.append(f"| {m} | {mat} | {acc} | {same} | {f['lossless_violations']} |")
+        dms = "-" if f.get("draft_ms_per_token") is None else f"{f['draft_ms_per_token']:.2f}"
+        detail.append(f"| {m} | {mat} | {acc} | {dms} | {same} | {f['lossless_violations']} |")
     return head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n"
 
 

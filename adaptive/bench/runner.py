@@ -14,10 +14,10 @@ from adaptive.bench.data import BenchPrompt
 from adaptive.bench.report import summarize
 from adaptive.errors import ConfigError
 
-METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed", "cascade",
-           "cascade-fixed")
+METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed", "knn-ssd-full-vocab",
+           "knn-skip", "knn-skip-full-vocab", "cascade", "cascade-fixed")
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN  # noqa: E402
-NEEDS_PROFILE = ("ssd-static", "knn-ssd", "knn-ssd-fixed", "cascade", "cascade-fixed")
+NEEDS_PROFILE = METHODS[5:]
 DESCRIPTIONS = {
     "ar": "our loop, plain greedy decoding (the reference)",
     "hf": "transformers generate, greedy",
@@ -28,6 +28,10 @@ DESCRIPTIONS = {
     "knn-ssd": "the runtime: KNN routing to the domain's calibrated choice (layer-skip drafting, prompt lookup "
                "or plain decoding), Thompson-sampled draft length",
     "knn-ssd-fixed": "the runtime with calibration's fixed draft length instead of the bandit",
+    "knn-ssd-full-vocab": "knn-ssd with the full LM head for every layer-skip draft (the reduced-vocabulary ablation)",
+    "knn-skip": "the runtime routing every request to its domain's skip set (KNN-SSD as published: layer skipping "
+                "only), over the domain's reduced draft vocabulary where calibration measured it faster",
+    "knn-skip-full-vocab": "knn-skip with the full LM head",
     "cascade": "the runtime's cascade: KNN routing to the domain's cascade (prompt lookup and its bigram table, "
                "under and after the domain's layer-skip drafter), split and draft length by a two-level Thompson sampler",
     "cascade-fixed": "the runtime's cascade with calibration's split and draft length instead of the sampler",
@@ -87,12 +91,14 @@ class _Methods:
         self.lm, self.settings = lm, settings
         self.engine = Engine(lm)
         self.profile = profile
-        self.runtime = self.fixed = None
+        self.runtime = self.fixed = self.full_vocab = None
         if profile is not None:
             from adaptive.runtime import AdaptiveRuntime
 
-            if {"knn-ssd", "cascade"} & set(methods):
+            if {"knn-ssd", "cascade", "knn-skip"} & set(methods):
                 self.runtime = AdaptiveRuntime(profile, lm, bandit=True, seed=0)
+            if {"knn-ssd-full-vocab", "knn-skip-full-vocab"} & set(methods):
+                self.full_vocab = AdaptiveRuntime(profile, lm, bandit=True, seed=0, reduced_vocab=False)
             if {"knn-ssd-fixed", "ssd-static", "cascade-fixed"} & set(methods):
                 self.fixed = AdaptiveRuntime(profile, lm, bandit=False)
 
@@ -120,6 +126,10 @@ class _Methods:
             return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="ssd-static"))
         if method == "cascade":
             return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="cascade"))
+        if method == "knn-skip":
+            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="knn-skip"))
+        if method in ("knn-ssd-full-vocab", "knn-skip-full-vocab"):
+            return _from_result(self.full_vocab.generate(messages, max_new_tokens=n, method=method[:-len("-full-vocab")]))
         if method == "cascade-fixed":
             return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="cascade"))
         raise ConfigError(f"unknown method {method!r}")
@@ -153,12 +163,14 @@ class _Methods:
 def _from_result(r) -> dict:
     s = r.stats
     info = {k: r.info[k] for k in ("applied", "decision", "skip_text") if k in r.info}
+    if "draft_vocab" in r.info.get("drafter", {}):
+        info["draft_vocab"] = r.info["drafter"]["draft_vocab"]
     if "route" in r.info:
         info["domain"] = r.info["route"].get("domain")
     if s.draft_lengths:
         info["draft_lengths"] = {str(k): v for k, v in sorted(s.draft_lengths.items())}
     return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "steps": s.steps, "drafted": s.drafted,
-            "accepted": s.accepted, "info": info}
+            "accepted": s.accepted, "draft_time_s": round(s.draft_time, 5), "info": info}
 
 
 def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: BenchSettings, profile=None,
@@ -200,7 +212,8 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
             rec = {"id": item_id, "group": p.group, "category": p.category, "method": m,
                    "prompt_tokens": len(ids), "new_tokens": len(out["token_ids"]),
                    "tokens_per_s": round(out["tokens_per_s"], 4), "steps": out["steps"],
-                   "drafted": out["drafted"], "accepted": out["accepted"], **out["info"]}
+                   "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
+                   **out["info"]}
             if m == "ar":
                 ref = out["token_ids"]
                 replies[(p.id, t)] = runner.engine._text(ref)

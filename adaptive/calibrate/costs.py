@@ -123,3 +123,31 @@ def measure_costs(backbone, context: int = 128, max_verify: int = 9, repeats: in
     c_mlp = max(full - no_mlp, 0.0) / full / L
     base = max(1.0 - L * (c_attn + c_mlp), 0.02)
     return CostModel((c_attn,) * L, (c_mlp,) * L, base, tuple(verify), step_ms=full * 1e3, context=context)
+
+
+@torch.inference_mode()
+def measure_head_costs(backbone, skip_masks, sizes, context: int = 128, repeats: int = 15) -> dict[int, float]:
+    """Cost of one draft token with ``skip_masks`` and an LM head of each size in ``sizes`` (rows),
+    relative to a full one-token step; the model's own vocabulary size gives the full-head cost.
+
+    The rows are the first ``size`` of the LM head, copied contiguously as a :class:`DraftHead`'s
+    are: the cost depends on the size, not on which rows.
+    """
+    dev = backbone.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    context = max(1, min(context, backbone.max_positions - 2))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, backbone.vocab_size, (context + 1,), generator=gen).to(dev)
+    cache = backbone.new_cache(context + 1)
+    backbone.forward(ids[:context], cache, 0, logits="none")
+    one = ids[context:context + 1]
+    weight = backbone.lm_head.weight
+    heads = {v: (None if v >= backbone.vocab_size else weight[:v].contiguous()) for v in sizes}
+
+    def step(masks, head):
+        return lambda: backbone.forward(one, cache, context, skip_masks=masks, logits="last", head=head)
+
+    for _ in range(3):
+        step(None, None)()
+    full = _time(step(None, None), repeats, sync)
+    return {v: round(_time(step(skip_masks, h), repeats, sync) / full, 4) for v, h in heads.items()}

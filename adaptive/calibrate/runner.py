@@ -70,6 +70,7 @@ class CalibrationSettings:
     bigram_min_count: int = 2
     cascade_max_split: int = 2
     cascade_lenience: float = 1.0
+    vocab_sizes: tuple = (1024, 2048, 4096, 8192, 16384)  # reduced draft heads tried (empty: full head only)
     route_k: int = 5
     cost_context: int = 128
     chat: bool | None = None
@@ -99,6 +100,10 @@ class CalibrationSettings:
             raise ConfigError(f"cascade-max-split must be in 0 .. max-draft-len, got {self.cascade_max_split!r}")
         if not self.cascade_lenience >= 1.0:
             raise ConfigError(f"cascade-lenience must be >= 1, got {self.cascade_lenience}")
+        sizes = tuple(self.vocab_sizes)
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 16 for v in sizes) or len(set(sizes)) != len(sizes):
+            raise ConfigError(f"vocab-sizes must be distinct integers >= 16, got {list(sizes)}")
+        object.__setattr__(self, "vocab_sizes", tuple(sorted(sizes)))
 
     @classmethod
     def quick(cls, **overrides) -> "CalibrationSettings":
@@ -108,7 +113,9 @@ class CalibrationSettings:
         return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["vocab_sizes"] = list(self.vocab_sizes)  # as JSON reads it back: a resumed run compares equal
+        return d
 
 
 # -- model sharing in workers --------------------------------------------------------------------
@@ -301,27 +308,40 @@ def _decode_rate(stats) -> tuple[int, float]:
     return max(stats.tokens - 1, 0), max(stats.total_time - stats.prefill_time, 1e-9)
 
 
-def _candidate_plan(lm, cand: dict, bigram):
-    """The :class:`Plan` of a ``cascade`` candidate (``skip``, ``split``, ``vertical``, ``lenience``, ``min_prob``)."""
+def _candidate_plan(lm, cand: dict, bigram, vocab, prompt: list[int]):
+    """The :class:`Plan` for one prompt of a ``cascade`` candidate (``skip``, ``split``, ``vertical``,
+    ``lenience``, ``min_prob``) or of an ``ssd`` candidate with ``draft_vocab`` (drafting over the
+    ``vocab`` ids joined with the prompt's, as the runtime does); ``None`` for the engine's own plan."""
     from adaptive.drafters.cascade import CascadeDrafter
+    from adaptive.drafters.layerskip import LayerSkipDrafter
     from adaptive.drafters.ngram import NgramDrafter
+    from adaptive.drafters.vocab import DraftHead
     from adaptive.engine.loop import Plan
 
-    skip = SkipSet.from_text(cand["skip"], lm.n_layers) if cand.get("split") else None
-    drafter = CascadeDrafter(NgramDrafter(bigram=bigram, min_prob=float(cand["min_prob"])), skip, lm.n_layers,
-                             split=int(cand["split"]), vertical=bool(cand["vertical"]), lenience=float(cand["lenience"]))
-    return Plan(drafter)
+    method = cand.get("method", "ssd")
+    if method == "cascade":
+        skip = SkipSet.from_text(cand["skip"], lm.n_layers) if cand.get("split") else None
+        return Plan(CascadeDrafter(NgramDrafter(bigram=bigram, min_prob=float(cand["min_prob"])), skip, lm.n_layers,
+                                   split=int(cand["split"]), vertical=bool(cand["vertical"]),
+                                   lenience=float(cand["lenience"])))
+    if method == "ssd" and cand.get("draft_vocab"):
+        bb = lm.backbone
+        head = DraftHead.build(bb.lm_head.weight, torch.as_tensor(vocab, dtype=torch.long, device=bb.device),
+                               extra=prompt)
+        return Plan(LayerSkipDrafter(SkipSet.from_text(cand["skip"], lm.n_layers), lm.n_layers, head))
+    return None
 
 
 def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], tokens: int,
                        done: list[dict] | None = None, on_done: Callable[[dict], None] | None = None,
-                       repeats: int = 1, bigram=None) -> list[dict]:
+                       repeats: int = 1, bigram=None, vocab=None) -> list[dict]:
     """Timed plain vs self-speculative decoding of each candidate on the same prompts.
 
     Plain decoding runs right before each candidate on every prompt (``repeats`` times), so drift
     hits both alike. Speedup = (candidate tokens/s) / (plain tokens/s), decode phase only, each
     over all prompts. Candidates already in ``done`` are not measured again. A candidate's
-    ``method`` is ``ssd`` (default), ``pld`` or ``cascade`` (drafting with ``bigram``).
+    ``method`` is ``ssd`` (default; with ``draft_vocab`` set, drafting over the ``vocab`` ids),
+    ``pld`` or ``cascade`` (drafting with ``bigram``).
     """
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
@@ -332,13 +352,12 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
     for cand in candidates[len(out):]:
         method = cand.get("method", "ssd")
         skip = SkipSet.from_text(cand["skip"], lm.n_layers) if method == "ssd" else None
-        plan = _candidate_plan(lm, cand, bigram) if method == "cascade" else None
         cfg = GenerationConfig(max_new_tokens=tokens, draft_len=int(cand["draft_len"]))
         t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = rejections = 0
         for _ in range(repeats):
             for p in prompt_ids:
                 a = engine.generate(p, cfg, method="ar")
-                b = engine.generate(p, cfg, method=method, skip=skip, plan=plan)
+                b = engine.generate(p, cfg, method=method, skip=skip, plan=_candidate_plan(lm, cand, bigram, vocab, p))
                 n, t = _decode_rate(a.stats)
                 n_ar, t_ar = n_ar + n, t_ar + t
                 n, t = _decode_rate(b.stats)
@@ -349,7 +368,8 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
                 steps += b.stats.steps
                 same += a.token_ids == b.token_ids
         rec = {"method": method, **{k: cand[k] for k in ("skip", "draft_len", "matchness", "draft_cost", "target", "split",
-                                                          "vertical", "lenience", "min_prob") if k in cand},
+                                                          "vertical", "lenience", "min_prob", "draft_vocab")
+                                    if k in cand},
                "measured_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
                # per-token acceptance up to the first rejection (what the runtime's bandit models)
                "token_acceptance": round(accepted / (accepted + rejections), 4) if accepted + rejections else 0.0,
@@ -431,7 +451,10 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
                                  s.confirm_tokens)[0]
         _write_json(ppath, pld)
     cascade, bigram = _calibrate_cascade(lm, s, work, name, sequences, best, cost_model, confirm_ids)
-    timed = {"ssd": best, "pld": pld, "cascade": cascade["cascade_stats"]["timed"]}
+    vocab, vocab_ids = _calibrate_vocab(lm, s, work, name, sequences, best, cost_model, confirm_ids)
+    reduced = vocab.get("timed")
+    use_reduced = bool(reduced) and reduced["measured_speedup"] > best["measured_speedup"]
+    timed = {"ssd": reduced if use_reduced else best, "pld": pld, "cascade": cascade["cascade_stats"]["timed"]}
     speed = {m: r["measured_speedup"] for m, r in timed.items()}
     winner = max(speed, key=speed.get)
     recheck = None
@@ -442,7 +465,8 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
         if rpath.exists():
             recheck = json.loads(rpath.read_text())
         else:
-            recheck = measure_candidates(lm, confirm_ids, [timed[winner]], s.confirm_tokens, bigram=bigram)[0]
+            recheck = measure_candidates(lm, confirm_ids, [timed[winner]], s.confirm_tokens, bigram=bigram,
+                                         vocab=vocab_ids)[0]
             _write_json(rpath, recheck)
         speed[winner] = (speed[winner] + recheck["measured_speedup"]) / 2
     paying = {m: v for m, v in speed.items() if v >= 1.0 + s.min_gain}
@@ -456,7 +480,52 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
             "token_acceptance": {m: r.get("token_acceptance") for m, r in timed.items()},
             "pld_draft_len": s.pld_draft_len, "trials": len(history),
             "candidates": results + [pld] + ([{**recheck, "recheck": True}] if recheck else []),
+            "reduced_vocab": use_reduced, "draft_vocab": vocab_ids, "vocab_stats": vocab,
             **cascade, **meta}
+
+
+def _calibrate_vocab(lm, s: CalibrationSettings, work: "WorkDir", name: str, sequences: list, best: dict,
+                     cost_model: CostModel, confirm_ids: list[list[int]]) -> tuple[dict, np.ndarray | None]:
+    """The domain's reduced draft vocabulary (issue 9): token ranking over its prompts and continuations,
+    leave-one-out coverage of the continuations and measured draft cost for each size in
+    ``vocab_sizes``, the size with the best estimated speedup for the best skip set, and, when
+    that beats the full head's estimate, a timed run of the skip set drafting over it.
+    Returns the record (``{}`` when the skip set drafts nothing) and the chosen ids."""
+    from adaptive.calibrate.costs import measure_head_costs
+    from adaptive.calibrate.objective import expected_tokens_per_step
+    from adaptive.drafters.vocab import coverage_curve, rank_tokens
+    from adaptive.runtime.bandit import best_length
+
+    bb = lm.backbone
+    sizes = [v for v in s.vocab_sizes if v < bb.vocab_size]
+    if best["skip"] in ("none", "") or not sizes:
+        return {}, None
+    ranking = rank_tokens([list(p) + list(c) for p, c in sequences])
+    path = work.file("vocab", name)
+    if path.exists():
+        rec = json.loads(path.read_text())
+    else:
+        coverage = coverage_curve([list(p) + list(c) for p, c in sequences], [list(c) for _, c in sequences], sizes)
+        masks = SkipSet.from_text(best["skip"], lm.n_layers).masks(lm.n_layers)
+        costs = measure_head_costs(bb, masks, [*sizes, bb.vocab_size], context=s.cost_context)
+        a = float(best.get("token_acceptance") or 0.0)
+        verify = [cost_model.verify_cost(k) for k in range(s.max_draft_len + 1)]
+
+        def est(acc: float, c: float) -> tuple[int, float]:
+            k = best_length(acc, c, verify, s.max_draft_len)
+            return k, round(expected_tokens_per_step(acc, k) / (k * c + verify[k]), 4)
+
+        full = est(a, costs[bb.vocab_size])
+        ests = {v: est(a * coverage[v], costs[v]) for v in sizes}
+        size = max(ests, key=lambda v: ests[v][1])
+        rec = {"size": size, "vocab_size": bb.vocab_size, "coverage": coverage,
+               "draft_cost": {str(v): c for v, c in costs.items()},
+               "estimate": {str(v): e[1] for v, e in ests.items()}, "full_estimate": full[1]}
+        if ests[size][1] > full[1]:
+            cand = {"method": "ssd", "skip": best["skip"], "draft_len": best["draft_len"], "draft_vocab": size}
+            rec["timed"] = measure_candidates(lm, confirm_ids, [cand], s.confirm_tokens, vocab=ranking[:size])[0]
+        _write_json(path, rec)
+    return rec, ranking[: rec["size"]]
 
 
 def _calibrate_cascade(lm, s: CalibrationSettings, work: "WorkDir", name: str, sequences: list, best: dict,
@@ -665,7 +734,10 @@ def _domain_profile(r: dict) -> DomainProfile:
         pld_speedup=r.get("pld_speedup"), pld_acceptance=r.get("pld_acceptance"),
         pld_draft_len=int(r.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)),
         extra={**({"token_acceptance": r["token_acceptance"]} if r.get("token_acceptance") else {}),
-               **({"cascade": r["cascade_stats"]} if r.get("cascade_stats") else {})},
+               **({"cascade": r["cascade_stats"]} if r.get("cascade_stats") else {}),
+               **({"vocab": r["vocab_stats"]} if r.get("vocab_stats") else {})},
         cascade=CascadeConfig.from_dict(r["cascade"]) if r.get("cascade") else None,
         cascade_speedup=r.get("cascade_speedup"),
-        bigram=BigramTable(*r["bigram"]) if r.get("bigram") is not None else None)
+        bigram=BigramTable(*r["bigram"]) if r.get("bigram") is not None else None,
+        reduced_vocab=bool(r.get("reduced_vocab")),
+        draft_vocab=np.asarray(r["draft_vocab"]) if r.get("draft_vocab") is not None else None)

@@ -13,11 +13,11 @@ def _fmt(v, nd=3):
 
 def summary_table(profile) -> str:
     """The end-of-calibration table: one row per domain, then the global set."""
-    head = ["domain", "prompts", "anchors", "attn", "mlp", "k", "est.acc", "meas.acc", "est.x", "meas.x", "pld.x",
-            "casc.x", "decode"]
+    head = ["domain", "prompts", "anchors", "attn", "mlp", "k", "est.acc", "meas.acc", "est.x", "meas.x", "vocab",
+            "pld.x", "casc.x", "decode"]
     rows = [[r["domain"], r["prompts"], r["anchors"], r["skip_attn"], r["skip_mlp"], r["draft_len"],
              _fmt(r["est_acceptance"], 2), _fmt(r["meas_acceptance"], 2), _fmt(r["est_speedup"], 2),
-             _fmt(r["meas_speedup"], 2), _fmt(r.get("pld_speedup"), 2), _fmt(r.get("cascade_speedup"), 2), r["decision"]]
+             _fmt(r["meas_speedup"], 2), r.get("draft_vocab") or "full", _fmt(r.get("pld_speedup"), 2), _fmt(r.get("cascade_speedup"), 2), r["decision"]]
             for r in profile.summary_rows()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
@@ -40,6 +40,9 @@ def summary_table(profile) -> str:
 @click.option("--backend", type=click.Choice(["loky", "threading", "dask", "ray"]), default="loky", show_default=True,
               help="joblib backend for --jobs > 1 (dask/ray: an existing cluster, or a local one).")
 @click.option("--scheduler", default=None, help="dask scheduler (or ray) address, e.g. tcp://host:8786.")
+@click.option("--vocab-sizes", default=None, metavar="LIST",
+              help="Reduced draft-vocabulary sizes to try, e.g. 2048,4096 ('none': full head only) "
+                   "[1024,2048,4096,8192,16384].")
 @click.option("--resume", is_flag=True, help="Continue an interrupted calibration of the same --out.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @dtype_option
@@ -47,7 +50,7 @@ def summary_table(profile) -> str:
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @json_option
 def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, anchors_per_domain, trials, space,
-                  jobs, backend, scheduler, resume, seed, dtype, device, quiet, as_json):
+                  jobs, backend, scheduler, vocab_sizes, resume, seed, dtype, device, quiet, as_json):
     """Find the best skip set per domain and write a profile directory."""
     from adaptive.calibrate.runner import CalibrationSettings, calibrate
     from adaptive.calibrate.sources import load_domains
@@ -55,6 +58,13 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     over = {k: v for k, v in dict(prompts_per_domain=prompts_per_domain, anchors_per_domain=anchors_per_domain,
                                   trials=trials).items() if v is not None}
     over.update(space=space, seed=seed)
+    if vocab_sizes is not None:
+        try:
+            over["vocab_sizes"] = () if vocab_sizes.strip().lower() == "none" else tuple(
+                int(v) for v in vocab_sizes.split(",") if v.strip())
+        except ValueError:
+            raise click.BadParameter(f"not a comma-separated list of integers: {vocab_sizes!r}",
+                                     param_hint="--vocab-sizes") from None
     if trials is not None:
         base = CalibrationSettings.quick() if quick else CalibrationSettings()
         over["init_trials"] = min(base.init_trials, trials)

@@ -12,11 +12,14 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @model_option
 @click.option("--profile", "profile_dir", type=click.Path(), default=None,
               help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
-@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "cascade", "knn-ssd", "ssd-static"]), default=None,
+@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "cascade", "knn-ssd", "knn-skip", "ssd-static"]),
+              default=None,
               help="ar: plain; ssd: self-speculative with the given skip set; pld: prompt lookup; cascade: prompt lookup "
                    "under one layer-skip position (with a skip set) or alone; with --profile: knn-ssd (routed, the "
-                   "default), cascade (the domain's cascade and bigram table) or ssd-static (the profile's global "
-                   "skip set).  [default: ssd, or knn-ssd with --profile]")
+                   "default), cascade (the domain's cascade and bigram table), knn-skip (the domain's skip set, always) "
+                   "or ssd-static (the profile's global skip set).  [default: ssd, or knn-ssd with --profile]")
+@click.option("--full-vocab", is_flag=True,
+              help="With --profile: draft with the full LM head even where the domain has a reduced draft vocabulary.")
 @click.option("--skip-attn", default="", help="Attention sublayers to skip while drafting, e.g. 3,5,10-14.")
 @click.option("--skip-mlp", default="", help="MLP sublayers to skip while drafting.")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Most tokens drafted per step.")
@@ -33,7 +36,7 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 @json_option
 def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, draft_len, confidence, max_new_tokens,
-                 temperature, top_p, top_k, seed, stop, raw, dtype, device, stream, as_json):
+                 temperature, top_p, top_k, seed, stop, raw, dtype, device, stream, as_json, full_vocab):
     """Decode PROMPT and print the text (or, with --json, text, token_ids and stats)."""
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
@@ -45,8 +48,10 @@ def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, d
     method = method or ("knn-ssd" if profile_dir else "ssd")
     if profile_dir:
         return _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json,
-                                bool(skip_attn or skip_mlp))
-    if method in ("knn-ssd", "ssd-static"):
+                                bool(skip_attn or skip_mlp), full_vocab)
+    if full_vocab:
+        raise click.UsageError("--full-vocab needs --profile (without one the full head is always used)")
+    if method in ("knn-ssd", "knn-skip", "ssd-static"):
         raise click.UsageError(f"--method {method} needs --profile")
     if method == "ssd" and not skip:
         raise click.UsageError("--method ssd needs a skip set: give --skip-attn and/or --skip-mlp")
@@ -62,19 +67,21 @@ def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, d
                f"{s.mean_accepted_tokens:.2f} tokens/step", err=True)
 
 
-def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json, has_skip):
+def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json, has_skip,
+                     full_vocab=False):
     """``generate --profile``: the runtime routes the prompt and picks skip set and draft lengths."""
     from adaptive.models import DEFAULT_MODEL
     from adaptive.runtime import AdaptiveRuntime
 
     if method in ("ssd", "pld") or has_skip:
         raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, cascade, "
-                               "ssd-static or ar")
+                               "knn-skip, ssd-static or ar")
     if raw:
         raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")
     click.echo(f"loading profile {profile_dir} ...", err=True)
     rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
-                                      device=device, dtype=None if dtype == "auto" else dtype)
+                                      device=device, dtype=None if dtype == "auto" else dtype,
+                                      reduced_vocab=not full_vocab)
     items = rt.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                       top_k=cfg.top_k, stop=cfg.stop, seed=cfg.seed, method=method,
                       confidence_threshold=cfg.confidence_threshold)

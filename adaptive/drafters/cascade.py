@@ -30,6 +30,7 @@ import torch
 
 from adaptive.drafters.base import DecodeState, Draft, Drafter
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, NgramDrafter
+from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
 
@@ -130,12 +131,13 @@ class CascadeDrafter(Drafter):
     table). ``skip``: the layer-skip level's skip set (``None``: statistical only). ``split`` may be
     changed between steps (the :class:`~adaptive.runtime.bandit.ThompsonCascade` policy does).
     After each proposal ``last_sources`` says where each token came from (``"n"``/``"s"``).
+    ``head``: the layer-skip level's reduced-vocabulary head (:class:`DraftHead`), if any.
     """
 
     name = "cascade"
 
     def __init__(self, statistical: NgramDrafter, skip: SkipSet | None = None, n_layers: int | None = None,
-                 split: int = 1, vertical: bool = True, lenience: float = 1.0):
+                 split: int = 1, vertical: bool = True, lenience: float = 1.0, head: DraftHead | None = None):
         if skip is not None and not (skip.attn or skip.mlp):
             raise ValueError("the cascade's layer-skip level needs a non-empty skip set (or none at all)")
         if skip is not None and n_layers is None:
@@ -150,6 +152,7 @@ class CascadeDrafter(Drafter):
         self.split = split if skip is not None else 0
         self.vertical = vertical
         self.lenience = float(lenience)
+        self.head = head
         self.last_sources: list[str] = []
         self.forwards = 0  # layer-skip forwards so far
         self.neural_tokens = 0  # tokens the layer-skip level produced
@@ -166,7 +169,10 @@ class CascadeDrafter(Drafter):
             room = max_len - len(drafted) - 1  # one slot is the skipped model's own token
             guess = self.statistical.lookup(ctx, room) if self.vertical and room > 0 else []
             inp = torch.tensor([ctx[-1]] + guess, device=bb.device)
-            logits = bb.forward(inp, state.cache, pos + len(drafted), skip_masks=self.masks, logits="all").logits
+            logits = bb.forward(inp, state.cache, pos + len(drafted), skip_masks=self.masks, logits="all",
+                                head=None if self.head is None else self.head.weight).logits
+            if self.head is not None:
+                logits = self.head.expand_logits(logits)
             self.forwards += 1
             if not sampling:
                 n, nxt = lenient_greedy_accept(inp[1:], logits, self.lenience)
@@ -217,4 +223,6 @@ class CascadeDrafter(Drafter):
              "statistical": self.statistical.describe()}
         if self.skip is not None:
             d["skip"] = self.skip.to_dict()
+        if self.head is not None:
+            d["draft_vocab"] = len(self.head)
         return d

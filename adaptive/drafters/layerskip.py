@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from adaptive.drafters.base import DecodeState, Draft, Drafter
+from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
 
@@ -15,13 +16,15 @@ class LayerSkipDrafter(Drafter):
     Each draft forward writes keys for the layers it runs at the drafted positions; the
     verification forward rewrites all layers there. With ``confidence_threshold`` set in the
     generation config, drafting stops after a token whose top draft probability is below it.
+    With ``head`` (a :class:`DraftHead`), logits are computed over that vocabulary subset only.
     """
 
     name = "layer-skip"
 
-    def __init__(self, skip: SkipSet, n_layers: int):
+    def __init__(self, skip: SkipSet, n_layers: int, head: DraftHead | None = None):
         self.skip = skip.validate_for(n_layers)
         self.masks = skip.masks(n_layers)  # precomputed once: no per-step list building
+        self.head = head
 
     def propose(self, state: DecodeState, max_len: int) -> Draft:
         bb, cfg = state.backbone, state.config
@@ -30,7 +33,10 @@ class LayerSkipDrafter(Drafter):
         tokens, qs = [], []
         threshold = cfg.confidence_threshold
         for j in range(max_len):
-            logits = bb.forward(token, state.cache, pos + j, skip_masks=self.masks, logits="last").logits[0]
+            logits = bb.forward(token, state.cache, pos + j, skip_masks=self.masks, logits="last",
+                                head=None if self.head is None else self.head.weight).logits[0]
+            if self.head is not None:
+                logits = self.head.expand_logits(logits)
             if cfg.greedy:
                 token = logits.argmax().reshape(1)
                 conf = torch.softmax(logits, -1).max() if threshold else None
@@ -45,4 +51,7 @@ class LayerSkipDrafter(Drafter):
         return Draft(torch.cat(tokens), torch.stack(qs) if qs else None)
 
     def describe(self) -> dict:
-        return {"name": self.name, "skip": self.skip.to_dict()}
+        d = {"name": self.name, "skip": self.skip.to_dict()}
+        if self.head is not None:
+            d["draft_vocab"] = len(self.head)
+        return d

@@ -143,9 +143,9 @@ def statistical_draft(context: Sequence[int], k: int, table: BigramTable | None 
     """CS Drafting's statistical drafter: prompt lookup, continued (or replaced) by a bigram chain.
 
     Example: context ``[4, 1, 2, 9, 1]``, table ``{2: (9, 0.9), 9: (7, 0.5)}``, ``k = 4``: the
-    suffix ``[1]`` occurred at 1, followed by ``[2, 9, 1]``; one more token from the table after
-    ``1``? It has no entry: ``[2, 9, 1]``. Context ``[8, 2]`` (no repeat): the chain from 2 gives
-    ``[9, 7]`` (0.9, then 0.45).
+    suffix ``[1]`` occurred at 1, followed by ``[2, 9, 1]``; the chain would go on from ``1``, which
+    has no entry: ``[2, 9, 1]``. Context ``[8, 2]`` (no repeat): the chain from 2 gives ``[9, 7]``
+    (chances 0.9, then 0.45).
     """
     out = ngram_lookup(context, k, max_ngram, min_ngram)
     if table is not None and len(out) < k:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import torch
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -21,6 +23,7 @@ from adaptive.drafters.base import FixedDraftLength
 from adaptive.drafters.cascade import CascadeConfig, CascadeDrafter
 from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.drafters.ngram import NgramDrafter
+from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine, GenerationResult
 from adaptive.engine.loop import Plan
@@ -30,7 +33,7 @@ from adaptive.index.router import Decision, decide
 from adaptive.calibrate.cascade import STAT_DRAFT_COST as PLD_DRAFT_COST
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 
-METHODS = ("knn-ssd", "cascade", "ssd-static", "ar")
+METHODS = ("knn-ssd", "cascade", "knn-skip", "ssd-static", "ar")
 
 
 @dataclass
@@ -72,17 +75,22 @@ class AdaptiveRuntime:
     """Serving-side entry point; safe to share between threads (requests are serialised on the model).
 
     ``method``: ``"knn-ssd"`` (routed: the profile's per-domain decision), ``"cascade"`` (routed: the
-    domain's cascade drafter), ``"ssd-static"`` (the global skip set for every request, the Self-SD
-    baseline), or ``"ar"``. ``bandit=False`` drafts the fixed
-    draft length calibration found instead of Thompson sampling.
+    domain's cascade drafter), ``"knn-skip"`` (routed: always the domain's skip set, KNN-SSD as
+    published), ``"ssd-static"`` (the global skip set for every request, the Self-SD baseline), or
+    ``"ar"``. ``bandit=False`` drafts the fixed draft length calibration found instead of Thompson
+    sampling. ``reduced_vocab=False`` keeps the full LM head for layer-skip drafts in every domain
+    (by default a domain drafts over its reduced vocabulary where calibration measured that faster).
     """
 
-    def __init__(self, profile, lm, *, bandit: bool = True, seed: int | None = 0, window: float = 500.0):
+    def __init__(self, profile, lm, *, bandit: bool = True, seed: int | None = 0, window: float = 500.0,
+                 reduced_vocab: bool = True):
         profile.check_model(lm.fingerprint())
         self.profile = profile
         self.lm = lm
         self.engine = Engine(lm)
         self.bandit = bandit
+        self.reduced_vocab = reduced_vocab
+        self._heads: dict[str, tuple] = {}  # domain -> (ids, LM-head rows): gathered once, reused per request
         self._seed = seed
         self._window = window
         self._lock = threading.RLock()  # the model: one decode at a time (re-entrant: route() inside stream())
@@ -131,13 +139,22 @@ class AdaptiveRuntime:
                 c = PLD_DRAFT_COST
                 a = token if token is not None else (dp.pld_acceptance if dp.pld_acceptance is not None else 0.5)
             else:
-                c = dp.estimated_draft_cost
+                c = self._draft_cost(dp)
                 a = token if token is not None else (
                     dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness)
             self._bandits[name] = ThompsonDraftLength(
                 c, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)], self.max_draft_len, _prior(a),
                 window=self._window, seed=None if self._seed is None else self._seed + len(self._bandits))
         return self._bandits[name]
+
+    def _draft_cost(self, dp) -> float:
+        """A layer-skip draft token's cost in full steps: the estimate, scaled by the measured ratio of the
+        reduced head's draft cost to the full head's where this runtime drafts over the reduced vocabulary."""
+        vocab = dp.extra.get("vocab", {})
+        if self.reduced_vocab and dp.reduced_vocab and vocab.get("draft_cost"):
+            costs = vocab["draft_cost"]
+            return dp.estimated_draft_cost * costs[str(vocab["size"])] / costs[str(vocab["vocab_size"])]
+        return dp.estimated_draft_cost
 
     def _cascade(self, dp):
         """The domain's cascade drafter and its policy (created once, kept with the bandits)."""
@@ -156,26 +173,42 @@ class AdaptiveRuntime:
         by_pos = by_pos[: by_pos.index(0.0)] if 0.0 in by_pos else by_pos
         by_pos = by_pos or [a_s]
         a_n = dp.extra.get("token_acceptance", {}).get("ssd") or dp.measured_acceptance or dp.estimated_matchness
-        policy = ThompsonCascade(drafter, dp.estimated_draft_cost, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)],
+        policy = ThompsonCascade(drafter, self._draft_cost(dp), [cm.verify_cost(k) for k in range(self.max_draft_len + 1)],
                                  self.max_draft_len, cc.max_split if use_skip else 0, _prior(a_n),
                                  [_prior(a) for a in by_pos],
                                  stat_cost=PLD_DRAFT_COST, window=self._window,
                                  seed=None if self._seed is None else self._seed + len(self._bandits))
         return drafter, policy
 
-    def _plan(self, method: str):
+    def _head(self, dp, prompt_ids: list[int]) -> DraftHead | None:
+        """The domain's reduced draft head joined with the request's prompt tokens, or ``None``."""
+        if not (self.reduced_vocab and dp.reduced_vocab and dp.draft_vocab is not None):
+            return None
+        with self._state_lock:
+            if dp.name not in self._heads:
+                weight = self.lm.backbone.lm_head.weight
+                ids = torch.as_tensor(dp.draft_vocab, dtype=torch.long, device=weight.device)
+                self._heads[dp.name] = (ids, weight[ids].contiguous())
+            ids, rows = self._heads[dp.name]
+        return DraftHead.build(self.lm.backbone.lm_head.weight, ids, rows, extra=prompt_ids)
+
+    def _plan(self, method: str, prompt_ids: list[int]):
         def plan(pooled) -> Plan:
             d = decide(self.profile, pooled_to_numpy(pooled))
             if method == "ssd-static":
                 dp, use = self.profile.global_set, "ssd"
             elif method in ("ar", "cascade"):
                 dp, use = self.profile.domain(d.route.domain), method
+            elif method == "knn-skip":
+                dp = self.profile.domain(d.route.domain)
+                use = "ssd" if dp.skip.attn or dp.skip.mlp else "ar"
             else:
                 dp, use = self.profile.domain(d.route.domain), d.method
             info = {"route": d.route.to_dict(), "applied": dp.name, "decision": use, "runtime_method": method}
             if use == "ar":
                 return Plan(None, None, info)
             key = f"{method}:{dp.name}"
+            head = self._head(dp, prompt_ids) if use in ("ssd", "cascade") else None
             with self._state_lock:
                 if use == "cascade":
                     if key not in self._drafters:
@@ -184,6 +217,7 @@ class AdaptiveRuntime:
                             self._bandits[key] = self._cascade_policies[key]
                     drafter, policy = self._drafters[key], self._cascade_policies[key]
                     fixed_len = None if self.bandit else policy.k
+                    drafter.head = head if drafter.skip is not None else None  # requests are serialised
                 else:
                     fixed_len = dp.pld_draft_len if use == "pld" else dp.draft_len
                     drafter = self._drafters.get(key)
@@ -191,6 +225,8 @@ class AdaptiveRuntime:
                         drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
                                                          else LayerSkipDrafter(dp.skip, self.lm.n_layers))
                     policy = self._policy(key, dp, use) if self.bandit else FixedDraftLength(fixed_len)
+            if use == "ssd" and head is not None:
+                drafter = LayerSkipDrafter(dp.skip, self.lm.n_layers, head)  # a drafter is cheap: one per request
             info.update(draft_policy="thompson" if self.bandit else f"fixed {fixed_len}",
                         drafter=drafter.describe())
             if use == "ssd" or (use == "cascade" and drafter.skip is not None):
@@ -216,7 +252,7 @@ class AdaptiveRuntime:
         # One request at a time on the model. The lock is held while the caller iterates and released
         # when the generator finishes or is closed (or garbage-collected, if abandoned).
         with self._lock:
-            for item in self.engine.stream(ids, cfg, plan=self._plan(method)):
+            for item in self.engine.stream(ids, cfg, plan=self._plan(method, ids)):
                 if isinstance(item, GenerationResult):
                     info = dict(item.info)
                     if self.bandit and info.get("decision") in ("ssd", "pld", "cascade"):

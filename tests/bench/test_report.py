@@ -11,18 +11,18 @@ from adaptive.calibrate.sources import PromptFileError
 from adaptive.errors import ConfigError
 
 RUNS = [
-    # prompt a (qa): ar 10 tok/s; ssd 15 tok/s with 3 steps, 6 drafted, 4 accepted
+    # prompt a (qa): ar 10 tok/s; ssd 15 tok/s with 3 steps, 6 drafted, 4 accepted, 0.12 s drafting
     {"id": "a", "group": "qa", "method": "ar", "tokens_per_s": 10.0, "steps": 8, "drafted": 0, "accepted": 0,
      "identical": True},
     {"id": "a", "group": "qa", "method": "ssd", "tokens_per_s": 15.0, "steps": 3, "drafted": 6, "accepted": 4,
-     "identical": True, "violation": False},
+     "draft_time_s": 0.12, "identical": True, "violation": False},
     {"id": "a", "group": "qa", "method": "hf", "tokens_per_s": 9.0, "steps": None, "drafted": None,
      "accepted": None, "identical": True, "violation": False},
     # prompt b (rag): ar 20 tok/s; ssd 20 tok/s, 2 steps, 4 drafted, 2 accepted, parted at a near-tie
     {"id": "b", "group": "rag", "method": "ar", "tokens_per_s": 20.0, "steps": 6, "drafted": 0, "accepted": 0,
      "identical": True},
     {"id": "b", "group": "rag", "method": "ssd", "tokens_per_s": 20.0, "steps": 2, "drafted": 4, "accepted": 2,
-     "identical": False, "violation": False},
+     "draft_time_s": 0.08, "identical": False, "violation": False},
     {"id": "b", "group": "rag", "method": "hf", "tokens_per_s": 21.0, "steps": None, "drafted": None,
      "accepted": None, "identical": True, "violation": False},
 ]
@@ -48,7 +48,8 @@ def test_markdown_and_plot(tmp_path):
     s = summarize(RUNS, ["ar", "ssd", "hf"])
     md = markdown(s, ["ar", "ssd", "hf"])
     assert "| qa | 1.00x (10.0) | 1.50x (15.0) | 0.90x (9.0) |" in md
-    assert "| ssd | 2.20 | 0.60 | no (1 prompts) | 0 |" in md
+    # 0.2 s of drafting over 10 drafted tokens: 20 ms per draft token
+    assert "| ssd | 2.20 | 0.60 | 20.00 | no (1 prompts) | 0 |" in md
     plot(s, ["ar", "ssd", "hf"], tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -80,6 +80,19 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
             assert got[d.decision] >= 1.02 and got[d.decision] == max(got.values())
         assert d.extra["cascade"]["statistical"]["positions"] > 0
         assert d.cascade.max_split in (0, 2) and d.cascade.split <= d.cascade.max_split
+        # the reduced draft vocabulary: coverage and measured draft cost per size, the chosen ids
+        v = d.extra.get("vocab")
+        if d.skip.attn or d.skip.mlp:
+            assert set(v["coverage"]) == {"16", "32"} and 0.0 <= min(v["coverage"].values()) <= 1.0
+            assert set(v["draft_cost"]) == {"16", "32", "49"} and v["size"] in (16, 32)
+            assert d.draft_vocab is not None and len(d.draft_vocab) == v["size"]
+            if "timed" in v:  # its estimate beat the full head's: timed, and used only if measured faster
+                assert v["timed"]["draft_vocab"] == v["size"]
+                assert d.reduced_vocab == (v["timed"]["measured_speedup"] > c["measured_speedup"])
+            else:
+                assert not d.reduced_vocab
+        else:
+            assert v is None and d.draft_vocab is None and not d.reduced_vocab
 
 
 def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):

@@ -191,3 +191,24 @@ def test_cascade_with_a_profile_made_before_cascades(runtime):
     r = rt.generate("ab ab ab ab ab ab", max_new_tokens=16, method="cascade")
     assert r.info["drafter"]["split"] == 0 and "bigram_entries" not in r.info["drafter"]["statistical"]
     assert r.token_ids == _ar(runtime, "ab ab ab ab ab ab", 16) and r.stats.drafted > 0
+
+
+def test_knn_skip_with_a_reduced_vocabulary_is_lossless(runtime):
+    """Routed layer skipping over each domain's reduced vocabulary (joined with the prompt's tokens):
+    greedy output is plain decoding's; reduced_vocab=False keeps the full head."""
+    import numpy as np
+
+    p = dataclasses.replace(runtime.profile)
+    p.domains = {n: dataclasses.replace(d, reduced_vocab=True, draft_vocab=np.arange(3, 30),
+                                        skip=d.skip if (d.skip.attn or d.skip.mlp) else d.skip.__class__((1,), ()))
+                 for n, d in p.domains.items()}
+    reduced, full = AdaptiveRuntime(p, runtime.lm), AdaptiveRuntime(p, runtime.lm, reduced_vocab=False)
+    for prompt in PROMPTS[:3]:
+        r = reduced.generate(prompt, max_new_tokens=24, method="knn-skip")
+        f = full.generate(prompt, max_new_tokens=24, method="knn-skip")
+        assert r.token_ids == f.token_ids == _ar(runtime, prompt), prompt
+        if r.domain is not None:
+            assert r.decision == "ssd" and r.skip == p.domains[r.domain].skip.to_text()
+            prompt_ids = set(runtime.engine.encode(prompt, chat=p.settings.get("chat")))
+            assert r.info["drafter"]["draft_vocab"] == len(set(range(3, 30)) | prompt_ids)
+            assert "draft_vocab" not in f.info["drafter"]
