@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from adaptive.calibrate.costs import extrapolate
 from adaptive.drafters.cascade import CascadeConfig
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, build_bigram_table, statistical_draft
 from adaptive.runtime.bandit import best_split
@@ -72,15 +73,21 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
             "drafted_per_step": round(drafted / positions, 4) if positions else 0.0}
 
 
-def choose_cascade(stat_acceptance: float, neural_acceptance: float, neural_cost: float, verify: Sequence[float],
+def choose_cascade(stat_acceptance, neural_acceptance: float, neural_cost: float, verify: Sequence[float],
                    max_len: int, max_split: int, lenience: float = 1.0,
                    min_prob: float = DEFAULT_BIGRAM_MIN_PROB) -> CascadeConfig:
-    """The cascade's starting split and draft length from measured per-token acceptances and costs.
+    """The cascade's starting split and draft length from measured acceptances and costs.
 
+    ``stat_acceptance``: the statistical drafter's acceptance, one number or one per draft position
+    (``position_acceptance``: a copied span tends to go on once its first token was right, which
+    a single rate undervalues); ``verify``: costs of a full forward over 1, 2, ... tokens.
     Example: statistical acceptance 0.3, layer-skip acceptance 0.9 at a cost of 0.5 of a step, verify
     costs ``(1, 1, 1.05)``, ``max_len = 2``: :func:`best_split` gives ``(1, 2)``: one layer-skip
     token, then one statistical token. With a layer-skip cost of 0.95 it gives ``(0, 2)``.
     """
-    h, k = best_split(neural_acceptance, stat_acceptance, neural_cost, STAT_DRAFT_COST, verify, max_len, max_split)
+    if not isinstance(stat_acceptance, (int, float)):
+        stat_acceptance = list(stat_acceptance) + [0.0] * max(0, max_len - len(stat_acceptance))
+    costs = [extrapolate(verify, k) for k in range(max_len + 1)]
+    h, k = best_split(neural_acceptance, stat_acceptance, neural_cost, STAT_DRAFT_COST, costs, max_len, max_split)
     return CascadeConfig(split=h, draft_len=max(k, 1), vertical=True, lenience=lenience, min_prob=min_prob,
                          max_split=max_split)

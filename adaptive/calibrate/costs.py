@@ -55,14 +55,7 @@ class CostModel:
 
     def verify_cost(self, k: int) -> float:
         """Cost of verifying ``k`` drafted tokens (a forward over ``k + 1`` tokens)."""
-        n = k + 1
-        if n <= len(self.verify):
-            return self.verify[n - 1]
-        # beyond the measured range: extrapolate linearly from the last two points
-        if len(self.verify) == 1:
-            return self.verify[0] * n
-        slope = max(self.verify[-1] - self.verify[-2], 0.0)
-        return self.verify[-1] + slope * (n - len(self.verify))
+        return extrapolate(self.verify, k)  # beyond the measured range: linearly from the last two points
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
@@ -79,6 +72,45 @@ class CostModel:
         """A model from shares of a step (defaults: the bf16 split measured on the 2-core CPU)."""
         base = 1.0 - attn_share - mlp_share
         return cls((attn_share / n_layers,) * n_layers, (mlp_share / n_layers,) * n_layers, base, verify)
+
+
+def _verify_ratios(backbone, ids, cache, context: int, full: float, max_verify: int, repeats: int, sync) -> list[float]:
+    """Cost of a full forward over 1..max_verify tokens relative to ``full`` (one token), at ``context``."""
+    verify = [1.0]
+    for n in range(2, max_verify + 1):
+        t = _time(lambda: backbone.forward(ids[context:context + n], cache, context, logits="all"), repeats, sync)
+        verify.append(max(t / full, verify[-1]))  # a longer forward never counts as cheaper
+    return verify
+
+
+@torch.inference_mode()
+def measure_verify_costs(backbone, context: int, max_verify: int = 13, repeats: int = 7) -> list[float]:
+    """Verification costs (a full forward over ``n`` = 1..``max_verify`` tokens, relative to one token)
+    at ``context`` cached positions: a domain with long prompts pays relatively less for long drafts
+    than the cost model's 128 positions say, so calibration measures this at each domain's length."""
+    dev = backbone.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    context = max(1, min(context, backbone.max_positions - max_verify - 1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, backbone.vocab_size, (context + max_verify,), generator=gen).to(dev)
+    cache = backbone.new_cache(context + max_verify)
+    backbone.forward(ids[:context], cache, 0, logits="none")
+    one = lambda: backbone.forward(ids[context:context + 1], cache, context, logits="last")  # noqa: E731
+    for _ in range(2):
+        one()
+    full = _time(one, repeats, sync)
+    return [round(v, 4) for v in _verify_ratios(backbone, ids, cache, context, full, max_verify, repeats, sync)]
+
+
+def extrapolate(verify, k: int) -> float:
+    """Cost of verifying ``k`` drafts from a list of costs of 1.. tokens, extended linearly past its end
+    (as :meth:`CostModel.verify_cost`). Example: ``[1.0, 1.0, 1.1]``, ``k = 4`` -> ``1.1 + 2 * 0.1 = 1.3``."""
+    n = k + 1
+    if n <= len(verify):
+        return float(verify[n - 1])
+    if len(verify) == 1:
+        return float(verify[0]) * n
+    return float(verify[-1]) + max(float(verify[-1]) - float(verify[-2]), 0.0) * (n - len(verify))
 
 
 def _time(fn, repeats: int, sync) -> float:
@@ -115,10 +147,7 @@ def measure_costs(backbone, context: int = 128, max_verify: int = 9, repeats: in
     full = _time(step(None), repeats, sync)
     no_attn = _time(step((every, none)), repeats, sync)
     no_mlp = _time(step((none, every)), repeats, sync)
-    verify = [1.0]
-    for n in range(2, max_verify + 1):
-        t = _time(lambda: backbone.forward(ids[context:context + n], cache, context, logits="all"), max(5, repeats // 3), sync)
-        verify.append(max(t / full, verify[-1]))  # a longer forward never counts as cheaper
+    verify = _verify_ratios(backbone, ids, cache, context, full, max_verify, max(5, repeats // 3), sync)
     c_attn = max(full - no_attn, 0.0) / full / L
     c_mlp = max(full - no_mlp, 0.0) / full / L
     base = max(1.0 - L * (c_attn + c_mlp), 0.02)

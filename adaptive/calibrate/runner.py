@@ -39,7 +39,7 @@ from adaptive.calibrate.search import SPACES, Estimate, MatchnessScorer, estimat
 from adaptive.drafters.cascade import CascadeConfig
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
-from adaptive.errors import AdaptiveError, ConfigError
+from adaptive.errors import AdaptiveError, ConfigError, PromptTooLongError
 from adaptive.profile import DomainProfile, Profile, check_writable, save_profile
 
 BACKENDS = ("loky", "threading", "dask", "ray")
@@ -69,6 +69,7 @@ class CalibrationSettings:
     min_gain: float = 0.02
     bigram_min_count: int = 2
     cascade_max_split: int = 2
+    cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
     cascade_lenience: float = 1.0
     vocab_sizes: tuple = (1024, 2048, 4096, 8192, 16384)  # reduced draft heads tried (empty: full head only)
     route_k: int = 5
@@ -79,7 +80,7 @@ class CalibrationSettings:
     def __post_init__(self):
         positive = ("prompts_per_domain", "anchors_per_domain", "trials", "continuation_tokens",
                     "confirm_candidates", "confirm_prompts", "confirm_tokens", "max_draft_len", "pld_draft_len", "route_k",
-                    "cost_context", "bigram_min_count")
+                    "cost_context", "bigram_min_count", "cascade_max_draft_len")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -96,8 +97,10 @@ class CalibrationSettings:
             raise ConfigError("max-draft-len must be at most 64")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"min-gain must be in [0, 1), got {self.min_gain}")
-        if not isinstance(self.cascade_max_split, int) or not 0 <= self.cascade_max_split <= self.max_draft_len:
-            raise ConfigError(f"cascade-max-split must be in 0 .. max-draft-len, got {self.cascade_max_split!r}")
+        if self.cascade_max_draft_len > 64:
+            raise ConfigError("cascade-max-draft-len must be at most 64")
+        if not isinstance(self.cascade_max_split, int) or not 0 <= self.cascade_max_split <= self.cascade_max_draft_len:
+            raise ConfigError(f"cascade-max-split must be in 0 .. cascade-max-draft-len, got {self.cascade_max_split!r}")
         if not self.cascade_lenience >= 1.0:
             raise ConfigError(f"cascade-lenience must be >= 1, got {self.cascade_lenience}")
         sizes = tuple(self.vocab_sizes)
@@ -536,20 +539,26 @@ def _calibrate_cascade(lm, s: CalibrationSettings, work: "WorkDir", name: str, s
     from adaptive.calibrate.cascade import choose_cascade, statistical_acceptance
     from adaptive.drafters.ngram import build_bigram_table
 
+    from adaptive.calibrate.costs import measure_verify_costs
+
     bigram = build_bigram_table([list(p) + list(c) for p, c in sequences], s.bigram_min_count)
     path = work.file("cascade", name)
     if path.exists():
         rec = json.loads(path.read_text())
     else:
-        stats = statistical_acceptance(sequences, s.max_draft_len, s.bigram_min_count)
+        n = s.cascade_max_draft_len
+        # verification costs at this domain's context length (long prompts make long drafts relatively cheap)
+        context = int(np.median([len(p) for p, _ in sequences])) + s.confirm_tokens // 2
+        verify = measure_verify_costs(lm.backbone, context, max_verify=n + 1)
+        stats = statistical_acceptance(sequences, n, s.bigram_min_count)
         skip_ok = best["skip"] not in ("none", "") and (best.get("token_acceptance") or 0) > 0
-        cfg = choose_cascade(stats["token_acceptance"], float(best.get("token_acceptance") or 0.0),
-                             float(best["draft_cost"]), [cost_model.verify_cost(k) for k in range(s.max_draft_len + 1)],
-                             s.max_draft_len, s.cascade_max_split if skip_ok else 0, s.cascade_lenience)
+        cfg = choose_cascade(stats["position_acceptance"], float(best.get("token_acceptance") or 0.0),
+                             float(best["draft_cost"]), verify, n, s.cascade_max_split if skip_ok else 0,
+                             s.cascade_lenience)
         timed = measure_candidates(lm, confirm_ids, [{"method": "cascade", "skip": best["skip"], **cfg.to_dict()}],
                                    s.confirm_tokens, bigram=bigram)[0]
         rec = {"cascade": cfg.to_dict(), "cascade_speedup": timed["measured_speedup"],
-               "cascade_stats": {"statistical": stats, "timed": timed}}
+               "cascade_stats": {"statistical": stats, "timed": timed}, "verify": verify, "verify_context": context}
         _write_json(path, rec)
     return {**rec, "bigram": (bigram.keys, bigram.succ, bigram.prob)}, bigram
 
@@ -627,6 +636,24 @@ def check_domains(domains: dict[str, list[str]], settings: CalibrationSettings) 
     return out
 
 
+def check_prompt_lengths(lm, domains: dict[str, list[str]], settings: CalibrationSettings) -> None:
+    """Refuse (:class:`PromptTooLongError`, naming the domain and prompt) any prompt that, encoded as
+    calibration encodes it, leaves no room in the model's context for the continuation and the
+    timed decoding. Prompts are not truncated: a cut prompt would calibrate for text nobody sends."""
+    from adaptive.engine.engine import Engine
+
+    engine = Engine(lm)
+    room = max(settings.continuation_tokens, settings.confirm_tokens) + settings.max_draft_len + 1
+    limit = lm.backbone.max_positions
+    for name, prompts in domains.items():
+        for i, prompt in enumerate(prompts, 1):
+            n = len(engine.encode(prompt, chat=settings.chat))
+            if n + room > limit:
+                raise PromptTooLongError(
+                    f"domain {name!r}, prompt {i}: {n} tokens, and calibration needs {room} more, but the model's "
+                    f"context is {limit}; shorten or remove that prompt")
+
+
 def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
               settings: CalibrationSettings | None = None, *, jobs: int = 1, backend: str = "loky",
               scheduler: str | None = None, resume: bool = False, device: str = "auto", dtype: str = "auto",
@@ -656,6 +683,8 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
     check_writable(out)
     started = time.perf_counter()
     lm = _get_model(model_spec, device, dtype)
+    check_prompt_lengths(lm, domains, settings)  # before anything is written: a bad prompt leaves nothing behind
+    log(f"calibrating {model_spec} on {len(domains)} domains: {', '.join(sorted(domains))}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     fingerprint = {**lm.fingerprint(), "spec": model_spec, "dtype": str(dt).replace("torch.", "")}
@@ -735,7 +764,8 @@ def _domain_profile(r: dict) -> DomainProfile:
         pld_draft_len=int(r.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)),
         extra={**({"token_acceptance": r["token_acceptance"]} if r.get("token_acceptance") else {}),
                **({"cascade": r["cascade_stats"]} if r.get("cascade_stats") else {}),
-               **({"vocab": r["vocab_stats"]} if r.get("vocab_stats") else {})},
+               **({"vocab": r["vocab_stats"]} if r.get("vocab_stats") else {}),
+               **({"verify": r["verify"], "verify_context": r["verify_context"]} if r.get("verify") else {})},
         cascade=CascadeConfig.from_dict(r["cascade"]) if r.get("cascade") else None,
         cascade_speedup=r.get("cascade_speedup"),
         bigram=BigramTable(*r["bigram"]) if r.get("bigram") is not None else None,

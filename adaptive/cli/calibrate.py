@@ -71,7 +71,6 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     settings = CalibrationSettings.quick(**over) if quick else CalibrationSettings(**over)
     domains = load_domains(domain_args)
     log = (lambda m: click.echo(m, err=True))
-    log(f"calibrating {model_spec} on {len(domains)} domains: {', '.join(sorted(domains))}")
     profile = calibrate(model_spec, domains, out_dir, settings, jobs=jobs, backend=backend, scheduler=scheduler,
                         resume=resume, device=device, dtype=dtype, progress=not quiet, log=log)
     if as_json:

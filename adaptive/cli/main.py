@@ -29,10 +29,15 @@ cli.add_command(bench_cmd)
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        cli.main(args=argv, standalone_mode=False)
+        cli.main(args=argv, prog_name="adaptive", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # one line: the problem, and where the options are described
+        ctx = exc.ctx
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

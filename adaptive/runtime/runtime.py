@@ -31,6 +31,7 @@ from adaptive.errors import ConfigError
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.index.router import Decision, decide
 from adaptive.calibrate.cascade import STAT_DRAFT_COST as PLD_DRAFT_COST
+from adaptive.calibrate.costs import extrapolate
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 
 METHODS = ("knn-ssd", "cascade", "knn-skip", "ssd-static", "ar")
@@ -99,6 +100,7 @@ class AdaptiveRuntime:
         self._drafters: dict[str, object] = {}
         self._cascade_policies: dict[str, object] = {}
         self.max_draft_len = int(profile.settings.get("max_draft_len", 8))
+        self.cascade_max_len = int(profile.settings.get("cascade_max_draft_len", self.max_draft_len))
 
     @classmethod
     def from_profile(cls, directory: str | Path, model=None, device: str = "auto", dtype: str | None = None,
@@ -132,7 +134,6 @@ class AdaptiveRuntime:
 
     def _policy(self, name: str, dp, use: str) -> ThompsonDraftLength:
         if name not in self._bandits:
-            cm = self.profile.cost_model
             # the prior is the per-token acceptance up to the first rejection, as the bandit models it
             token = dp.extra.get("token_acceptance", {}).get(use)
             if use == "pld":  # a lookup over token ids: negligible against a forward
@@ -143,9 +144,17 @@ class AdaptiveRuntime:
                 a = token if token is not None else (
                     dp.measured_acceptance if dp.measured_acceptance is not None else dp.estimated_matchness)
             self._bandits[name] = ThompsonDraftLength(
-                c, [cm.verify_cost(k) for k in range(self.max_draft_len + 1)], self.max_draft_len, _prior(a),
+                c, self._verify(dp, self.max_draft_len), self.max_draft_len, _prior(a),
                 window=self._window, seed=None if self._seed is None else self._seed + len(self._bandits))
         return self._bandits[name]
+
+    def _verify(self, dp, max_len: int) -> list[float]:
+        """Costs of verifying 0 .. ``max_len`` drafts: measured at the domain's context length where the
+        profile has them (``extra.verify``), else the profile's cost model (measured at 128 positions)."""
+        measured = dp.extra.get("verify")
+        if measured:
+            return [extrapolate(measured, k) for k in range(max_len + 1)]
+        return [self.profile.cost_model.verify_cost(k) for k in range(max_len + 1)]
 
     def _draft_cost(self, dp) -> float:
         """A layer-skip draft token's cost in full steps: the estimate, scaled by the measured ratio of the
@@ -164,8 +173,7 @@ class AdaptiveRuntime:
                                  self.lm.n_layers, split=cc.split if use_skip else 0, vertical=cc.vertical,
                                  lenience=cc.lenience)
         if not self.bandit:
-            return drafter, FixedDraftLength(min(cc.draft_len, self.max_draft_len))
-        cm = self.profile.cost_model
+            return drafter, FixedDraftLength(min(cc.draft_len, self.cascade_max_len))
         stats = dp.extra.get("cascade", {}).get("statistical", {})
         a_s = stats.get("token_acceptance", dp.extra.get("token_acceptance", {}).get("pld") or 0.3)
         # by tail position, up to the first one calibration saw nothing accepted at (or never reached)
@@ -173,8 +181,8 @@ class AdaptiveRuntime:
         by_pos = by_pos[: by_pos.index(0.0)] if 0.0 in by_pos else by_pos
         by_pos = by_pos or [a_s]
         a_n = dp.extra.get("token_acceptance", {}).get("ssd") or dp.measured_acceptance or dp.estimated_matchness
-        policy = ThompsonCascade(drafter, self._draft_cost(dp), [cm.verify_cost(k) for k in range(self.max_draft_len + 1)],
-                                 self.max_draft_len, cc.max_split if use_skip else 0, _prior(a_n),
+        policy = ThompsonCascade(drafter, self._draft_cost(dp), self._verify(dp, self.cascade_max_len),
+                                 self.cascade_max_len, cc.max_split if use_skip else 0, _prior(a_n),
                                  [_prior(a) for a in by_pos],
                                  stat_cost=PLD_DRAFT_COST, window=self._window,
                                  seed=None if self._seed is None else self._seed + len(self._bandits))
@@ -246,7 +254,7 @@ class AdaptiveRuntime:
         if isinstance(stop, str):
             stop = (stop,)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop=tuple(stop), draft_len=self.max_draft_len,
+                               seed=seed, stop=tuple(stop), draft_len=max(self.max_draft_len, self.cascade_max_len),
                                confidence_threshold=confidence_threshold)
         ids = self.engine.encode(prompt, chat=self.profile.settings.get("chat"))
         # One request at a time on the model. The lock is held while the caller iterates and released

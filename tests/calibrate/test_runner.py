@@ -84,7 +84,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         v = d.extra.get("vocab")
         if d.skip.attn or d.skip.mlp:
             assert set(v["coverage"]) == {"16", "32"} and 0.0 <= min(v["coverage"].values()) <= 1.0
-            assert set(v["draft_cost"]) == {"16", "32", "49"} and v["size"] in (16, 32)
+            assert set(v["draft_cost"]) == {"16", "32", "48"} and v["size"] in (16, 32)  # the tiny vocabulary: 48
             assert d.draft_vocab is not None and len(d.draft_vocab) == v["size"]
             if "timed" in v:  # its estimate beat the full head's: timed, and used only if measured faster
                 assert v["timed"]["draft_vocab"] == v["size"]

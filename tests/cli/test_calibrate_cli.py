@@ -23,8 +23,9 @@ def domain_files(tmp_path):
 def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tmp_path):
     out_dir = tmp_path / "prof"
     out, err = run_ok(capsys, "calibrate", "--model", str(tiny_model_dir), *domain_files, "--out", str(out_dir),
-                      "--quick", *SMALL)
+                      "--quick", *SMALL, "--vocab-sizes", "16,32")
     assert "profile written to" in out
+    assert "vocab" in out and "casc.x" in out
     for name in TINY_DOMAINS:
         assert name in out
     assert "global" in out and "meas.x" in out
@@ -32,7 +33,7 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
     shown, _ = run_ok(capsys, "profile", "show", str(out_dir), "--json")
     data = json.loads(shown)
     assert data["schema_version"] == 1 and sorted(data["domains"]) == sorted(TINY_DOMAINS)
-    assert data["settings"]["trials"] == 3
+    assert data["settings"]["trials"] == 3 and data["settings"]["vocab_sizes"] == [16, 32]
     text, _ = run_ok(capsys, "profile", "show", str(out_dir))
     assert "skip sets:" in text and "anchors" in text
 
@@ -67,6 +68,8 @@ def test_calibrate_json(capsys, tiny_model_dir, domain_files, tmp_path):
     (["--trials", "0"], "trials"),
     (["--prompts-per-domain", "1"], "prompts-per-domain"),
     (["--scheduler", "tcp://h:1"], "--scheduler"),
+    (["--vocab-sizes", "4k"], "--vocab-sizes"),
+    (["--vocab-sizes", "8"], "vocab-sizes must be distinct integers >= 16"),
 ])
 def test_calibrate_errors_are_one_line(capsys, tiny_model_dir, tmp_path, extra, message):
     code, _, err = run(capsys, "calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "p"),

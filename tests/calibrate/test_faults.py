@@ -1,0 +1,74 @@
+"""A calibration killed with SIGKILL at several points resumes to a complete, valid profile with the
+same skip sets as an uninterrupted run (each kill in a real subprocess, bounded in time)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from adaptive.calibrate.costs import CostModel
+from adaptive.calibrate.runner import WorkDir, calibrate
+from adaptive.profile import load_profile
+from tests.conftest import TINY_DOMAINS, tiny_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = dict(trials=4, init_trials=2)
+COSTS = CostModel.uniform(4, verify=(1.0, 1.02, 1.04, 1.06, 1.08))  # fixed: timing noise cannot change the search
+
+DRIVER = """
+import sys
+from adaptive.calibrate.costs import CostModel
+from adaptive.calibrate.runner import calibrate
+from tests.conftest import TINY_DOMAINS, tiny_settings
+model, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+calibrate(model, TINY_DOMAINS, out, tiny_settings(trials=4, init_trials=2), dtype="float32", progress=False,
+          resume=resume, cost_model=CostModel.uniform(4, verify=(1.0, 1.02, 1.04, 1.06, 1.08)))
+"""
+
+
+def _start(model_dir, out, resume):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(model_dir), str(out), "1" if resume else "0"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "p"
+    calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(**SETTINGS), dtype="float32", progress=False,
+              cost_model=COSTS)
+    return load_profile(out)
+
+
+# kill right after the first file of each phase appears in OUT.work/
+@pytest.mark.parametrize("kill_after", ["prep-*.pt", "trials-*.jsonl", "confirm-*.json", "cascade-*.json"])
+def test_sigkill_then_resume_gives_a_complete_profile(tiny_model_dir, tmp_path, reference, kill_after):
+    out = tmp_path / "p"
+    work = WorkDir(out).path
+    proc = _start(tiny_model_dir, out, resume=False)
+    deadline = time.monotonic() + 120
+    try:
+        while proc.poll() is None and not (work.exists() and any(work.glob(kill_after))):
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {kill_after} within 120 s")
+            time.sleep(0.005)
+        assert proc.poll() is None, f"finished before the kill point {kill_after}: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert not (out / "profile.json").exists() and work.exists()  # nothing half-written in OUT
+
+    resumed = _start(tiny_model_dir, out, resume=True)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err.decode()[-2000:]
+    assert not work.exists()
+    p = load_profile(out)  # complete and valid (checksums, every domain)
+    assert sorted(p.domains) == sorted(TINY_DOMAINS)
+    for name in TINY_DOMAINS:  # same seed and costs: the search's result is an uninterrupted run's
+        assert p.domains[name].skip == reference.domains[name].skip, (kill_after, name)
+        assert p.domains[name].trials == reference.domains[name].trials
+    assert p.global_set.skip == reference.global_set.skip

@@ -1,0 +1,40 @@
+"""docs/cli.md cannot drift from the commands: every option of every command is documented in
+that command's section, and every option documented there exists."""
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from adaptive.cli.main import cli
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+
+
+def _commands():
+    out = {}
+    for name, cmd in cli.commands.items():
+        if isinstance(cmd, click.Group):
+            out.update({f"{name} {sub}": c for sub, c in cmd.commands.items()})
+        else:
+            out[name] = cmd
+    return out
+
+
+def _section(name: str) -> str:
+    m = re.search(rf"^## `adaptive {re.escape(name)}\b.*?$(.*?)(?=^## |\Z)", DOC, flags=re.M | re.S)
+    assert m, f"docs/cli.md has no section for `adaptive {name}`"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_option_is_documented(name):
+    cmd = _commands()[name]
+    text = _section(name)
+    options = {o for p in cmd.params if isinstance(p, click.Option) for o in p.opts if o.startswith("--")}
+    missing = sorted(o for o in options if not re.search(rf"`{re.escape(o)}[ `\\|=]", text))
+    assert not missing, f"adaptive {name}: options missing from docs/cli.md: {missing}"
+    documented = set(re.findall(r"`(--[a-z][a-z0-9-]*)", text))
+    unknown = sorted(documented - options - {"--help"})
+    assert not unknown, f"adaptive {name}: docs/cli.md documents options that do not exist: {unknown}"
