@@ -201,44 +201,38 @@ class WorkDir:
         return self.path / (f"{kind}-{slug(name)}.{ext}" if name is not None else f"{kind}.{ext}")
 
     def acquire(self) -> None:
-        """Take the lock, or raise if a live calibration holds it (a dead holder's lock is taken over)."""
+        """Take the lock, or raise :class:`CalibrationError` if another live calibration holds it.
+
+        The lock is an ``flock`` on ``OUT.work/lock``, held for as long as this process keeps the
+        file open: the operating system releases it when the process ends, however it ends (a
+        SIGKILL included), so there is no stale lock to take over and no race in taking one over.
+        The file records who holds it, for the message.
+        """
+        import fcntl
+
         self.path.mkdir(parents=True, exist_ok=True)
         lock = self.path / "lock"
-        me = f"{socket.gethostname()} {os.getpid()}"
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                try:
-                    host, pid = lock.read_text().split()
-                    alive = host != socket.gethostname() or _pid_alive(int(pid))
-                except (OSError, ValueError):
-                    alive = False
-                if alive:
-                    raise CalibrationError(
-                        f"another calibration ({lock.read_text().strip()}) is writing {self.path}; wait for it or choose another --out")
-                lock.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
-            return
-        raise CalibrationError(f"could not lock {lock}")
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CalibrationError(
+                f"another calibration ({holder}) is writing {self.path}; wait for it or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+        os.fsync(fd)
+        self._fd = fd
 
     def release(self) -> None:
-        (self.path / "lock").unlink(missing_ok=True)
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)  # releases the flock; the file may stay (the next holder truncates it)
 
     def remove(self) -> None:
+        self.release()
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- worker tasks ----------------------------------------------------------------------------------
@@ -454,7 +448,7 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
                                  s.confirm_tokens)[0]
         _write_json(ppath, pld)
     cascade, bigram = _calibrate_cascade(lm, s, work, name, sequences, best, cost_model, confirm_ids)
-    vocab, vocab_ids = _calibrate_vocab(lm, s, work, name, sequences, best, cost_model, confirm_ids)
+    vocab, vocab_ids = _calibrate_vocab(lm, s, work, name, sequences, best, cascade["verify"], confirm_ids)
     reduced = vocab.get("timed")
     use_reduced = bool(reduced) and reduced["measured_speedup"] > best["measured_speedup"]
     timed = {"ssd": reduced if use_reduced else best, "pld": pld, "cascade": cascade["cascade_stats"]["timed"]}
@@ -488,44 +482,45 @@ def search_domain(common: _Common, name: str, sequences: list, influence, costs:
 
 
 def _calibrate_vocab(lm, s: CalibrationSettings, work: "WorkDir", name: str, sequences: list, best: dict,
-                     cost_model: CostModel, confirm_ids: list[list[int]]) -> tuple[dict, np.ndarray | None]:
+                     verify: list[float], confirm_ids: list[list[int]]) -> tuple[dict, np.ndarray | None]:
     """The domain's reduced draft vocabulary (issue 9): token ranking over its prompts and continuations,
     leave-one-out coverage of the continuations and measured draft cost for each size in
-    ``vocab_sizes``, the size with the best estimated speedup for the best skip set, and, when
-    that beats the full head's estimate, a timed run of the skip set drafting over it.
+    ``vocab_sizes``, the size with the best estimated speedup for the best skip set at its own
+    draft length (``verify``: the domain's verification costs), and, when that beats the full
+    head's estimate, a timed run of the skip set drafting over it.
     Returns the record (``{}`` when the skip set drafts nothing) and the chosen ids."""
-    from adaptive.calibrate.costs import measure_head_costs
+    from adaptive.calibrate.costs import extrapolate, measure_head_costs
     from adaptive.calibrate.objective import expected_tokens_per_step
     from adaptive.drafters.vocab import coverage_curve, rank_tokens
-    from adaptive.runtime.bandit import best_length
 
     bb = lm.backbone
     sizes = [v for v in s.vocab_sizes if v < bb.vocab_size]
     if best["skip"] in ("none", "") or not sizes:
         return {}, None
-    ranking = rank_tokens([list(p) + list(c) for p, c in sequences])
+    ranking = rank_tokens([list(p) + list(c) for p, c in sequences], bb.vocab_size)
     path = work.file("vocab", name)
     if path.exists():
         rec = json.loads(path.read_text())
     else:
-        coverage = coverage_curve([list(p) + list(c) for p, c in sequences], [list(c) for _, c in sequences], sizes)
+        coverage = coverage_curve([list(p) + list(c) for p, c in sequences], [list(c) for _, c in sequences], sizes,
+                                  bb.vocab_size)
         masks = SkipSet.from_text(best["skip"], lm.n_layers).masks(lm.n_layers)
         costs = measure_head_costs(bb, masks, [*sizes, bb.vocab_size], context=s.cost_context)
         a = float(best.get("token_acceptance") or 0.0)
-        verify = [cost_model.verify_cost(k) for k in range(s.max_draft_len + 1)]
+        k = int(best["draft_len"])  # the skip set's own draft length: sizes compared at equal k (an
+        v_k = extrapolate(verify, k)  # optimised k would collapse to 0, "do not draft", wherever the model is pessimistic)
 
-        def est(acc: float, c: float) -> tuple[int, float]:
-            k = best_length(acc, c, verify, s.max_draft_len)
-            return k, round(expected_tokens_per_step(acc, k) / (k * c + verify[k]), 4)
+        def est(acc: float, c: float) -> float:
+            return round(expected_tokens_per_step(acc, k) / (k * c + v_k), 4)
 
         full = est(a, costs[bb.vocab_size])
         ests = {v: est(a * coverage[v], costs[v]) for v in sizes}
-        size = max(ests, key=lambda v: ests[v][1])
-        rec = {"size": size, "vocab_size": bb.vocab_size, "coverage": coverage,
+        size = max(ests, key=ests.get)
+        rec = {"size": size, "vocab_size": bb.vocab_size, "coverage": coverage, "draft_len": k,
                "draft_cost": {str(v): c for v, c in costs.items()},
-               "estimate": {str(v): e[1] for v, e in ests.items()}, "full_estimate": full[1]}
-        if ests[size][1] > full[1]:
-            cand = {"method": "ssd", "skip": best["skip"], "draft_len": best["draft_len"], "draft_vocab": size}
+               "estimate": {str(v): e for v, e in ests.items()}, "full_estimate": full}
+        if ests[size] > full:
+            cand = {"method": "ssd", "skip": best["skip"], "draft_len": k, "draft_vocab": size}
             rec["timed"] = measure_candidates(lm, confirm_ids, [cand], s.confirm_tokens, vocab=ranking[:size])[0]
         _write_json(path, rec)
     return rec, ranking[: rec["size"]]
@@ -692,9 +687,11 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
     state = {"settings": settings.to_dict(), "model": fingerprint, "domains": _domains_digest(domains),
              "costs": cost_model.to_dict() if cost_model is not None else "measured"}
     state_path = work.path / "state.json"
-    if work.path.exists() and state_path.exists() and not resume:
+    had_work = work.path.exists()
+    work.acquire()  # first: a live calibration of this output is reported as such, not as a leftover
+    if had_work and state_path.exists() and not resume:
+        work.release()
         raise CalibrationError(f"an interrupted calibration left {work.path}: pass --resume to continue it, or delete it to start over")
-    work.acquire()
     try:
         if state_path.exists():
             old = json.loads(state_path.read_text())

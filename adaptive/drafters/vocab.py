@@ -20,25 +20,36 @@ import numpy as np
 import torch
 
 
-def rank_tokens(sequences: Sequence[Sequence[int]]) -> np.ndarray:
-    """Token ids by descending frequency over ``sequences`` (ties: smaller id first).
+def rank_tokens(sequences: Sequence[Sequence[int]], vocab_size: int | None = None) -> np.ndarray:
+    """Token ids by descending frequency over ``sequences`` (ties: smaller id first), then, with
+    ``vocab_size``, every other id of the vocabulary in id order.
 
-    Example: ``[[5, 3, 5], [3, 5, 9]]``: 5 three times, 3 twice, 9 once -> ``[5, 3, 9]``.
+    A domain's calibration text is small (a few thousand tokens), so its own counts rank only
+    the few hundred ids it contains; the rest are ordered by id, which for byte-level BPE
+    vocabularies (Llama, Qwen, SmolLM) is merge order: roughly frequency in the tokenizer's own
+    training corpus, a sensible prior for the ids the domain's sample did not show.
+    Example: ``[[5, 3, 5], [3, 5, 9]]``: 5 three times, 3 twice, 9 once -> ``[5, 3, 9]``; with
+    ``vocab_size = 8`` -> ``[5, 3, 9, 0, 1, 2, 4, 6, 7]``.
     """
     flat = np.concatenate([np.asarray(list(s), dtype=np.int64) for s in sequences] or [np.zeros(0, np.int64)])
-    if flat.size == 0:
-        return flat
-    ids, counts = np.unique(flat, return_counts=True)  # ids ascending
-    order = np.argsort(-counts, kind="stable")  # stable: equal counts keep ascending ids
-    return ids[order]
+    ranked = np.zeros(0, np.int64)
+    if flat.size:
+        ids, counts = np.unique(flat, return_counts=True)  # ids ascending
+        ranked = ids[np.argsort(-counts, kind="stable")]  # stable: equal counts keep ascending ids
+    if vocab_size is None:
+        return ranked
+    rest = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), ranked, assume_unique=False)  # sorted
+    return np.concatenate([ranked, rest])
 
 
-def coverage_curve(texts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], sizes: Sequence[int]) -> dict:
+def coverage_curve(texts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], sizes: Sequence[int],
+                   vocab_size: int | None = None) -> dict:
     """Leave-one-out coverage: the share of ``targets[i]``'s tokens among the top ``V`` of a ranking
     built from every ``texts[j]``, ``j != i``; pooled over ``i``, for each ``V`` in ``sizes``.
 
     ``texts[i]`` is what the ranking may learn from (a prompt and the model's continuation of
-    it); ``targets[i]`` what a drafter would have to produce (the continuation). Example: texts
+    it); ``targets[i]`` what a drafter would have to produce (the continuation); ``vocab_size``
+    fills the ranking as :func:`rank_tokens` does. Example: texts
     ``[[1, 1, 2], [1, 3]]``, targets ``[[1, 2], [3]]``, ``V = 1``: for 0 the ranking of ``[1, 3]``
     is ``[1, 3]`` and covers 1 of ``[1, 2]``; for 1 the ranking of ``[1, 1, 2]`` is ``[1, 2]`` and
     covers none of ``[3]``: 1 of 3 -> ``{1: 0.333}``.
@@ -48,7 +59,7 @@ def coverage_curve(texts: Sequence[Sequence[int]], targets: Sequence[Sequence[in
     hit = {v: 0 for v in sizes}
     total = 0
     for i, tgt in enumerate(targets):
-        ranking = rank_tokens([t for j, t in enumerate(texts) if j != i])
+        ranking = rank_tokens([t for j, t in enumerate(texts) if j != i], vocab_size)
         tgt = np.asarray(list(tgt), dtype=np.int64)
         total += tgt.size
         # position of each target token in the ranking (absent: beyond any size)

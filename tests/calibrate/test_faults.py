@@ -72,3 +72,20 @@ def test_sigkill_then_resume_gives_a_complete_profile(tiny_model_dir, tmp_path, 
         assert p.domains[name].skip == reference.domains[name].skip, (kill_after, name)
         assert p.domains[name].trials == reference.domains[name].trials
     assert p.global_set.skip == reference.global_set.skip
+
+
+def test_two_calibrations_of_one_output_never_mix(tiny_model_dir, tmp_path, reference):
+    """Started together: one finishes, the other refuses with a clear error (or, if it started after
+    the first finished, replaces the profile whole). Never a mixed profile."""
+    out = tmp_path / "p"
+    procs = [_start(tiny_model_dir, out, resume=False) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
+    ok = [r for r in results if r[0] == 0]
+    assert ok, results
+    for code, err in results:
+        if code != 0:
+            assert "another calibration" in err or "--resume" in err, err[-2000:]
+    p = load_profile(out)
+    assert sorted(p.domains) == sorted(TINY_DOMAINS)
+    for name in TINY_DOMAINS:
+        assert p.domains[name].skip == reference.domains[name].skip

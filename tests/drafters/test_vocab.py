@@ -19,6 +19,9 @@ def test_rank_tokens_docstring_case():
     # a tie (2 and 7 once each) goes to the smaller id
     assert rank_tokens([[7, 2]]).tolist() == [2, 7]
     assert rank_tokens([]).tolist() == []
+    # filled with the rest of the vocabulary in id order (BPE merge order: a corpus-frequency prior)
+    assert rank_tokens([[5, 3, 5], [3, 5, 9]], vocab_size=8).tolist() == [5, 3, 9, 0, 1, 2, 4, 6, 7]
+    assert rank_tokens([], vocab_size=3).tolist() == [0, 1, 2]
 
 
 def test_coverage_curve_docstring_case():
@@ -29,6 +32,10 @@ def test_coverage_curve_docstring_case():
     # the text a target is scored on is left out: in-sample it would be 100%
     cov = coverage_curve([[4, 4], [5, 5]], [[4], [5]], [1])
     assert cov == {1: 0.0}
+    # with the vocabulary filled in id order, V=5 holds the other sequence's token, then ids 0..3: 4 is in
+    # for target [4] (ranking [5, 0, 1, 2, 3]: no), 5 for target [5] (ranking [4, 0, 1, 2, 3]: no); V=6: both
+    cov = coverage_curve([[4, 4], [5, 5]], [[4], [5]], [5, 6], vocab_size=6)
+    assert cov == {5: 0.0, 6: 1.0}
     with pytest.raises(ValueError):
         coverage_curve([[1]], [], [1])
 
