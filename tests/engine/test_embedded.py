@@ -36,3 +36,30 @@ def test_bf16_divergences_are_near_ties(embedded_bf16):
         ssd = eng.generate(ids, cfg, method="ssd", skip=SKIP)
         audit = audit_divergence(embedded_bf16.backbone, ids, ar.token_ids, ssd.token_ids)
         assert not audit.violation, audit
+
+
+def test_fp32_cascade_and_reduced_head_equal_plain(embedded_fp32):
+    """The cascade (vertical level with the skip set, then a bigram-backed statistical tail) and
+    layer-skip drafting over a reduced vocabulary: token for token plain decoding in fp32."""
+    import torch
+
+    from adaptive.drafters.cascade import CascadeDrafter
+    from adaptive.drafters.layerskip import LayerSkipDrafter
+    from adaptive.drafters.ngram import NgramDrafter, build_bigram_table
+    from adaptive.drafters.vocab import DraftHead, rank_tokens
+    from adaptive.engine.loop import Plan
+
+    eng = Engine(embedded_fp32)
+    bb = embedded_fp32.backbone
+    cfg = GenerationConfig(max_new_tokens=32, draft_len=6)
+    encoded = [eng.encode(p) for p in prompts()]
+    table = build_bigram_table(encoded)
+    subset = torch.as_tensor(rank_tokens(encoded, bb.vocab_size)[:4096])
+    for ids in encoded:
+        ar = eng.generate(ids, cfg)
+        cascade = CascadeDrafter(NgramDrafter(bigram=table), SKIP, bb.n_layers, split=2, vertical=True)
+        c = eng.generate(ids, cfg, plan=Plan(cascade))
+        head = DraftHead.build(bb.lm_head.weight, subset, extra=ids)
+        r = eng.generate(ids, cfg, plan=Plan(LayerSkipDrafter(SKIP, bb.n_layers, head)))
+        assert c.token_ids == ar.token_ids and r.token_ids == ar.token_ids
+        assert c.stats.accepted > 0 and r.stats.accepted > 0
