@@ -110,7 +110,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
                   f" {applied.skip.to_text()})",
            "cascade": (f" (the cascade: prompt lookup and the domain's bigram table"
                        + (f" after {applied.cascade.split} layer-skip position(s)" if applied.cascade and applied.cascade.split
-                          else "") + f"; it measured fastest, {applied.cascade_speedup}x at calibration)"),
+                          else "") + f"; it measured fastest, {applied.cascade_speedup:.2f}x at calibration)"),
            "ar": f" (no drafter measured faster than plain decoding there; best skip set {applied.skip.to_text()})"}
     click.echo(f"routed to {where}; the profile decodes it with {decision.method}" + how[decision.method])
     click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, median of {repeats} interleaved runs")
