@@ -88,13 +88,7 @@ def measure_verify_costs(backbone, context: int, max_verify: int = 13, repeats: 
     """Verification costs (a full forward over ``n`` = 1..``max_verify`` tokens, relative to one token)
     at ``context`` cached positions: a domain with long prompts pays relatively less for long drafts
     than the cost model's 128 positions say, so calibration measures this at each domain's length."""
-    dev = backbone.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    context = max(1, min(context, backbone.max_positions - max_verify - 1))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, backbone.vocab_size, (context + max_verify,), generator=gen).to(dev)
-    cache = backbone.new_cache(context + max_verify)
-    backbone.forward(ids[:context], cache, 0, logits="none")
+    sync, context, ids, cache = _timing_setup(backbone, context, max_verify)
     one = lambda: backbone.forward(ids[context:context + 1], cache, context, logits="last")  # noqa: E731
     for _ in range(2):
         one()
@@ -113,6 +107,19 @@ def extrapolate(verify, k: int) -> float:
     return float(verify[-1]) + max(float(verify[-1]) - float(verify[-2]), 0.0) * (n - len(verify))
 
 
+def _timing_setup(backbone, context: int, extra: int):
+    """``(sync, context, ids, cache)`` for timing forwards after ``context`` cached positions: random
+    ids (fixed seed) for ``context + extra`` positions, the first ``context`` already prefilled."""
+    dev = backbone.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    context = max(1, min(context, backbone.max_positions - extra - 1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, backbone.vocab_size, (context + extra,), generator=gen).to(dev)
+    cache = backbone.new_cache(context + extra)
+    backbone.forward(ids[:context], cache, 0, logits="none")
+    return sync, context, ids, cache
+
+
 def _time(fn, repeats: int, sync) -> float:
     times = []
     for _ in range(repeats):
@@ -128,13 +135,7 @@ def _time(fn, repeats: int, sync) -> float:
 def measure_costs(backbone, context: int = 128, max_verify: int = 9, repeats: int = 15) -> CostModel:
     """Time the forwards the cost model needs at ``context`` cached positions (median of ``repeats``)."""
     L = backbone.n_layers
-    dev = backbone.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    context = max(1, min(context, backbone.max_positions - max_verify - 1))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, backbone.vocab_size, (context + max_verify,), generator=gen).to(dev)
-    cache = backbone.new_cache(context + max_verify)
-    backbone.forward(ids[:context], cache, 0, logits="none")
+    sync, context, ids, cache = _timing_setup(backbone, context, max_verify)
     none = (False,) * L
     every = (True,) * L
     one = ids[context:context + 1]
@@ -162,13 +163,7 @@ def measure_head_costs(backbone, skip_masks, sizes, context: int = 128, repeats:
     The rows are the first ``size`` of the LM head, copied contiguously as a :class:`DraftHead`'s
     are: the cost depends on the size, not on which rows.
     """
-    dev = backbone.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    context = max(1, min(context, backbone.max_positions - 2))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, backbone.vocab_size, (context + 1,), generator=gen).to(dev)
-    cache = backbone.new_cache(context + 1)
-    backbone.forward(ids[:context], cache, 0, logits="none")
+    sync, context, ids, cache = _timing_setup(backbone, context, 1)
     one = ids[context:context + 1]
     weight = backbone.lm_head.weight
     heads = {v: (None if v >= backbone.vocab_size else weight[:v].contiguous()) for v in sizes}

@@ -6,19 +6,21 @@ prefill yields the prompt embedding (no extra forward); the anchor index picks t
 from calibration applies (``ssd`` with its skip set, ``pld`` prompt lookup, or ``cascade``,
 whichever measured fastest where it beat plain decoding by the margin; ``ar`` otherwise); the
 domain's Thompson-sampling bandit picks each step's draft length. Method ``cascade`` drafts every
-request with its domain's cascade (the bigram-backed statistical drafter under and after the domain's skip set), its split
-and draft length chosen by a two-level Thompson sampler.
+request with its domain's cascade (the bigram-backed statistical drafter under and after the
+domain's skip set), its split and draft length chosen by a two-level Thompson sampler.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-
-import torch
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import torch
+
+from adaptive.calibrate.cascade import STAT_DRAFT_COST as PLD_DRAFT_COST
+from adaptive.calibrate.costs import extrapolate
 from adaptive.drafters.base import FixedDraftLength
 from adaptive.drafters.cascade import CascadeConfig, CascadeDrafter
 from adaptive.drafters.layerskip import LayerSkipDrafter
@@ -30,8 +32,6 @@ from adaptive.engine.loop import Plan
 from adaptive.errors import ConfigError
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.index.router import Decision, decide
-from adaptive.calibrate.cascade import STAT_DRAFT_COST as PLD_DRAFT_COST
-from adaptive.calibrate.costs import extrapolate
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 
 METHODS = ("knn-ssd", "cascade", "knn-skip", "ssd-static", "ar")
