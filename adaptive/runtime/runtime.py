@@ -228,13 +228,14 @@ class AdaptiveRuntime:
                     drafter.head = head if drafter.skip is not None else None  # requests are serialised
                 else:
                     fixed_len = dp.pld_draft_len if use == "pld" else dp.draft_len
-                    drafter = self._drafters.get(key)
-                    if drafter is None:
-                        drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
-                                                         else LayerSkipDrafter(dp.skip, self.lm.n_layers))
+                    if head is not None:  # this request's head: a drafter is cheap, one per request
+                        drafter = LayerSkipDrafter(dp.skip, self.lm.n_layers, head)
+                    else:
+                        drafter = self._drafters.get(key)
+                        if drafter is None:
+                            drafter = self._drafters[key] = (NgramDrafter() if use == "pld"
+                                                             else LayerSkipDrafter(dp.skip, self.lm.n_layers))
                     policy = self._policy(key, dp, use) if self.bandit else FixedDraftLength(fixed_len)
-            if use == "ssd" and head is not None:
-                drafter = LayerSkipDrafter(dp.skip, self.lm.n_layers, head)  # a drafter is cheap: one per request
             info.update(draft_policy="thompson" if self.bandit else f"fixed {fixed_len}",
                         drafter=drafter.describe())
             if use == "ssd" or (use == "cascade" and drafter.skip is not None):
