@@ -9,6 +9,7 @@ Layout (documented in docs/profile.md)::
       embedding_mean.npy  subtracted before normalising (zeros: centring is off by default)
       bigrams.npz         each domain's bigram table for the cascade's statistical drafter
       vocab.npz           each domain's reduced draft vocabulary (token ids)
+      distilled.safetensors  trained drafters (``adaptive distill``): the early-exit block, a draft model
 
 ``profile.json`` records the SHA-256 of the other files, so a truncated or altered file is
 reported as such. A profile is written to a temporary sibling directory and renamed into place:
@@ -39,7 +40,8 @@ SCHEMA_VERSION = 1
 FORMAT = "adaptive-profile"
 BIGRAMS = "bigrams.npz"
 VOCAB = "vocab.npz"
-OPTIONAL_FILES = (BIGRAMS, VOCAB)
+DISTILLED = "distilled.safetensors"
+OPTIONAL_FILES = (BIGRAMS, VOCAB, DISTILLED)
 
 
 class ProfileError(AdaptiveError, ValueError):
@@ -133,6 +135,16 @@ class Profile:
     created: str = ""
     version: str = ""
     path: Path | None = None
+    distilled: dict = field(default_factory=dict)  # kind -> what distillation recorded (profile.json)
+    distilled_weights: dict = field(default_factory=dict, repr=False)  # kind -> {name: tensor}
+
+    def distilled_drafter(self, kind: str) -> tuple[dict, dict]:
+        """``(meta, weights)`` of the drafter ``kind`` trained by ``adaptive distill``, or :class:`ProfileError`."""
+        if kind not in self.distilled:
+            where = f" {self.path}" if self.path else ""
+            raise ProfileError(f"the profile{where} has no distilled {kind} drafter; train one with "
+                               f"`adaptive distill --drafter {'early-exit' if kind == 'early-exit' else 'MODEL'}`")
+        return self.distilled[kind], self.distilled_weights[kind]
 
     @property
     def n_layers(self) -> int:
@@ -164,7 +176,8 @@ class Profile:
                 "routing": {"k": self.index.k, "ood_threshold": self.index.ood_threshold,
                             "anchors": len(self.index.labels), "dim": self.index.dim},
                 "domains": {n: d.to_dict() for n, d in sorted(self.domains.items())},
-                "global": self.global_set.to_dict()}
+                "global": self.global_set.to_dict(),
+                **({"distilled": self.distilled} if self.distilled else {})}
 
     def summary_rows(self) -> list[dict]:
         """One row per domain (then the global set) for tables."""
@@ -227,7 +240,10 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a profile is shared like any directory
         profile.index.save(tmp)
         data = profile.to_dict()
-        names = list(AnchorIndex.FILES) + [kind for kind in OPTIONAL_FILES if _save_tables(kind, profile, data, tmp / kind)]
+        names = list(AnchorIndex.FILES) + [kind for kind in (BIGRAMS, VOCAB) if _save_tables(kind, profile, data, tmp / kind)]
+        if profile.distilled_weights:
+            _save_distilled(profile, tmp / DISTILLED)
+            names.append(DISTILLED)
         data["files"] = {name: _sha256(tmp / name) for name in names}
         with open(tmp / "profile.json", "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
@@ -251,6 +267,41 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     profile.path = out
+    return out
+
+
+def _save_distilled(profile: Profile, path: Path) -> None:
+    """Every distilled drafter's tensors in one safetensors file, keyed ``KIND/NAME``."""
+    from safetensors.torch import save_file
+
+    missing = set(profile.distilled) ^ set(profile.distilled_weights)
+    if missing:
+        raise ValueError(f"distilled drafters without weights or without a record: {sorted(missing)}")
+    flat = {f"{kind}/{name}": t.detach().to("cpu").contiguous()
+            for kind, state in profile.distilled_weights.items() for name, t in state.items()}
+    save_file(flat, str(path))
+
+
+def _load_distilled(path: Path, kinds) -> dict:
+    from safetensors.torch import load_file
+
+    f = path / DISTILLED
+    if not kinds:
+        return {}
+    if not f.is_file():
+        raise ProfileError(f"{f}: missing from the profile")
+    try:
+        flat = load_file(str(f))
+    except Exception as exc:  # safetensors raises its own error types
+        raise ProfileError(f"{f}: unreadable ({type(exc).__name__}: {exc})") from None
+    out = {k: {} for k in kinds}
+    for key, t in flat.items():
+        kind, _, name = key.partition("/")
+        if kind in out:
+            out[kind][name] = t
+    empty = [k for k, v in out.items() if not v]
+    if empty:
+        raise ProfileError(f"{f}: holds no weights for the distilled {', '.join(empty)} drafter")
     return out
 
 
@@ -353,6 +404,8 @@ def load_profile(path: str | Path) -> Profile:
         glob = replace(glob, bigram=bigrams.get(None), draft_vocab=vocab.get(None))
         costs = CostModel.from_dict(data["cost_model"])
         settings = dict(data.get("settings", {}))
+        distilled = dict(data.get("distilled", {}))
+        weights = _load_distilled(path, list(distilled))
     except ProfileError:
         raise
     except (KeyError, TypeError, ValueError, SkipSetError) as exc:
@@ -362,4 +415,4 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{pj}: anchors labelled {sorted(missing)} have no domain entry")
     return Profile(model=model, settings=settings, cost_model=costs, domains=domains, global_set=glob,
                    index=index, created=str(data.get("created", "")), version=str(data.get("adaptive_version", "")),
-                   path=path)
+                   path=path, distilled=distilled, distilled_weights=weights)

@@ -54,6 +54,7 @@ def _other_model(tmp):
 CAL = ["calibrate", "--quick", "--prompts-per-domain", "3", "--trials", "2", "--dtype", "float32", "--quiet"]
 GEN = ["generate", "abc", "--dtype", "float32", "--max-new-tokens", "4", "--method", "ar"]
 SSD = ["generate", "abc", "--dtype", "float32", "--max-new-tokens", "4"]
+DIS = ["distill", "--dtype", "float32", "--quiet", "--steps", "2"]
 
 # id -> (argv builder (tmp, model_dir, tiny_profile) -> argv, expected text in the message)
 CASES = {
@@ -114,7 +115,44 @@ CASES = {
                                               *_touch_data(t)], "unknown method"),
     "bench-method-needs-profile": (lambda t, m, p: ["bench", "--data", str(t / "math.jsonl"), "--model", m,
                                                     "--methods", "ar,cascade", *_touch_data(t)], "need --profile"),
+    "bench-no-distilled-drafter": (lambda t, m, p: ["bench", "--data", str(t / "math.jsonl"), "--model", m, "--profile",
+                                                    str(p), "--methods", "ar,early-exit", *_touch_data(t)],
+                                   "no distilled early-exit drafter"),
+    "generate-no-distilled-drafter": (lambda t, m, p: [*SSD, "--model", m, "--profile", str(p), "--method", "early-exit"],
+                                      "no distilled early-exit drafter"),
+    "distill-profile-missing": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(t / "nope")], "no such profile"),
+    "distill-profile-other-model": (lambda t, m, p: [*DIS, "--model", _other_model(t), "--profile", str(p)],
+                                    "calibrated for"),
+    "distill-data-missing": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(p), "--data", "/nonexistent/a.jsonl"],
+                             "no such file"),
+    "distill-too-few-prompts": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(p), "--data",
+                                                 str(_one_prompt(t))], "needs at least 2"),
+    "distill-drafter-skip": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(p), "--drafter", "skip"],
+                             "not built"),
+    "distill-drafter-other-tokenizer": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(p), "--drafter",
+                                                         _other_vocab_model(t)], "share the target's tokenizer"),
+    "distill-exit-layer-too-large": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(p), "--exit-layer", "4"],
+                                     "leaves no layer to skip"),
+    "distill-steps-negative": (lambda t, m, p: ["distill", "--model", m, "--profile", str(p), "--steps", "-1"],
+                               "steps must be"),
+    "distill-jsd-beta-out-of-range": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(p), "--divergence", "jsd",
+                                                       "--jsd-beta", "1.5"], "--jsd-beta"),
 }
+
+
+def _one_prompt(t):
+    f = t / "one.jsonl"
+    f.write_text(json.dumps({"prompt": "only one"}) + "\n")
+    return f
+
+
+def _other_vocab_model(t):
+    from tests.conftest import char_tokenizer, tiny_model
+
+    d = t / "other-vocab"
+    tiny_model("llama", n_layers=2, vocab=60).save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
+    return str(d)
 
 
 def _user_dir(t):

@@ -15,7 +15,8 @@ from adaptive.bench.report import summarize
 from adaptive.errors import ConfigError
 
 METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed", "knn-ssd-full-vocab",
-           "knn-skip", "knn-skip-full-vocab", "cascade", "cascade-fixed")
+           "knn-skip", "knn-skip-full-vocab", "cascade", "cascade-fixed", "early-exit", "early-exit-fixed",
+           "draft-model")
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN  # noqa: E402
 NEEDS_PROFILE = METHODS[5:]
 DESCRIPTIONS = {
@@ -35,6 +36,11 @@ DESCRIPTIONS = {
     "cascade": "the runtime's cascade: KNN routing to the domain's cascade (prompt lookup and its bigram table, "
                "under and after the domain's layer-skip drafter), split and draft length by a two-level Thompson sampler",
     "cascade-fixed": "the runtime's cascade with calibration's split and draft length instead of the sampler",
+    "early-exit": "the early-exit drafter `adaptive distill` stored in the profile (first N layers and a trained exit "
+                  "block), draft length by the routed domain's Thompson sampler (EESD)",
+    "early-exit-fixed": "early-exit with the draft length its distilled acceptance and cost give, no sampler",
+    "draft-model": "the separate draft model `adaptive distill` fine-tuned and stored in the profile, Thompson-sampled "
+                   "draft length",
 }
 
 
@@ -95,11 +101,11 @@ class _Methods:
         if profile is not None:
             from adaptive.runtime import AdaptiveRuntime
 
-            if {"knn-ssd", "cascade", "knn-skip"} & set(methods):
+            if {"knn-ssd", "cascade", "knn-skip", "early-exit", "draft-model"} & set(methods):
                 self.runtime = AdaptiveRuntime(profile, lm, bandit=True, seed=0)
             if {"knn-ssd-full-vocab", "knn-skip-full-vocab"} & set(methods):
                 self.full_vocab = AdaptiveRuntime(profile, lm, bandit=True, seed=0, reduced_vocab=False)
-            if {"knn-ssd-fixed", "ssd-static", "cascade-fixed"} & set(methods):
+            if {"knn-ssd-fixed", "ssd-static", "cascade-fixed", "early-exit-fixed"} & set(methods):
                 self.fixed = AdaptiveRuntime(profile, lm, bandit=False)
 
     def ids(self, messages) -> list[int]:
@@ -132,6 +138,10 @@ class _Methods:
             return _from_result(self.full_vocab.generate(messages, max_new_tokens=n, method=method[:-len("-full-vocab")]))
         if method == "cascade-fixed":
             return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="cascade"))
+        if method in ("early-exit", "draft-model"):
+            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method=method))
+        if method == "early-exit-fixed":
+            return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="early-exit"))
         raise ConfigError(f"unknown method {method!r}")
 
     @torch.inference_mode()

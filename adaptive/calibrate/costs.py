@@ -175,3 +175,21 @@ def measure_head_costs(backbone, skip_masks, sizes, context: int = 128, repeats:
         step(None, None)()
     full = _time(step(None, None), repeats, sync)
     return {v: round(_time(step(skip_masks, h), repeats, sync) / full, 4) for v, h in heads.items()}
+
+
+@torch.inference_mode()
+def measure_draft_cost(backbone, draft_step, context: int = 128, repeats: int = 15) -> float:
+    """Cost of one token of any drafter relative to a full one-token step of ``backbone``.
+
+    ``draft_step(token, position, cache)`` runs the drafter on one token (``[1]``) at ``position``
+    after ``context`` positions of random ids in ``cache`` (a drafter with a cache of its own uses
+    that instead).
+    """
+    sync, context, ids, cache = _timing_setup(backbone, context, 1)
+    one = ids[context:context + 1]
+    full_step = lambda: backbone.forward(one, cache, context, logits="last")  # noqa: E731
+    for _ in range(3):
+        full_step()
+        draft_step(one, context, cache)
+    full = _time(full_step, repeats, sync)
+    return round(_time(lambda: draft_step(one, context, cache), repeats, sync) / full, 4)

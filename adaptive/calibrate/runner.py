@@ -194,8 +194,9 @@ def _append_line(path: Path, rec: dict) -> None:
 class WorkDir:
     """``OUT.work/``: checkpoints of one calibration, guarded by a lock file."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, what: str = "calibration"):
         self.path = Path(str(out) + ".work")
+        self.what = what
 
     def file(self, kind: str, name: str | None = None, ext: str = "json") -> Path:
         return self.path / (f"{kind}-{slug(name)}.{ext}" if name is not None else f"{kind}.{ext}")
@@ -219,7 +220,8 @@ class WorkDir:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise CalibrationError(
-                f"another calibration ({holder}) is writing {self.path}; wait for it or choose another --out") from None
+                f"another {self.what} ({holder}) is writing {self.path}; wait for it"
+                + (" or choose another --out" if self.what == "calibration" else "")) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
         os.fsync(fd)

@@ -47,6 +47,9 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
         raise click.UsageError(f"method(s) {', '.join(needs)} need --profile DIR (from adaptive calibrate)")
     prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
     profile = load_profile(profile_dir) if profile_dir else None
+    for m in method_list:  # before the model loads: a missing distilled drafter is a one-line error
+        if m in ("early-exit", "early-exit-fixed", "draft-model"):
+            profile.distilled_drafter("draft-model" if m == "draft-model" else "early-exit")
     spec = model_spec
     if profile is not None:
         spec, dtype = profile_model(profile, model_spec, dtype)

@@ -110,6 +110,12 @@ def profile_show(directory, as_json):
     click.echo("\nskip sets:")
     for r in p.summary_rows():
         click.echo(f"  {r['domain']}: {r['skip']}")
+    for kind, meta in sorted(p.distilled.items()):
+        b, a, c = meta["before"], meta["after"], meta["config"]
+        what = f"exit after layer {meta['exit_layer']}" if kind == "early-exit" else f"model {meta.get('name')}"
+        click.echo(f"\ndistilled {kind} ({what}; {c['divergence']}, {c['data_source']}, {c['steps']} steps): held-out "
+                   f"greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, sampling acceptance "
+                   f"{b['sampling']:.3f} -> {a['sampling']:.3f}, draft cost {meta['draft_cost']:.2f} of a step")
 
 
 @click.command("route")

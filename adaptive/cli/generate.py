@@ -12,11 +12,13 @@ from adaptive.cli.common import device_option, dtype_option, echo_json, json_opt
 @model_option
 @click.option("--profile", "profile_dir", type=click.Path(), default=None,
               help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
-@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "cascade", "knn-ssd", "knn-skip", "ssd-static"]),
+@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "cascade", "knn-ssd", "knn-skip", "early-exit",
+                                            "draft-model", "ssd-static"]),
               default=None,
               help="ar: plain; ssd: self-speculative with the given skip set; pld: prompt lookup; cascade: prompt lookup "
                    "under one layer-skip position (with a skip set) or alone; with --profile: knn-ssd (routed, the "
-                   "default), cascade (the domain's cascade and bigram table), knn-skip (the domain's skip set, always) "
+                   "default), cascade (the domain's cascade and bigram table), knn-skip (the domain's skip set, always), "
+                   "early-exit / draft-model (the drafter `adaptive distill` stored in the profile) "
                    "or ssd-static (the profile's global skip set).  [default: ssd, or knn-ssd with --profile]")
 @click.option("--full-vocab", is_flag=True,
               help="With --profile: draft with the full LM head even where the domain has a reduced draft vocabulary.")
@@ -51,7 +53,7 @@ def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, d
                                 bool(skip_attn or skip_mlp), full_vocab)
     if full_vocab:
         raise click.UsageError("--full-vocab needs --profile (without one the full head is always used)")
-    if method in ("knn-ssd", "knn-skip", "ssd-static"):
+    if method in ("knn-ssd", "knn-skip", "ssd-static", "early-exit", "draft-model"):
         raise click.UsageError(f"--method {method} needs --profile")
     if method == "ssd" and not skip:
         raise click.UsageError("--method ssd needs a skip set: give --skip-attn and/or --skip-mlp")
@@ -75,7 +77,7 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
 
     if method in ("ssd", "pld") or has_skip:
         raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, cascade, "
-                               "knn-skip, ssd-static or ar")
+                               "knn-skip, early-exit, draft-model, ssd-static or ar")
     if raw:
         raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")
     click.echo(f"loading profile {profile_dir} ...", err=True)
@@ -93,6 +95,8 @@ def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, d
     click.echo(f"[{method}] {where}, decoded with {result.decision}"
                + (f" (skip {result.skip}, draft lengths {dict(sorted(result.draft_lengths.items()))})"
                   if result.decision in ("ssd", "cascade") and result.skip else "")
+               + (f" (draft lengths {dict(sorted(result.draft_lengths.items()))})"
+                  if result.decision in ("early-exit", "draft-model") else "")
                + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}", err=True)
 
 

@@ -10,6 +10,7 @@ from adaptive.cli.bench import bench_cmd
 from adaptive.cli.calibrate import calibrate_cmd, profile_group, route_cmd
 from adaptive.cli.generate import generate_cmd
 from adaptive.cli.demo import demo_cmd
+from adaptive.cli.distill import distill_cmd
 from adaptive.errors import AdaptiveError
 
 
@@ -25,6 +26,7 @@ cli.add_command(calibrate_cmd)
 cli.add_command(profile_group)
 cli.add_command(route_cmd)
 cli.add_command(bench_cmd)
+cli.add_command(distill_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ class LayerSkipDrafter(Drafter):
     """
 
     name = "layer-skip"
+    adapter = None  # a module applied before the final norm (the early-exit drafter's exit block)
 
     def __init__(self, skip: SkipSet, n_layers: int, head: DraftHead | None = None):
         self.skip = skip.validate_for(n_layers)
@@ -34,7 +35,8 @@ class LayerSkipDrafter(Drafter):
         threshold = cfg.confidence_threshold
         for j in range(max_len):
             logits = bb.forward(token, state.cache, pos + j, skip_masks=self.masks, logits="last",
-                                head=None if self.head is None else self.head.weight).logits[0]
+                                head=None if self.head is None else self.head.weight,
+                                adapter=self.adapter).logits[0]
             if self.head is not None:
                 logits = self.head.expand_logits(logits)
             if cfg.greedy:

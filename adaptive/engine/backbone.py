@@ -66,6 +66,7 @@ class ForwardOutput:
 
     logits: torch.Tensor | None
     pooled: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # [T, hidden]: the residual stream before the adapter and final norm
 
 
 class Backbone:
@@ -148,6 +149,8 @@ class Backbone:
         pool: bool = False,
         head: torch.Tensor | None = None,
         read_only: bool = False,
+        adapter=None,
+        hidden: bool = False,
     ) -> ForwardOutput:
         """Run tokens ``input_ids`` (``[T]`` or ``[1, T]``) at positions ``start .. start+T-1``.
 
@@ -158,6 +161,9 @@ class Backbone:
         Does not change ``cache.length``: the caller owns acceptance and rollback.
         ``read_only=True`` writes nothing: every query attends to the keys already in the cache at
         ``0 .. its own position`` (the calibrator scores drafts against full-model keys this way).
+        ``adapter`` (a module ``[1, T, hidden] -> [1, T, hidden]``, e.g. an early-exit block) is applied
+        to the residual stream before the final norm. ``hidden=True`` also returns that residual stream
+        as it was before the adapter (``ForwardOutput.hidden``, ``[T, hidden]``; distillation data).
         """
         ids = input_ids.reshape(1, -1)
         T = ids.shape[1]
@@ -179,14 +185,17 @@ class Backbone:
                                         read_only)
             if not skip_mlp[i]:
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+        residual = h[0] if hidden else None
+        if adapter is not None:
+            h = adapter(h)
         h = self.norm(h)
         pooled = h[0].float().mean(dim=0) if pool else None
         if logits == "none":
-            return ForwardOutput(None, pooled)
+            return ForwardOutput(None, pooled, residual)
         hs = h[0, -1:] if logits == "last" else h[0]
         weight = self.lm_head.weight if head is None else head
         out = F.linear(hs, weight, self.lm_head.bias if head is None else None)
-        return ForwardOutput(out.float(), pooled)
+        return ForwardOutput(out.float(), pooled, residual)
 
     def _attention(self, attn, x, cache: KVCache, i: int, start: int, end: int, cos, sin, mask, read_only=False):
         T = x.shape[1]
@@ -206,6 +215,22 @@ class Backbone:
             q, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+
+    @property
+    def norm_eps(self) -> float:
+        """The final RMSNorm's epsilon (for the functional norm distillation trains through)."""
+        return float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6)))
+
+    def mlp_weights(self, i: int) -> dict:
+        """Layer ``i``'s pre-MLP norm and gated MLP weights (``norm [H]``, ``gate``/``up [I, H]``,
+        ``down [H, I]``) and activation name: what an early-exit block is initialised from."""
+        layer = self.layers[i]
+        mlp = layer.mlp
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not hasattr(mlp, name):
+                raise UnsupportedModelError(f"decoder layer {i}'s MLP has no {name}: not a gated MLP")
+        return {"norm": layer.post_attention_layernorm.weight, "gate": mlp.gate_proj.weight, "up": mlp.up_proj.weight,
+                "down": mlp.down_proj.weight, "act": str(getattr(self.config, "hidden_act", "silu"))}
 
     @torch.inference_mode()
     def sublayer_influence(self, input_ids: torch.Tensor, from_position: int = 0) -> torch.Tensor:

@@ -7,7 +7,9 @@ from calibration applies (``ssd`` with its skip set, ``pld`` prompt lookup, or `
 whichever measured fastest where it beat plain decoding by the margin; ``ar`` otherwise); the
 domain's Thompson-sampling bandit picks each step's draft length. Method ``cascade`` drafts every
 request with its domain's cascade (the bigram-backed statistical drafter under and after the
-domain's skip set), its split and draft length chosen by a two-level Thompson sampler.
+domain's skip set), its split and draft length chosen by a two-level Thompson sampler. Methods
+``early-exit`` and ``draft-model`` draft every request with the drafter ``adaptive distill``
+stored in the profile, the draft length chosen by the routed domain's Thompson sampler (EESD).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from adaptive.engine.loop import Plan
 from adaptive.errors import ConfigError
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.index.router import Decision, decide
-from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
+from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength, best_length
 
-METHODS = ("knn-ssd", "cascade", "knn-skip", "ssd-static", "ar")
+METHODS = ("knn-ssd", "cascade", "knn-skip", "early-exit", "draft-model", "ssd-static", "ar")
+DISTILLED_METHODS = ("early-exit", "draft-model")  # drafters trained by `adaptive distill`, stored in the profile
 
 
 @dataclass
@@ -57,7 +60,8 @@ class RuntimeResult(GenerationResult):
 
     @property
     def decision(self) -> str:
-        """What decoded the request: ``ssd`` (layer-skip drafting), ``pld`` (prompt lookup), ``cascade`` or ``ar``."""
+        """What decoded the request: ``ssd`` (layer-skip drafting), ``pld`` (prompt lookup), ``cascade``,
+        ``early-exit``, ``draft-model`` or ``ar``."""
         return self.info.get("decision", "ar")
 
     @property
@@ -78,7 +82,8 @@ class AdaptiveRuntime:
     ``method``: ``"knn-ssd"`` (routed: the profile's per-domain decision), ``"cascade"`` (routed: the
     domain's cascade drafter), ``"knn-skip"`` (routed: always the domain's skip set, KNN-SSD as
     published), ``"ssd-static"`` (the global skip set for every request, the Self-SD baseline), or
-    ``"ar"``. ``bandit=False`` drafts the fixed draft length calibration found instead of Thompson
+    ``"ar"``; ``"early-exit"`` and ``"draft-model"`` (routed: the distilled drafter of that kind, a
+    Thompson sampler per domain for its draft length). ``bandit=False`` drafts the fixed draft length calibration found instead of Thompson
     sampling. ``reduced_vocab=False`` keeps the full LM head for layer-skip drafts in every domain
     (by default a domain drafts over its reduced vocabulary where calibration measured that faster).
     """
@@ -188,6 +193,48 @@ class AdaptiveRuntime:
                                  seed=None if self._seed is None else self._seed + len(self._bandits))
         return drafter, policy
 
+    def _distilled(self, kind: str):
+        """The profile's distilled drafter of ``kind``, built once (caller holds ``_state_lock``)."""
+        if kind not in self._drafters:
+            from adaptive.profile import ProfileError
+
+            meta, weights = self.profile.distilled_drafter(kind)
+            fp = self.lm.fingerprint()
+            if any(str(meta.get("model", {}).get(k)) != str(fp.get(k)) for k in ("config_hash", "weights_hash")):
+                raise ProfileError(f"the distilled {kind} drafter was trained for another model "
+                                   f"({meta.get('model', {}).get('name')!r}); distill it again for this one")
+            bb = self.lm.backbone
+            try:
+                if kind == "early-exit":
+                    from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
+
+                    drafter = EarlyExitDrafter(int(meta["exit_layer"]), self.lm.n_layers,
+                                               ExitBlock.from_state(meta["block"], weights),
+                                               dtype=bb.dtype, device=bb.device)
+                else:
+                    from adaptive.drafters.model import ModelDrafter, build_draft_model
+
+                    drafter = ModelDrafter(build_draft_model(meta["model_config"], weights, bb.device, bb.dtype),
+                                           label=str(meta.get("name", "draft-model")))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProfileError(f"the distilled {kind} drafter in the profile is malformed "
+                                   f"({type(exc).__name__}: {exc})") from None
+            self._drafters[kind] = drafter
+        return self._drafters[kind]
+
+    def _distilled_policy(self, key: str, dp, kind: str):
+        meta = self.profile.distilled[kind]
+        a = float(meta.get("after", {}).get("greedy", 0.5))
+        cost = float(meta.get("draft_cost", 0.5))
+        verify = self._verify(dp, self.max_draft_len)
+        if not self.bandit:
+            return FixedDraftLength(max(1, best_length(a, cost, verify, self.max_draft_len)))
+        if key not in self._bandits:
+            self._bandits[key] = ThompsonDraftLength(
+                cost, verify, self.max_draft_len, _prior(a), window=self._window,
+                seed=None if self._seed is None else self._seed + len(self._bandits))
+        return self._bandits[key]
+
     def _head(self, dp, prompt_ids: list[int]) -> DraftHead | None:
         """The domain's reduced draft head joined with the request's prompt tokens, or ``None``."""
         if not (self.reduced_vocab and dp.reduced_vocab and dp.draft_vocab is not None):
@@ -205,7 +252,7 @@ class AdaptiveRuntime:
             d = decide(self.profile, pooled_to_numpy(pooled))
             if method == "ssd-static":
                 dp, use = self.profile.global_set, "ssd"
-            elif method in ("ar", "cascade"):
+            elif method in ("ar", "cascade", *DISTILLED_METHODS):
                 dp, use = self.profile.domain(d.route.domain), method
             elif method == "knn-skip":
                 dp = self.profile.domain(d.route.domain)
@@ -218,7 +265,10 @@ class AdaptiveRuntime:
             key = f"{method}:{dp.name}"
             head = self._head(dp, prompt_ids) if use in ("ssd", "cascade") else None
             with self._state_lock:
-                if use == "cascade":
+                if use in DISTILLED_METHODS:
+                    drafter, policy = self._distilled(use), self._distilled_policy(key, dp, use)
+                    fixed_len = None if self.bandit else policy.k
+                elif use == "cascade":
                     if key not in self._drafters:
                         self._drafters[key], self._cascade_policies[key] = self._cascade(dp)
                         if self.bandit:
@@ -264,7 +314,7 @@ class AdaptiveRuntime:
             for item in self.engine.stream(ids, cfg, plan=self._plan(method, ids)):
                 if isinstance(item, GenerationResult):
                     info = dict(item.info)
-                    if self.bandit and info.get("decision") in ("ssd", "pld", "cascade"):
+                    if self.bandit and info.get("decision") in ("ssd", "pld", "cascade", *DISTILLED_METHODS):
                         with self._state_lock:
                             bandit = self._bandits[f"{method}:{info['applied']}"]
                         info["bandit"] = bandit.state()

@@ -1,0 +1,103 @@
+"""``adaptive distill``: train a drafter towards the target (DistillSpec) and store it in a profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from adaptive.cli.common import device_option, dtype_option, echo_json, json_option, load, model_option, profile_model
+
+
+def _data(items) -> dict[str, list[str]]:
+    """``--data`` values: ``NAME=PATH`` or a bare ``PATH`` (the domain is the file's stem)."""
+    from adaptive.calibrate.sources import PromptFileError, load_domains, read_prompt_rows
+
+    if not items:
+        return load_domains(None)
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item).stem, item
+        name = name.strip()
+        if not name or not path.strip():
+            raise PromptFileError(f"--data takes PATH or NAME=PATH, got {item!r}")
+        if name in out:
+            raise PromptFileError(f"domain {name!r} is given twice in --data")
+        out[name] = [r["prompt"] for r in read_prompt_rows(path.strip())]
+    return out
+
+
+@click.command("distill")
+@model_option
+@click.option("--profile", "profile_dir", required=True, type=click.Path(),
+              help="The profile to train for; the drafter is stored in it (atomically).")
+@click.option("--drafter", default="early-exit", show_default=True, metavar="early-exit|MODEL",
+              help="early-exit: the first --exit-layer layers plus a trained exit block; or a separate draft model "
+                   "(a spec as for --model) sharing the target's tokenizer, fine-tuned whole.")
+@click.option("--exit-layer", type=int, default=None, help="Layers the early-exit drafter runs [half the model's].")
+@click.option("--data", "data", multiple=True, metavar="[NAME=]PATH",
+              help="Prompts to train on, one domain per file (JSONL or .txt); repeatable. Default: the built-in domains.")
+@click.option("--divergence", type=click.Choice(["fkl", "rkl", "jsd", "tvd"]), default="fkl", show_default=True,
+              help="Token-level loss between p (target) and q (drafter); tvd bounds acceptance directly.")
+@click.option("--jsd-beta", type=float, default=0.5, show_default=True, help="beta of the generalised JSD.")
+@click.option("--data-source", type=click.Choice(["fixed", "teacher", "on-policy", "mixed"]), default="on-policy",
+              show_default=True,
+              help="fixed: the prompt text; teacher: the target's greedy continuations; on-policy: the drafter's own "
+                   "samples, scored by the target; mixed: half and half.")
+@click.option("--steps", type=int, default=300, show_default=True, help="Optimiser steps (0: store the untrained drafter).")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="AdamW learning rate.")
+@click.option("--batch-size", type=int, default=64, show_default=True,
+              help="Token positions per step (early-exit) or sequences per step (draft model).")
+@click.option("--new-tokens", type=int, default=48, show_default=True, help="Tokens generated per prompt for the data.")
+@click.option("--prompts-per-domain", type=int, default=16, show_default=True,
+              help="First N prompts of each domain; the last quarter of them is held out for evaluation.")
+@click.option("--refresh-every", type=int, default=100, show_default=True,
+              help="Steps between resamplings of on-policy data from the drafter being trained.")
+@click.option("--eval-every", type=int, default=25, show_default=True, help="Steps between held-out evaluations.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Where to save the loss and acceptance curves (PNG) [PROFILE.KIND-distill.png].")
+@click.option("--resume", is_flag=True, help="Continue an interrupted distillation from its last checkpoint.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@dtype_option
+@device_option
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@json_option
+def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, jsd_beta, data_source, steps, lr,
+                batch_size, new_tokens, prompts_per_domain, refresh_every, eval_every, plot, resume, seed, dtype,
+                device, quiet, as_json):
+    """Distill a drafter for the profile's model and store it in the profile."""
+    from adaptive.distill.trainer import DistillConfig, distill
+    from adaptive.profile import load_profile
+
+    if drafter == "skip":
+        raise click.UsageError("adapters for the layer-skip drafter are not built: use --drafter early-exit or a "
+                               "draft model")
+    if exit_layer is not None and drafter != "early-exit":
+        raise click.UsageError("--exit-layer is for --drafter early-exit")
+    cfg = DistillConfig(divergence=divergence, jsd_beta=jsd_beta, data_source=data_source, steps=steps, lr=lr,
+                        batch_size=batch_size, exit_layer=exit_layer, new_tokens=new_tokens,
+                        prompts_per_domain=prompts_per_domain, refresh_every=refresh_every, eval_every=eval_every,
+                        checkpoint_every=min(eval_every, 25), seed=seed)
+    domains = _data(data)
+    profile = load_profile(profile_dir)
+    spec, dt = profile_model(profile, model_spec, dtype)
+    lm = load(spec, device, dt)
+    profile.check_model(lm.fingerprint())
+    draft_lm = None
+    if drafter != "early-exit":
+        draft_lm = load(drafter, device, "float32")
+    log = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
+    r = distill(lm, profile_dir, domains, cfg, draft_lm=draft_lm, resume=resume, progress=not quiet and not as_json,
+                plot=plot, log=log)
+    if as_json:
+        echo_json(r.to_dict())
+        return
+    b, a = r.meta["before"], r.meta["after"]
+    click.echo(f"{r.kind} ({cfg.divergence}, {cfg.data_source}, {cfg.steps} steps, {r.meta['train_seconds']:.0f} s of "
+               f"training, {r.meta['seconds']:.0f} s in all)")
+    click.echo(f"  held-out greedy agreement   {b['greedy']:.3f} -> {a['greedy']:.3f}")
+    click.echo(f"  held-out sampling acceptance {b['sampling']:.3f} -> {a['sampling']:.3f}")
+    click.echo(f"  draft cost per token: {r.meta['draft_cost']:.2f} of a full step")
+    click.echo(f"stored in {r.profile}" + (f"; curves: {r.plot}" if r.plot else "; no curves (matplotlib missing)"))

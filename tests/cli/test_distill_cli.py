@@ -1,0 +1,66 @@
+"""``adaptive distill`` end to end on the tiny model, then the trained drafter through generate and bench."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.cli.test_bench_cli import data_file  # noqa: F401  (fixture)
+from tests.cli.test_generate_cli import run, run_ok
+from tests.conftest import TINY_DOMAINS
+
+
+@pytest.fixture
+def files(tmp_path):
+    out = []
+    for name, prompts in TINY_DOMAINS.items():
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        out.append(f)
+    return out
+
+
+def test_distill_then_generate_and_bench(capsys, tiny_model_dir, tiny_profile, files, data_file, tmp_path):  # noqa: F811
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    png = tmp_path / "curve.png"
+    out, err = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--exit-layer", "2",
+                      "--data", str(files[0]), "--data", f"chat={files[1]}", "--data", str(files[2]),
+                      "--divergence", "tvd", "--data-source", "teacher", "--steps", "12", "--eval-every", "6",
+                      "--new-tokens", "8", "--lr", "3e-3", "--plot", str(png), "--dtype", "float32", "--json")
+    obj = json.loads(out)
+    assert obj["kind"] == "early-exit" and obj["exit_layer"] == 2 and obj["domains"] == ["chat", "code", "math"]
+    assert obj["config"]["divergence"] == "tvd" and obj["after"]["step"] == 12
+    assert png.read_bytes()[:4] == b"\x89PNG" and obj["plot"] == str(png)
+    shown, _ = run_ok(capsys, "profile", "show", str(prof), "--json")
+    assert "early-exit" in json.loads(shown)["distilled"]
+
+    gen = ["generate", "what is 2 plus 5? answer:", "--model", str(tiny_model_dir), "--profile", str(prof),
+           "--max-new-tokens", "12", "--dtype", "float32", "--json"]
+    ee, _ = run_ok(capsys, *gen, "--method", "early-exit")
+    ar, _ = run_ok(capsys, *gen, "--method", "ar")
+    assert json.loads(ee)["token_ids"] == json.loads(ar)["token_ids"]
+    assert json.loads(ee)["decision"] == "early-exit"
+
+    report = tmp_path / "report.json"
+    run_ok(capsys, "bench", "--data", str(data_file), "--profile", str(prof), "--model", str(tiny_model_dir),
+           "--methods", "ar,early-exit,early-exit-fixed", "--max-new-tokens", "10", "--dtype", "float32",
+           "--out", str(report), "--quiet")
+    res = json.loads(report.read_text())["results"]
+    assert res["early-exit"]["identical_to_ar"] and res["early-exit-fixed"]["identical_to_ar"]
+    assert res["early-exit-fixed"]["acceptance_rate"] > 0
+
+
+def test_distill_human_output_and_resume_message(capsys, tiny_model_dir, tiny_profile, files, tmp_path):
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    data = [x for f in files for x in ("--data", str(f))]
+    out, err = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--steps", "3",
+                      "--new-tokens", "6", "--dtype", "float32", "--quiet", *data)
+    assert "held-out greedy agreement" in out and "stored in" in out
+    assert (tmp_path / "prof.early-exit-distill.png").exists()
+    (tmp_path / "prof.distill-early-exit.work").mkdir()
+    (tmp_path / "prof.distill-early-exit.work" / "state.json").write_text("{}")
+    code, _, err = run(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--steps", "3",
+                       "--dtype", "float32", "--quiet", *data)
+    assert code == 1 and "pass --resume" in err.strip().splitlines()[-1]
