@@ -258,11 +258,15 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
             teacher = [TrainSequence.from_list(x) for x in cached["teacher"]]
             held = [TrainSequence.from_list(x) for x in cached["eval"]]
         else:
-            log(f"generating the target's continuations of {len(train_p) + len(eval_p)} prompts ...")
+            log("generating the target's continuations of the prompts ...")
             held = [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p)) for _, p in eval_p]
-            teacher = ([TrainSequence(tuple(p), 1) for _, p in train_p if len(p) > 1] if cfg.data_source == "fixed"
-                       else [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p))
-                             for _, p in train_p])
+            if cfg.steps == 0 or cfg.data_source == "on-policy":
+                teacher = []  # not trained on
+            elif cfg.data_source == "fixed":
+                teacher = [TrainSequence(tuple(p), 1) for _, p in train_p if len(p) > 1]
+            else:
+                teacher = [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p))
+                           for _, p in train_p]
             _write_json(seq_path, {"teacher": [s.to_list() for s in teacher], "eval": [s.to_list() for s in held]})
         head = TargetHead(bb)
         eval_ds = Dataset.build(bb, held, student)
@@ -296,11 +300,11 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
             return [TrainSequence(tuple(p + student.sample(p, cfg.new_tokens, g, cfg.temperature, eos)), len(p))
                     for _, p in train_p]
 
-        needs_onpolicy = cfg.data_source in ("on-policy", "mixed")
+        needs_onpolicy = cfg.data_source in ("on-policy", "mixed") and cfg.steps > 0
         if needs_onpolicy and onpolicy is None:
             onpolicy = sample_onpolicy(step // cfg.refresh_every)
-        ds = Dataset.build(bb, train_set(onpolicy), student)
-        log(f"{kind}: {ds.rows} training positions ({cfg.data_source}), {eval_ds.rows} held-out positions")
+        ds = Dataset.build(bb, train_set(onpolicy), student) if cfg.steps > 0 else None
+        log(f"{kind}: {ds.rows if ds else 0} training positions ({cfg.data_source}), {eval_ds.rows} held-out positions")
         bar = None
         if progress:
             from tqdm import tqdm
@@ -341,7 +345,7 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
 
         evals = [h for h in history if "greedy" in h]
         meta = {"kind": kind, **student.meta(), "config": cfg.to_dict(), "before": evals[0], "after": evals[-1],
-                "train_positions": ds.rows, "eval_positions": eval_ds.rows, "train_prompts": len(train_p),
+                "train_positions": ds.rows if ds else 0, "eval_positions": eval_ds.rows, "train_prompts": len(train_p),
                 "eval_prompts": len(eval_p), "domains": sorted(domains), "train_seconds": round(elapsed, 1),
                 "seconds": round(time.perf_counter() - t_start, 1), "model": lm.fingerprint(),
                 "draft_cost": _draft_cost(lm, student), "history": history,

@@ -34,6 +34,8 @@ def test_distill_then_generate_and_bench(capsys, tiny_model_dir, tiny_profile, f
     assert png.read_bytes()[:4] == b"\x89PNG" and obj["plot"] == str(png)
     shown, _ = run_ok(capsys, "profile", "show", str(prof), "--json")
     assert "early-exit" in json.loads(shown)["distilled"]
+    text, _ = run_ok(capsys, "profile", "show", str(prof))
+    assert "distilled early-exit (exit after layer 2; tvd, teacher, 12 steps)" in text
 
     gen = ["generate", "what is 2 plus 5? answer:", "--model", str(tiny_model_dir), "--profile", str(prof),
            "--max-new-tokens", "12", "--dtype", "float32", "--json"]
