@@ -42,7 +42,7 @@ def _data(items) -> dict[str, list[str]]:
 @click.option("--divergence", type=click.Choice(["fkl", "rkl", "jsd", "tvd"]), default="fkl", show_default=True,
               help="Token-level loss between p (target) and q (drafter); tvd bounds acceptance directly.")
 @click.option("--jsd-beta", type=float, default=0.5, show_default=True, help="beta of the generalised JSD.")
-@click.option("--data-source", type=click.Choice(["fixed", "teacher", "on-policy", "mixed"]), default="on-policy",
+@click.option("--data-source", type=click.Choice(["fixed", "teacher", "on-policy", "mixed"]), default="teacher",
               show_default=True,
               help="fixed: the prompt text; teacher: the target's greedy continuations; on-policy: the drafter's own "
                    "samples, scored by the target; mixed: half and half.")

@@ -50,7 +50,7 @@ class DistillConfig:
 
     divergence: str = "fkl"
     jsd_beta: float = 0.5
-    data_source: str = "on-policy"
+    data_source: str = "teacher"
     steps: int = 300
     lr: float = 1e-3
     batch_size: int = 64

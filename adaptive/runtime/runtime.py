@@ -83,8 +83,9 @@ class AdaptiveRuntime:
     domain's cascade drafter), ``"knn-skip"`` (routed: always the domain's skip set, KNN-SSD as
     published), ``"ssd-static"`` (the global skip set for every request, the Self-SD baseline), or
     ``"ar"``; ``"early-exit"`` and ``"draft-model"`` (routed: the distilled drafter of that kind, a
-    Thompson sampler per domain for its draft length). ``bandit=False`` drafts the fixed draft length calibration found instead of Thompson
-    sampling. ``reduced_vocab=False`` keeps the full LM head for layer-skip drafts in every domain
+    Thompson sampler per domain for its draft length). ``bandit=False`` drafts the fixed draft
+    length calibration found (for a distilled drafter: the one its measured acceptance and cost
+    give, at least 1) instead of Thompson sampling. ``reduced_vocab=False`` keeps the full LM head for layer-skip drafts in every domain
     (by default a domain drafts over its reduced vocabulary where calibration measured that faster).
     """
 

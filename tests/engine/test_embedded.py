@@ -63,3 +63,28 @@ def test_fp32_cascade_and_reduced_head_equal_plain(embedded_fp32):
         r = eng.generate(ids, cfg, plan=Plan(LayerSkipDrafter(SKIP, bb.n_layers, head)))
         assert c.token_ids == ar.token_ids and r.token_ids == ar.token_ids
         assert c.stats.accepted > 0 and r.stats.accepted > 0
+
+
+def test_fp32_early_exit_equals_plain(embedded_fp32):
+    """The early-exit drafter (20 of 30 layers and an exit block changed away from the identity):
+    token for token plain decoding in fp32."""
+    import torch
+
+    from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
+    from adaptive.engine.loop import Plan
+
+    eng = Engine(embedded_fp32)
+    bb = embedded_fp32.backbone
+    block = ExitBlock.from_backbone(bb, 20)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        block.down.weight.normal_(0, 0.01)
+    cfg = GenerationConfig(max_new_tokens=32, draft_len=3)
+    drafted = accepted = 0
+    for prompt in prompts():
+        ids = eng.encode(prompt)
+        ar = eng.generate(ids, cfg)
+        ee = eng.generate(ids, cfg, plan=Plan(EarlyExitDrafter(20, bb.n_layers, block)))
+        assert ee.token_ids == ar.token_ids, prompt
+        drafted, accepted = drafted + ee.stats.drafted, accepted + ee.stats.accepted
+    assert drafted > 0 and accepted > 0
