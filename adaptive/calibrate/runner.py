@@ -633,22 +633,27 @@ def check_domains(domains: dict[str, list[str]], settings: CalibrationSettings) 
     return out
 
 
+def check_room(encoded: dict[str, list[list[int]]], room: int, limit: int, what: str) -> None:
+    """Refuse (:class:`PromptTooLongError`, naming the domain and prompt) any encoded prompt that
+    leaves fewer than ``room`` positions in a context of ``limit`` for ``what`` to generate.
+    Prompts are not truncated: a cut prompt would tune for text nobody sends."""
+    for name, prompts in encoded.items():
+        for i, ids in enumerate(prompts, 1):
+            if len(ids) + room > limit:
+                raise PromptTooLongError(
+                    f"domain {name!r}, prompt {i}: {len(ids)} tokens, and {what} needs {room} more, but the "
+                    f"model's context is {limit}; shorten or remove that prompt")
+
+
 def check_prompt_lengths(lm, domains: dict[str, list[str]], settings: CalibrationSettings) -> None:
-    """Refuse (:class:`PromptTooLongError`, naming the domain and prompt) any prompt that, encoded as
-    calibration encodes it, leaves no room in the model's context for the continuation and the
-    timed decoding. Prompts are not truncated: a cut prompt would calibrate for text nobody sends."""
+    """:func:`check_room` for calibration: each prompt encoded as calibration encodes it, with room
+    for the continuation and the timed decoding."""
     from adaptive.engine.engine import Engine
 
     engine = Engine(lm)
     room = max(settings.continuation_tokens, settings.confirm_tokens) + settings.max_draft_len + 1
-    limit = lm.backbone.max_positions
-    for name, prompts in domains.items():
-        for i, prompt in enumerate(prompts, 1):
-            n = len(engine.encode(prompt, chat=settings.chat))
-            if n + room > limit:
-                raise PromptTooLongError(
-                    f"domain {name!r}, prompt {i}: {n} tokens, and calibration needs {room} more, but the model's "
-                    f"context is {limit}; shorten or remove that prompt")
+    encoded = {name: [engine.encode(p, chat=settings.chat) for p in prompts] for name, prompts in domains.items()}
+    check_room(encoded, room, lm.backbone.max_positions, "calibration")
 
 
 def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,

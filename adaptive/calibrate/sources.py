@@ -74,27 +74,35 @@ def read_prompt_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def parse_domain_args(items: list[str] | tuple[str, ...]) -> dict[str, Path]:
+def parse_domain_args(items: list[str] | tuple[str, ...], option: str = "--domains",
+                      bare: bool = False) -> dict[str, Path]:
     """``["code=a.jsonl", "maths=b.txt"]`` -> ``{"code": Path("a.jsonl"), "maths": Path("b.txt")}``.
 
-    Raises :class:`PromptFileError` for a missing ``=``, an empty or repeated name.
+    With ``bare=True`` a plain ``PATH`` is allowed too, named by the file's stem
+    (``"x/maths.jsonl"`` -> ``"maths"``). Raises :class:`PromptFileError` for a missing ``=`` (unless
+    ``bare``), an empty or repeated name; ``option`` names the option in the message.
     """
     out: dict[str, Path] = {}
     for item in items:
         name, sep, path = item.partition("=")
+        if not sep and bare:
+            name, path = Path(item).stem, item
         name = name.strip()
-        if not sep or not name or not path.strip():
-            raise PromptFileError(f"--domains takes NAME=PATH, got {item!r}")
+        if not (sep or bare) or not name or not path.strip():
+            raise PromptFileError(f"{option} takes {'[NAME=]PATH' if bare else 'NAME=PATH'}, got {item!r}")
         if name in out:
             raise PromptFileError(f"domain {name!r} is given twice")
         out[name] = Path(path.strip())
     return out
 
 
-def load_domains(items: list[str] | tuple[str, ...] | None = None) -> dict[str, list[str]]:
-    """Prompts per domain from ``NAME=PATH`` arguments, or the built-in sets when none are given."""
+def load_domains(items: list[str] | tuple[str, ...] | None = None, option: str = "--domains",
+                 bare: bool = False) -> dict[str, list[str]]:
+    """Prompts per domain from ``NAME=PATH`` arguments (see :func:`parse_domain_args`), or the
+    built-in sets when none are given."""
     if not items:
         from adaptive.calibrate.prompts import builtin_domains
 
         return builtin_domains()
-    return {name: [r["prompt"] for r in read_prompt_rows(path)] for name, path in parse_domain_args(items).items()}
+    return {name: [r["prompt"] for r in read_prompt_rows(path)]
+            for name, path in parse_domain_args(items, option, bare).items()}

@@ -2,31 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from adaptive.cli.common import device_option, dtype_option, echo_json, json_option, load, model_option, profile_model
-
-
-def _data(items) -> dict[str, list[str]]:
-    """``--data`` values: ``NAME=PATH`` or a bare ``PATH`` (the domain is the file's stem)."""
-    from adaptive.calibrate.sources import PromptFileError, load_domains, read_prompt_rows
-
-    if not items:
-        return load_domains(None)
-    out: dict[str, list[str]] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep:
-            name, path = Path(item).stem, item
-        name = name.strip()
-        if not name or not path.strip():
-            raise PromptFileError(f"--data takes PATH or NAME=PATH, got {item!r}")
-        if name in out:
-            raise PromptFileError(f"domain {name!r} is given twice in --data")
-        out[name] = [r["prompt"] for r in read_prompt_rows(path.strip())]
-    return out
 
 
 @click.command("distill")
@@ -68,6 +46,7 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                 batch_size, new_tokens, prompts_per_domain, refresh_every, eval_every, plot, resume, seed, dtype,
                 device, quiet, as_json):
     """Distill a drafter for the profile's model and store it in the profile."""
+    from adaptive.calibrate.sources import load_domains
     from adaptive.distill.trainer import DistillConfig, distill
     from adaptive.profile import load_profile
 
@@ -80,7 +59,7 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                         batch_size=batch_size, exit_layer=exit_layer, new_tokens=new_tokens,
                         prompts_per_domain=prompts_per_domain, refresh_every=refresh_every, eval_every=eval_every,
                         checkpoint_every=min(eval_every, 25), seed=seed)
-    domains = _data(data)
+    domains = load_domains(data, option="--data", bare=True)
     profile = load_profile(profile_dir)
     spec, dt = profile_model(profile, model_spec, dtype)
     lm = load(spec, device, dt)

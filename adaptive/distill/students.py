@@ -9,6 +9,7 @@ training batch); ``logq(ds, rows)`` (``[len(rows), V]`` log-probabilities, diffe
 
 from __future__ import annotations
 
+import bisect
 import copy
 from dataclasses import dataclass
 
@@ -86,10 +87,13 @@ class ExitStudent:
     def logq(self, ds: Dataset, rows: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.head.logits(self.block(ds.features[rows])), -1)
 
+    def inference_block(self) -> ExitBlock:
+        """A copy of the block in the model's dtype, as the drafter runs it."""
+        return copy.deepcopy(self.block).to(self.bb.dtype).eval()
+
     def sample(self, prompt: list[int], n: int, generator, temperature: float, eos) -> list[int]:
-        block = copy.deepcopy(self.block).to(self.bb.dtype).eval()
         return continue_ids(self.bb, prompt, n, temperature=temperature, generator=generator,
-                            skip_masks=self.masks, adapter=block, eos=eos)
+                            skip_masks=self.masks, adapter=self.inference_block(), eos=eos)
 
     def state(self) -> dict:
         return {k: v.detach().clone() for k, v in self.block.state_dict().items()}
@@ -124,8 +128,6 @@ class ModelStudent:
     def logq(self, ds: Dataset, rows: torch.Tensor) -> torch.Tensor:
         """Rows must cover whole sequences (as ``draw`` and evaluation give them)."""
         out, r, rows = [], 0, rows.tolist()
-        import bisect
-
         while r < len(rows):
             i = bisect.bisect_right(ds.offsets, rows[r]) - 1
             s = ds.seqs[i]

@@ -198,7 +198,7 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
     sharing the target's tokenizer) is fine-tuned as a separate draft model. ``on_step(step)`` is
     called after every optimiser step (tests interrupt a run with it).
     """
-    from adaptive.calibrate.runner import WorkDir, _write_json
+    from adaptive.calibrate.runner import WorkDir, _write_json, check_room
     from adaptive.engine.engine import Engine, eos_ids
     from adaptive.profile import load_profile, save_profile
 
@@ -224,11 +224,8 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
     chat = profile.settings.get("chat")
     encoded = {n: [engine.encode(p, chat=chat) for p in ps] for n, ps in domains.items()}
     train_p, eval_p = split_prompts(encoded, cfg.prompts_per_domain, cfg.held_out)
-    room = cfg.new_tokens + 1
-    for name, ids in train_p + eval_p:
-        if len(ids) + room > bb.max_positions:
-            raise ConfigError(f"a prompt of domain {name!r} has {len(ids)} tokens: no room for {cfg.new_tokens} "
-                              f"new tokens in the model's context of {bb.max_positions}")
+    used = {n: ids[: cfg.prompts_per_domain] for n, ids in encoded.items()}
+    check_room(used, cfg.new_tokens + 1, bb.max_positions, "distillation")
     eos = set(eos_ids(lm.model, lm.tokenizer))
 
     profile_dir = Path(profile_dir)
@@ -372,12 +369,10 @@ def _draft_cost(lm, student) -> float:
 
     bb = lm.backbone
     if isinstance(student, ExitStudent):
-        import copy
-
-        block = copy.deepcopy(student.block).to(bb.dtype).eval()
+        block = student.inference_block()
         return measure_draft_cost(bb, lambda one, pos, cache: bb.forward(one, cache, pos, skip_masks=student.masks,
                                                                          adapter=block))
-    dbb = student.lm.backbone
-    own = dbb.new_cache(256)
-    dbb.forward(torch.zeros(128, dtype=torch.long, device=dbb.device), own, 0, logits="none")
-    return measure_draft_cost(bb, lambda one, pos, cache: dbb.forward(one.to(dbb.device), own, 128))
+    dbb, context = student.lm.backbone, 128
+    own = dbb.new_cache(context + 1)  # the draft model's own cache, prefilled as the target's is
+    dbb.forward(torch.zeros(context, dtype=torch.long, device=dbb.device), own, 0, logits="none")
+    return measure_draft_cost(bb, lambda one, pos, cache: dbb.forward(one.to(dbb.device), own, pos), context=context)

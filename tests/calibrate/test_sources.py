@@ -74,3 +74,15 @@ def test_builtin_domains_are_complete():
     assert min(len(p.split()) for p in d["summarization"]) > 120
     assert all("Document 1" in p for p in d["rag"])
     assert load_domains(None) == d
+
+
+def test_bare_paths_are_named_by_their_stem(tmp_path):
+    from pathlib import Path
+
+    got = parse_domain_args(["x/maths.jsonl", "code=a.txt"], "--data", bare=True)
+    assert got == {"maths": Path("x/maths.jsonl"), "code": Path("a.txt")}
+    for bad in (["=x.jsonl"], ["code="]):
+        with pytest.raises(PromptFileError, match=r"--data takes \[NAME=\]PATH"):
+            parse_domain_args(bad, "--data", bare=True)
+    with pytest.raises(PromptFileError, match="given twice"):
+        parse_domain_args(["a/m.txt", "b/m.txt"], "--data", bare=True)  # the same stem twice

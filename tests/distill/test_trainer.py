@@ -135,6 +135,15 @@ def test_a_profile_for_another_model_is_refused(prof, tmp_path):
         distill(load_model(str(other), dtype="float32"), prof, TINY_DOMAINS, DistillConfig(**FAST), progress=False)
 
 
+def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_written(lm, prof):
+    from adaptive.errors import PromptTooLongError
+
+    domains = {**TINY_DOMAINS, "long": ["a" * 600, "b", "c"]}
+    with pytest.raises(PromptTooLongError, match="domain 'long', prompt 1: .* distillation needs 13 more"):
+        distill(lm, prof, domains, DistillConfig(**FAST), progress=False)
+    assert not (prof.parent / "prof.distill-early-exit.work").exists()
+
+
 def test_config_validation():
     for bad in (dict(divergence="kl"), dict(data_source="web"), dict(jsd_beta=0.0), dict(steps=-1),
                 dict(lr=0.0), dict(batch_size=0), dict(exit_layer=0)):
