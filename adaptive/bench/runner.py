@@ -19,6 +19,8 @@ METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd"
            "draft-model")
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN  # noqa: E402
 NEEDS_PROFILE = METHODS[5:]
+# bench methods that decode with a drafter `adaptive distill` stored in the profile -> its kind
+DISTILLED_KIND = {"early-exit": "early-exit", "early-exit-fixed": "early-exit", "draft-model": "draft-model"}
 DESCRIPTIONS = {
     "ar": "our loop, plain greedy decoding (the reference)",
     "hf": "transformers generate, greedy",
@@ -138,10 +140,9 @@ class _Methods:
             return _from_result(self.full_vocab.generate(messages, max_new_tokens=n, method=method[:-len("-full-vocab")]))
         if method == "cascade-fixed":
             return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="cascade"))
-        if method in ("early-exit", "draft-model"):
-            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method=method))
-        if method == "early-exit-fixed":
-            return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="early-exit"))
+        if method in DISTILLED_KIND:
+            rt = self.fixed if method.endswith("-fixed") else self.runtime
+            return _from_result(rt.generate(messages, max_new_tokens=n, method=DISTILLED_KIND[method]))
         raise ConfigError(f"unknown method {method!r}")
 
     @torch.inference_mode()

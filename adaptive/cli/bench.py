@@ -37,7 +37,7 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     """Measure speedup, acceptance and equality with ar per group, for each method."""
     from adaptive.bench.data import load_bench_prompts
     from adaptive.bench.report import markdown, plot
-    from adaptive.bench.runner import NEEDS_PROFILE, BenchSettings, parse_methods, run_bench
+    from adaptive.bench.runner import DISTILLED_KIND, NEEDS_PROFILE, BenchSettings, parse_methods, run_bench
     from adaptive.profile import load_profile
 
     method_list = parse_methods(methods)
@@ -48,8 +48,8 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
     profile = load_profile(profile_dir) if profile_dir else None
     for m in method_list:  # before the model loads: a missing distilled drafter is a one-line error
-        if m in ("early-exit", "early-exit-fixed", "draft-model"):
-            profile.distilled_drafter("draft-model" if m == "draft-model" else "early-exit")
+        if m in DISTILLED_KIND:
+            profile.distilled_drafter(DISTILLED_KIND[m])
     spec = model_spec
     if profile is not None:
         spec, dtype = profile_model(profile, model_spec, dtype)
