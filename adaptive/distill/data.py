@@ -69,23 +69,18 @@ def continue_ids(backbone, prompt: list[int], n: int, *, temperature: float = 0.
 
 
 @torch.inference_mode()
-def target_hidden(backbone, seq: TrainSequence) -> torch.Tensor:
-    """The target's residual stream before the final norm at the trained positions: ``[n, H]`` float32."""
-    ids = torch.tensor(seq.ids, device=backbone.device)
-    cache = backbone.new_cache(len(seq.ids))
-    h = backbone.forward(ids, cache, 0, logits="none", hidden=True).hidden
-    return h[seq.start - 1: len(seq.ids) - 1].float().clone()
-
-
-@torch.inference_mode()
-def drafter_hidden(backbone, seq: TrainSequence, skip_masks) -> torch.Tensor:
-    """A layer-skip drafter's residual stream before its exit block, teacher-forced: ``[n, H]`` float32.
-
-    Each position attends to the *full* model's keys of the positions before it, as in decoding,
-    where every accepted position's keys come from the verification forward.
+def capture_hidden(backbone, seq: TrainSequence, skip_masks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Hidden states at the trained positions, from one full forward: ``(h_target, h_draft)``, each
+    ``[n, H]`` float32. ``h_target`` is the target's residual stream before the final norm.
+    ``h_draft`` (only with ``skip_masks``) is a layer-skip drafter's residual stream before its exit
+    block, teacher-forced: each position attends to the *full* model's keys of the positions before
+    it, as in decoding, where every accepted position's keys come from the verification forward.
     """
     ids = torch.tensor(seq.ids, device=backbone.device)
     cache = backbone.new_cache(len(seq.ids))
-    backbone.forward(ids, cache, 0, logits="none")
+    rows = slice(seq.start - 1, len(seq.ids) - 1)
+    h_target = backbone.forward(ids, cache, 0, logits="none", hidden=True).hidden[rows].float().clone()
+    if skip_masks is None:
+        return h_target, None
     h = backbone.forward(ids, cache, 0, skip_masks=skip_masks, logits="none", hidden=True, read_only=True).hidden
-    return h[seq.start - 1: len(seq.ids) - 1].float().clone()
+    return h_target, h[rows].float().clone()

@@ -1,7 +1,8 @@
 """What distillation trains: an early-exit block, or a whole separate draft model.
 
-Both expose the same small interface to the trainer: ``parameters()``; ``features(seqs)`` (what
-the student needs stored per trained position); ``draw(ds, generator, batch)`` (the rows of one
+Both expose the same small interface to the trainer: ``parameters()``; ``masks`` (the skip masks
+whose teacher-forced hidden states the student trains on, stored per position; ``None``: nothing
+stored); ``draw(ds, generator, batch)`` (the rows of one
 training batch); ``logq(ds, rows)`` (``[len(rows), V]`` log-probabilities, differentiable);
 ``sample(prompt, n, generator)`` (on-policy data: the student's own continuation); and
 ``state()``/``load_state()``.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adaptive.distill.data import TrainSequence, continue_ids, drafter_hidden, target_hidden
+from adaptive.distill.data import TrainSequence, capture_hidden, continue_ids
 from adaptive.drafters.early_exit import ExitBlock, early_exit_skip
 
 
@@ -39,11 +40,12 @@ class Dataset:
 
     @classmethod
     def build(cls, backbone, seqs: list[TrainSequence], student) -> "Dataset":
-        hs = [target_hidden(backbone, s) for s in seqs]
+        pairs = [capture_hidden(backbone, s, student.masks) for s in seqs]
         offsets = [0]
-        for h in hs:
+        for h, _ in pairs:
             offsets.append(offsets[-1] + h.shape[0])
-        return cls(list(seqs), torch.cat(hs), offsets, student.features(seqs))
+        features = torch.cat([d for _, d in pairs]) if student.masks is not None else None
+        return cls(list(seqs), torch.cat([h for h, _ in pairs]), offsets, features)
 
 
 class TargetHead:
@@ -78,9 +80,6 @@ class ExitStudent:
     def parameters(self):
         return self.block.parameters()
 
-    def features(self, seqs: list[TrainSequence]) -> torch.Tensor:
-        return torch.cat([drafter_hidden(self.bb, s, self.masks) for s in seqs])
-
     def draw(self, ds: Dataset, generator: torch.Generator, batch: int) -> torch.Tensor:
         return torch.randint(0, ds.rows, (batch,), generator=generator)
 
@@ -109,6 +108,7 @@ class ModelStudent:
     """A separate draft model, fine-tuned whole (float32); ``draw`` picks whole sequences."""
 
     kind = "draft-model"
+    masks = None  # it runs its own model on the token ids: no hidden states stored
 
     def __init__(self, draft_lm):
         self.lm = draft_lm
@@ -117,9 +117,6 @@ class ModelStudent:
 
     def parameters(self):
         return self.model.parameters()
-
-    def features(self, seqs):
-        return None
 
     def draw(self, ds: Dataset, generator: torch.Generator, batch: int) -> torch.Tensor:
         picks = torch.randint(0, len(ds.seqs), (min(batch, len(ds.seqs)),), generator=generator).tolist()
