@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from adaptive.errors import ConfigError, ModelNotFoundError
+from adaptive.records import record
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {
@@ -73,6 +74,24 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
         raise ConfigError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16") from None
 
 
+@record
+class ModelFingerprint:
+    """Identity of a model (:meth:`LoadedModel.fingerprint`): its name, a hash of its config and of
+    sampled weights; ``spec`` and ``dtype`` say how a profile's calibration loaded it."""
+
+    name: str
+    model_type: str
+    n_layers: int
+    config_hash: str
+    weights_hash: str
+    spec: str = ""
+    dtype: str = ""
+
+    def same_model(self, other: ModelFingerprint) -> bool:
+        return (self.model_type, self.n_layers, self.config_hash, self.weights_hash) == (
+            other.model_type, other.n_layers, other.config_hash, other.weights_hash)
+
+
 @dataclass
 class LoadedModel:
     """A target model ready for the engine: the HF model in eval mode, its tokenizer, and where it came from."""
@@ -83,7 +102,7 @@ class LoadedModel:
     source: str
     device: torch.device
     dtype: torch.dtype
-    _fingerprint: dict | None = field(default=None, repr=False)
+    _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
 
     @cached_property
     def backbone(self):
@@ -95,7 +114,7 @@ class LoadedModel:
     def n_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> ModelFingerprint:
         """Identity of the model for profiles: name, a hash of the config, a hash of sampled weights.
 
         The weight hash samples every tensor after rounding to bf16, so the same model loaded in
@@ -106,7 +125,7 @@ class LoadedModel:
         return self._fingerprint
 
 
-def model_fingerprint(model, name: str) -> dict:
+def model_fingerprint(model, name: str) -> ModelFingerprint:
     cfg = model.config.to_dict()
     keep = {k: cfg.get(k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -121,8 +140,8 @@ def model_fingerprint(model, name: str) -> dict:
             h.update(pname.encode())
             h.update(str(tuple(t.shape)).encode())
             h.update(sample.numpy().tobytes())
-    return {"name": name, "model_type": keep["model_type"], "n_layers": keep["num_hidden_layers"],
-            "config_hash": config_hash, "weights_hash": h.hexdigest()[:16]}
+    return ModelFingerprint(name=name, model_type=str(keep["model_type"]), n_layers=int(keep["num_hidden_layers"]),
+                            config_hash=config_hash, weights_hash=h.hexdigest()[:16])
 
 
 def _embedded_gguf(spec: str) -> Path:

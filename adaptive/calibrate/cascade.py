@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from adaptive.calibrate.costs import extrapolate
+from adaptive.costs import STAT_DRAFT_COST, best_split, verify_table
 from adaptive.drafters.cascade import CascadeConfig
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, build_bigram_table, statistical_draft
-from adaptive.runtime.bandit import best_split
-
-STAT_DRAFT_COST = 0.005  # a statistical draft token, in full steps (a lookup, ~0.1 ms against ~30 ms)
 
 
 def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
@@ -73,7 +70,7 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
             "drafted_per_step": round(drafted / positions, 4) if positions else 0.0}
 
 
-def choose_cascade(stat_acceptance, neural_acceptance: float, neural_cost: float, verify: Sequence[float],
+def choose_cascade(stat_acceptance, layer_skip_acceptance: float, layer_skip_cost: float, verify: Sequence[float],
                    max_len: int, max_split: int, lenience: float = 1.0,
                    min_prob: float = DEFAULT_BIGRAM_MIN_PROB) -> CascadeConfig:
     """The cascade's starting split and draft length from measured acceptances and costs.
@@ -87,7 +84,7 @@ def choose_cascade(stat_acceptance, neural_acceptance: float, neural_cost: float
     """
     if not isinstance(stat_acceptance, (int, float)):
         stat_acceptance = list(stat_acceptance) + [0.0] * max(0, max_len - len(stat_acceptance))
-    costs = [extrapolate(verify, k) for k in range(max_len + 1)]
-    h, k = best_split(neural_acceptance, stat_acceptance, neural_cost, STAT_DRAFT_COST, costs, max_len, max_split)
+    h, k = best_split(layer_skip_acceptance, stat_acceptance, layer_skip_cost, STAT_DRAFT_COST,
+                      verify_table(verify, max_len), max_len, max_split)
     return CascadeConfig(split=h, draft_len=max(k, 1), vertical=True, lenience=lenience, min_prob=min_prob,
                          max_split=max_split)

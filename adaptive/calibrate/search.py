@@ -27,8 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from adaptive.calibrate.costs import CostModel
-from adaptive.calibrate.objective import expected_tokens_per_step
+from adaptive.costs import CostModel, best_draft_length
 from adaptive.engine.skip import SkipSet
 
 SPACES = ("ranked", "sublayer")
@@ -146,11 +145,7 @@ def estimate(skip: SkipSet, scorer: Callable, costs: CostModel, max_draft_len: i
     masks = skip.masks(costs.n_layers)
     a = float(scorer(masks)) if skip.size else 1.0
     c = costs.draft_cost(masks)
-    best_k, best = 1, -1.0
-    for k in range(1, max_draft_len + 1):
-        s = expected_tokens_per_step(min(a, 1.0), k) / (k * c + costs.verify_cost(k))
-        if s > best:
-            best_k, best = k, s
+    best_k, best = best_draft_length(min(a, 1.0), c, costs.verify_table(max_draft_len), max_draft_len, min_len=1)
     return Estimate(a, c, best_k, best)
 
 

@@ -24,22 +24,19 @@ is then distributed as ``q'(x) = a``, ``q'(y) = (1 - a) q(y) / (1 - q(x))`` (``q
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from adaptive.drafters.base import DecodeState, Draft, Drafter
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, NgramDrafter
 from adaptive.drafters.vocab import DraftHead
+from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, DecodeState, Draft, DraftChoice, Drafter
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
+from adaptive.records import record
 
-NEURAL, STATISTICAL = "n", "s"  # where each draft token came from (the layer-skip level, or the tail)
 
-
-@dataclass(frozen=True)
-class CascadeConfig:
-    """How a domain's cascade drafts (chosen at calibration; the online bandit may move ``split``).
+@record
+class CascadePlan:
+    """How a domain's cascade drafts (chosen at calibration; the online bandit may move the split).
 
     ``split``: draft positions given to the layer-skip level (0: statistical drafter only).
     ``draft_len``: tokens per step when the draft length is fixed. ``vertical``: the layer-skip
@@ -64,16 +61,6 @@ class CascadeConfig:
             raise ValueError(f"lenience must be >= 1, got {self.lenience}")
         if not 0.0 <= self.min_prob <= 1.0:
             raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
-
-    def to_dict(self) -> dict:
-        return {"split": self.split, "draft_len": self.draft_len, "vertical": self.vertical,
-                "lenience": self.lenience, "min_prob": self.min_prob, "max_split": self.max_split}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CascadeConfig":
-        return cls(split=int(d.get("split", 0)), draft_len=int(d.get("draft_len", 8)),
-                   vertical=bool(d.get("vertical", True)), lenience=float(d.get("lenience", 1.0)),
-                   min_prob=float(d.get("min_prob", DEFAULT_BIGRAM_MIN_PROB)), max_split=int(d.get("max_split", 2)))
 
 
 def lenient_greedy_accept(proposal: torch.Tensor, logits: torch.Tensor, lenience: float = 1.0) -> tuple[int, int]:
@@ -128,10 +115,12 @@ class CascadeDrafter(Drafter):
     """A horizontal cascade whose first level is a vertical cascade (see the module doc).
 
     ``statistical``: the bottom drafter (an :class:`NgramDrafter`, usually with the domain's bigram
-    table). ``skip``: the layer-skip level's skip set (``None``: statistical only). ``split`` may be
-    changed between steps (the :class:`~adaptive.runtime.bandit.ThompsonCascade` policy does).
-    After each proposal ``last_sources`` says where each token came from (``"n"``/``"s"``).
+    table). ``skip``: the layer-skip level's skip set (``None``: statistical only). ``split``: the
+    layer-skip positions when the step's :class:`DraftChoice` names none (a policy such as
+    :class:`~adaptive.runtime.bandit.ThompsonCascade` chooses it per step). Each draft says where
+    each token came from (``Draft.sources``) and how many layer-skip forwards it took.
     ``head``: the layer-skip level's reduced-vocabulary head (:class:`DraftHead`), if any.
+    The drafter keeps no state between proposals.
     """
 
     name = "cascade"
@@ -153,17 +142,17 @@ class CascadeDrafter(Drafter):
         self.vertical = vertical
         self.lenience = float(lenience)
         self.head = head
-        self.last_sources: list[str] = []
-        self.forwards = 0  # layer-skip forwards so far
-        self.neural_tokens = 0  # tokens the layer-skip level produced
 
-    def propose(self, state: DecodeState, max_len: int) -> Draft:
+    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
+        max_len = choice.length
         bb, cfg = state.backbone, state.config
         pos = state.position
         drafted: list[int] = []
         q_rows: list[torch.Tensor] = []
         sampling = not cfg.greedy
-        h = min(self.split, max_len) if self.masks is not None else 0
+        split = self.split if choice.split is None else choice.split
+        h = min(split, max_len) if self.masks is not None else 0
+        forwards = 0
         while len(drafted) < h:
             ctx = state.tokens + drafted
             room = max_len - len(drafted) - 1  # one slot is the skipped model's own token
@@ -173,29 +162,28 @@ class CascadeDrafter(Drafter):
                                 head=None if self.head is None else self.head.weight).logits
             if self.head is not None:
                 logits = self.head.expand_logits(logits)
-            self.forwards += 1
+            forwards += 1
             if not sampling:
                 n, nxt = lenient_greedy_accept(inp[1:], logits, self.lenience)
                 new = guess[:n] + [nxt]
             else:
                 new = self._sample_level(guess, logits, cfg, state.generator, q_rows)
             drafted += new
-            self.neural_tokens += len(new)
         drafted = drafted[:max_len]
         q_rows = q_rows[:max_len]
-        n_neural = len(drafted)
+        n_layer_skip = len(drafted)
         if len(drafted) < max_len:
             drafted += self.statistical.lookup(state.tokens + drafted, max_len - len(drafted))
-        self.last_sources = [NEURAL] * n_neural + [STATISTICAL] * (len(drafted) - n_neural)
+        sources = (LAYER_SKIP,) * n_layer_skip + (STATISTICAL,) * (len(drafted) - n_layer_skip)
         tokens = torch.tensor(drafted, dtype=torch.long, device=bb.device)
         if not sampling:
-            return Draft(tokens)
+            return Draft(tokens, None, sources, forwards)
         vocab = bb.vocab_size
-        for t in drafted[n_neural:]:  # statistical tail: point masses
+        for t in drafted[n_layer_skip:]:  # statistical tail: point masses
             row = torch.zeros(vocab, device=bb.device)
             row[t] = 1.0
             q_rows.append(row)
-        return Draft(tokens, torch.stack(q_rows) if q_rows else None)
+        return Draft(tokens, torch.stack(q_rows) if q_rows else None, sources, forwards)
 
     def _sample_level(self, guess: list[int], logits: torch.Tensor, cfg, gen, q_rows: list) -> list[int]:
         """Speculative sampling of the statistical ``guess`` against the skipped model's ``q``."""
@@ -212,11 +200,6 @@ class CascadeDrafter(Drafter):
         q_rows.append(q[len(guess)])  # every proposal kept: the skipped model's own next token
         out.append(int(torch.multinomial(q[len(guess)], 1, generator=gen)))
         return out
-
-    @property
-    def forwards_per_token(self) -> float:
-        """Layer-skip forwards per token that level produced (1.0 without vertical drafting)."""
-        return self.forwards / self.neural_tokens if self.neural_tokens else 1.0
 
     def describe(self) -> dict:
         d = {"name": self.name, "split": self.split, "vertical": self.vertical, "lenience": self.lenience,

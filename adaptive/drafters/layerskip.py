@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from adaptive.drafters.base import DecodeState, Draft, Drafter
+from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
 from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
@@ -19,7 +19,7 @@ class LayerSkipDrafter(Drafter):
     With ``head`` (a :class:`DraftHead`), logits are computed over that vocabulary subset only.
     """
 
-    name = "layer-skip"
+    name = "ssd"
     adapter = None  # a module applied before the final norm (the early-exit drafter's exit block)
 
     def __init__(self, skip: SkipSet, n_layers: int, head: DraftHead | None = None):
@@ -27,7 +27,8 @@ class LayerSkipDrafter(Drafter):
         self.masks = skip.masks(n_layers)  # precomputed once: no per-step list building
         self.head = head
 
-    def propose(self, state: DecodeState, max_len: int) -> Draft:
+    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
+        max_len = choice.length
         bb, cfg = state.backbone, state.config
         pos = state.position
         token = torch.tensor([state.tokens[-1]], device=bb.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from adaptive.drafters.base import DecodeState, Draft, Drafter
+from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
 from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
 
@@ -54,7 +54,8 @@ class ModelDrafter(Drafter):
         self._seen = list(tokens)
         return logits
 
-    def propose(self, state: DecodeState, max_len: int) -> Draft:
+    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
+        max_len = choice.length
         cfg = state.config
         if self.bb.max_positions < len(state.tokens) + max_len:
             raise ConfigError("the draft model's context is shorter than the request")

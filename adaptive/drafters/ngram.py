@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from adaptive.drafters.base import DecodeState, Draft, Drafter
+from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
 
 DEFAULT_PLD_DRAFT_LEN = 8  # prompt-lookup drafts cost no forward: long drafts are cheap to try
 DEFAULT_BIGRAM_MIN_PROB = 0.2  # a bigram chain stops when its estimated probability falls below this
@@ -159,7 +159,7 @@ class NgramDrafter(Drafter):
     Without a bigram table this is prompt lookup (``pld``); with one, :func:`statistical_draft`.
     """
 
-    name = "ngram"
+    name = "pld"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, bigram: BigramTable | None = None,
                  min_prob: float = DEFAULT_BIGRAM_MIN_PROB):
@@ -173,7 +173,8 @@ class NgramDrafter(Drafter):
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
         return statistical_draft(context, k, self.bigram, self.max_ngram, self.min_ngram, self.min_prob)
 
-    def propose(self, state: DecodeState, max_len: int) -> Draft:
+    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
+        max_len = choice.length
         return Draft(torch.tensor(self.lookup(state.tokens, max_len), dtype=torch.long, device=state.backbone.device))
 
     def describe(self) -> dict:

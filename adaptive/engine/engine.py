@@ -6,11 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from adaptive.drafters.base import Drafter, DraftLengthPolicy
-from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.loop import Acceptor, GenerationStats, Plan, decode, default_acceptor
-from adaptive.engine.skip import SkipSet
+from adaptive.engine.protocol import Drafter, DraftLengthPolicy
 from adaptive.errors import ConfigError
 
 Messages = Sequence[dict]
@@ -24,12 +22,12 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "eos" | "stop" | "length"
     stats: GenerationStats
-    method: str
+    drafter: str  # the drafter kind that decoded it (adaptive.drafters.factory.DRAFTERS), "ar" for none
     info: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "method": self.method, "stats": self.stats.to_dict(), **self.info}
+                "drafter": self.drafter, "stats": self.stats.to_dict(), **self.info}
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
@@ -52,8 +50,9 @@ def eos_ids(model, tokenizer) -> set[int]:
 class Engine:
     """Decodes prompts with a loaded model (:class:`adaptive.models.LoadedModel`).
 
-    ``generate(prompt, config, method="ar"|"ssd"|"pld"|"cascade", skip=...)`` returns a :class:`GenerationResult`;
-    ``stream(...)`` yields text deltas and finally the result.
+    ``generate(prompt, config, drafter=...)`` returns a :class:`GenerationResult` (no drafter: plain
+    decoding; drafters come from :func:`adaptive.drafters.factory.build_drafter`); ``stream(...)``
+    yields text deltas and finally the result.
     """
 
     def __init__(self, lm):
@@ -87,45 +86,21 @@ class Engine:
             ids = ids["input_ids"]
         return list(ids)
 
-    def plan_for(self, method: str, skip: SkipSet | None = None, drafter: Drafter | None = None,
-                 policy: DraftLengthPolicy | None = None) -> Plan:
-        if drafter is not None:
-            return Plan(drafter, policy, {"drafter": drafter.describe()})
-        if method == "ar":
-            return Plan()
-        if method == "pld":
-            from adaptive.drafters.ngram import NgramDrafter
-
-            d = NgramDrafter()
-            return Plan(d, policy, {"drafter": d.describe()})
-        if method == "ssd":
-            if skip is None:
-                raise ConfigError("method 'ssd' needs a skip set (e.g. --skip-attn 4,7,9)")
-            d = LayerSkipDrafter(skip, self.backbone.n_layers)
-            return Plan(d, policy, {"skip": skip.to_dict(), "drafter": d.describe()})
-        if method == "cascade":  # without a profile: no bigram table; one layer-skip position if a skip set is given
-            from adaptive.drafters.cascade import CascadeDrafter
-            from adaptive.drafters.ngram import NgramDrafter
-
-            skip = skip if skip is not None and (skip.attn or skip.mlp) else None
-            d = CascadeDrafter(NgramDrafter(), skip, self.backbone.n_layers, split=1 if skip else 0)
-            return Plan(d, policy, {"drafter": d.describe(), **({"skip": skip.to_dict()} if skip else {})})
-        raise ConfigError(f"unknown method {method!r}; choose ar, ssd, pld or cascade")
-
     def stream(
         self,
         prompt: str | Messages | list[int],
         config: GenerationConfig | None = None,
-        method: str = "ar",
-        skip: SkipSet | None = None,
+        drafter: Drafter | None = None,
+        policy: DraftLengthPolicy | None = None,
         plan=None,
         chat: bool | None = None,
         acceptor: Acceptor = default_acceptor,
     ) -> Iterator[str | GenerationResult]:
         """Yield text deltas as tokens are accepted, then the final :class:`GenerationResult`.
 
-        ``prompt`` may also be a list of token ids (used as is). ``plan`` (a :class:`Plan` or a
-        function of the prompt embedding returning one) overrides ``method``/``skip``.
+        ``prompt`` may also be a list of token ids (used as is). ``drafter`` drafts with ``policy``
+        choosing each step's draft length (default: ``config.draft_len`` every step). ``plan`` (a
+        :class:`Plan` or a function of the prompt embedding returning one) overrides both.
         """
         cfg = config or GenerationConfig()
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -133,7 +108,7 @@ class Engine:
         else:
             prompt_ids = self.encode(prompt, chat)
         if plan is None:
-            plan = self.plan_for(method, skip)
+            plan = Plan(drafter, policy, {"drafter": drafter.describe()} if drafter is not None else {})
         chosen: list[Plan] = [plan] if isinstance(plan, Plan) else []
         if callable(plan):
             route = plan
@@ -176,7 +151,8 @@ class Engine:
         stats.tokens = len(out)
         stats.total_time = time.perf_counter() - t0
         info = dict(chosen[-1].info) if chosen else {}
-        yield GenerationResult(text, out, finish or "length", stats, method, info)
+        used = chosen[-1].drafter if chosen else None
+        yield GenerationResult(text, out, finish or "length", stats, used.name if used is not None else "ar", info)
 
     def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
         result = None

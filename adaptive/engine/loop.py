@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from adaptive.drafters.base import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
+from adaptive.engine.protocol import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
 
@@ -150,9 +150,9 @@ def decode(
         draft = None
         t1 = time.perf_counter()
         if drafter is not None and remaining > 1:
-            k = policy.choose(min(cfg.draft_len, remaining - 1))
-            if k > 0:
-                draft = drafter.propose(state, k)
+            choice = policy.choose(min(cfg.draft_len, remaining - 1))
+            if choice.length > 0:
+                draft = drafter.propose(state, choice)
         if draft is None or len(draft) == 0:
             draft = Draft(torch.empty(0, dtype=torch.long, device=dev))
         _sync(dev)
@@ -175,8 +175,7 @@ def decode(
         if drafter is not None and remaining > 1:
             stats.draft_lengths[k] += 1  # 0 when the policy chose a plain step
             if k:
-                drafter.observe(k, n)
-                policy.update(k, n)
+                policy.update(draft, n)
         new = draft.tokens[:n].tolist() + [nxt]
         tokens.extend(new)
         produced += len(new)

@@ -14,69 +14,8 @@ import threading
 
 import numpy as np
 
-from adaptive.calibrate.objective import expected_tokens_per_step
-from adaptive.drafters.base import DraftLengthPolicy
-
-
-def best_length(a: float, draft_cost: float, verify: list[float] | tuple[float, ...], max_len: int) -> int:
-    """The ``k`` in ``0 .. max_len`` maximising ``E(a, k) / (k * draft_cost + verify[k])``.
-
-    ``verify[k]`` is the cost of verifying ``k`` drafts (``verify[0] == 1``: a plain step).
-    Example: ``a = 0.9``, draft cost ``0.5``, verify ``(1, 1, 1.05)``: k = 0 gives 1.0, k = 1 gives
-    ``1.9 / 1.5 = 1.27``, k = 2 gives ``2.71 / 2.05 = 1.32``: 2. With ``a = 0.3``: k = 1 gives
-    ``1.3 / 1.5 = 0.87`` < 1: 0 (do not draft).
-    """
-    best_k, best = 0, 1.0 / verify[0]
-    for k in range(1, max_len + 1):
-        v = expected_tokens_per_step(a, k) / (k * draft_cost + verify[k])
-        if v > best:
-            best_k, best = k, v
-    return best_k
-
-
-def _reach(a, t: int) -> float:
-    """``sum_{j<=t} prod_{i<j} a_i``: expected accepted tokens of ``t`` drafts with acceptance ``a``
-    (a number, the same at every position, or one per position)."""
-    if isinstance(a, (int, float)):
-        return expected_tokens_per_step(float(a), t) - 1.0
-    total, p = 0.0, 1.0
-    for j in range(t):
-        p *= a[j]
-        total += p
-    return total
-
-
-def cascade_expected_tokens(a_n: float, h: int, a_s, t: int) -> float:
-    """Expected tokens per step of a cascade draft: ``h`` layer-skip tokens then ``t`` statistical ones.
-
-    Each layer-skip token is accepted with probability ``a_n`` and statistical token ``j`` of the
-    tail with ``a_s`` (or ``a_s[j]``: acceptance by tail position, given the ones before it were
-    accepted), until the first rejection; the target's own token counts too:
-    ``1 + sum_{i<=h} a_n^i + a_n^h * sum_{j<=t} prod_{i<j} a_s[i]``.
-    Example: ``a_n = 0.8, h = 1, a_s = 0.5, t = 2``: ``1 + 0.8 + 0.8 * (0.5 + 0.25) = 2.4``; with
-    ``a_s = [0.5, 0.9]``: ``1 + 0.8 + 0.8 * (0.5 + 0.45) = 2.56``.
-    """
-    return expected_tokens_per_step(a_n, h) + a_n ** h * _reach(a_s, t)
-
-
-def best_split(a_n: float, a_s, neural_cost: float, stat_cost: float,
-               verify: list[float] | tuple[float, ...], max_len: int, max_split: int) -> tuple[int, int]:
-    """The ``(split, k)`` maximising expected tokens per unit cost for a cascade draft.
-
-    ``split`` tokens from the layer-skip level (``neural_cost`` each, in full steps), ``k - split``
-    from the statistical drafter (``stat_cost`` each; acceptance ``a_s``, a number or one per tail
-    position), verified at ``verify[k]``; ``(0, 0)`` is a plain step (cost ``verify[0] = 1``).
-    Example: ``a_n = 0.9, a_s = 0.3``, costs 0.5 and 0, verify ``(1, 1, 1.05)``, ``max_len = 2``:
-    (0, 1) gives 1.3, (0, 2) 1.39 / 1.05 = 1.32, (1, 1) 1.9 / 1.5 = 1.27, (1, 2) 2.17 / 1.55 = 1.40,
-    (2, 2) 2.71 / 2.05 = 1.32: ``(1, 2)``.
-    """
-    best, best_v = (0, 0), 1.0 / verify[0]
-    for h in range(0, min(max_split, max_len) + 1):
-        for k in range(max(h, 1), max_len + 1):
-            v = cascade_expected_tokens(a_n, h, a_s, k - h) / (h * neural_cost + (k - h) * stat_cost + verify[k])
-            if v > best_v:
-                best, best_v = (h, k), v
-    return best
+from adaptive.costs import best_draft_length, best_split
+from adaptive.engine.protocol import LAYER_SKIP, Draft, DraftChoice, DraftLengthPolicy
 
 
 class BetaPosterior:
@@ -124,7 +63,7 @@ class ThompsonDraftLength(DraftLengthPolicy):
 
     ``prior``: Beta pseudo-counts (from the calibration's measured acceptance). ``window`` bounds
     memory and lets the posterior follow drift: when ``alpha + beta`` exceeds it, both are
-    scaled down to keep their ratio.
+    scaled down to keep their ratio. ``verify`` is a verify table (costs of 0 .. ``max_len`` drafts).
     """
 
     def __init__(self, draft_cost: float, verify: list[float] | tuple[float, ...], max_len: int,
@@ -153,20 +92,19 @@ class ThompsonDraftLength(DraftLengthPolicy):
     def mean(self) -> float:
         return self.posterior.mean
 
-    def choose(self, max_len: int) -> int:
+    def choose(self, max_len: int) -> DraftChoice:
         with self._lock:
             a = self.posterior.sample(self._rng)
-        k = best_length(a, self.draft_cost, self.verify, min(max_len, self.max_len))
-        if k == 0 and not self.allow_zero:
-            k = 1
+        k, _ = best_draft_length(a, self.draft_cost, self.verify, min(max_len, self.max_len),
+                                 min_len=0 if self.allow_zero else 1)
         with self._lock:
             self.chosen[k] = self.chosen.get(k, 0) + 1
-        return k
+        return DraftChoice(k)
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
+    def update(self, draft: Draft, accepted: int) -> None:
+        if len(draft) == 0:
             return
-        ok, bad = _chain_observation(drafted, accepted)
+        ok, bad = _chain_observation(len(draft), accepted)
         with self._lock:
             self.posterior.update(ok, bad)
 
@@ -182,15 +120,16 @@ class ThompsonCascade(DraftLengthPolicy):
     tail position on the acceptance of statistical tokens (a copied span tends to go on being
     right once its first token was: calibration measured about 0.5 at the first position and
     0.65-0.7 at later ones, so one shared rate would undervalue long tails). Each step samples
-    them all and picks the ``(split, k)`` of :func:`best_split` (the layer-skip cost scaled by the
-    drafter's measured forwards per token, below 1 when vertical drafting gets several tokens
-    from one forward); the split is handed to ``drafter``. After the verification each drafted
-    token up to the first rejection is credited to its level and position (``drafter.last_sources``).
+    them all and picks the ``(split, k)`` of :func:`~adaptive.costs.best_split` (the layer-skip
+    cost scaled by the layer-skip forwards per layer-skip token seen so far, below 1 when vertical
+    drafting gets several tokens from one forward). After the verification each drafted token up
+    to the first rejection is credited to its level and position (``Draft.sources``).
     ``stat_prior`` is one ``(alpha, beta)`` for every tail position or a list, one per position.
+    ``max_split`` 0: the cascade has no layer-skip level.
     """
 
-    def __init__(self, drafter, neural_cost: float, verify: list[float] | tuple[float, ...], max_len: int,
-                 max_split: int, neural_prior: tuple[float, float] = (1.0, 1.0),
+    def __init__(self, layer_skip_cost: float, verify: list[float] | tuple[float, ...], max_len: int,
+                 max_split: int, layer_skip_prior: tuple[float, float] = (1.0, 1.0),
                  stat_prior: tuple[float, float] | list[tuple[float, float]] = (1.0, 1.0), stat_cost: float = 0.005,
                  window: float = 500.0, seed: int | None = 0):
         if max_len < 1 or len(verify) < max_len + 1:
@@ -199,45 +138,51 @@ class ThompsonCascade(DraftLengthPolicy):
             raise ValueError(f"max_split must be >= 0, got {max_split}")
         priors = list(stat_prior) if isinstance(stat_prior[0], (tuple, list)) else [stat_prior]
         priors += [priors[-1]] * (max_len - len(priors))  # positions beyond those measured: the last one's
-        self.drafter = drafter
-        self.neural_cost = float(neural_cost)
+        self.layer_skip_cost = float(layer_skip_cost)
         self.stat_cost = float(stat_cost)
         self.verify = tuple(float(v) for v in verify)
         self.max_len = int(max_len)
-        self.max_split = int(max_split) if drafter.masks is not None else 0
-        self.neural = BetaPosterior(neural_prior, window)
+        self.max_split = int(max_split)
+        self.layer_skip = BetaPosterior(layer_skip_prior, window)
         self.tail = [BetaPosterior(p, window) for p in priors[:max_len]]
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self.chosen: dict[str, int] = {}
+        self._forwards = 0  # layer-skip forwards and the layer-skip tokens they produced, so far
+        self._layer_skip_tokens = 0
 
-    def choose(self, max_len: int) -> int:
+    @property
+    def forwards_per_token(self) -> float:
+        """Layer-skip forwards per layer-skip token drafted so far (1.0 before any)."""
+        return self._forwards / self._layer_skip_tokens if self._layer_skip_tokens else 1.0
+
+    def choose(self, max_len: int) -> DraftChoice:
         with self._lock:
-            a_n = self.neural.sample(self._rng)
+            a_l = self.layer_skip.sample(self._rng)
             a_s = [b.sample(self._rng) for b in self.tail]
-        cost = self.neural_cost * min(1.0, self.drafter.forwards_per_token)
-        h, k = best_split(a_n, a_s, cost, self.stat_cost, self.verify, min(max_len, self.max_len), self.max_split)
-        self.drafter.split = h
+            cost = self.layer_skip_cost * min(1.0, self.forwards_per_token)
+        h, k = best_split(a_l, a_s, cost, self.stat_cost, self.verify, min(max_len, self.max_len), self.max_split)
         with self._lock:
             key = f"{h}+{k - h}"
             self.chosen[key] = self.chosen.get(key, 0) + 1
-        return k
+        return DraftChoice(k, h)
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
+    def update(self, draft: Draft, accepted: int) -> None:
+        if len(draft) == 0:
             return
-        _chain_observation(drafted, accepted)
-        sources = self.drafter.last_sources[:drafted]
+        _chain_observation(len(draft), accepted)
         with self._lock:
+            self._forwards += draft.forwards
+            self._layer_skip_tokens += sum(src == LAYER_SKIP for src in draft.sources)
             j = 0  # position within the statistical tail
-            for i, src in enumerate(sources[: accepted + 1]):
-                post = self.neural if src == "n" else self.tail[min(j, len(self.tail) - 1)]
+            for i, src in enumerate(draft.sources[: accepted + 1]):
+                post = self.layer_skip if src == LAYER_SKIP else self.tail[min(j, len(self.tail) - 1)]
                 post.update(*((1.0, 0.0) if i < accepted else (0.0, 1.0)))  # i == accepted: the first rejection
-                j += src != "n"
+                j += src != LAYER_SKIP
 
     def state(self) -> dict:
         with self._lock:
-            return {"layer_skip": self.neural.state(),
+            return {"layer_skip": self.layer_skip.state(),
                     "statistical": [round(b.mean, 4) for b in self.tail],
-                    "forwards_per_token": round(self.drafter.forwards_per_token, 3),
+                    "forwards_per_token": round(self.forwards_per_token, 3),
                     "chosen": dict(sorted(self.chosen.items()))}

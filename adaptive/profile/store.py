@@ -1,4 +1,4 @@
-"""Calibration profiles: the directory the calibrator writes and the runtime loads.
+"""Reading and writing profiles: the directory the calibrator writes and the runtime loads.
 
 Layout (documented in docs/profile.md)::
 
@@ -24,173 +24,25 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from adaptive.calibrate.costs import CostModel
-from adaptive.drafters.cascade import CascadeConfig
-from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
-from adaptive.engine.skip import SkipSet
-from adaptive.errors import AdaptiveError, SkipSetError
+from adaptive.costs import CostModel
+from adaptive.drafters.ngram import BigramTable
+from adaptive.errors import SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
+from adaptive.profile.records import (DistilledRecord, DomainRecord, ModelFingerprint, Profile, ProfileError,
+                                      RuntimeSettings)
+from adaptive.records import from_json, to_json
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: typed records (adaptive.profile.records); 1: before them, not readable (recalibrate)
 FORMAT = "adaptive-profile"
 BIGRAMS = "bigrams.npz"
 VOCAB = "vocab.npz"
 DISTILLED = "distilled.safetensors"
 OPTIONAL_FILES = (BIGRAMS, VOCAB, DISTILLED)
-
-
-class ProfileError(AdaptiveError, ValueError):
-    """A profile directory is missing, incomplete, corrupt, too new, or made for another model."""
-
-
-@dataclass(frozen=True)
-class DomainProfile:
-    """What calibration found for one domain (or the global set over all domains)."""
-
-    name: str
-    skip: SkipSet
-    draft_len: int
-    pays: bool
-    prompts: int = 0
-    anchors: int = 0
-    estimated_matchness: float = 0.0
-    estimated_draft_cost: float = 1.0
-    estimated_speedup: float = 0.0
-    measured_acceptance: float | None = None
-    measured_speedup: float | None = None
-    measured_mean_accepted: float | None = None
-    trials: int = 0
-    candidates: tuple = ()
-    method: str = ""  # "ar", "ssd", "pld" or "cascade": what the runtime uses; "" -> from ``pays``
-    pld_speedup: float | None = None
-    pld_acceptance: float | None = None
-    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
-    extra: dict = field(default_factory=dict)
-    cascade: CascadeConfig | None = None  # the cascade drafter's settings (None: made before cascades)
-    cascade_speedup: float | None = None
-    bigram: BigramTable | None = field(default=None, compare=False, repr=False)  # stored in bigrams.npz
-    reduced_vocab: bool = False  # draft over ``draft_vocab`` (measured faster than the full head)
-    draft_vocab: np.ndarray | None = field(default=None, compare=False, repr=False)  # stored in vocab.npz
-
-    METHODS = ("ar", "ssd", "pld", "cascade")
-
-    def __post_init__(self):
-        if self.draft_len < 1 or self.pld_draft_len < 1:
-            raise ValueError(f"draft lengths must be >= 1, got {self.draft_len}, {self.pld_draft_len}")
-        if self.method and self.method not in self.METHODS:
-            raise ValueError(f"method must be one of {', '.join(self.METHODS)}, got {self.method!r}")
-
-    @property
-    def decision(self) -> str:
-        """What the runtime decodes this domain with: the fastest measured of layer-skip drafting
-        (``ssd``), prompt lookup (``pld``) and the cascade (``cascade``) where it beat plain decoding
-        by the margin, else ``ar``."""
-        return self.method or ("ssd" if self.pays else "ar")
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "skip": self.skip.to_dict(), "skip_text": self.skip.to_text(),
-                "draft_len": self.draft_len, "pays": self.pays, "decision": self.decision,
-                "prompts": self.prompts, "anchors": self.anchors,
-                "estimated_matchness": self.estimated_matchness, "estimated_draft_cost": self.estimated_draft_cost,
-                "estimated_speedup": self.estimated_speedup, "measured_acceptance": self.measured_acceptance,
-                "measured_speedup": self.measured_speedup, "measured_mean_accepted": self.measured_mean_accepted,
-                "trials": self.trials, "candidates": list(self.candidates), "method": self.decision,
-                "pld_speedup": self.pld_speedup, "pld_acceptance": self.pld_acceptance,
-                "pld_draft_len": self.pld_draft_len, **({"extra": self.extra} if self.extra else {}),
-                **({"cascade": self.cascade.to_dict(), "cascade_speedup": self.cascade_speedup}
-                   if self.cascade is not None else {}),
-                "reduced_vocab": self.reduced_vocab}
-
-    @classmethod
-    def from_dict(cls, d: dict, n_layers: int) -> "DomainProfile":
-        return cls(name=str(d["name"]), skip=SkipSet.from_dict(d["skip"]).validate_for(n_layers),
-                   draft_len=int(d["draft_len"]), pays=bool(d["pays"]), prompts=int(d.get("prompts", 0)),
-                   anchors=int(d.get("anchors", 0)), estimated_matchness=float(d.get("estimated_matchness", 0.0)),
-                   estimated_draft_cost=float(d.get("estimated_draft_cost", 1.0)),
-                   estimated_speedup=float(d.get("estimated_speedup", 0.0)),
-                   measured_acceptance=d.get("measured_acceptance"), measured_speedup=d.get("measured_speedup"),
-                   measured_mean_accepted=d.get("measured_mean_accepted"), trials=int(d.get("trials", 0)),
-                   candidates=tuple(d.get("candidates", ())), method=str(d.get("method", "")),
-                   pld_speedup=d.get("pld_speedup"), pld_acceptance=d.get("pld_acceptance"),
-                   pld_draft_len=int(d.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)), extra=dict(d.get("extra", {})),
-                   cascade=CascadeConfig.from_dict(d["cascade"]) if d.get("cascade") else None,
-                   cascade_speedup=d.get("cascade_speedup"), reduced_vocab=bool(d.get("reduced_vocab", False)))
-
-
-@dataclass
-class Profile:
-    """A loaded (or freshly calibrated) profile."""
-
-    model: dict  # fingerprint: name, model_type, n_layers, config_hash, weights_hash (+ spec, dtype)
-    settings: dict
-    cost_model: CostModel
-    domains: dict[str, DomainProfile]
-    global_set: DomainProfile
-    index: AnchorIndex
-    created: str = ""
-    version: str = ""
-    path: Path | None = None
-    distilled: dict = field(default_factory=dict)  # kind -> what distillation recorded (profile.json)
-    distilled_weights: dict = field(default_factory=dict, repr=False)  # kind -> {name: tensor}
-
-    def distilled_drafter(self, kind: str) -> tuple[dict, dict]:
-        """``(meta, weights)`` of the drafter ``kind`` trained by ``adaptive distill``, or :class:`ProfileError`."""
-        if kind not in self.distilled:
-            where = f" {self.path}" if self.path else ""
-            raise ProfileError(f"the profile{where} has no distilled {kind} drafter; train one with "
-                               f"`adaptive distill --drafter {'early-exit' if kind == 'early-exit' else 'MODEL'}`")
-        return self.distilled[kind], self.distilled_weights[kind]
-
-    @property
-    def n_layers(self) -> int:
-        return int(self.model["n_layers"])
-
-    def domain(self, name: str | None) -> DomainProfile:
-        """The domain's profile, or the global one for ``None`` (out-of-domain)."""
-        if name is None:
-            return self.global_set
-        try:
-            return self.domains[name]
-        except KeyError:
-            raise ProfileError(f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}") from None
-
-    def check_model(self, fingerprint: dict) -> None:
-        """Raise :class:`ProfileError` unless ``fingerprint`` (``LoadedModel.fingerprint()``) is this profile's model."""
-        for key in ("model_type", "n_layers", "config_hash", "weights_hash"):
-            if str(fingerprint.get(key)) != str(self.model.get(key)):
-                where = f" ({self.path})" if self.path else ""
-                raise ProfileError(
-                    f"the profile{where} was calibrated for {self.model.get('name')!r} "
-                    f"({key} {self.model.get(key)}), not for the loaded model {fingerprint.get('name')!r} "
-                    f"({key} {fingerprint.get(key)}); calibrate this model or load the profile's model")
-
-    def to_dict(self) -> dict:
-        return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": self.created,
-                "adaptive_version": self.version, "model": self.model, "settings": self.settings,
-                "cost_model": self.cost_model.to_dict(),
-                "routing": {"k": self.index.k, "ood_threshold": self.index.ood_threshold,
-                            "anchors": len(self.index.labels), "dim": self.index.dim},
-                "domains": {n: d.to_dict() for n, d in sorted(self.domains.items())},
-                "global": self.global_set.to_dict(),
-                **({"distilled": self.distilled} if self.distilled else {})}
-
-    def summary_rows(self) -> list[dict]:
-        """One row per domain (then the global set) for tables."""
-        rows = []
-        for d in [*(self.domains[n] for n in sorted(self.domains)), self.global_set]:
-            rows.append({"domain": d.name, "prompts": d.prompts, "anchors": d.anchors,
-                         "skip_attn": len(d.skip.attn), "skip_mlp": len(d.skip.mlp), "draft_len": d.draft_len,
-                         "est_acceptance": d.estimated_matchness, "meas_acceptance": d.measured_acceptance,
-                         "est_speedup": d.estimated_speedup, "meas_speedup": d.measured_speedup,
-                         "pld_speedup": d.pld_speedup, "cascade_speedup": d.cascade_speedup,
-                         "draft_vocab": len(d.draft_vocab) if d.reduced_vocab and d.draft_vocab is not None else None,
-                         "decision": d.decision, "skip": d.skip.to_text()})
-        return rows
 
 
 def _sha256(path: Path) -> str:
@@ -212,6 +64,18 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def profile_json(profile: Profile) -> dict:
+    """``profile.json``'s content (without the file checksums and table references added on save)."""
+    return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": profile.created,
+            "adaptive_version": profile.version, "model": to_json(profile.model), "settings": profile.settings,
+            "runtime": to_json(profile.runtime), "cost_model": profile.cost_model.to_dict(),
+            "routing": {"k": profile.index.k, "ood_threshold": profile.index.ood_threshold,
+                        "anchors": len(profile.index.labels), "dim": profile.index.dim},
+            "domains": {n: to_json(d) for n, d in sorted(profile.domains.items())},
+            "global": to_json(profile.global_set),
+            **({"distilled": {k: to_json(r) for k, r in profile.distilled.items()}} if profile.distilled else {})}
 
 
 def check_writable(out: Path) -> None:
@@ -239,7 +103,7 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a profile is shared like any directory
         profile.index.save(tmp)
-        data = profile.to_dict()
+        data = profile_json(profile)
         names = list(AnchorIndex.FILES) + [kind for kind in (BIGRAMS, VOCAB) if _save_tables(kind, profile, data, tmp / kind)]
         if profile.distilled_weights:
             _save_distilled(profile, tmp / DISTILLED)
@@ -305,7 +169,7 @@ def _load_distilled(path: Path, kinds) -> dict:
     return out
 
 
-def _table_arrays(kind: str, dp: DomainProfile) -> dict[str, np.ndarray] | None:
+def _table_arrays(kind: str, dp: DomainRecord) -> dict[str, np.ndarray] | None:
     if kind == BIGRAMS:
         t = dp.bigram
         return None if t is None else {"keys": t.keys.astype(np.int32), "succ": t.succ.astype(np.int32),
@@ -380,8 +244,9 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{pj}: no schema_version")
     if version > SCHEMA_VERSION:
         raise ProfileError(f"{pj}: schema version {version} is newer than this adaptive reads ({SCHEMA_VERSION}); upgrade adaptive")
-    if version < 1:
-        raise ProfileError(f"{pj}: unknown schema version {version}")
+    if version < SCHEMA_VERSION:
+        raise ProfileError(f"{pj}: schema version {version} was written by an earlier adaptive and is not read any more; "
+                           f"calibrate again (adaptive calibrate ... --out {path})")
     files = data.get("files", {})
     for name in [*AnchorIndex.FILES, *(n for n in OPTIONAL_FILES if n in files)]:
         f = path / name
@@ -394,17 +259,21 @@ def load_profile(path: str | Path) -> Profile:
     except IndexFileError as exc:
         raise ProfileError(str(exc)) from None
     try:
-        model = dict(data["model"])
-        n_layers = int(model["n_layers"])
-        domains = {n: DomainProfile.from_dict(d, n_layers) for n, d in data["domains"].items()}
-        glob = DomainProfile.from_dict(data["global"], n_layers)
+        model = ModelFingerprint.from_dict(data["model"])
+        refs = {"bigram", "draft_vocab"}  # references into the .npz files, read below
+        domains = {n: from_json(DomainRecord, {k: v for k, v in d.items() if k not in refs}, f"domain {n}")
+                   for n, d in data["domains"].items()}
+        glob = from_json(DomainRecord, {k: v for k, v in data["global"].items() if k not in refs}, "global")
+        for d in [*domains.values(), glob]:
+            d.layer_skip.skip.validate_for(model.n_layers)
         entries = {**{n: data["domains"][n] for n in domains}, None: data["global"]}
         bigrams, vocab = _load_tables(BIGRAMS, path, entries), _load_tables(VOCAB, path, entries)
         domains = {n: replace(d, bigram=bigrams.get(n), draft_vocab=vocab.get(n)) for n, d in domains.items()}
         glob = replace(glob, bigram=bigrams.get(None), draft_vocab=vocab.get(None))
         costs = CostModel.from_dict(data["cost_model"])
         settings = dict(data.get("settings", {}))
-        distilled = dict(data.get("distilled", {}))
+        runtime = RuntimeSettings.from_dict(data.get("runtime", {}))
+        distilled = {k: from_json(DistilledRecord, r, f"distilled {k}") for k, r in data.get("distilled", {}).items()}
         weights = _load_distilled(path, list(distilled))
     except ProfileError:
         raise
@@ -413,6 +282,6 @@ def load_profile(path: str | Path) -> Profile:
     missing = set(index.labels) - set(domains)
     if missing:
         raise ProfileError(f"{pj}: anchors labelled {sorted(missing)} have no domain entry")
-    return Profile(model=model, settings=settings, cost_model=costs, domains=domains, global_set=glob,
+    return Profile(model=model, settings=settings, runtime=runtime, cost_model=costs, domains=domains, global_set=glob,
                    index=index, created=str(data.get("created", "")), version=str(data.get("adaptive_version", "")),
                    path=path, distilled=distilled, distilled_weights=weights)

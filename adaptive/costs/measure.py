@@ -1,77 +1,20 @@
-"""The per-sublayer cost model, measured on this machine, in units of one full-model token step.
+"""Measuring the cost model on this machine: timed forwards of the backbone at a context length.
 
 Every decoder layer of a model has the same shape, so one attention sublayer costs the same as
 any other (and likewise MLPs); what differs between machines and dtypes is the split between
 attention, MLP and the fixed rest (embeddings, final norm, LM head, framework overhead), which
 every draft token pays whatever is skipped. :func:`measure_costs` times one-token forwards with
-all attention, all MLP, or nothing skipped, and multi-token verification forwards, at a given
-context length.
+all attention, all MLP, or nothing skipped, and multi-token verification forwards.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class CostModel:
-    """Relative costs. ``attn``/``mlp``: per sublayer (``[n_layers]`` each); ``base``: the rest.
-
-    ``verify``: ``verify[n-1]`` is the cost of a full forward over ``n`` tokens (``verify[0] == 1``).
-    ``step_ms``: the measured time of one full one-token step, for reference.
-    """
-
-    attn: tuple[float, ...]
-    mlp: tuple[float, ...]
-    base: float
-    verify: tuple[float, ...]
-    step_ms: float = 0.0
-    context: int = 0
-
-    def __post_init__(self):
-        if len(self.attn) != len(self.mlp) or not self.attn:
-            raise ValueError("attn and mlp costs need one value per layer")
-        if not self.verify or any(v <= 0 for v in self.verify):
-            raise ValueError("verify costs must be positive, one per token count from 1")
-        if self.base < 0 or any(c < 0 for c in self.attn + self.mlp):
-            raise ValueError("costs must be non-negative")
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.attn)
-
-    def draft_cost(self, skip_masks) -> float:
-        """Cost of one draft token with ``skip_masks`` (``SkipSet.masks``), relative to a full step.
-
-        Example: 2 layers, attn ``(0.3, 0.3)``, mlp ``(0.15, 0.15)``, base ``0.1``; skipping
-        attention 0 costs ``0.1 + 0.3 + 0.15 + 0.15 = 0.7``.
-        """
-        sa, sm = skip_masks
-        return self.base + sum(c for c, s in zip(self.attn, sa) if not s) + sum(c for c, s in zip(self.mlp, sm) if not s)
-
-    def verify_cost(self, k: int) -> float:
-        """Cost of verifying ``k`` drafted tokens (a forward over ``k + 1`` tokens)."""
-        return extrapolate(self.verify, k)  # beyond the measured range: linearly from the last two points
-
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
-        return cls(attn=tuple(map(float, d["attn"])), mlp=tuple(map(float, d["mlp"])), base=float(d["base"]),
-                   verify=tuple(map(float, d["verify"])), step_ms=float(d.get("step_ms", 0.0)),
-                   context=int(d.get("context", 0)))
-
-    @classmethod
-    def uniform(cls, n_layers: int, attn_share: float = 0.48, mlp_share: float = 0.32,
-                verify: tuple[float, ...] = (1.0,)) -> "CostModel":
-        """A model from shares of a step (defaults: the bf16 split measured on the 2-core CPU)."""
-        base = 1.0 - attn_share - mlp_share
-        return cls((attn_share / n_layers,) * n_layers, (mlp_share / n_layers,) * n_layers, base, verify)
+from adaptive.costs.model import CostModel
 
 
 def _verify_ratios(backbone, ids, cache, context: int, full: float, max_verify: int, repeats: int, sync) -> list[float]:
@@ -94,17 +37,6 @@ def measure_verify_costs(backbone, context: int, max_verify: int = 13, repeats: 
         one()
     full = _time(one, repeats, sync)
     return [round(v, 4) for v in _verify_ratios(backbone, ids, cache, context, full, max_verify, repeats, sync)]
-
-
-def extrapolate(verify, k: int) -> float:
-    """Cost of verifying ``k`` drafts from a list of costs of 1.. tokens, extended linearly past its end
-    (as :meth:`CostModel.verify_cost`). Example: ``[1.0, 1.0, 1.1]``, ``k = 4`` -> ``1.1 + 2 * 0.1 = 1.3``."""
-    n = k + 1
-    if n <= len(verify):
-        return float(verify[n - 1])
-    if len(verify) == 1:
-        return float(verify[0]) * n
-    return float(verify[-1]) + max(float(verify[-1]) - float(verify[-2]), 0.0) * (n - len(verify))
 
 
 def _timing_setup(backbone, context: int, extra: int):

@@ -1,0 +1,179 @@
+"""Cost arithmetic of speculative decoding, in units of one full-model token step. Pure: no timing,
+no model; every formula of the project that turns acceptance and costs into speed lives here.
+
+Terms: ``a`` is the per-token acceptance (each drafted token is accepted with probability ``a``
+until the first rejection); ``k`` the draft length; ``draft_cost`` one draft token's cost;
+``verify[k]`` the cost of verifying ``k`` drafts, a forward over ``k + 1`` tokens (``verify[0]``
+is a plain step, 1 by definition when measured at the same context). A *verify table* is that
+list for ``k = 0 .. max_len`` (:func:`verify_table`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+STAT_DRAFT_COST = 0.005  # a statistical draft token (a lookup, ~0.1 ms against a ~30 ms step)
+
+
+def expected_tokens_per_step(a: float, k: int) -> float:
+    """``E = 1 + a + ... + a^k``: mean tokens per step with per-token acceptance ``a``.
+
+    Example: ``a = 0.5, k = 2`` -> ``1 + 0.5 + 0.25 = 1.75``; ``a = 1`` -> ``k + 1``; ``a = 0`` -> 1.
+    """
+    if not 0.0 <= a <= 1.0 or k < 0:
+        raise ValueError(f"need 0 <= a <= 1 and k >= 0, got a={a}, k={k}")
+    return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def expected_speedup(a: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """Tokens per unit time against plain decoding (one token per unit): ``E / (k * draft + verify)``.
+
+    Example: ``a = 0.8, k = 2, draft_cost = 0.5, verify_cost = 1.05`` -> ``2.44 / 2.05 = 1.19``.
+    ``k = 0`` is plain decoding with cost ``verify_cost``.
+    """
+    return expected_tokens_per_step(a, k) / (k * draft_cost + verify_cost)
+
+
+def extrapolate(verify: Sequence[float], k: int) -> float:
+    """Cost of verifying ``k`` drafts from costs of forwards over 1, 2, ... tokens, extended linearly
+    past the end. Example: ``[1.0, 1.0, 1.1]``, ``k = 4`` -> ``1.1 + 2 * 0.1 = 1.3``."""
+    n = k + 1
+    if n <= len(verify):
+        return float(verify[n - 1])
+    if len(verify) == 1:
+        return float(verify[0]) * n
+    return float(verify[-1]) + max(float(verify[-1]) - float(verify[-2]), 0.0) * (n - len(verify))
+
+
+def verify_table(verify: Sequence[float], max_len: int) -> tuple[float, ...]:
+    """Verification costs of ``0 .. max_len`` drafts from forward costs over 1, 2, ... tokens.
+    Example: ``verify_table([1.0, 1.0, 1.1], 3)`` -> ``(1.0, 1.0, 1.1, 1.2)``."""
+    return tuple(extrapolate(verify, k) for k in range(max_len + 1))
+
+
+def best_draft_length(a: float, draft_cost: float, verify: Sequence[float], max_len: int,
+                      min_len: int = 0) -> tuple[int, float]:
+    """The ``k`` in ``min_len .. max_len`` with the highest expected speedup, and that speedup.
+
+    ``verify`` is a verify table (``verify[k]``, at least ``max_len + 1`` entries). Ties go to the
+    shorter draft. ``k = 0`` (a plain step) is a candidate unless ``min_len >= 1``.
+    Example: ``a = 0.9``, draft cost ``0.5``, verify ``(1, 1, 1.05)``: k = 0 gives 1.0, k = 1 gives
+    ``1.9 / 1.5 = 1.27``, k = 2 gives ``2.71 / 2.05 = 1.32``: ``(2, 1.32)``. With ``a = 0.3``:
+    k = 1 gives ``1.3 / 1.5 = 0.87`` < 1: ``(0, 1.0)`` (do not draft), or ``(1, 0.87)`` with ``min_len = 1``.
+    """
+    if len(verify) < max_len + 1 or not 0 <= min_len <= max_len:
+        raise ValueError(f"need 0 <= min_len <= max_len and a verify cost for 0 .. {max_len} drafts")
+    best_k, best = min_len, -1.0
+    for k in range(min_len, max_len + 1):
+        v = expected_tokens_per_step(a, k) / (k * draft_cost + verify[k])
+        if v > best:
+            best_k, best = k, v
+    return best_k, best
+
+
+def reach(a: float | Sequence[float], t: int) -> float:
+    """``sum_{j<=t} prod_{i<j} a_i``: expected accepted tokens of ``t`` drafts with acceptance ``a``
+    (one number for every position, or one per position). Example: ``reach([0.5, 0.9], 2) = 0.95``."""
+    if isinstance(a, (int, float)):
+        return expected_tokens_per_step(float(a), t) - 1.0
+    total, p = 0.0, 1.0
+    for j in range(t):
+        p *= a[j]
+        total += p
+    return total
+
+
+def cascade_expected_tokens(a_layer_skip: float, h: int, a_stat: float | Sequence[float], t: int) -> float:
+    """Expected tokens per step of a cascade draft: ``h`` layer-skip tokens then ``t`` statistical ones.
+
+    Each layer-skip token is accepted with probability ``a_layer_skip`` and statistical token ``j``
+    of the tail with ``a_stat`` (or ``a_stat[j]``, acceptance by tail position), until the first
+    rejection; the target's own token counts too:
+    ``1 + sum_{i<=h} a_l^i + a_l^h * sum_{j<=t} prod_{i<j} a_s[i]``.
+    Example: ``a_l = 0.8, h = 1, a_s = 0.5, t = 2``: ``1 + 0.8 + 0.8 * (0.5 + 0.25) = 2.4``; with
+    ``a_s = [0.5, 0.9]``: ``1 + 0.8 + 0.8 * (0.5 + 0.45) = 2.56``.
+    """
+    return expected_tokens_per_step(a_layer_skip, h) + a_layer_skip ** h * reach(a_stat, t)
+
+
+def best_split(a_layer_skip: float, a_stat: float | Sequence[float], layer_skip_cost: float, stat_cost: float,
+               verify: Sequence[float], max_len: int, max_split: int) -> tuple[int, int]:
+    """The ``(split, k)`` maximising expected tokens per unit cost for a cascade draft.
+
+    ``split`` tokens from the layer-skip level (``layer_skip_cost`` each), ``k - split`` from the
+    statistical drafter (``stat_cost`` each; acceptance ``a_stat``, a number or one per tail
+    position), verified at ``verify[k]`` (a verify table); ``(0, 0)`` is a plain step.
+    Example: ``a_l = 0.9, a_s = 0.3``, costs 0.5 and 0, verify ``(1, 1, 1.05)``, ``max_len = 2``:
+    (0, 1) gives 1.3, (0, 2) 1.39 / 1.05 = 1.32, (1, 1) 1.9 / 1.5 = 1.27, (1, 2) 2.17 / 1.55 = 1.40,
+    (2, 2) 2.71 / 2.05 = 1.32: ``(1, 2)``.
+    """
+    best, best_v = (0, 0), 1.0 / verify[0]
+    for h in range(0, min(max_split, max_len) + 1):
+        for k in range(max(h, 1), max_len + 1):
+            cost = h * layer_skip_cost + (k - h) * stat_cost + verify[k]
+            v = cascade_expected_tokens(a_layer_skip, h, a_stat, k - h) / cost
+            if v > best_v:
+                best, best_v = (h, k), v
+    return best
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Relative costs. ``attn``/``mlp``: per sublayer (``[n_layers]`` each); ``base``: the rest.
+
+    ``verify``: ``verify[n-1]`` is the cost of a full forward over ``n`` tokens (``verify[0] == 1``).
+    ``step_ms``: the measured time of one full one-token step, for reference; ``context``: the
+    cached positions it was measured at.
+    """
+
+    attn: tuple[float, ...]
+    mlp: tuple[float, ...]
+    base: float
+    verify: tuple[float, ...]
+    step_ms: float = 0.0
+    context: int = 0
+
+    def __post_init__(self):
+        if len(self.attn) != len(self.mlp) or not self.attn:
+            raise ValueError("attn and mlp costs need one value per layer")
+        if not self.verify or any(v <= 0 for v in self.verify):
+            raise ValueError("verify costs must be positive, one per token count from 1")
+        if self.base < 0 or any(c < 0 for c in self.attn + self.mlp):
+            raise ValueError("costs must be non-negative")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.attn)
+
+    def draft_cost(self, skip_masks) -> float:
+        """Cost of one draft token with ``skip_masks`` (``SkipSet.masks``), relative to a full step.
+
+        Example: 2 layers, attn ``(0.3, 0.3)``, mlp ``(0.15, 0.15)``, base ``0.1``; skipping
+        attention 0 costs ``0.1 + 0.3 + 0.15 + 0.15 = 0.7``.
+        """
+        sa, sm = skip_masks
+        return self.base + sum(c for c, s in zip(self.attn, sa) if not s) + sum(c for c, s in zip(self.mlp, sm) if not s)
+
+    def verify_cost(self, k: int) -> float:
+        """Cost of verifying ``k`` drafted tokens (a forward over ``k + 1`` tokens)."""
+        return extrapolate(self.verify, k)
+
+    def verify_table(self, max_len: int) -> tuple[float, ...]:
+        return verify_table(self.verify, max_len)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(attn=tuple(map(float, d["attn"])), mlp=tuple(map(float, d["mlp"])), base=float(d["base"]),
+                   verify=tuple(map(float, d["verify"])), step_ms=float(d.get("step_ms", 0.0)),
+                   context=int(d.get("context", 0)))
+
+    @classmethod
+    def uniform(cls, n_layers: int, attn_share: float = 0.48, mlp_share: float = 0.32,
+                verify: tuple[float, ...] = (1.0,)) -> CostModel:
+        """A model from shares of a step (defaults: the bf16 split measured on the 2-core CPU)."""
+        base = 1.0 - attn_share - mlp_share
+        return cls((attn_share / n_layers,) * n_layers, (mlp_share / n_layers,) * n_layers, base, verify)

@@ -1,0 +1,87 @@
+"""Every drafter is built here, from a typed description (:class:`DrafterSpec`).
+
+:data:`DRAFTERS` is the one list of drafter kinds, the names that say what decoded a request
+(the CLI's choices, results' ``decision`` and the profile's decisions all use it). How a request
+is *routed* to a drafter is the runtime's vocabulary (:data:`adaptive.runtime.policies.POLICIES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
+from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
+from adaptive.drafters.layerskip import LayerSkipDrafter
+from adaptive.drafters.model import ModelDrafter
+from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, NgramDrafter
+from adaptive.drafters.vocab import DraftHead
+from adaptive.engine.protocol import Drafter
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import ConfigError
+
+DRAFTERS = {
+    "ar": "no drafter: plain autoregressive decoding",
+    "ssd": "self-speculative: the target with a skip set of attention/MLP sublayers left out",
+    "pld": "prompt lookup: n-gram matches in the context, no forward",
+    "cascade": "prompt lookup and a bigram table, under and after a layer-skip level (CS Drafting)",
+    "early-exit": "the target's first layers and a trained exit block (EESD; `adaptive distill`)",
+    "draft-model": "a separate small model sharing the tokenizer (`adaptive distill --drafter MODEL`)",
+}
+LAYER_SKIP_DRAFTERS = ("ssd", "cascade")  # drafters that can draft over a reduced-vocabulary head
+
+
+@dataclass(frozen=True, eq=False)
+class DrafterSpec:
+    """What to draft with. ``kind`` is one of :data:`DRAFTERS`; the other fields are the parts that
+    kind needs: ``skip`` (``ssd``; a ``cascade``'s layer-skip level, optional), ``cascade`` and
+    ``bigram`` (``cascade``), ``head`` (a reduced-vocabulary head for ``ssd`` or a cascade's
+    layer-skip level), ``exit_layer`` and ``exit_block`` (``early-exit``), ``draft_backbone``
+    (``draft-model``), ``label`` (a name for results)."""
+
+    kind: str
+    skip: SkipSet | None = None
+    cascade: CascadePlan | None = None
+    bigram: BigramTable | None = None
+    head: DraftHead | None = None
+    exit_layer: int | None = None
+    exit_block: ExitBlock | None = None
+    draft_backbone: object = None
+    label: str = ""
+
+    def __post_init__(self):
+        if self.kind not in DRAFTERS:
+            raise ConfigError(f"unknown drafter {self.kind!r}; choose one of {', '.join(DRAFTERS)}")
+        if self.kind == "ssd" and not self.skip:
+            raise ConfigError("drafter 'ssd' needs a non-empty skip set (e.g. --skip-attn 4,7,9)")
+        if self.head is not None and self.kind not in LAYER_SKIP_DRAFTERS:
+            raise ConfigError(f"a reduced draft head is for {' and '.join(LAYER_SKIP_DRAFTERS)} drafters, not {self.kind!r}")
+        if self.kind == "early-exit" and (self.exit_layer is None or self.exit_block is None):
+            raise ConfigError("drafter 'early-exit' needs an exit layer and an exit block")
+        if self.kind == "draft-model" and self.draft_backbone is None:
+            raise ConfigError("drafter 'draft-model' needs the draft model's backbone")
+
+
+def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
+    """The drafter ``spec`` describes, for ``backbone`` (the target); ``None`` for ``ar``.
+
+    Drafters are cheap to build and keep no state between requests (a draft model's own KV
+    cache aside), so one is built per request.
+    """
+    n_layers = backbone.n_layers
+    if spec.kind == "ar":
+        return None
+    if spec.kind == "pld":
+        return NgramDrafter()
+    if spec.kind == "ssd":
+        return LayerSkipDrafter(spec.skip, n_layers, spec.head)
+    if spec.kind == "cascade":
+        plan = spec.cascade or CascadePlan(split=1 if spec.skip else 0, max_split=2 if spec.skip else 0)
+        skip = spec.skip if spec.skip else None
+        stat = NgramDrafter(bigram=spec.bigram, min_prob=plan.min_prob if spec.cascade else DEFAULT_BIGRAM_MIN_PROB)
+        return CascadeDrafter(stat, skip, n_layers, split=plan.split if skip else 0, vertical=plan.vertical,
+                              lenience=plan.lenience, head=spec.head if skip else None)
+    if spec.kind == "early-exit":
+        return EarlyExitDrafter(spec.exit_layer, n_layers, spec.exit_block, dtype=backbone.dtype,
+                                device=backbone.device)
+    return ModelDrafter(spec.draft_backbone, label=spec.label or "draft-model")
+

@@ -1,0 +1,114 @@
+"""The drafter protocol: what the decode loop asks of a drafter and of a draft-length policy.
+
+Terms, defined once:
+
+* *pending token*: the last token of ``DecodeState.tokens``. It is not in the KV cache yet and
+  sits at position ``cache.length``; every step feeds it first.
+* *draft*: ``k`` proposed tokens to follow the pending token (:class:`Draft`).
+* *verification*: one full-model forward over the pending token and the ``k`` drafts; it yields
+  ``k + 1`` rows of target logits. The loop (:mod:`adaptive.engine.loop`) alone owns acceptance
+  and KV rollback. A drafter may write draft keys into the cache beyond ``cache.length`` (the
+  verification forward overwrites them) but never changes ``cache.length``.
+* *choice*: what a :class:`DraftLengthPolicy` decides before each step (:class:`DraftChoice`):
+  how many tokens to draft, and for a cascade how many of them its layer-skip level drafts.
+
+A drafter is built once per request (:func:`adaptive.drafters.factory.build_drafter`); a policy
+may outlive requests (the runtime keeps one bandit per domain), so a policy never holds a drafter:
+what it learns comes from the :class:`Draft` the loop hands back with the accepted count.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from adaptive.engine.backbone import Backbone, KVCache
+    from adaptive.engine.config import GenerationConfig
+
+LAYER_SKIP, STATISTICAL = "layer_skip", "statistical"  # where a cascade's draft token came from
+
+
+@dataclass
+class DecodeState:
+    """What a drafter may read while proposing (the loop updates ``tokens`` and ``cache.length``)."""
+
+    backbone: Backbone
+    cache: KVCache
+    tokens: list[int]  # prompt + generated; the last one is pending
+    config: GenerationConfig
+    generator: torch.Generator | None
+
+    @property
+    def position(self) -> int:
+        """Position of the pending token."""
+        return self.cache.length
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """``length``: tokens to draft this step (0: a plain step). ``split``: of those, how many a
+    cascade's layer-skip level drafts (``None``: the drafter's own setting)."""
+
+    length: int
+    split: int | None = None
+
+    def __post_init__(self):
+        if self.length < 0 or (self.split is not None and not 0 <= self.split <= self.length):
+            raise ValueError(f"a draft choice needs length >= 0 and 0 <= split <= length, got {self}")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """``tokens``: ``[k]`` proposed ids. ``q``: ``[k, V]`` the distributions they were sampled from,
+    or ``None`` for a deterministic proposal (greedy drafting, n-gram lookup: a point mass).
+    ``sources``: per token, :data:`LAYER_SKIP` or :data:`STATISTICAL` (cascades; empty otherwise).
+    ``forwards``: layer-skip forwards spent on this draft (cascades count them for their policy)."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    sources: tuple[str, ...] = ()
+    forwards: int = 0
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class Drafter(ABC):
+    """Proposes drafts. ``name`` is the drafter kind (:data:`adaptive.drafters.factory.DRAFTERS`)."""
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
+        """Propose at most ``choice.length`` (>= 1) tokens to follow ``state.tokens``."""
+
+    def describe(self) -> dict:
+        """A JSON-able description for results and logs."""
+        return {"name": self.name}
+
+
+class DraftLengthPolicy(ABC):
+    """Chooses each step's :class:`DraftChoice` and learns from each verification."""
+
+    @abstractmethod
+    def choose(self, max_len: int) -> DraftChoice:
+        """A choice with ``length`` in ``0 .. max_len`` (0: no draft this step, a plain step)."""
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        """Learn from one verification: ``accepted`` of ``draft``'s tokens were kept."""
+
+
+class FixedDraftLength(DraftLengthPolicy):
+    """Always ``k`` tokens (fewer only near ``max_new_tokens``); a cascade keeps its own split."""
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError("draft length must be >= 1")
+        self.k = k
+
+    def choose(self, max_len: int) -> DraftChoice:
+        return DraftChoice(min(self.k, max_len))

@@ -1,0 +1,302 @@
+"""The typed contract between calibration, distillation and the runtime: what a profile holds.
+
+Every record is a frozen dataclass whose JSON form is derived from its fields
+(:func:`adaptive.records.record`), so each field list exists once. ``docs/profile.md`` shows the
+JSON. Terms: a *drafter* is one of :data:`adaptive.drafters.factory.DRAFTERS`; a *prior* is what
+the runtime's bandit starts from for one drafter in one domain; a *measurement* is one timed
+comparison of a drafter against plain decoding (``ar``) on the same prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adaptive.costs import CostModel, verify_table
+from adaptive.drafters.cascade import CascadePlan
+from adaptive.drafters.factory import DRAFTERS
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import AdaptiveError
+from adaptive.index.anchors import AnchorIndex
+from adaptive.models import ModelFingerprint
+from adaptive.records import record
+
+DECISIONS = ("ar", "ssd", "pld", "cascade")  # what calibration may decide a domain decodes with
+GLOBAL = "global"  # the record used for out-of-domain requests (and by the `ssd-static` policy)
+
+
+class ProfileError(AdaptiveError, ValueError):
+    """A profile directory is missing, incomplete, corrupt, too old or new, or made for another model."""
+
+
+@record
+class Prior:
+    """Where a drafter's bandit starts: ``acceptance`` per token until the first rejection, and one
+    draft token's ``draft_cost`` in full steps; ``by_position``: acceptance at each draft position
+    (the statistical tail of a cascade; empty elsewhere)."""
+
+    acceptance: float
+    draft_cost: float
+    by_position: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if not 0.0 <= self.acceptance <= 1.0 or self.draft_cost < 0:
+            raise ValueError(f"a prior needs acceptance in [0, 1] and draft_cost >= 0, got {self}")
+
+
+@record
+class Priors:
+    """A domain's priors per drafter: ``layer_skip`` (``ssd`` and a cascade's layer-skip level, full
+    LM head), ``lookup`` (``pld``), ``statistical`` (a cascade's bigram-backed tail, by position).
+    ``reduced_head_cost``: a layer-skip draft token's cost over the domain's reduced vocabulary."""
+
+    layer_skip: Prior
+    lookup: Prior
+    statistical: Prior
+    reduced_head_cost: float | None = None
+
+
+@record
+class Measurement:
+    """One timed run of a drafter against ``ar``, interleaved on the same prompts, decode phase only.
+
+    ``role`` says why it was run: ``candidate`` (a searched skip set), ``lookup`` (prompt lookup),
+    ``cascade``, ``vocab`` (the best skip set over a reduced head) or ``recheck`` (the winner,
+    timed again). ``acceptance``: accepted / drafted; ``token_acceptance``: per token until the
+    first rejection; ``mean_accepted``: tokens per verification step.
+    """
+
+    drafter: str
+    role: str
+    draft_len: int
+    speedup: float
+    acceptance: float = 0.0
+    token_acceptance: float = 0.0
+    mean_accepted: float = 1.0
+    ar_tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    identical_outputs: int = 0
+    prompts: int = 0
+    repeats: int = 1
+    skip: str = "none"
+    estimated_acceptance: float | None = None
+    estimated_draft_cost: float | None = None
+    estimated_speedup: float | None = None
+    cascade: CascadePlan | None = None
+    draft_vocab: int | None = None
+
+
+@record
+class SkipSearch:
+    """The best skip set the search found for a domain, at its best draft length, and its estimate."""
+
+    skip: SkipSet
+    draft_len: int
+    estimated_acceptance: float = 0.0
+    estimated_draft_cost: float = 1.0
+    estimated_speedup: float = 0.0
+    trials: int = 0
+
+    def __post_init__(self):
+        if self.draft_len < 1:
+            raise ValueError(f"draft_len must be >= 1, got {self.draft_len}")
+
+
+@record
+class StatisticalAcceptance:
+    """Teacher-forced acceptance of the statistical drafter on a domain's continuations
+    (:func:`adaptive.calibrate.cascade.statistical_acceptance`)."""
+
+    token_acceptance: float
+    position_acceptance: tuple[float, ...]
+    available: float = 0.0
+    positions: int = 0
+    accepted_per_step: float = 0.0
+    drafted_per_step: float = 0.0
+
+
+@record
+class VocabChoice:
+    """The domain's reduced draft vocabulary: ``size`` of ``vocab_size`` rows; per size tried, its
+    leave-one-out ``coverage``, measured ``draft_cost`` and ``estimate`` (expected speedup at
+    ``draft_len``); ``full_estimate`` for the full head. ``use``: measured faster than the full head."""
+
+    size: int
+    vocab_size: int
+    draft_len: int
+    coverage: dict[str, float]
+    draft_cost: dict[str, float]
+    estimate: dict[str, float]
+    full_estimate: float
+    use: bool = False
+
+
+@record
+class Decision:
+    """What decodes a domain: ``drafter`` (one of :data:`DECISIONS`), at fixed length ``draft_len``
+    when no bandit runs, chosen on measured ``speedup`` against ``ar`` (1.0 for ``ar``)."""
+
+    drafter: str
+    draft_len: int = 1
+    speedup: float = 1.0
+
+    def __post_init__(self):
+        if self.drafter not in DECISIONS:
+            raise ValueError(f"a domain decodes with one of {', '.join(DECISIONS)}, got {self.drafter!r}")
+        if self.draft_len < 1:
+            raise ValueError(f"draft_len must be >= 1, got {self.draft_len}")
+
+
+@record
+class DomainRecord:
+    """What calibration found for one domain (or the global record over all domains).
+
+    ``verify``: costs of a full forward over 1, 2, ... tokens at ``verify_context`` cached positions
+    (the domain's own prompt length); :meth:`verify_table` extends them. ``bigram`` and
+    ``draft_vocab`` (token ids, best first) are stored beside the JSON (``bigrams.npz``, ``vocab.npz``).
+    """
+
+    name: str
+    decision: Decision
+    layer_skip: SkipSearch
+    priors: Priors
+    verify: tuple[float, ...]
+    verify_context: int = 0
+    cascade: CascadePlan = field(default_factory=CascadePlan)
+    statistical: StatisticalAcceptance | None = None
+    vocab: VocabChoice | None = None
+    measurements: tuple[Measurement, ...] = ()
+    prompts: int = 0
+    anchors: int = 0
+    bigram: BigramTable | None = field(default=None, compare=False, repr=False, metadata={"json": False})
+    draft_vocab: np.ndarray | None = field(default=None, compare=False, repr=False, metadata={"json": False})
+
+    def verify_table(self, max_len: int) -> tuple[float, ...]:
+        return verify_table(self.verify, max_len)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Layer-skip drafts of this domain run over its reduced vocabulary (measured faster)."""
+        return self.vocab is not None and self.vocab.use and self.draft_vocab is not None
+
+    def layer_skip_cost(self, reduced: bool) -> float:
+        """A layer-skip draft token's cost: over the reduced head where ``reduced`` and chosen."""
+        if reduced and self.reduced_vocab and self.priors.reduced_head_cost is not None:
+            return self.priors.reduced_head_cost
+        return self.priors.layer_skip.draft_cost
+
+
+@record
+class RuntimeSettings:
+    """What the runtime takes from calibration: how prompts were encoded (``chat``; ``None``: the
+    tokenizer's template when it has one) and the longest drafts the bandits may choose."""
+
+    chat: bool | None = None
+    max_draft_len: int = 8
+    cascade_max_draft_len: int = 12
+    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
+
+
+@record
+class DistilledRecord:
+    """A drafter trained by ``adaptive distill``: for the target ``model``, its held-out greedy
+    ``acceptance`` and measured ``draft_cost``; the early-exit drafter's ``exit_layer`` and ``block``
+    shape, or the draft model's ``model_config``; how it was trained and its learning curve."""
+
+    kind: str
+    model: ModelFingerprint
+    acceptance: float
+    draft_cost: float
+    exit_layer: int | None = None
+    block: dict[str, Any] | None = None
+    model_config: dict[str, Any] | None = None
+    name: str = ""
+    source: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    before: dict[str, float] = field(default_factory=dict)
+    after: dict[str, float] = field(default_factory=dict)
+    train_positions: int = 0
+    eval_positions: int = 0
+    train_prompts: int = 0
+    eval_prompts: int = 0
+    domains: tuple[str, ...] = ()
+    train_seconds: float = 0.0
+    seconds: float = 0.0
+    history: tuple[dict[str, float], ...] = ()
+    created: str = ""
+
+    def __post_init__(self):
+        if self.kind not in ("early-exit", "draft-model") or self.kind not in DRAFTERS:
+            raise ValueError(f"a distilled drafter is early-exit or draft-model, got {self.kind!r}")
+
+
+@dataclass
+class Profile:
+    """A loaded (or freshly calibrated) profile. ``settings``: the calibration's settings as recorded."""
+
+    model: ModelFingerprint
+    settings: dict
+    runtime: RuntimeSettings
+    cost_model: CostModel
+    domains: dict[str, DomainRecord]
+    global_set: DomainRecord
+    index: AnchorIndex
+    created: str = ""
+    version: str = ""
+    path: Path | None = None
+    distilled: dict[str, DistilledRecord] = field(default_factory=dict)
+    distilled_weights: dict = field(default_factory=dict, repr=False)  # kind -> {name: tensor}
+
+    def distilled_drafter(self, kind: str) -> tuple[DistilledRecord, dict]:
+        """``(record, weights)`` of the drafter ``kind`` trained by ``adaptive distill``, or :class:`ProfileError`."""
+        if kind not in self.distilled:
+            where = f" {self.path}" if self.path else ""
+            raise ProfileError(f"the profile{where} has no distilled {kind} drafter; train one with "
+                               f"`adaptive distill --drafter {'early-exit' if kind == 'early-exit' else 'MODEL'}`")
+        return self.distilled[kind], self.distilled_weights[kind]
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.n_layers
+
+    def domain(self, name: str | None) -> DomainRecord:
+        """The domain's record, or the global one for ``None`` (out-of-domain)."""
+        if name is None:
+            return self.global_set
+        try:
+            return self.domains[name]
+        except KeyError:
+            raise ProfileError(f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}") from None
+
+    def check_model(self, fingerprint: ModelFingerprint) -> None:
+        """Raise :class:`ProfileError` unless ``fingerprint`` is this profile's model."""
+        if not self.model.same_model(fingerprint):
+            where = f" ({self.path})" if self.path else ""
+            raise ProfileError(
+                f"the profile{where} was calibrated for {self.model.name!r} (weights {self.model.weights_hash}, "
+                f"config {self.model.config_hash}), not for the loaded model {fingerprint.name!r} (weights "
+                f"{fingerprint.weights_hash}, config {fingerprint.config_hash}); calibrate this model or load the "
+                "profile's model")
+
+    def summary_rows(self) -> list[dict]:
+        """One row per domain (then the global record) for tables."""
+        rows = []
+        for d in [*(self.domains[n] for n in sorted(self.domains)), self.global_set]:
+            timed = {m.role: m for m in d.measurements}
+            best_candidate = max((m.speedup for m in d.measurements if m.role == "candidate"), default=None)
+            rows.append({"domain": d.name, "prompts": d.prompts, "anchors": d.anchors,
+                         "skip_attn": len(d.layer_skip.skip.attn), "skip_mlp": len(d.layer_skip.skip.mlp),
+                         "draft_len": d.layer_skip.draft_len,
+                         "est_acceptance": d.layer_skip.estimated_acceptance,
+                         "meas_acceptance": d.priors.layer_skip.acceptance,
+                         "est_speedup": d.layer_skip.estimated_speedup, "meas_speedup": best_candidate,
+                         "pld_speedup": timed["lookup"].speedup if "lookup" in timed else None,
+                         "cascade_speedup": timed["cascade"].speedup if "cascade" in timed else None,
+                         "draft_vocab": d.vocab.size if d.reduced_vocab else None,
+                         "decision": d.decision.drafter, "decision_speedup": d.decision.speedup,
+                         "skip": d.layer_skip.skip.to_text()})
+        return rows
