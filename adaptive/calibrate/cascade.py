@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from adaptive.costs import STAT_DRAFT_COST, best_split, verify_table
-from adaptive.drafters.cascade import CascadeConfig
+from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, build_bigram_table, statistical_draft
 
 
@@ -72,7 +72,7 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
 
 def choose_cascade(stat_acceptance, layer_skip_acceptance: float, layer_skip_cost: float, verify: Sequence[float],
                    max_len: int, max_split: int, lenience: float = 1.0,
-                   min_prob: float = DEFAULT_BIGRAM_MIN_PROB) -> CascadeConfig:
+                   min_prob: float = DEFAULT_BIGRAM_MIN_PROB) -> CascadePlan:
     """The cascade's starting split and draft length from measured acceptances and costs.
 
     ``stat_acceptance``: the statistical drafter's acceptance, one number or one per draft position
@@ -86,5 +86,5 @@ def choose_cascade(stat_acceptance, layer_skip_acceptance: float, layer_skip_cos
         stat_acceptance = list(stat_acceptance) + [0.0] * max(0, max_len - len(stat_acceptance))
     h, k = best_split(layer_skip_acceptance, stat_acceptance, layer_skip_cost, STAT_DRAFT_COST,
                       verify_table(verify, max_len), max_len, max_split)
-    return CascadeConfig(split=h, draft_len=max(k, 1), vertical=True, lenience=lenience, min_prob=min_prob,
+    return CascadePlan(split=h, draft_len=max(k, 1), vertical=True, lenience=lenience, min_prob=min_prob,
                          max_split=max_split)

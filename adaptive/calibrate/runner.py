@@ -34,13 +34,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from adaptive.calibrate.costs import CostModel, measure_costs
+from adaptive.costs import CostModel, measure_costs
 from adaptive.calibrate.search import SPACES, Estimate, MatchnessScorer, estimate, make_space, run_search, top_candidates
-from adaptive.drafters.cascade import CascadeConfig
+from adaptive.drafters.cascade import CascadePlan as CascadeConfig
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, ConfigError, PromptTooLongError
-from adaptive.profile import DomainProfile, Profile, check_writable, save_profile
+from adaptive.profile import Profile, check_writable, save_profile
 
 BACKENDS = ("loky", "threading", "dask", "ray")
 MIN_PROMPTS = 3
@@ -491,8 +491,8 @@ def _calibrate_vocab(lm, s: CalibrationSettings, work: "WorkDir", name: str, seq
     draft length (``verify``: the domain's verification costs), and, when that beats the full
     head's estimate, a timed run of the skip set drafting over it.
     Returns the record (``{}`` when the skip set drafts nothing) and the chosen ids."""
-    from adaptive.calibrate.costs import extrapolate, measure_head_costs
-    from adaptive.calibrate.objective import expected_tokens_per_step
+    from adaptive.costs import extrapolate, measure_head_costs
+    from adaptive.costs import expected_tokens_per_step
     from adaptive.drafters.vocab import coverage_curve, rank_tokens
 
     bb = lm.backbone
@@ -536,7 +536,7 @@ def _calibrate_cascade(lm, s: CalibrationSettings, work: "WorkDir", name: str, s
     from adaptive.calibrate.cascade import choose_cascade, statistical_acceptance
     from adaptive.drafters.ngram import build_bigram_table
 
-    from adaptive.calibrate.costs import measure_verify_costs
+    from adaptive.costs import measure_verify_costs
 
     bigram = build_bigram_table([list(p) + list(c) for p, c in sequences], s.bigram_min_count)
     path = work.file("cascade", name)

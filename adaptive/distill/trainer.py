@@ -365,7 +365,7 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
 
 def _draft_cost(lm, student) -> float:
     """The trained drafter's cost per draft token, relative to a full step of the target (measured)."""
-    from adaptive.calibrate.costs import measure_draft_cost
+    from adaptive.costs import measure_draft_cost
 
     bb = lm.backbone
     if isinstance(student, ExitStudent):

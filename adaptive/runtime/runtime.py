@@ -21,10 +21,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from adaptive.calibrate.cascade import STAT_DRAFT_COST as PLD_DRAFT_COST
-from adaptive.calibrate.costs import extrapolate
-from adaptive.drafters.base import FixedDraftLength
-from adaptive.drafters.cascade import CascadeConfig, CascadeDrafter
+from adaptive.costs import STAT_DRAFT_COST as PLD_DRAFT_COST
+from adaptive.costs import best_draft_length, extrapolate
+from adaptive.drafters.cascade import CascadePlan as CascadeConfig
+from adaptive.drafters.cascade import CascadeDrafter
+from adaptive.engine.protocol import FixedDraftLength
 from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.drafters.ngram import NgramDrafter
 from adaptive.drafters.vocab import DraftHead
@@ -34,7 +35,7 @@ from adaptive.engine.loop import Plan
 from adaptive.errors import ConfigError
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.index.router import Decision, decide
-from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength, best_length
+from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 
 METHODS = ("knn-ssd", "cascade", "knn-skip", "early-exit", "draft-model", "ssd-static", "ar")
 DISTILLED_METHODS = ("early-exit", "draft-model")  # drafters trained by `adaptive distill`, stored in the profile
