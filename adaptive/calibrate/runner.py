@@ -27,7 +27,7 @@ import shutil
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +40,9 @@ from adaptive.drafters.cascade import CascadePlan as CascadeConfig
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, ConfigError, PromptTooLongError
-from adaptive.profile import Profile, check_writable, save_profile
+from adaptive.costs import STAT_DRAFT_COST
+from adaptive.profile import (Decision, DomainRecord, Measurement, Prior, Priors, Profile, RuntimeSettings, SkipSearch,
+                              StatisticalAcceptance, VocabChoice, check_writable, save_profile)
 
 BACKENDS = ("loky", "threading", "dask", "ray")
 MIN_PROMPTS = 3
@@ -307,28 +309,27 @@ def _decode_rate(stats) -> tuple[int, float]:
     return max(stats.tokens - 1, 0), max(stats.total_time - stats.prefill_time, 1e-9)
 
 
-def _candidate_plan(lm, cand: dict, bigram, vocab, prompt: list[int]):
-    """The :class:`Plan` for one prompt of a ``cascade`` candidate (``skip``, ``split``, ``vertical``,
-    ``lenience``, ``min_prob``) or of an ``ssd`` candidate with ``draft_vocab`` (drafting over the
-    ``vocab`` ids joined with the prompt's, as the runtime does); ``None`` for the engine's own plan."""
-    from adaptive.drafters.cascade import CascadeDrafter
-    from adaptive.drafters.layerskip import LayerSkipDrafter
-    from adaptive.drafters.ngram import NgramDrafter
+def _candidate_drafter(lm, cand: dict, bigram, vocab, prompt: list[int]):
+    """The drafter for one prompt of a candidate: ``ssd`` (``skip``; with ``draft_vocab``, drafting
+    over the ``vocab`` ids joined with the prompt's, as the runtime does), ``pld``, or ``cascade``
+    (``skip``, ``split``, ``vertical``, ``lenience``, ``min_prob``, drafting with ``bigram``)."""
+    from adaptive.drafters.factory import DrafterSpec, build_drafter
     from adaptive.drafters.vocab import DraftHead
-    from adaptive.engine.loop import Plan
 
+    bb = lm.backbone
     method = cand.get("method", "ssd")
     if method == "cascade":
         skip = SkipSet.from_text(cand["skip"], lm.n_layers) if cand.get("split") else None
-        return Plan(CascadeDrafter(NgramDrafter(bigram=bigram, min_prob=float(cand["min_prob"])), skip, lm.n_layers,
-                                   split=int(cand["split"]), vertical=bool(cand["vertical"]),
-                                   lenience=float(cand["lenience"])))
-    if method == "ssd" and cand.get("draft_vocab"):
-        bb = lm.backbone
-        head = DraftHead.build(bb.lm_head.weight, torch.as_tensor(vocab, dtype=torch.long, device=bb.device),
-                               extra=prompt)
-        return Plan(LayerSkipDrafter(SkipSet.from_text(cand["skip"], lm.n_layers), lm.n_layers, head))
-    return None
+        plan = CascadeConfig(split=int(cand["split"]), draft_len=int(cand["draft_len"]), vertical=bool(cand["vertical"]),
+                             lenience=float(cand["lenience"]), min_prob=float(cand["min_prob"]))
+        return build_drafter(DrafterSpec("cascade", skip=skip, cascade=plan, bigram=bigram), bb)
+    if method == "ssd":
+        head = None
+        if cand.get("draft_vocab"):
+            head = DraftHead.build(bb.lm_head.weight, torch.as_tensor(vocab, dtype=torch.long, device=bb.device),
+                                   extra=prompt)
+        return build_drafter(DrafterSpec("ssd", skip=SkipSet.from_text(cand["skip"], lm.n_layers), head=head), bb)
+    return build_drafter(DrafterSpec(method), bb)
 
 
 def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], tokens: int,
@@ -350,13 +351,12 @@ def measure_candidates(lm, prompt_ids: list[list[int]], candidates: list[dict], 
     engine.generate(prompt_ids[0], GenerationConfig(max_new_tokens=4))  # warm-up
     for cand in candidates[len(out):]:
         method = cand.get("method", "ssd")
-        skip = SkipSet.from_text(cand["skip"], lm.n_layers) if method == "ssd" else None
         cfg = GenerationConfig(max_new_tokens=tokens, draft_len=int(cand["draft_len"]))
         t_ar = n_ar = t_sd = n_sd = drafted = accepted = steps = same = rejections = 0
         for _ in range(repeats):
             for p in prompt_ids:
-                a = engine.generate(p, cfg, method="ar")
-                b = engine.generate(p, cfg, method=method, skip=skip, plan=_candidate_plan(lm, cand, bigram, vocab, p))
+                a = engine.generate(p, cfg)
+                b = engine.generate(p, cfg, drafter=_candidate_drafter(lm, cand, bigram, vocab, p))
                 n, t = _decode_rate(a.stats)
                 n_ar, t_ar = n_ar + n, t_ar + t
                 n, t = _decode_rate(b.stats)
@@ -689,9 +689,9 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
     log(f"calibrating {model_spec} on {len(domains)} domains: {', '.join(sorted(domains))}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    fingerprint = {**lm.fingerprint(), "spec": model_spec, "dtype": str(dt).replace("torch.", "")}
+    fingerprint = replace(lm.fingerprint(), spec=model_spec, dtype=str(dt).replace("torch.", ""))
     work = WorkDir(out)
-    state = {"settings": settings.to_dict(), "model": fingerprint, "domains": _domains_digest(domains),
+    state = {"settings": settings.to_dict(), "model": fingerprint.to_dict(), "domains": _domains_digest(domains),
              "costs": cost_model.to_dict() if cost_model is not None else "measured"}
     state_path = work.path / "state.json"
     had_work = work.path.exists()
@@ -742,10 +742,13 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
         log(f"searching skip sets ({settings.trials} trials each) ...")
         results = _run_parallel(search_domain, tasks, jobs, backend, scheduler)
         by_name = {r["name"]: r for r in results}
-        dprof = {n: _domain_profile(by_name[n]) for n in names}
-        glob = _domain_profile({**by_name[GLOBAL], "name": "global"})
+        dprof = {n: _domain_profile(by_name[n], settings) for n in names}
+        glob = _domain_profile({**by_name[GLOBAL], "name": "global"}, settings)
         profile = Profile(model=fingerprint, settings={**settings.to_dict(), "jobs": jobs, "backend": backend,
                                                        "seconds": round(time.perf_counter() - started, 1)},
+                          runtime=RuntimeSettings(chat=settings.chat, max_draft_len=settings.max_draft_len,
+                                                  cascade_max_draft_len=settings.cascade_max_draft_len,
+                                                  pld_draft_len=settings.pld_draft_len),
                           cost_model=costs, domains=dprof, global_set=glob, index=index,
                           created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), version=__version__)
         save_profile(profile, out)
@@ -756,22 +759,67 @@ def calibrate(model_spec: str, domains: dict[str, list[str]], out: str | Path,
     return profile
 
 
-def _domain_profile(r: dict) -> DomainProfile:
-    return DomainProfile(
-        name=r["name"], skip=SkipSet.from_text(r["skip"]) if r["skip"] else SkipSet((), ()), draft_len=int(r["draft_len"]),
-        pays=bool(r["pays"]), prompts=int(r["prompts"]), anchors=int(r["anchors"]),
-        estimated_matchness=float(r["estimated_matchness"]), estimated_draft_cost=float(r["estimated_draft_cost"]),
-        estimated_speedup=float(r["estimated_speedup"]), measured_acceptance=r["measured_acceptance"],
-        measured_speedup=r["measured_speedup"], measured_mean_accepted=r["measured_mean_accepted"],
-        trials=int(r["trials"]), candidates=tuple(r["candidates"]), method=r.get("method", ""),
-        pld_speedup=r.get("pld_speedup"), pld_acceptance=r.get("pld_acceptance"),
-        pld_draft_len=int(r.get("pld_draft_len", DEFAULT_PLD_DRAFT_LEN)),
-        extra={**({"token_acceptance": r["token_acceptance"]} if r.get("token_acceptance") else {}),
-               **({"cascade": r["cascade_stats"]} if r.get("cascade_stats") else {}),
-               **({"vocab": r["vocab_stats"]} if r.get("vocab_stats") else {}),
-               **({"verify": r["verify"], "verify_context": r["verify_context"]} if r.get("verify") else {})},
-        cascade=CascadeConfig.from_dict(r["cascade"]) if r.get("cascade") else None,
-        cascade_speedup=r.get("cascade_speedup"),
+def _measurement(rec: dict, role: str) -> Measurement:
+    """A timed record of :func:`measure_candidates` as a typed :class:`Measurement`."""
+    cascade = None
+    if rec.get("method") == "cascade":
+        cascade = CascadeConfig(split=int(rec["split"]), draft_len=int(rec["draft_len"]), vertical=bool(rec["vertical"]),
+                                lenience=float(rec["lenience"]), min_prob=float(rec["min_prob"]),
+                                max_split=max(int(rec["split"]), 0))
+    return Measurement(
+        drafter=rec.get("method", "ssd"), role="recheck" if rec.get("recheck") else role, draft_len=int(rec["draft_len"]),
+        speedup=float(rec["measured_speedup"]), acceptance=float(rec["measured_acceptance"]),
+        token_acceptance=float(rec.get("token_acceptance", 0.0)), mean_accepted=float(rec["measured_mean_accepted"]),
+        ar_tokens_per_s=float(rec["ar_tokens_per_s"]), tokens_per_s=float(rec["ssd_tokens_per_s"]),
+        identical_outputs=int(rec["identical_outputs"]), prompts=int(rec["prompts"]), repeats=int(rec["repeats"]),
+        skip=str(rec.get("skip", "none")), estimated_acceptance=rec.get("matchness"),
+        estimated_draft_cost=rec.get("draft_cost"), estimated_speedup=rec.get("target"), cascade=cascade,
+        draft_vocab=rec.get("draft_vocab"))
+
+
+def _domain_profile(r: dict, s: CalibrationSettings) -> DomainRecord:
+    """The typed record of one domain from :func:`search_domain`'s result."""
+    tok = r.get("token_acceptance") or {}
+    stats = (r.get("cascade_stats") or {}).get("statistical")
+    vocab = r.get("vocab_stats") or {}
+    skip = SkipSet.from_text(r["skip"]) if r["skip"] else SkipSet((), ())
+    a_ssd = tok.get("ssd") if tok.get("ssd") is not None else (r["measured_acceptance"] or r["estimated_matchness"])
+    a_pld = tok.get("pld") if tok.get("pld") is not None else (r.get("pld_acceptance") or 0.5)
+    by_pos = tuple(stats["position_acceptance"]) if stats else ()
+    a_stat = stats["token_acceptance"] if stats else a_pld
+    reduced_cost = None
+    if vocab.get("draft_cost"):
+        costs = vocab["draft_cost"]
+        reduced_cost = r["estimated_draft_cost"] * costs[str(vocab["size"])] / costs[str(vocab["vocab_size"])]
+    method = r.get("method") or "ar"
+    fixed = {"ssd": int(r["draft_len"]), "pld": s.pld_draft_len,
+             "cascade": int(r["cascade"]["draft_len"]) if r.get("cascade") else s.pld_draft_len, "ar": 1}
+    speed = {"ssd": r["measured_speedup"], "pld": r.get("pld_speedup"), "cascade": r.get("cascade_speedup"), "ar": 1.0}
+    roles = []
+    for rec in r["candidates"]:
+        roles.append(_measurement(rec, "lookup" if rec.get("method") == "pld" else "candidate"))
+    if r.get("cascade_stats"):
+        roles.append(_measurement(r["cascade_stats"]["timed"], "cascade"))
+    if vocab.get("timed"):
+        roles.append(_measurement(vocab["timed"], "vocab"))
+    return DomainRecord(
+        name=r["name"], prompts=int(r["prompts"]), anchors=int(r["anchors"]),
+        decision=Decision(method, fixed[method], float(speed[method] if speed[method] is not None else 1.0)),
+        layer_skip=SkipSearch(skip, int(r["draft_len"]), float(r["estimated_matchness"]),
+                              float(r["estimated_draft_cost"]), float(r["estimated_speedup"]), int(r["trials"])),
+        priors=Priors(layer_skip=Prior(min(max(float(a_ssd), 0.0), 1.0), float(r["estimated_draft_cost"])),
+                      lookup=Prior(float(a_pld), STAT_DRAFT_COST),
+                      statistical=Prior(float(a_stat), STAT_DRAFT_COST, by_pos),
+                      reduced_head_cost=reduced_cost),
+        verify=tuple(r.get("verify") or (1.0,)), verify_context=int(r.get("verify_context", 0)),
+        cascade=CascadeConfig.from_dict(r["cascade"]) if r.get("cascade") else CascadeConfig(
+            split=0, draft_len=s.pld_draft_len, max_split=0),
+        statistical=StatisticalAcceptance.from_dict(stats) if stats else None,
+        vocab=VocabChoice(size=int(vocab["size"]), vocab_size=int(vocab["vocab_size"]), draft_len=int(vocab["draft_len"]),
+                          coverage={str(k): float(v) for k, v in vocab["coverage"].items()},
+                          draft_cost=vocab["draft_cost"], estimate=vocab["estimate"],
+                          full_estimate=float(vocab["full_estimate"]), use=bool(r.get("reduced_vocab")))
+        if vocab else None,
+        measurements=tuple(roles),
         bigram=BigramTable(*r["bigram"]) if r.get("bigram") is not None else None,
-        reduced_vocab=bool(r.get("reduced_vocab")),
         draft_vocab=np.asarray(r["draft_vocab"]) if r.get("draft_vocab") is not None else None)
