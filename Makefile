@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -20,8 +20,14 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/adaptive demo
 
-test: install
+test: install  # everything, as CI runs it: the fast tier, the embedded-model tests and the slow ones
+	$(BIN)/python -m pytest -q -m ""
+
+test-fast: install  # the fast default tier, for iteration (a plain `pytest` runs the same)
 	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check adaptive tests benchmarks examples
 
 bench: install
 	$(BIN)/python benchmarks/engine_bench.py

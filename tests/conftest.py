@@ -10,6 +10,34 @@ import torch
 
 from adaptive.models import LoadedModel
 
+# -- test tiers ------------------------------------------------------------------------------------
+# A plain `pytest` runs the fast tier (pyproject's addopts deselect `slow` and `embedded`); `make test`
+# (what CI runs) runs everything. `embedded` is added here to every test that loads the embedded
+# model; `slow` to the tests below (subprocess kills, a dask cluster, long end-to-end runs).
+SLOW = {
+    "tests/calibrate/test_faults.py": None,  # None: every test of the module
+    "tests/calibrate/test_runner.py": {"test_dask_backend_on_a_local_cluster"},
+}
+EMBEDDED_FIXTURES = {"embedded_fp32", "embedded_bf16"}
+
+
+def pytest_collection_modifyitems(config, items):
+    seen = set()
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        name = item.originalname if hasattr(item, "originalname") else item.name
+        if path in SLOW and (SLOW[path] is None or name in SLOW[path]):
+            item.add_marker(pytest.mark.slow)
+            seen.add((path, None if SLOW[path] is None else name))
+        if EMBEDDED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.embedded)
+    if len(items) > 50:  # a whole-suite collection: every entry of SLOW must still name a test
+        wanted = {(p, None) if names is None else (p, n) for p, names in SLOW.items() for n in (names or [None])}
+        missing = wanted - seen
+        if missing and not config.getoption("-k") and not config.getoption("markexpr"):
+            raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {sorted(missing)}")
+
+
 CHARS = string.ascii_lowercase + string.digits + " .,:;!?'\n"
 SPECIALS = ["<unk>", "<s>", "</s>"]
 

@@ -244,6 +244,8 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{pj}: no schema_version")
     if version > SCHEMA_VERSION:
         raise ProfileError(f"{pj}: schema version {version} is newer than this adaptive reads ({SCHEMA_VERSION}); upgrade adaptive")
+    if version < 1:
+        raise ProfileError(f"{pj}: unknown schema version {version}")
     if version < SCHEMA_VERSION:
         raise ProfileError(f"{pj}: schema version {version} was written by an earlier adaptive and is not read any more; "
                            f"calibrate again (adaptive calibrate ... --out {path})")
