@@ -16,11 +16,11 @@ from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
 from adaptive.models import DEFAULT_MODEL
 from adaptive.runtime import AdaptiveRuntime
-from adaptive.runtime.policies import POLICIES
+from adaptive.runtime.policies import DISTILLED, POLICIES
 
-# early-exit and draft-model draft with parts `adaptive distill` trains and stores in a profile:
-# they are `generate --profile DIR --policy early-exit|draft-model`
-DECODE_DRAFTERS = {k: v for k, v in DRAFTERS.items() if k not in ("early-exit", "draft-model")}
+# the distilled drafters draft with parts `adaptive distill` trains and stores in a profile:
+# `generate --profile DIR --policy early-exit|draft-model` decodes with them
+DECODE_DRAFTERS = {k: v for k, v in DRAFTERS.items() if k not in DISTILLED}
 
 stream_option = click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 
@@ -66,7 +66,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
     lm = load(model_spec, device, dtype)
     skip.validate_for(lm.n_layers)
     items = Engine(lm).stream(prompt, cfg, drafter=build_drafter(spec, lm.backbone), chat=False if raw else None)
-    result = _print_stream(items, lm, stream, as_json)
+    result = _print_stream(items, lm, stream, as_json, {})
     if not as_json:
         s = result.stats
         info(f"[{drafter}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
@@ -116,7 +116,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
                                       device=device, dtype=None if dtype == "auto" else dtype,
                                       reduced_vocab=not full_vocab, bandit=not fixed_draft_len)
     items = rt.stream(prompt, policy=policy, **sampling)
-    result = _print_stream(items, rt.lm, stream, as_json)
+    result = _print_stream(items, rt.lm, stream, as_json, {"policy": policy})
     if as_json:
         return
     s = result.stats
@@ -130,8 +130,9 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
          + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}")
 
 
-def _print_stream(items, lm, stream: bool, as_json: bool):
-    """Print text deltas (``--stream``), then the text or the JSON object; return the result."""
+def _print_stream(items, lm, stream: bool, as_json: bool, extra: dict):
+    """Print text deltas (``--stream``), then the text or the JSON object (the result's, ``extra``,
+    the model's name and dtype); return the result."""
     result = None
     for item in items:
         if isinstance(item, str):
@@ -140,7 +141,7 @@ def _print_stream(items, lm, stream: bool, as_json: bool):
         else:
             result = item
     if as_json:
-        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
+        echo_json({**result.to_dict(), **extra, "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
     elif stream:
         click.echo()
     else:
