@@ -42,7 +42,8 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @dtype_option
 @device_option
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default="report.json", show_default=True)
-@click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None, help="Also write a Markdown table.")
+@click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None,
+              help="Also write a Markdown table.")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
 @quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,

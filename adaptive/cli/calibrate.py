@@ -7,8 +7,9 @@ import click
 from adaptive.calibrate.runner import BACKENDS, CalibrationSettings, calibrate
 from adaptive.calibrate.search import SPACES
 from adaptive.calibrate.sources import read_prompt_rows
-from adaptive.cli.common import (Command, NameEqualsPath, SizeList, command, device_option, domain_prompts, dtype_option,
-                                 echo_json, info, json_option, load, model_option, profile_model, quiet_option)
+from adaptive.cli.common import (Command, NameEqualsPath, SizeList, command, device_option, domain_prompts,
+                                 dtype_option, echo_json, info, json_option, load, model_option, profile_model,
+                                 quiet_option)
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.profile import SCHEMA_VERSION, load_profile, profile_json
 from adaptive.runtime import AdaptiveRuntime
@@ -50,7 +51,8 @@ def summary_table(profile) -> str:
 ))
 @model_option
 @click.option("--domains", "domain_args", multiple=True, type=NameEqualsPath(),
-              help="A domain's prompts (JSONL with prompt/turns/text, or .txt); repeatable. Default: the built-in domains.")
+              help="A domain's prompts (JSONL with prompt/turns/text, or .txt); repeatable. "
+                   "Default: the built-in domains.")
 @click.option("--out", "out_dir", default="adaptive-profile", show_default=True, type=click.Path(file_okay=False),
               help="Profile directory to write (atomically).")
 @click.option("--quick", is_flag=True, help="Fewer prompts, trials and tokens: a few minutes on 2 CPU cores.")
@@ -121,8 +123,10 @@ def profile_show(directory, as_json):
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
                + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))))
-    click.echo(f"routing {len(p.index.labels)} anchors, k={p.index.k}, out-of-domain beyond {p.index.ood_threshold:.3f}")
-    click.echo(f"search  {s.get('space')} space, {s.get('trials')} trials, seed {s.get('seed')}, {s.get('seconds')} s\n")
+    click.echo(f"routing {len(p.index.labels)} anchors, k={p.index.k}, "
+               f"out-of-domain beyond {p.index.ood_threshold:.3f}")
+    click.echo(f"search  {s.get('space')} space, {s.get('trials')} trials, seed {s.get('seed')}, "
+               f"{s.get('seconds')} s\n")
     click.echo(summary_table(p))
     click.echo("\nskip sets:")
     for r in p.summary_rows():
@@ -144,7 +148,8 @@ def profile_show(directory, as_json):
 @click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False), help="Profile directory.")
 @click.option("--data", "data_file", type=click.Path(dir_okay=False), default=None,
               help="Prompt file (JSONL or .txt) instead of PROMPT.")
-@click.option("--k", "k", type=click.IntRange(min=1), default=None, help="Neighbours that vote (default: the profile's).")
+@click.option("--k", "k", type=click.IntRange(min=1), default=None,
+              help="Neighbours that vote (default: the profile's).")
 @model_option
 @dtype_option
 @device_option

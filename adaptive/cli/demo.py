@@ -36,11 +36,13 @@ DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first 
     "adaptive demo --profile my-profile --json",
 ))
 @model_option
-@click.option("--profile", "profile_dir", default="adaptive-profile", show_default=True, type=click.Path(file_okay=False),
+@click.option("--profile", "profile_dir", default="adaptive-profile", show_default=True,
+              type=click.Path(file_okay=False),
               help="Profile to reuse, or to write with a quick calibration when absent.")
 @click.option("--recalibrate", is_flag=True, help="Calibrate even when --profile already holds a profile.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs per method (median).")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed runs per method (median).")
 @dtype_option
 @device_option
 @quiet_option
@@ -108,14 +110,15 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     where = "out-of-domain: global set" if decision.route.out_of_domain else f"domain {decision.route.domain}"
     skip_text = best.skip.to_text()
     how = {"ssd": f" (skip {skip_text}, draft length {best.draft_len})",
-           "pld": f" (prompt lookup, draft length {profile.runtime.pld_draft_len}: it measured faster than the best skip"
-                  f" set {skip_text})",
+           "pld": f" (prompt lookup, draft length {profile.runtime.pld_draft_len}: it measured faster than the "
+                  f"best skip set {skip_text})",
            "cascade": (" (the cascade: prompt lookup and the domain's bigram table"
                        + (f" after {applied.cascade.split} layer-skip position(s)" if applied.cascade.split else "")
                        + f"; it measured fastest, {applied.decision.speedup:.2f}x at calibration)"),
            "ar": f" (no drafter measured faster than plain decoding there; best skip set {skip_text})"}
     click.echo(f"routed to {where}; the profile decodes it with {decision.drafter}" + how.get(decision.drafter, ""))
-    click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, median of {repeats} interleaved runs")
+    click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, "
+               f"median of {repeats} interleaved runs")
     click.echo(f"  ar     : {med['ar']:.1f} tok/s")
     for m in methods:
         if m == "ar":

@@ -28,7 +28,8 @@ EARLY_EXIT = "early-exit"
                    "(a spec as for --model) sharing the target's tokenizer, fine-tuned whole.")
 @click.option("--exit-layer", type=int, default=None, help="Layers the early-exit drafter runs [half the model's].")
 @click.option("--data", "data", multiple=True, type=NameEqualsPath(bare=True),
-              help="Prompts to train on, one domain per file (JSONL or .txt); repeatable. Default: the built-in domains.")
+              help="Prompts to train on, one domain per file (JSONL or .txt); repeatable. "
+                   "Default: the built-in domains.")
 @click.option("--divergence", type=click.Choice(DIVERGENCES), default=DIVERGENCES[0], show_default=True,
               help="Token-level loss between p (target) and q (drafter); tvd bounds acceptance directly.")
 @click.option("--jsd-beta", type=float, default=0.5, show_default=True, help="beta of the generalised JSD.")
@@ -36,7 +37,8 @@ EARLY_EXIT = "early-exit"
               show_default=True,
               help="fixed: the prompt text; teacher: the target's greedy continuations; on-policy: the drafter's own "
                    "samples, scored by the target; mixed: half and half.")
-@click.option("--steps", type=int, default=300, show_default=True, help="Optimiser steps (0: store the untrained drafter).")
+@click.option("--steps", type=int, default=300, show_default=True,
+              help="Optimiser steps (0: store the untrained drafter).")
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--batch-size", type=int, default=64, show_default=True,
               help="Token positions per step (early-exit) or sequences per step (draft model).")
@@ -90,4 +92,5 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     click.echo(f"  held-out greedy agreement   {b['greedy']:.3f} -> {a['greedy']:.3f}")
     click.echo(f"  held-out sampling acceptance {b['sampling']:.3f} -> {a['sampling']:.3f}")
     click.echo(f"  draft cost per token: {d['draft_cost']:.2f} of a full step")
-    click.echo(f"stored in {d['profile']}" + (f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"))
+    curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
+    click.echo(f"stored in {d['profile']}{curves}")
