@@ -11,8 +11,9 @@ from adaptive.cli.common import (Command, NameEqualsPath, SizeList, command, dev
                                  dtype_option, echo_json, info, json_option, load, model_option, profile_model,
                                  quiet_option)
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
+from adaptive.engine.engine import Engine
+from adaptive.index.router import route_prompt
 from adaptive.profile import SCHEMA_VERSION, load_profile, profile_json
-from adaptive.runtime import AdaptiveRuntime
 
 SUMMARY_COLUMNS = {  # header -> (summary_rows() key, decimals or None)
     "domain": ("domain", None), "prompts": ("prompts", None), "anchors": ("anchors", None),
@@ -160,16 +161,18 @@ def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, device, as_j
         raise click.UsageError("give either PROMPT or --data FILE")
     p = load_profile(profile_dir)
     spec, dt = profile_model(p, model_spec, dtype)
-    rt = AdaptiveRuntime(p, load(spec, device, dt))  # refuses a model the profile was not calibrated for
+    lm = load(spec, device, dt)
+    p.check_model(lm.fingerprint())
+    engine = Engine(lm)
     rows = read_prompt_rows(data_file) if data_file else [{"prompt": prompt}]
     for row in rows:
-        r = rt.route(row["prompt"], k=k) if k is not None else rt.route(row["prompt"])
+        r = route_prompt(p, engine, row["prompt"], k)
         if as_json:
             extra = {"category": row["category"]} if "category" in row else {}
             echo_json({"domain": r.route.domain, **extra, **r.to_dict(), "prompt": row["prompt"][:200]})
             continue
         where = "out-of-domain: global set" if r.route.out_of_domain else f"domain {r.route.domain}"
-        how = f"skip {r.skip}, " if r.drafter in LAYER_SKIP_DRAFTERS and r.skip else ""
+        how = f"skip {r.skip_text}, " if r.drafter in LAYER_SKIP_DRAFTERS else ""
         click.echo(f"{row['prompt'][:70]!r}")
         click.echo(f"  -> {where}; decode with {r.drafter} ({how}draft length {r.draft_len})")
         click.echo("  nearest: " + ", ".join(f"{dom} {dist:.3f}" for dom, dist in r.route.neighbours))

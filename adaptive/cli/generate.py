@@ -66,7 +66,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
     lm = load(model_spec, device, dtype)
     skip.validate_for(lm.n_layers)
     items = Engine(lm).stream(prompt, cfg, drafter=build_drafter(spec, lm.backbone), chat=False if raw else None)
-    result = _print_stream(items, lm, stream, as_json, {})
+    result = _print_stream(items, lm, stream, as_json)
     if not as_json:
         s = result.stats
         info(f"[{drafter}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
@@ -116,7 +116,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
                                       device=device, dtype=None if dtype == "auto" else dtype,
                                       reduced_vocab=not full_vocab, bandit=not fixed_draft_len)
     items = rt.stream(prompt, policy=policy, **sampling)
-    result = _print_stream(items, rt.lm, stream, as_json, {"policy": policy})
+    result = _print_stream(items, rt.lm, stream, as_json)
     if as_json:
         return
     s = result.stats
@@ -130,9 +130,9 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
          + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}")
 
 
-def _print_stream(items, lm, stream: bool, as_json: bool, extra: dict):
-    """Print text deltas (``--stream``), then the text or the JSON object (the result's, ``extra``,
-    the model's name and dtype); return the result."""
+def _print_stream(items, lm, stream: bool, as_json: bool):
+    """Print text deltas (``--stream``), then the text or the JSON object (the result's, with the
+    model's name and dtype); return the result."""
     result = None
     for item in items:
         if isinstance(item, str):
@@ -141,7 +141,7 @@ def _print_stream(items, lm, stream: bool, as_json: bool, extra: dict):
         else:
             result = item
     if as_json:
-        echo_json({**result.to_dict(), **extra, "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
+        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
     elif stream:
         click.echo()
     else:

@@ -48,7 +48,7 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
     assert len(lines) == 3
     for line, row in zip(lines, rows):
         assert line["category"] == row["category"]
-        assert "domain" in line and line["neighbours"] and line["drafter"] in DECISIONS
+        assert "domain" in line and line["neighbours"] and line["decision"] in DECISIONS
         assert line["domain"] in (*TINY_DOMAINS, None)
     one, _ = run_ok(capsys, "route", "--profile", str(out_dir), "--model", str(tiny_model_dir), "hello friend",
                     "--dtype", "float32")
