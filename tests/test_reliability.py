@@ -52,8 +52,9 @@ def _other_model(tmp):
 
 
 CAL = ["calibrate", "--quick", "--prompts-per-domain", "3", "--trials", "2", "--dtype", "float32", "--quiet"]
-GEN = ["generate", "abc", "--dtype", "float32", "--max-new-tokens", "4", "--method", "ar"]
-SSD = ["generate", "abc", "--dtype", "float32", "--max-new-tokens", "4"]
+GEN = ["generate", "abc", "--dtype", "float32", "--max-new-tokens", "4", "--policy", "ar"]  # with --profile
+DEC = ["decode", "abc", "--dtype", "float32", "--max-new-tokens", "4", "--drafter", "ar"]
+SSD = ["decode", "abc", "--dtype", "float32", "--max-new-tokens", "4"]
 DIS = ["distill", "--dtype", "float32", "--quiet", "--steps", "2"]
 
 # id -> (argv builder (tmp, model_dir, tiny_profile) -> argv, expected text in the message)
@@ -77,10 +78,10 @@ CASES = {
                                                    *_domains(t, math=("".join(json.dumps({"prompt": "a" * 600}) + "\n"
                                                                               for _ in range(3))).encode())],
                                   "domain 'math', prompt 1"),
-    "prompt-too-long-generate": (lambda t, m, p: ["generate", "x" * 600, "--model", m, "--dtype", "float32",
-                                                  "--method", "ar"],
+    "prompt-too-long-generate": (lambda t, m, p: ["decode", "x" * 600, "--model", m, "--dtype", "float32",
+                                                  "--drafter", "ar"],
                                  "the model's context is 512"),
-    "model-unknown": (lambda t, m, p: [*GEN, "--model", str(t / "no-such-model")], "cannot load model"),
+    "model-unknown": (lambda t, m, p: [*DEC, "--model", str(t / "no-such-model")], "cannot load model"),
     "profile-other-model": (lambda t, m, p: [*GEN, "--profile", str(p), "--model", _other_model(t)], "calibrated for"),
     "profile-missing": (lambda t, m, p: [*GEN, "--model", m, "--profile", str(t / "nope")], "no such profile"),
     "profile-newer-schema": (lambda t, m, p: [*GEN, "--model", m, "--profile", _damaged_profile(
@@ -99,11 +100,11 @@ CASES = {
         p, t, lambda d: _edit_json(d, lambda x: x["domains"]["math"]["skip"].update(attn=[99])))], "malformed"),
     "skip-set-out-of-range": (lambda t, m, p: [*SSD, "--model", m, "--skip-attn", "40"], "has 4 layers"),
     "skip-set-malformed": (lambda t, m, p: [*SSD, "--model", m, "--skip-attn", "1,x"], "cannot read"),
-    "max-new-tokens-zero": (lambda t, m, p: ["generate", "abc", "--model", m, "--max-new-tokens", "0"], "max_new_tokens"),
-    "max-new-tokens-negative": (lambda t, m, p: ["generate", "abc", "--model", m, "--max-new-tokens", "-3"], "max_new_tokens"),
-    "temperature-negative": (lambda t, m, p: [*GEN, "--model", m, "--temperature", "-0.5"], "temperature"),
-    "top-p-zero": (lambda t, m, p: [*GEN, "--model", m, "--top-p", "0"], "top_p"),
-    "top-p-above-one": (lambda t, m, p: [*GEN, "--model", m, "--top-p", "1.5"], "top_p"),
+    "max-new-tokens-zero": (lambda t, m, p: ["decode", "abc", "--model", m, "--max-new-tokens", "0"], "max_new_tokens"),
+    "max-new-tokens-negative": (lambda t, m, p: ["decode", "abc", "--model", m, "--max-new-tokens", "-3"], "max_new_tokens"),
+    "temperature-negative": (lambda t, m, p: [*DEC, "--model", m, "--temperature", "-0.5"], "temperature"),
+    "top-p-zero": (lambda t, m, p: [*DEC, "--model", m, "--top-p", "0"], "top_p"),
+    "top-p-above-one": (lambda t, m, p: [*DEC, "--model", m, "--top-p", "1.5"], "top_p"),
     "draft-len-zero": (lambda t, m, p: [*SSD, "--model", m, "--skip-attn", "1", "--draft-len", "0"], "draft_len"),
     "jobs-zero": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--jobs", "0"], "jobs"),
     "jobs-more-than-tasks": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--jobs", "9"], "use at most 4"),
@@ -118,7 +119,7 @@ CASES = {
     "bench-no-distilled-drafter": (lambda t, m, p: ["bench", "--data", str(t / "math.jsonl"), "--model", m, "--profile",
                                                     str(p), "--methods", "ar,early-exit", *_touch_data(t)],
                                    "no distilled early-exit drafter"),
-    "generate-no-distilled-drafter": (lambda t, m, p: [*SSD, "--model", m, "--profile", str(p), "--method", "early-exit"],
+    "generate-no-distilled-drafter": (lambda t, m, p: [*GEN[:-2], "--model", m, "--profile", str(p), "--policy", "early-exit"],
                                       "no distilled early-exit drafter"),
     "distill-profile-missing": (lambda t, m, p: [*DIS, "--model", m, "--profile", str(t / "nope")], "no such profile"),
     "distill-profile-other-model": (lambda t, m, p: [*DIS, "--model", _other_model(t), "--profile", str(p)],

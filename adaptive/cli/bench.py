@@ -7,17 +7,30 @@ from pathlib import Path
 
 import click
 
-from adaptive.cli.common import device_option, dtype_option, load, model_option, profile_model
+from adaptive.bench.data import load_bench_prompts
+from adaptive.bench.report import markdown, plot
+from adaptive.bench.runner import BENCH_METHODS, DISTILLED_KIND, BenchSettings, run_bench
+from adaptive.cli.common import (NameList, command, device_option, dtype_option, info, load, model_option,
+                                 profile_model, quiet_option)
+from adaptive.profile import load_profile
+
+DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 
 
-@click.command("bench")
-@click.option("--data", "data_file", required=True, type=click.Path(),
+@command("bench", examples=(
+    "adaptive bench --data prompts.jsonl --methods ar,hf,pld",
+    "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,hf-pld,knn-ssd,cascade --skip-first 16",
+    "adaptive bench --data prompts.jsonl --profile my-profile --methods ar,early-exit,early-exit-fixed "
+    "--markdown report.md --plot report.png",
+), terms=("Methods (* needs --profile)", {m.name + (" *" if m.needs_profile else ""): m.description
+                                         for m in BENCH_METHODS.values()}))
+@click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
               help="Spec-Bench JSONL (question_id, category, turns) or prompt JSONL (prompt, optional category).")
-@click.option("--profile", "profile_dir", type=click.Path(), default=None, help="Profile for ssd-static, knn-ssd and the cascade methods.")
+@click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
+              help="Profile for the methods marked * below.")
 @model_option
-@click.option("--methods", default="ar,hf,ssd-static,knn-ssd", show_default=True,
-              help="Comma-separated: ar, hf, hf-pld, hf-early-exit, pld, ssd-static, knn-ssd, knn-ssd-fixed, cascade, "
-                   "cascade-fixed.")
+@click.option("--methods", type=NameList(BENCH_METHODS, noun="method"), default=",".join(DEFAULT_METHODS),
+              show_default=True, help=f"Comma-separated, any of: {', '.join(BENCH_METHODS)} (ar is always run).")
 @click.option("--per-category", type=int, default=None, help="First N prompts of each group.")
 @click.option("--skip-first", type=int, default=0, show_default=True,
               help="Leave out the first N of each group (e.g. the prompts a profile was calibrated on).")
@@ -29,20 +42,16 @@ from adaptive.cli.common import device_option, dtype_option, load, model_option,
 @dtype_option
 @device_option
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default="report.json", show_default=True)
-@click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None, help="Also write a Markdown table.")
+@click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None,
+              help="Also write a Markdown table.")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
               max_new_tokens, warmup, threads, dtype, device, out_json, out_md, out_png, quiet):
     """Measure speedup, acceptance and equality with ar per group, for each method."""
-    from adaptive.bench.data import load_bench_prompts
-    from adaptive.bench.report import markdown, plot
-    from adaptive.bench.runner import DISTILLED_KIND, NEEDS_PROFILE, BenchSettings, parse_methods, run_bench
-    from adaptive.profile import load_profile
-
-    method_list = parse_methods(methods)
+    method_list = ["ar", *(m for m in methods if m != "ar")]  # ar first: the reference
     settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads)
-    needs = [m for m in method_list if m in NEEDS_PROFILE]
+    needs = [m for m in method_list if BENCH_METHODS[m].needs_profile]
     if needs and not profile_dir:
         raise click.UsageError(f"method(s) {', '.join(needs)} need --profile DIR (from adaptive calibrate)")
     prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
@@ -66,5 +75,4 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
         plot(report["results"], method_list, out_png, title=f"{lm.name} ({report['model']['dtype']}), "
              f"{max_new_tokens} new tokens, speedup over ar")
     click.echo(table)
-    click.echo(f"report written to {out_json}" + (f", {out_md}" if out_md else "") + (f", {out_png}" if out_png else ""),
-               err=True)
+    info(f"report written to {out_json}" + (f", {out_md}" if out_md else "") + (f", {out_png}" if out_png else ""))

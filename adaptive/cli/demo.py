@@ -10,43 +10,45 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import click
 
-from adaptive.cli.common import device_option, dtype_option, echo_json, json_option, load, model_option
+from adaptive.calibrate.prompts import builtin_domains
+from adaptive.calibrate.runner import CalibrationSettings, calibrate
+from adaptive.cli.calibrate import summary_table
+from adaptive.cli.common import (command, device_option, dtype_option, echo_json, info, json_option, load, model_option,
+                                 quiet_option)
+from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.engine.audit import audit_divergence
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine
+from adaptive.profile import ProfileError, load_profile
+from adaptive.runtime import AdaptiveRuntime
 
 DEMO_DOMAIN = "math"
 DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first N calibration uses
 
 
-@click.command("demo")
+@command("demo", examples=(
+    "adaptive demo",
+    "adaptive demo --recalibrate --max-new-tokens 128 --repeats 5",
+    "adaptive demo --profile my-profile --json",
+))
 @model_option
-@click.option("--profile", "profile_dir", default="adaptive-profile", show_default=True, type=click.Path(file_okay=False),
+@click.option("--profile", "profile_dir", default="adaptive-profile", show_default=True,
+              type=click.Path(file_okay=False),
               help="Profile to reuse, or to write with a quick calibration when absent.")
 @click.option("--recalibrate", is_flag=True, help="Calibrate even when --profile already holds a profile.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per method (median).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed runs per method (median).")
 @dtype_option
 @device_option
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@quiet_option
 @json_option
 def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtype, device, quiet, as_json):
     """Calibrate on the built-in domains (quick), then route and decode a prompt and print the speedup."""
-    from pathlib import Path
-
-    from adaptive.calibrate.prompts import builtin_domains
-    from adaptive.calibrate.runner import CalibrationSettings, calibrate
-    from adaptive.cli.calibrate import summary_table
-    from adaptive.engine.audit import audit_divergence
-    from adaptive.engine.config import GenerationConfig
-    from adaptive.engine.engine import Engine
-    from adaptive.runtime import AdaptiveRuntime
-    from adaptive.profile import ProfileError, load_profile
-
-    if repeats < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--repeats")
-    if max_new_tokens < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--max-new-tokens")
     lm = load(model_spec, device, dtype)
     profile = None
     if (Path(profile_dir) / "profile.json").exists() and not recalibrate:
@@ -55,7 +57,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
             profile.check_model(lm.fingerprint())
         except ProfileError as exc:
             raise ProfileError(f"{exc}; pass --recalibrate to replace it") from None
-        click.echo(f"reusing the profile in {profile_dir} (--recalibrate to redo it)", err=True)
+        info(f"reusing the profile in {profile_dir} (--recalibrate to redo it)")
     if profile is None:
         domains = builtin_domains()
         click.echo(f"calibrating on {len(domains)} built-in domains (quick preset) ...", err=True)
@@ -69,13 +71,14 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     prompt = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
     decision = runtime.route(prompt)
     applied = profile.domain(decision.route.domain)
-    skip = applied.skip
+    best = applied.layer_skip  # the domain's best skip set, whatever it decodes with
     engine.generate(prompt, GenerationConfig(max_new_tokens=8))  # warm-up
-    runs = {"ar": lambda: engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens), method="ar"),
+    runs = {"ar": lambda: engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens)),
             "routed": lambda: runtime.generate(prompt, max_new_tokens=max_new_tokens)}
-    if decision.method != "ssd" and skip:  # show what the domain's skip set would have done anyway
-        ssd_cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=applied.draft_len)
-        runs["ssd"] = lambda: engine.generate(prompt, ssd_cfg, method="ssd", skip=skip)
+    if decision.drafter != "ssd" and best.skip:  # show what the domain's skip set would have done anyway
+        ssd = build_drafter(DrafterSpec("ssd", skip=best.skip), lm.backbone)
+        ssd_cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=best.draft_len)
+        runs["ssd"] = lambda: engine.generate(prompt, ssd_cfg, drafter=ssd)
     methods = list(runs)
     tps = {m: [] for m in methods}
     results = {}
@@ -105,15 +108,17 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     click.echo(f"prompt ({DEMO_DOMAIN}, not used for calibration): {prompt}\n")
     click.echo(results["routed"].text.strip() + "\n")
     where = "out-of-domain: global set" if decision.route.out_of_domain else f"domain {decision.route.domain}"
-    how = {"ssd": f" (skip {applied.skip.to_text()}, draft length {applied.draft_len})",
-           "pld": f" (prompt lookup, draft length {applied.pld_draft_len}: it measured faster than the best skip set"
-                  f" {applied.skip.to_text()})",
-           "cascade": (f" (the cascade: prompt lookup and the domain's bigram table"
-                       + (f" after {applied.cascade.split} layer-skip position(s)" if applied.cascade and applied.cascade.split
-                          else "") + f"; it measured fastest, {applied.cascade_speedup:.2f}x at calibration)"),
-           "ar": f" (no drafter measured faster than plain decoding there; best skip set {applied.skip.to_text()})"}
-    click.echo(f"routed to {where}; the profile decodes it with {decision.method}" + how[decision.method])
-    click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, median of {repeats} interleaved runs")
+    skip_text = best.skip.to_text()
+    how = {"ssd": f" (skip {skip_text}, draft length {best.draft_len})",
+           "pld": f" (prompt lookup, draft length {profile.runtime.pld_draft_len}: it measured faster than the "
+                  f"best skip set {skip_text})",
+           "cascade": (" (the cascade: prompt lookup and the domain's bigram table"
+                       + (f" after {applied.cascade.split} layer-skip position(s)" if applied.cascade.split else "")
+                       + f"; it measured fastest, {applied.decision.speedup:.2f}x at calibration)"),
+           "ar": f" (no drafter measured faster than plain decoding there; best skip set {skip_text})"}
+    click.echo(f"routed to {where}; the profile decodes it with {decision.drafter}" + how.get(decision.drafter, ""))
+    click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, "
+               f"median of {repeats} interleaved runs")
     click.echo(f"  ar     : {med['ar']:.1f} tok/s")
     for m in methods:
         if m == "ar":

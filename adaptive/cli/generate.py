@@ -1,107 +1,138 @@
-"""``adaptive generate PROMPT``: decode one prompt with ar, ssd, pld or cascade, or through a profile."""
+"""``adaptive decode PROMPT`` (the engine, with a drafter you choose) and ``adaptive generate
+PROMPT --profile DIR`` (the runtime: the profile routes the prompt and chooses the drafter).
+
+The two paths take different options, so that no invalid combination parses: ``decode`` has the
+drafter and its skip set, ``generate`` the profile and the routing policy.
+"""
 
 from __future__ import annotations
 
 import click
 
-from adaptive.cli.common import device_option, dtype_option, echo_json, json_option, load, model_option
+from adaptive.cli.common import (LayerList, command, device_option, dtype_option, echo_json, info, json_option, load,
+                                 model_option, sampling_config, sampling_options)
+from adaptive.drafters.factory import DRAFTERS, LAYER_SKIP_DRAFTERS, DrafterSpec, build_drafter
+from adaptive.engine.engine import Engine
+from adaptive.engine.skip import SkipSet
+from adaptive.models import DEFAULT_MODEL
+from adaptive.runtime import AdaptiveRuntime
+from adaptive.runtime.policies import DISTILLED, POLICIES
+
+# the distilled drafters draft with parts `adaptive distill` trains and stores in a profile:
+# `generate --profile DIR --policy early-exit|draft-model` decodes with them
+DECODE_DRAFTERS = {k: v for k, v in DRAFTERS.items() if k not in DISTILLED}
+
+stream_option = click.option("--stream", is_flag=True, help="Print text as it is accepted.")
 
 
-@click.command("generate")
+@command("decode", examples=(
+    'adaptive decode "Write a haiku about rain" --drafter ssd --skip-attn 4,7,9,20,25 --skip-mlp 22',
+    'adaptive decode "def fib(n):" --raw --drafter pld --draft-len 6 --stream',
+    'adaptive decode "Summarise: ..." --drafter cascade --skip-attn 10-14 --json',
+    'adaptive decode "Tell me a story" --drafter ar --temperature 0.8 --top-p 0.95 --seed 1',
+), terms=("Drafters", DECODE_DRAFTERS), hints={
+    "--profile": "decoding through a profile is `adaptive generate PROMPT --profile DIR`",
+    "--policy": "a routing --policy needs --profile: use `adaptive generate PROMPT --profile DIR --policy NAME`",
+    "--full-vocab": "a reduced draft vocabulary comes from a profile: `adaptive generate --profile DIR --full-vocab`",
+    "--method": "choose the drafter with --drafter",
+})
 @click.argument("prompt")
 @model_option
-@click.option("--profile", "profile_dir", type=click.Path(), default=None,
-              help="Calibration profile: route the prompt to its domain's skip set (the runtime).")
-@click.option("--method", type=click.Choice(["ar", "ssd", "pld", "cascade", "knn-ssd", "knn-skip", "early-exit",
-                                            "draft-model", "ssd-static"]),
-              default=None,
-              help="ar: plain; ssd: self-speculative with the given skip set; pld: prompt lookup; cascade: prompt lookup "
-                   "under one layer-skip position (with a skip set) or alone; with --profile: knn-ssd (routed, the "
-                   "default), cascade (the domain's cascade and bigram table), knn-skip (the domain's skip set, always), "
-                   "early-exit / draft-model (the drafter `adaptive distill` stored in the profile) "
-                   "or ssd-static (the profile's global skip set).  [default: ssd, or knn-ssd with --profile]")
-@click.option("--full-vocab", is_flag=True,
-              help="With --profile: draft with the full LM head even where the domain has a reduced draft vocabulary.")
-@click.option("--skip-attn", default="", help="Attention sublayers to skip while drafting, e.g. 3,5,10-14.")
-@click.option("--skip-mlp", default="", help="MLP sublayers to skip while drafting.")
+@click.option("--drafter", type=click.Choice(list(DECODE_DRAFTERS)), default="ssd", show_default=True,
+              help="What drafts (below); ssd needs a skip set.")
+@click.option("--skip-attn", type=LayerList(), default="", help="Attention sublayers skipped while drafting (ssd, "
+              "cascade), e.g. 3,5,10-14.")
+@click.option("--skip-mlp", type=LayerList(), default="", help="MLP sublayers skipped while drafting (ssd, cascade).")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Most tokens drafted per step.")
-@click.option("--confidence", type=float, default=None, help="Stop drafting below this draft top probability.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@sampling_options
 @click.option("--raw", is_flag=True, help="Encode the prompt as raw text, without the chat template.")
 @dtype_option
 @device_option
-@click.option("--stream", is_flag=True, help="Print text as it is accepted.")
+@stream_option
 @json_option
-def generate_cmd(prompt, model_spec, profile_dir, method, skip_attn, skip_mlp, draft_len, confidence, max_new_tokens,
-                 temperature, top_p, top_k, seed, stop, raw, dtype, device, stream, as_json, full_vocab):
-    """Decode PROMPT and print the text (or, with --json, text, token_ids and stats)."""
-    from adaptive.engine.config import GenerationConfig
-    from adaptive.engine.engine import Engine
-    from adaptive.engine.skip import SkipSet, parse_layer_list
+def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, device, stream, as_json,
+               **sampling):
+    """Decode PROMPT with the drafter you choose (no profile) and print the text.
 
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                           seed=seed, stop=tuple(stop), draft_len=draft_len, confidence_threshold=confidence)
-    skip = SkipSet(parse_layer_list(skip_attn), parse_layer_list(skip_mlp))
-    method = method or ("knn-ssd" if profile_dir else "ssd")
-    if profile_dir:
-        return _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json,
-                                bool(skip_attn or skip_mlp), full_vocab)
-    if full_vocab:
-        raise click.UsageError("--full-vocab needs --profile (without one the full head is always used)")
-    if method in ("knn-ssd", "knn-skip", "ssd-static", "early-exit", "draft-model"):
-        raise click.UsageError(f"--method {method} needs --profile")
-    if method == "ssd" and not skip:
-        raise click.UsageError("--method ssd needs a skip set: give --skip-attn and/or --skip-mlp")
+    The output is what plain decoding (`--drafter ar`) gives, token for token when greedy. With
+    --json: one object with text, token_ids, finish_reason, drafter and stats.
+    """
+    cfg = sampling_config(sampling, draft_len=draft_len)
+    skip = SkipSet(skip_attn, skip_mlp)
+    if skip and drafter not in LAYER_SKIP_DRAFTERS:
+        raise click.UsageError(f"--skip-attn/--skip-mlp are for --drafter {' or '.join(LAYER_SKIP_DRAFTERS)}, "
+                               f"not {drafter}")
+    spec = DrafterSpec(drafter, skip=skip or None)  # before the model loads: `ssd` without a skip set is an error
     lm = load(model_spec, device, dtype)
     skip.validate_for(lm.n_layers)
-    engine = Engine(lm)
-    result = _print_stream(engine.stream(prompt, cfg, method=method, skip=skip if method in ("ssd", "cascade") else None,
-                                         chat=False if raw else None), lm, stream, as_json)
-    if as_json:
-        return
-    s = result.stats
-    click.echo(f"[{method}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
-               f"{s.mean_accepted_tokens:.2f} tokens/step", err=True)
+    items = Engine(lm).stream(prompt, cfg, drafter=build_drafter(spec, lm.backbone), chat=False if raw else None)
+    result = _print_stream(items, lm, stream, as_json)
+    if not as_json:
+        s = result.stats
+        info(f"[{drafter}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
+             f"{s.mean_accepted_tokens:.2f} tokens/step")
 
 
-def _generate_routed(prompt, model_spec, profile_dir, method, cfg, raw, dtype, device, stream, as_json, has_skip,
-                     full_vocab=False):
-    """``generate --profile``: the runtime routes the prompt and picks skip set and draft lengths."""
-    from adaptive.models import DEFAULT_MODEL
-    from adaptive.runtime import AdaptiveRuntime
+@command("generate", examples=(
+    'adaptive generate "Integrate x^2 from 0 to 3" --profile my-profile',
+    'adaptive generate "Summarise: ..." --profile my-profile --policy cascade --stream',
+    'adaptive generate "What is 17 * 23?" --profile my-profile --policy early-exit --json',
+    'adaptive generate "Fix this bug: ..." --profile my-profile --fixed-draft-len --full-vocab',
+), terms=("Policies", {name: p.description for name, p in POLICIES.items()}), hints={
+    "--profile": "without a profile, `adaptive decode PROMPT --drafter ...` decodes with a drafter you choose",
+    "--skip-attn": "the skip set comes from the profile (`adaptive decode --skip-attn` takes one)",
+    "--skip-mlp": "the skip set comes from the profile (`adaptive decode --skip-mlp` takes one)",
+    "--draft-len": "draft lengths come from the profile (`--fixed-draft-len`: calibration's, no bandit)",
+    "--drafter": "the drafter comes from the profile; choose how the prompt is routed with --policy",
+    "--raw": "with a profile the prompt is encoded as at calibration (`adaptive decode --raw` takes raw text)",
+    "--method": "choose the routing with --policy",
+})
+@click.argument("prompt")
+@click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
+              help="Calibration profile (`adaptive calibrate`) that routes the prompt.")
+@click.option("--policy", type=click.Choice(list(POLICIES)), default="knn-ssd", show_default=True,
+              help="How the prompt is routed to a drafter (below).")
+@click.option("--full-vocab", is_flag=True,
+              help="Draft with the full LM head even where the domain has a reduced draft vocabulary.")
+@click.option("--fixed-draft-len", is_flag=True,
+              help="Draft calibration's fixed draft length instead of Thompson-sampling it.")
+@model_option
+@sampling_options
+@dtype_option
+@device_option
+@stream_option
+@json_option
+def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model_spec, dtype, device, stream, as_json,
+                 **sampling):
+    """Decode PROMPT through a profile (the runtime) and print the text.
 
-    if method in ("ssd", "pld") or has_skip:
-        raise click.UsageError("with --profile the skip set comes from the profile: use --method knn-ssd, cascade, "
-                               "knn-skip, early-exit, draft-model, ssd-static or ar")
-    if raw:
-        raise click.UsageError("with --profile the prompt is encoded as at calibration; --raw does not apply")
-    click.echo(f"loading profile {profile_dir} ...", err=True)
+    The prompt is routed to its domain (or out-of-domain: the global record), which says what
+    drafts and how long. With --json: one object with the text, token_ids, stats, the route, the
+    domain applied, the drafter and its draft lengths.
+    """
+    sampling_config(sampling)  # validated before the model loads
+    info(f"loading profile {profile_dir} ...")
     rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
                                       device=device, dtype=None if dtype == "auto" else dtype,
-                                      reduced_vocab=not full_vocab)
-    items = rt.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                      top_k=cfg.top_k, stop=cfg.stop, seed=cfg.seed, method=method,
-                      confidence_threshold=cfg.confidence_threshold)
+                                      reduced_vocab=not full_vocab, bandit=not fixed_draft_len)
+    items = rt.stream(prompt, policy=policy, **sampling)
     result = _print_stream(items, rt.lm, stream, as_json)
     if as_json:
         return
     s = result.stats
     where = "out-of-domain (global set)" if result.domain is None else f"domain {result.domain}"
-    click.echo(f"[{method}] {where}, decoded with {result.decision}"
-               + (f" (skip {result.skip}, draft lengths {dict(sorted(result.draft_lengths.items()))})"
-                  if result.decision in ("ssd", "cascade") and result.skip else "")
-               + (f" (draft lengths {dict(sorted(result.draft_lengths.items()))})"
-                  if result.decision in ("early-exit", "draft-model") else "")
-               + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}", err=True)
+    how = []
+    if result.skip and result.drafter in LAYER_SKIP_DRAFTERS:
+        how.append(f"skip {result.skip}")
+    if result.draft_lengths:
+        how.append(f"draft lengths {dict(sorted(result.draft_lengths.items()))}")
+    info(f"[{policy}] {where}, decoded with {result.drafter}" + (f" ({', '.join(how)})" if how else "")
+         + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}")
 
 
 def _print_stream(items, lm, stream: bool, as_json: bool):
-    """Print text deltas (``--stream``), then the text or the JSON object; return the result."""
+    """Print text deltas (``--stream``), then the text or the JSON object (the result's, with the
+    model's name and dtype); return the result."""
     result = None
     for item in items:
         if isinstance(item, str):

@@ -8,25 +8,27 @@ import click
 
 from adaptive.cli.bench import bench_cmd
 from adaptive.cli.calibrate import calibrate_cmd, profile_group, route_cmd
-from adaptive.cli.generate import generate_cmd
 from adaptive.cli.demo import demo_cmd
 from adaptive.cli.distill import distill_cmd
+from adaptive.cli.generate import decode_cmd, generate_cmd
 from adaptive.errors import AdaptiveError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="adaptive")
 def cli() -> None:
-    """Adaptive, domain-aware self-speculative decoding."""
+    """Adaptive, domain-aware self-speculative decoding.
+
+    \b
+    adaptive demo                                  calibrate (quick), route a prompt, print the speedup
+    adaptive decode PROMPT --drafter ssd ...       decode with a drafter you choose (no profile)
+    adaptive calibrate --domains NAME=PATH ...     find the best drafter per domain: a profile
+    adaptive generate PROMPT --profile DIR         decode through a profile (routed)
+    """
 
 
-cli.add_command(generate_cmd)
-cli.add_command(demo_cmd)
-cli.add_command(calibrate_cmd)
-cli.add_command(profile_group)
-cli.add_command(route_cmd)
-cli.add_command(bench_cmd)
-cli.add_command(distill_cmd)
+for command in (demo_cmd, decode_cmd, calibrate_cmd, generate_cmd, route_cmd, profile_group, bench_cmd, distill_cmd):
+    cli.add_command(command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,9 +24,9 @@ def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_pro
     out = tmp_path / "report.json"
     md, png = tmp_path / "report.md", tmp_path / "report.png"
     table, err = run_ok(capsys, "bench", "--data", str(data_file), "--profile", str(tiny_profile), "--model",
-                        str(tiny_model_dir), "--methods", "ar,hf,hf-pld,hf-early-exit,pld,ssd-static,knn-ssd,knn-ssd-fixed,"
-                        "cascade,cascade-fixed", "--max-new-tokens", "10", "--dtype", "float32", "--out", str(out), "--markdown", str(md),
-                        "--plot", str(png), "--quiet")
+                        str(tiny_model_dir), "--methods", "ar,hf,hf-pld,hf-early-exit,pld,ssd-static,knn-ssd,"
+                        "knn-ssd-fixed,cascade,cascade-fixed", "--max-new-tokens", "10", "--dtype", "float32",
+                        "--out", str(out), "--markdown", str(md), "--plot", str(png), "--quiet")
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "model", "settings", "methods", "results", "runs"}
     assert report["machine"]["torch"] and report["machine"]["threads"] >= 1

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from adaptive.profile import DECISIONS, SCHEMA_VERSION
 from tests.cli.test_generate_cli import run, run_ok
 from tests.conftest import TINY_DOMAINS
 
@@ -32,10 +33,10 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
 
     shown, _ = run_ok(capsys, "profile", "show", str(out_dir), "--json")
     data = json.loads(shown)
-    assert data["schema_version"] == 1 and sorted(data["domains"]) == sorted(TINY_DOMAINS)
+    assert data["schema_version"] == SCHEMA_VERSION and sorted(data["domains"]) == sorted(TINY_DOMAINS)
     assert data["settings"]["trials"] == 3 and data["settings"]["vocab_sizes"] == [16, 32]
     text, _ = run_ok(capsys, "profile", "show", str(out_dir))
-    assert "skip sets:" in text and "anchors" in text
+    assert "skip sets:" in text and "anchors" in text and f"schema {SCHEMA_VERSION}" in text
 
     # --data with --json: one object per line with the domain and the input's category
     data_file = tmp_path / "mixed.jsonl"
@@ -47,7 +48,7 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
     assert len(lines) == 3
     for line, row in zip(lines, rows):
         assert line["category"] == row["category"]
-        assert "domain" in line and line["neighbours"] and line["method"] in ("ar", "ssd", "pld", "cascade")
+        assert "domain" in line and line["neighbours"] and line["decision"] in DECISIONS
         assert line["domain"] in (*TINY_DOMAINS, None)
     one, _ = run_ok(capsys, "route", "--profile", str(out_dir), "--model", str(tiny_model_dir), "hello friend",
                     "--dtype", "float32")

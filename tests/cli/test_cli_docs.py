@@ -38,3 +38,14 @@ def test_every_option_is_documented(name):
     documented = set(re.findall(r"`(--[a-z][a-z0-9-]*)", text))
     unknown = sorted(documented - options - {"--help"})
     assert not unknown, f"adaptive {name}: docs/cli.md documents options that do not exist: {unknown}"
+
+
+def test_every_name_of_each_vocabulary_is_documented():
+    from adaptive.bench.runner import BENCH_METHODS
+    from adaptive.cli.generate import DECODE_DRAFTERS
+    from adaptive.runtime.policies import POLICIES
+
+    for command, names in (("decode", DECODE_DRAFTERS), ("generate", POLICIES), ("bench", BENCH_METHODS)):
+        text = _section(command)
+        missing = [n for n in names if f"`{n}`" not in text and f"{n}\\|" not in text and f"|{n}`" not in text]
+        assert not missing, f"adaptive {command}: docs/cli.md does not name {missing}"

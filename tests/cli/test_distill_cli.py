@@ -39,8 +39,8 @@ def test_distill_then_generate_and_bench(capsys, tiny_model_dir, tiny_profile, f
 
     gen = ["generate", "what is 2 plus 5? answer:", "--model", str(tiny_model_dir), "--profile", str(prof),
            "--max-new-tokens", "12", "--dtype", "float32", "--json"]
-    ee, _ = run_ok(capsys, *gen, "--method", "early-exit")
-    ar, _ = run_ok(capsys, *gen, "--method", "ar")
+    ee, _ = run_ok(capsys, *gen, "--policy", "early-exit")
+    ar, _ = run_ok(capsys, "decode", *gen[1:4], "--drafter", "ar", *gen[6:])
     assert json.loads(ee)["token_ids"] == json.loads(ar)["token_ids"]
     assert json.loads(ee)["decision"] == "early-exit"
 

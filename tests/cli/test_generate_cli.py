@@ -3,6 +3,7 @@ import json
 import pytest
 
 from adaptive.cli.main import main
+from adaptive.profile import DECISIONS
 
 
 def run(capsys, *args):
@@ -21,25 +22,27 @@ def run_ok(capsys, *args):
     return out.out, out.err
 
 
-def test_generate_json(capsys, tiny_model_dir):
-    out, _ = run_ok(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--method", "ssd", "--skip-attn", "1-2",
+def test_decode_json(capsys, tiny_model_dir):
+    out, _ = run_ok(capsys, "decode", "abc", "--model", str(tiny_model_dir), "--drafter", "ssd", "--skip-attn", "1-2",
                     "--max-new-tokens", "12", "--dtype", "float32", "--json")
     obj = json.loads(out)
-    assert set(obj) >= {"text", "token_ids", "stats", "skip"}
+    assert set(obj) >= {"text", "token_ids", "stats", "drafter"}
     assert obj["stats"]["steps"] >= 1 and 1 <= len(obj["token_ids"]) <= 12
-    ar, _ = run_ok(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--method", "ar",
+    assert obj["stats"]["drafted"] >= 1  # ssd drafted
+    ar, _ = run_ok(capsys, "decode", "abc", "--model", str(tiny_model_dir), "--drafter", "ar",
                    "--max-new-tokens", "12", "--dtype", "float32", "--json")
     assert json.loads(ar)["token_ids"] == obj["token_ids"]
 
 
-def test_generate_stream_prints_text(capsys, tiny_model_dir):
-    out, err = run_ok(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--method", "ar", "--stream",
+def test_decode_stream_prints_text(capsys, tiny_model_dir):
+    out, err = run_ok(capsys, "decode", "abc", "--model", str(tiny_model_dir), "--drafter", "ar", "--stream",
                       "--max-new-tokens", "10", "--dtype", "float32")
     assert "tok/s" in err and out.strip() != ""
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--method", "ssd"], "needs a skip set"),
+    (["--drafter", "ssd"], "skip set"),
+    (["--drafter", "pld", "--skip-attn", "1"], "--skip-attn/--skip-mlp are for --drafter ssd or cascade"),
     (["--skip-attn", "1,x"], "cannot read"),
     (["--skip-attn", "40"], "has 4 layers"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
@@ -47,18 +50,18 @@ def test_generate_stream_prints_text(capsys, tiny_model_dir):
     (["--top-p", "1.5"], "top_p"),
     (["--draft-len", "0"], "draft_len"),
 ])
-def test_generate_errors_are_one_line(capsys, tiny_model_dir, args, message):
-    code, out, err = run(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
+def test_decode_errors_are_one_line(capsys, tiny_model_dir, args, message):
+    code, out, err = run(capsys, "decode", "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
     assert code != 0
-    assert message in err
-    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err
 
 
-def test_generate_cascade_without_a_profile(capsys, tiny_model_dir):
-    ar, _ = run_ok(capsys, "generate", "ab ab ab ab", "--model", str(tiny_model_dir), "--method", "ar",
+def test_decode_cascade(capsys, tiny_model_dir):
+    ar, _ = run_ok(capsys, "decode", "ab ab ab ab", "--model", str(tiny_model_dir), "--drafter", "ar",
                    "--max-new-tokens", "12", "--dtype", "float32", "--json")
     for skip in ([], ["--skip-attn", "1"]):
-        out, _ = run_ok(capsys, "generate", "ab ab ab ab", "--model", str(tiny_model_dir), "--method", "cascade",
+        out, _ = run_ok(capsys, "decode", "ab ab ab ab", "--model", str(tiny_model_dir), "--drafter", "cascade",
                         *skip, "--max-new-tokens", "12", "--dtype", "float32", "--json")
         obj = json.loads(out)
         assert obj["token_ids"] == json.loads(ar)["token_ids"]
@@ -66,7 +69,7 @@ def test_generate_cascade_without_a_profile(capsys, tiny_model_dir):
 
 
 def test_unknown_model_is_clear(capsys, tmp_path):
-    code, _, err = run(capsys, "generate", "abc", "--model", str(tmp_path / "nope"), "--method", "ar")
+    code, _, err = run(capsys, "decode", "abc", "--model", str(tmp_path / "nope"), "--drafter", "ar")
     assert code == 1 and "cannot load model" in err and "tried" in err
 
 
@@ -74,16 +77,16 @@ def test_generate_with_a_profile_routes_and_is_lossless(capsys, tiny_model_dir, 
     out, err = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
                       str(tiny_profile), "--max-new-tokens", "12", "--dtype", "float32", "--json")
     obj = json.loads(out)
-    assert obj["method"] == "knn-ssd" and "route" in obj and obj["decision"] in ("ar", "ssd", "pld", "cascade")
-    ar, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--method", "ar",
+    assert obj["policy"] == "knn-ssd" and "route" in obj and obj["decision"] in DECISIONS
+    ar, _ = run_ok(capsys, "decode", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--drafter", "ar",
                    "--max-new-tokens", "12", "--dtype", "float32", "--json")
     assert json.loads(ar)["token_ids"] == obj["token_ids"]
     static, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
-                       str(tiny_profile), "--method", "ssd-static", "--max-new-tokens", "12", "--dtype", "float32",
+                       str(tiny_profile), "--policy", "ssd-static", "--max-new-tokens", "12", "--dtype", "float32",
                        "--json")
     assert json.loads(static)["applied"] == "global"
     casc, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
-                     str(tiny_profile), "--method", "cascade", "--max-new-tokens", "12", "--dtype", "float32", "--json")
+                     str(tiny_profile), "--policy", "cascade", "--max-new-tokens", "12", "--dtype", "float32", "--json")
     casc = json.loads(casc)
     assert casc["decision"] == "cascade" and casc["drafter"]["name"] == "cascade"
     assert casc["token_ids"] == obj["token_ids"]
@@ -92,12 +95,15 @@ def test_generate_with_a_profile_routes_and_is_lossless(capsys, tiny_model_dir, 
     assert "decoded with" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--method", "knn-ssd"], "needs --profile"),
-    (["--profile", "PROFILE", "--skip-attn", "1"], "comes from the profile"),
-    (["--profile", "PROFILE", "--raw"], "--raw"),
+@pytest.mark.parametrize("command, args, message", [
+    ("decode", ["--policy", "knn-ssd"], "needs --profile"),
+    ("decode", ["--profile", "PROFILE"], "adaptive generate PROMPT --profile DIR"),
+    ("generate", [], "Missing option '--profile'"),
+    ("generate", ["--profile", "PROFILE", "--skip-attn", "1"], "comes from the profile"),
+    ("generate", ["--profile", "PROFILE", "--raw"], "--raw"),
+    ("generate", ["--profile", "PROFILE", "--drafter", "ssd"], "--policy"),
 ])
-def test_generate_profile_option_errors(capsys, tiny_model_dir, tiny_profile, args, message):
+def test_profile_options_belong_to_generate(capsys, tiny_model_dir, tiny_profile, command, args, message):
     args = [str(tiny_profile) if a == "PROFILE" else a for a in args]
-    code, _, err = run(capsys, "generate", "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
-    assert code != 0 and message in err
+    code, _, err = run(capsys, command, "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
