@@ -14,7 +14,6 @@ from adaptive.engine.skip import SkipSetError, parse_layer_list
 from adaptive.models import DEFAULT_MODEL, load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 # -- the command class -------------------------------------------------------------------------
@@ -105,6 +104,19 @@ class NameEqualsPath(click.ParamType):
         return name, Path(path)
 
 
+class Device(click.ParamType):
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (a GPU by index)."""
+
+    name = "auto|cpu|cuda[:N]"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip().lower()
+        kind, sep, index = text.partition(":")
+        if text in ("auto", "cpu", "cuda") or (kind == "cuda" and sep and index.isdigit()):
+            return text
+        self.fail(f"{value!r} is not auto, cpu, cuda or cuda:N", param, ctx)
+
+
 class SizeList(click.ParamType):
     """``2048,4096`` -> ``(2048, 4096)``; ``none`` -> ``()``."""
 
@@ -167,8 +179,8 @@ model_option = click.option("--model", "model_spec", default=DEFAULT_MODEL, show
                             help="smollm2-135m, a .gguf file, a local HF directory, or a cached hub id.")
 dtype_option = click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
                             help="auto: bf16 where the CPU/GPU computes it natively (with a profile: its dtype).")
-device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
-                             help="auto: CUDA when present, else the CPU.")
+device_option = click.option("--device", type=Device(), default="auto", show_default=True,
+                             help="auto: CUDA when present, else the CPU; cuda:N picks a GPU.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 quiet_option = click.option("--quiet", is_flag=True, help="No progress bars.")
 

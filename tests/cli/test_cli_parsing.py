@@ -8,7 +8,7 @@ import click
 import pytest
 
 from adaptive.bench.runner import BENCH_METHODS
-from adaptive.cli.common import LayerList, NameEqualsPath, NameList, SizeList
+from adaptive.cli.common import Device, LayerList, NameEqualsPath, NameList, SizeList
 from adaptive.cli.generate import DECODE_DRAFTERS
 from adaptive.cli.main import cli
 from adaptive.drafters.factory import DRAFTERS
@@ -157,3 +157,11 @@ def test_top_level_help_names_the_two_decoding_commands(capsys):
     text = _help(capsys)
     assert "adaptive decode PROMPT" in text and "adaptive generate PROMPT --profile DIR" in text
     assert set(cli.commands) >= {"decode", "generate", "calibrate", "route", "profile", "bench", "distill", "demo"}
+
+
+def test_device_type():
+    t = Device()
+    assert [t.convert(v, None, None) for v in ("auto", "CPU", "cuda", "cuda:1")] == ["auto", "cpu", "cuda", "cuda:1"]
+    for bad in ("tpu", "cuda:", "cuda:x", "cpu:0"):
+        with pytest.raises(click.BadParameter):
+            t.convert(bad, None, None)
