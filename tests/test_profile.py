@@ -5,7 +5,9 @@ import shutil
 
 import pytest
 
-from adaptive.profile import SCHEMA_VERSION, ProfileError, load_profile, save_profile
+from dataclasses import replace
+
+from adaptive.profile import SCHEMA_VERSION, DomainRecord, ProfileError, load_profile, profile_json, save_profile
 from tests.conftest import TINY_DOMAINS
 
 
@@ -20,22 +22,23 @@ def test_profile_round_trip(prof, tmp_path):
     p = load_profile(prof)
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     assert p.global_set.name == "global"
-    assert p.n_layers == 4 and p.model["dtype"] == "float32"
+    assert p.n_layers == 4 and p.model.dtype == "float32"
     for name, d in p.domains.items():
-        assert d.prompts == 4 and d.anchors == 2 and d.trials == 6
-        assert d.draft_len >= 1 and d.decision in ("ar", "ssd", "pld", "cascade")
-        assert d.measured_speedup is not None and d.measured_speedup > 0
-        speed = {"ssd": d.measured_speedup, "pld": d.pld_speedup, "cascade": d.cascade_speedup}
-        best = max(speed, key=speed.get)
-        assert d.decision == ("ar" if speed[best] < 1.02 else best)
+        assert isinstance(d, DomainRecord) and d.name == name
+        assert d.prompts == 4 and d.anchors == 2 and d.layer_skip.trials == 6
+        assert d.layer_skip.draft_len >= 1 and d.decision.drafter in ("ar", "ssd", "pld", "cascade")
+        assert all(m.speedup > 0 for m in d.measurements)
     assert sorted(set(p.index.labels)) == sorted(TINY_DOMAINS)
-    for d in [*p.domains.values(), p.global_set]:  # the cascade: a config, a timing, a bigram table
-        assert d.cascade is not None and d.cascade.draft_len >= 1 and d.cascade_speedup > 0
+    for d in [*p.domains.values(), p.global_set]:  # the cascade: a plan, a timing, a bigram table
+        assert d.cascade.draft_len >= 1 and [m.role for m in d.measurements].count("cascade") == 1
         assert d.bigram is not None and len(d.bigram) > 0
-        assert 0.0 <= d.extra["cascade"]["statistical"]["token_acceptance"] <= 1.0
+        assert 0.0 <= d.statistical.token_acceptance <= 1.0
+        assert d.verify_table(20)[0] == d.verify[0] and len(d.verify_table(20)) == 21
     again = save_profile(p, tmp_path / "copy")
     q = load_profile(again)
-    assert q.to_dict() == p.to_dict()
+    assert profile_json(q) == profile_json(p)
+    assert q.domains == p.domains and q.global_set == p.global_set and q.runtime == p.runtime
+    assert q.model == p.model and q.cost_model == p.cost_model
     assert any(d.draft_vocab is not None for d in p.domains.values())
     for name, d in p.domains.items():  # reduced vocabularies round-trip
         if d.draft_vocab is not None:
@@ -49,7 +52,7 @@ def test_profile_round_trip(prof, tmp_path):
 def test_save_replaces_a_profile_atomically_and_refuses_other_directories(prof, tmp_path):
     p = load_profile(prof)
     save_profile(p, prof)  # replace in place
-    assert load_profile(prof).to_dict() == p.to_dict()
+    assert profile_json(load_profile(prof)) == profile_json(p)
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".p.")]  # no temporary left behind
     other = tmp_path / "other"
     other.mkdir()
@@ -61,11 +64,11 @@ def test_save_replaces_a_profile_atomically_and_refuses_other_directories(prof, 
 
 def test_profile_for_another_model_is_refused(prof):
     p = load_profile(prof)
-    p.check_model(dict(p.model))
+    p.check_model(replace(p.model, name="renamed", spec="elsewhere", dtype="bfloat16"))  # the same weights
+    with pytest.raises(ProfileError, match="calibrated for .* not for the loaded model 'other'"):
+        p.check_model(replace(p.model, weights_hash="0000", name="other"))
     with pytest.raises(ProfileError, match="calibrated for"):
-        p.check_model({**p.model, "weights_hash": "0000", "name": "other"})
-    with pytest.raises(ProfileError, match="n_layers"):
-        p.check_model({**p.model, "n_layers": 30})
+        p.check_model(replace(p.model, n_layers=30))
 
 
 def _edit(prof, fn):
@@ -88,6 +91,12 @@ def _edit(prof, fn):
     ("missing_vocab", "vocab.npz: missing"),
     ("bad_vocab_size", "vocab.npz: unreadable or inconsistent"),
     ("bad_skip", "malformed"),
+    ("schema_1", "schema version 1 was written by an earlier adaptive.*calibrate again"),
+    ("bad_decision", r"malformed .*domain math\.decision\.drafter: expected a string"),
+    ("unknown_decision", "malformed .*a domain decodes with one of ar, ssd, pld, cascade, got 'fast'"),
+    ("bad_prior", r"malformed .*domain math\.priors\.layer_skip: missing field acceptance"),
+    ("unknown_field", r"malformed .*domain math: unknown field\(s\) pays"),
+    ("bad_measurement", r"malformed .*domain chat\.measurements\[0\]\.speedup: expected a number"),
     ("no_domain", "no domain entry"),
     ("not_dir", "is a directory"),
 ])
@@ -121,7 +130,19 @@ def test_damaged_profiles_are_clear_errors(prof, case, match):
             entry["draft_vocab"]["entries"] += 1
         _edit(prof, grow)
     elif case == "bad_skip":
-        _edit(prof, lambda d: d["domains"]["math"]["skip"].update(attn=[99]))
+        _edit(prof, lambda d: d["domains"]["math"]["layer_skip"]["skip"].update(attn=[99]))
+    elif case == "schema_1":
+        _edit(prof, lambda d: d.update(schema_version=1))
+    elif case == "bad_decision":
+        _edit(prof, lambda d: d["domains"]["math"]["decision"].update(drafter=3))
+    elif case == "unknown_decision":
+        _edit(prof, lambda d: d["domains"]["math"]["decision"].update(drafter="fast"))
+    elif case == "bad_prior":
+        _edit(prof, lambda d: d["domains"]["math"]["priors"]["layer_skip"].pop("acceptance"))
+    elif case == "unknown_field":
+        _edit(prof, lambda d: d["domains"]["math"].update(pays=True))
+    elif case == "bad_measurement":
+        _edit(prof, lambda d: d["domains"]["chat"]["measurements"][0].update(speedup="fast"))
     elif case == "no_domain":
         _edit(prof, lambda d: d["domains"].pop("math"))
     elif case == "not_dir":

@@ -97,7 +97,7 @@ CASES = {
     "profile-bigrams-corrupt": (lambda t, m, p: [*GEN, "--model", m, "--profile", _damaged_profile(
         p, t, lambda d: (d / "bigrams.npz").write_bytes(b"not a zip"))], "bigrams.npz: does not match its checksum"),
     "profile-skip-set-invalid": (lambda t, m, p: [*GEN, "--model", m, "--profile", _damaged_profile(
-        p, t, lambda d: _edit_json(d, lambda x: x["domains"]["math"]["skip"].update(attn=[99])))], "malformed"),
+        p, t, lambda d: _edit_json(d, lambda x: x["domains"]["math"]["layer_skip"]["skip"].update(attn=[99])))], "malformed"),
     "skip-set-out-of-range": (lambda t, m, p: [*SSD, "--model", m, "--skip-attn", "40"], "has 4 layers"),
     "skip-set-malformed": (lambda t, m, p: [*SSD, "--model", m, "--skip-attn", "1,x"], "cannot read"),
     "max-new-tokens-zero": (lambda t, m, p: ["decode", "abc", "--model", m, "--max-new-tokens", "0"], "max_new_tokens"),

@@ -14,6 +14,7 @@ from typing import Sequence
 from adaptive.costs import STAT_DRAFT_COST, best_split, verify_table
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, build_bigram_table, statistical_draft
+from adaptive.profile import StatisticalAcceptance
 
 
 def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
@@ -28,13 +29,13 @@ def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
 
 def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int, min_count: int = 2,
                            min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True,
-                           table: BigramTable | None = None) -> dict:
+                           table: BigramTable | None = None) -> StatisticalAcceptance:
     """Teacher-forced acceptance of the statistical drafter on ``(prompt_ids, continuation_ids)`` pairs.
 
     ``bigram=True`` builds each sequence's table from the other sequences (leave one out) unless a
     fixed ``table`` (built from other text) is given; ``bigram=False``: prompt lookup alone.
 
-    Returns ``token_acceptance`` (accepted / (accepted + first rejections), the bandit's model),
+    Returns (a :class:`~adaptive.profile.StatisticalAcceptance`) ``token_acceptance`` (accepted / (accepted + first rejections), the bandit's model),
     ``position_acceptance`` (``[k]``: accepted / reached at each draft position), ``available``
     (share of positions with any proposal), ``accepted_per_step`` and ``drafted_per_step`` (means
     over all scored positions, a position without a proposal counting 0) and ``positions``. Positions whose
@@ -63,11 +64,12 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
                 accepted[j] += j < n
             ok += n
             rejections += n < len(proposal)
-    return {"token_acceptance": round(ok / (ok + rejections), 4) if ok + rejections else 0.0,
-            "position_acceptance": [round(a / r, 4) if r else 0.0 for a, r in zip(accepted, reached)],
-            "available": round(available / positions, 4) if positions else 0.0, "positions": positions,
-            "accepted_per_step": round(ok / positions, 4) if positions else 0.0,
-            "drafted_per_step": round(drafted / positions, 4) if positions else 0.0}
+    return StatisticalAcceptance(
+        token_acceptance=round(ok / (ok + rejections), 4) if ok + rejections else 0.0,
+        position_acceptance=tuple(round(a / r, 4) if r else 0.0 for a, r in zip(accepted, reached)),
+        available=round(available / positions, 4) if positions else 0.0, positions=positions,
+        accepted_per_step=round(ok / positions, 4) if positions else 0.0,
+        drafted_per_step=round(drafted / positions, 4) if positions else 0.0)
 
 
 def choose_cascade(stat_acceptance, layer_skip_acceptance: float, layer_skip_cost: float, verify: Sequence[float],

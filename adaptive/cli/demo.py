@@ -61,10 +61,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     if profile is None:
         domains = builtin_domains()
         click.echo(f"calibrating on {len(domains)} built-in domains (quick preset) ...", err=True)
-        from adaptive.calibrate import runner
-
-        runner._MODELS[runner._model_key(model_spec, device, dtype)] = lm  # reuse the loaded model
-        profile = calibrate(model_spec, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
+        profile = calibrate(lm, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
                             progress=not quiet, log=lambda m: click.echo(m, err=True))
     engine = Engine(lm)
     runtime = AdaptiveRuntime(profile, lm)

@@ -31,10 +31,16 @@ from typing import Callable
 
 import torch
 
+from adaptive.costs import measure_draft_cost
 from adaptive.distill.data import DATA_SOURCES, TrainSequence, continue_ids
 from adaptive.distill.divergences import DIVERGENCES, divergence, greedy_agreement, sampling_acceptance
 from adaptive.distill.students import Dataset, ExitStudent, ModelStudent, TargetHead
+from adaptive.drafters.model import check_same_tokenizer
+from adaptive.engine.engine import Engine, eos_ids
 from adaptive.errors import AdaptiveError, ConfigError
+from adaptive.limits import check_room
+from adaptive.profile import DistilledRecord, load_profile, save_profile
+from adaptive.workdir import WorkDir, atomic_write, checkpointed
 
 KINDS = ("early-exit", "draft-model")
 
@@ -117,23 +123,29 @@ def _digest(obj) -> str:
 
 
 def _save_torch(path: Path, obj) -> None:
-    from adaptive.calibrate.runner import _atomic_write
-
     buf = io.BytesIO()
     torch.save(obj, buf)
-    _atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 @dataclass
 class DistillResult:
+    """What :func:`distill` stored: the drafter's ``kind``, the ``profile`` directory, its typed
+    ``record`` (also in the profile) and the ``plot`` of its curves (``None`` without matplotlib)."""
+
     kind: str
     profile: Path
-    meta: dict
+    record: DistilledRecord
     plot: Path | None
 
+    @property
+    def meta(self) -> dict:
+        """The record as JSON (``before``, ``after``, ``draft_cost``, ...)."""
+        return self.record.to_dict()
+
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "profile": str(self.profile), "plot": str(self.plot) if self.plot else None,
-                **{k: v for k, v in self.meta.items() if k not in ("history", "config_json")}}
+        rec = {k: v for k, v in self.record.to_dict().items() if k != "history" and v is not None}
+        return {"kind": self.kind, "profile": str(self.profile), "plot": str(self.plot) if self.plot else None, **rec}
 
 
 def evaluate(student, ds: Dataset, head: TargetHead, cfg: DistillConfig, chunk: int = 256) -> dict:
@@ -188,6 +200,158 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path | None:
     return path
 
 
+def make_student(lm, cfg: DistillConfig, draft_lm=None):
+    """``(kind, student)``: the early-exit block over ``lm``'s first layers (``draft_lm`` ``None``), or
+    ``draft_lm`` as a separate draft model (float32, sharing the target's tokenizer)."""
+    if draft_lm is None:
+        exit_layer = cfg.exit_layer if cfg.exit_layer is not None else lm.n_layers // 2
+        if exit_layer >= lm.n_layers:
+            raise ConfigError(f"--exit-layer {exit_layer} leaves no layer to skip in a {lm.n_layers}-layer model")
+        return "early-exit", ExitStudent(lm, exit_layer)
+    check_same_tokenizer(lm.tokenizer, draft_lm.tokenizer, lm.backbone.vocab_size, draft_lm.backbone.vocab_size)
+    if draft_lm.dtype != torch.float32:
+        raise ConfigError("a draft model is trained in float32: load it with dtype float32")
+    return "draft-model", ModelStudent(draft_lm)
+
+
+def encode_prompts(lm, domains: dict[str, list[str]], cfg: DistillConfig, chat: bool | None):
+    """``(train, eval)`` prompts (:func:`split_prompts`), encoded as calibration encoded them; a
+    prompt without room for ``new_tokens`` in the model's context is refused."""
+    engine = Engine(lm)
+    encoded = {n: [engine.encode(p, chat=chat) for p in ps] for n, ps in domains.items()}
+    train_p, eval_p = split_prompts(encoded, cfg.prompts_per_domain, cfg.held_out)
+    used = {n: ids[: cfg.prompts_per_domain] for n, ids in encoded.items()}
+    check_room(used, cfg.new_tokens + 1, lm.backbone.max_positions, "distillation")
+    return train_p, eval_p
+
+
+def make_sequences(bb, cfg: DistillConfig, train_p, eval_p, eos: set[int], path: Path, log):
+    """``(teacher, held)``: the training sequences of the teacher/fixed data and the held-out
+    evaluation sequences (the target's greedy continuations), checkpointed at ``path``."""
+
+    def compute() -> dict:
+        log("generating the target's continuations of the prompts ...")
+        held = [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p)) for _, p in eval_p]
+        if cfg.steps == 0 or cfg.data_source == "on-policy":
+            teacher = []  # not trained on
+        elif cfg.data_source == "fixed":
+            teacher = [TrainSequence(tuple(p), 1) for _, p in train_p if len(p) > 1]
+        else:
+            teacher = [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p))
+                       for _, p in train_p]
+        return {"teacher": [s.to_list() for s in teacher], "eval": [s.to_list() for s in held]}
+
+    cached = checkpointed(path, compute)
+    return [TrainSequence.from_list(x) for x in cached["teacher"]], [TrainSequence.from_list(x) for x in cached["eval"]]
+
+
+class Training:
+    """The optimisation of one student: AdamW on the mean divergence, evaluation every ``eval_every``
+    steps, on-policy data resampled every ``refresh_every``, checkpoints every ``checkpoint_every``."""
+
+    def __init__(self, lm, student, cfg: DistillConfig, teacher: list[TrainSequence], held: list[TrainSequence],
+                 train_p, eos: set[int]):
+        self.bb, self.student, self.cfg = lm.backbone, student, cfg
+        self.teacher, self.train_p, self.eos = teacher, train_p, eos
+        self.head = TargetHead(self.bb)
+        self.eval_ds = Dataset.build(self.bb, held, student)
+        self.params = list(student.parameters())
+        for p in self.params:
+            p.requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.step, self.history, self.onpolicy, self.elapsed = 0, [], None, 0.0
+        self.needs_onpolicy = cfg.data_source in ("on-policy", "mixed") and cfg.steps > 0
+        self.ds = None
+
+    def start(self, ckpt: Path, log) -> None:
+        """Resume from ``ckpt`` when it exists (else evaluate the untrained student), then build the data."""
+        if ckpt.exists():
+            ck = torch.load(ckpt, weights_only=False)
+            self.student.load_state(ck["student"])
+            self.opt.load_state_dict(ck["optimizer"])
+            self.gen.set_state(ck["generator"])
+            self.step, self.history, self.elapsed = ck["step"], ck["history"], ck["elapsed"]
+            self.onpolicy = [TrainSequence.from_list(x) for x in ck["onpolicy"]] if ck["onpolicy"] is not None else None
+            log(f"resuming from step {self.step} of {self.cfg.steps} ({ckpt.parent})")
+        else:
+            self.history.append({"step": 0, **evaluate(self.student, self.eval_ds, self.head, self.cfg)})
+        if self.needs_onpolicy and self.onpolicy is None:
+            self.onpolicy = self._sample_onpolicy(self.step // self.cfg.refresh_every)
+        self.ds = Dataset.build(self.bb, self._train_set(), self.student) if self.cfg.steps > 0 else None
+
+    def _train_set(self) -> list[TrainSequence]:
+        if self.cfg.data_source in ("fixed", "teacher"):
+            return self.teacher
+        if self.cfg.data_source == "on-policy":
+            return self.onpolicy
+        return [t if i % 2 == 0 else o for i, (t, o) in enumerate(zip(self.teacher, self.onpolicy))]
+
+    def _sample_onpolicy(self, refresh: int) -> list[TrainSequence]:
+        cfg = self.cfg
+        g = torch.Generator(device=self.bb.device).manual_seed(cfg.seed * 100_003 + refresh)
+        return [TrainSequence(tuple(p + self.student.sample(p, cfg.new_tokens, g, cfg.temperature, self.eos)), len(p))
+                for _, p in self.train_p]
+
+    def _one_step(self) -> float:
+        cfg, step = self.cfg, self.step
+        refresh = step > 0 and step % cfg.refresh_every == 0 and self.history[-1].get("refreshed") != step
+        if self.needs_onpolicy and refresh:
+            self.onpolicy = self._sample_onpolicy(step // cfg.refresh_every)
+            self.ds = Dataset.build(self.bb, self._train_set(), self.student)
+            self.history.append({"step": step, "refreshed": step})
+        rows = self.student.draw(self.ds, self.gen, cfg.batch_size)
+        loss = divergence(cfg.divergence, self.head.logp(self.ds.h_target[rows]), self.student.logq(self.ds, rows),
+                          cfg.jsd_beta).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.step += 1
+        self.history.append({"step": self.step, "train_loss": round(float(loss.detach()), 5)})
+        return float(loss.detach())
+
+    def run(self, ckpt: Path, bar, on_step) -> None:
+        """Train up to ``steps``, evaluating and checkpointing on schedule; ``on_step(step)`` after each."""
+        cfg = self.cfg
+        t_run = time.perf_counter()
+        while self.step < cfg.steps:
+            loss = self._one_step()
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}")
+                bar.update(1)
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                self.history.append({"step": self.step, **evaluate(self.student, self.eval_ds, self.head, cfg)})
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                _save_torch(ckpt, {"student": self.student.state(), "optimizer": self.opt.state_dict(),
+                                   "generator": self.gen.get_state(), "step": self.step, "history": self.history,
+                                   "elapsed": self.elapsed + time.perf_counter() - t_run,
+                                   "onpolicy": None if self.onpolicy is None else [s.to_list() for s in self.onpolicy]})
+            if on_step is not None:
+                on_step(self.step)
+        self.elapsed += time.perf_counter() - t_run
+        for p in self.params:
+            p.requires_grad_(False)
+
+
+def _record(lm, kind: str, run: Training, train_p, eval_p, domains, seconds: float) -> DistilledRecord:
+    evals = [h for h in run.history if "greedy" in h]
+    return DistilledRecord(
+        kind=kind, model=lm.fingerprint(), acceptance=evals[-1]["greedy"], draft_cost=_draft_cost(lm, run.student),
+        **run.student.meta(), config=run.cfg.to_dict(), before=evals[0], after=evals[-1],
+        train_positions=run.ds.rows if run.ds else 0, eval_positions=run.eval_ds.rows, train_prompts=len(train_p),
+        eval_prompts=len(eval_p), domains=tuple(sorted(domains)), train_seconds=round(run.elapsed, 1),
+        seconds=round(seconds, 1), history=tuple(run.history), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def _store(lm, profile_dir: Path, record: DistilledRecord, weights: dict) -> None:
+    """Write the drafter into the profile as it is now (re-read: another writer may have changed it)."""
+    profile = load_profile(profile_dir)
+    profile.check_model(lm.fingerprint())
+    profile.distilled = {**profile.distilled, record.kind: record}
+    profile.distilled_weights = {**profile.distilled_weights, record.kind: weights}
+    save_profile(profile, profile_dir)
+
+
 def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: DistillConfig | None = None, *,
             draft_lm=None, resume: bool = False, progress: bool = True, plot: str | Path | None = None,
             log: Callable[[str], None] = lambda m: None,
@@ -198,175 +362,42 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
     sharing the target's tokenizer) is fine-tuned as a separate draft model. ``on_step(step)`` is
     called after every optimiser step (tests interrupt a run with it).
     """
-    from adaptive.calibrate.runner import WorkDir, _write_json, check_room
-    from adaptive.engine.engine import Engine, eos_ids
-    from adaptive.profile import load_profile, save_profile
-
     cfg = config or DistillConfig()
+    profile_dir = Path(profile_dir)
     profile = load_profile(profile_dir)
     profile.check_model(lm.fingerprint())
-    bb = lm.backbone
-    if draft_lm is None:
-        kind = "early-exit"
-        exit_layer = cfg.exit_layer if cfg.exit_layer is not None else lm.n_layers // 2
-        if exit_layer >= lm.n_layers:
-            raise ConfigError(f"--exit-layer {exit_layer} leaves no layer to skip in a {lm.n_layers}-layer model")
-        student = ExitStudent(lm, exit_layer)
-    else:
-        from adaptive.drafters.model import check_same_tokenizer
-
-        kind = "draft-model"
-        check_same_tokenizer(lm.tokenizer, draft_lm.tokenizer, bb.vocab_size, draft_lm.backbone.vocab_size)
-        if draft_lm.dtype != torch.float32:
-            raise ConfigError("a draft model is trained in float32: load it with dtype float32")
-        student = ModelStudent(draft_lm)
-    engine = Engine(lm)
-    chat = profile.settings.get("chat")
-    encoded = {n: [engine.encode(p, chat=chat) for p in ps] for n, ps in domains.items()}
-    train_p, eval_p = split_prompts(encoded, cfg.prompts_per_domain, cfg.held_out)
-    used = {n: ids[: cfg.prompts_per_domain] for n, ids in encoded.items()}
-    check_room(used, cfg.new_tokens + 1, bb.max_positions, "distillation")
+    kind, student = make_student(lm, cfg, draft_lm)
+    train_p, eval_p = encode_prompts(lm, domains, cfg, profile.runtime.chat)
     eos = set(eos_ids(lm.model, lm.tokenizer))
-
-    profile_dir = Path(profile_dir)
-    work = WorkDir(Path(str(profile_dir) + f".distill-{kind}"), what="distillation")
-    state = {"config": cfg.to_dict(), "kind": kind, "model": lm.fingerprint(),
+    work = WorkDir(Path(str(profile_dir) + f".distill-{kind}.work"), "distillation", DistillError)
+    state = {"config": cfg.to_dict(), "kind": kind, "model": lm.fingerprint().to_dict(),
              "student": _digest(student.meta()), "data": _digest([[n, p] for n, p in train_p + eval_p])}
-    state_path = work.path / "state.json"
-    had_work = work.path.exists()
-    work.acquire()
-    ckpt_path = work.path / "checkpoint.pt"
-    try:
-        if had_work and state_path.exists() and not resume:
-            raise DistillError(f"an interrupted distillation left {work.path}: pass --resume to continue it, "
-                               "or delete it to start over")
-        if state_path.exists():
-            old = json.loads(state_path.read_text())
-            if old != state:
-                diff = [k for k in state if old.get(k) != state[k]]
-                raise DistillError(f"--resume: the checkpoint in {work.path} was made with different "
-                                   f"{', '.join(diff)}; rerun with the same options, or delete it")
-        else:
-            _write_json(state_path, state)
+    with work.guarded(state, resume, "rerun with the same options, or delete it"):
         t_start = time.perf_counter()
-        seq_path = work.path / "sequences.json"
-        if seq_path.exists():
-            cached = json.loads(seq_path.read_text())
-            teacher = [TrainSequence.from_list(x) for x in cached["teacher"]]
-            held = [TrainSequence.from_list(x) for x in cached["eval"]]
-        else:
-            log("generating the target's continuations of the prompts ...")
-            held = [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p)) for _, p in eval_p]
-            if cfg.steps == 0 or cfg.data_source == "on-policy":
-                teacher = []  # not trained on
-            elif cfg.data_source == "fixed":
-                teacher = [TrainSequence(tuple(p), 1) for _, p in train_p if len(p) > 1]
-            else:
-                teacher = [TrainSequence(tuple(p + continue_ids(bb, p, cfg.new_tokens, eos=eos)), len(p))
-                           for _, p in train_p]
-            _write_json(seq_path, {"teacher": [s.to_list() for s in teacher], "eval": [s.to_list() for s in held]})
-        head = TargetHead(bb)
-        eval_ds = Dataset.build(bb, held, student)
-
-        params = [p for p in student.parameters()]
-        for p in params:
-            p.requires_grad_(True)
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        step, history, onpolicy, elapsed = 0, [], None, 0.0
-        if ckpt_path.exists():
-            ck = torch.load(ckpt_path, weights_only=False)
-            student.load_state(ck["student"])
-            opt.load_state_dict(ck["optimizer"])
-            gen.set_state(ck["generator"])
-            step, history, elapsed = ck["step"], ck["history"], ck["elapsed"]
-            onpolicy = [TrainSequence.from_list(x) for x in ck["onpolicy"]] if ck["onpolicy"] is not None else None
-            log(f"resuming from step {step} of {cfg.steps} ({work.path})")
-        else:
-            history.append({"step": 0, **evaluate(student, eval_ds, head, cfg)})
-
-        def train_set(seqs_onpolicy):
-            if cfg.data_source in ("fixed", "teacher"):
-                return teacher
-            if cfg.data_source == "on-policy":
-                return seqs_onpolicy
-            return [t if i % 2 == 0 else o for i, (t, o) in enumerate(zip(teacher, seqs_onpolicy))]
-
-        def sample_onpolicy(refresh: int):
-            g = torch.Generator(device=bb.device).manual_seed(cfg.seed * 100_003 + refresh)
-            return [TrainSequence(tuple(p + student.sample(p, cfg.new_tokens, g, cfg.temperature, eos)), len(p))
-                    for _, p in train_p]
-
-        needs_onpolicy = cfg.data_source in ("on-policy", "mixed") and cfg.steps > 0
-        if needs_onpolicy and onpolicy is None:
-            onpolicy = sample_onpolicy(step // cfg.refresh_every)
-        ds = Dataset.build(bb, train_set(onpolicy), student) if cfg.steps > 0 else None
-        log(f"{kind}: {ds.rows if ds else 0} training positions ({cfg.data_source}), {eval_ds.rows} held-out positions")
+        teacher, held = make_sequences(lm.backbone, cfg, train_p, eval_p, eos, work.file("sequences"), log)
+        run = Training(lm, student, cfg, teacher, held, train_p, eos)
+        run.start(work.file("checkpoint", ext="pt"), log)
+        log(f"{kind}: {run.ds.rows if run.ds else 0} training positions ({cfg.data_source}), "
+            f"{run.eval_ds.rows} held-out positions")
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=step, desc=f"distill {kind}", unit="step", leave=False)
-        t_run = time.perf_counter()
-        while step < cfg.steps:
-            if needs_onpolicy and step > 0 and step % cfg.refresh_every == 0 and history[-1].get("refreshed") != step:
-                onpolicy = sample_onpolicy(step // cfg.refresh_every)
-                ds = Dataset.build(bb, train_set(onpolicy), student)
-                history.append({"step": step, "refreshed": step})
-            rows = student.draw(ds, gen, cfg.batch_size)
-            logp = head.logp(ds.h_target[rows])
-            logq = student.logq(ds, rows)
-            loss = divergence(cfg.divergence, logp, logq, cfg.jsd_beta).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            history.append({"step": step, "train_loss": round(float(loss.detach()), 5)})
-            if bar is not None:
-                bar.set_postfix(loss=f"{float(loss.detach()):.4f}")
-                bar.update(1)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                history.append({"step": step, **evaluate(student, eval_ds, head, cfg)})
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                _save_torch(ckpt_path, {"student": student.state(), "optimizer": opt.state_dict(),
-                                        "generator": gen.get_state(), "step": step, "history": history,
-                                        "elapsed": elapsed + time.perf_counter() - t_run,
-                                        "onpolicy": None if onpolicy is None else [s.to_list() for s in onpolicy]})
-            if on_step is not None:
-                on_step(step)
+            bar = tqdm(total=cfg.steps, initial=run.step, desc=f"distill {kind}", unit="step", leave=False)
+        run.run(work.file("checkpoint", ext="pt"), bar, on_step)
         if bar is not None:
             bar.close()
-        elapsed += time.perf_counter() - t_run
-        for p in params:
-            p.requires_grad_(False)
-
-        evals = [h for h in history if "greedy" in h]
-        meta = {"kind": kind, **student.meta(), "config": cfg.to_dict(), "before": evals[0], "after": evals[-1],
-                "train_positions": ds.rows if ds else 0, "eval_positions": eval_ds.rows, "train_prompts": len(train_p),
-                "eval_prompts": len(eval_p), "domains": sorted(domains), "train_seconds": round(elapsed, 1),
-                "seconds": round(time.perf_counter() - t_start, 1), "model": lm.fingerprint(),
-                "draft_cost": _draft_cost(lm, student), "history": history,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        profile = load_profile(profile_dir)  # re-read: write into the profile as it is now
-        profile.check_model(lm.fingerprint())
-        profile.distilled = {**profile.distilled, kind: meta}
-        profile.distilled_weights = {**profile.distilled_weights, kind: student.state()}
-        save_profile(profile, profile_dir)
-        plot_path = Path(plot) if plot else Path(str(profile_dir) + f".{kind}-distill.png")
+        record = _record(lm, kind, run, train_p, eval_p, domains, time.perf_counter() - t_start)
+        _store(lm, profile_dir, record, student.state())
         title = (f"{kind} ({cfg.divergence}, {cfg.data_source}, {cfg.steps} steps): greedy agreement "
-                 f"{evals[0]['greedy']:.3f} -> {evals[-1]['greedy']:.3f}")
-        written = plot_curves(history, plot_path, title)
-    except BaseException:
-        work.release()
-        raise
-    work.remove()
-    return DistillResult(kind, profile_dir, meta, written)
+                 f"{record.before['greedy']:.3f} -> {record.after['greedy']:.3f}")
+        plot_path = Path(plot) if plot else Path(str(profile_dir) + f".{kind}-distill.png")
+        written = plot_curves(run.history, plot_path, title)
+    return DistillResult(kind, profile_dir, record, written)
 
 
 def _draft_cost(lm, student) -> float:
     """The trained drafter's cost per draft token, relative to a full step of the target (measured)."""
-    from adaptive.costs import measure_draft_cost
-
     bb = lm.backbone
     if isinstance(student, ExitStudent):
         block = student.inference_block()

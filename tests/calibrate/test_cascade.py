@@ -16,12 +16,12 @@ def test_statistical_acceptance_on_literal_sequences():
     # proposes [2, 3, 1] (after the earlier 1), and the text goes on [2, 3, 1]: 3 accepted, no rejection.
     # At t = 2 (... 1, 2) it proposes [3, 1] against [3, 1]: 2 more. At t = 3 it proposes [1] against [1].
     s = statistical_acceptance([([1, 2, 3], [1, 2, 3, 1])], k=3, bigram=False)
-    assert s["positions"] == 3 and s["available"] == 1.0
-    assert s["token_acceptance"] == 1.0 and s["position_acceptance"] == [1.0, 1.0, 1.0]
+    assert s.positions == 3 and s.available == 1.0
+    assert s.token_acceptance == 1.0 and s.position_acceptance == (1.0, 1.0, 1.0)
     # A continuation that does not repeat its context: proposals are wrong at position 0.
     # t = 1: context [5, 6, 5] proposes [6, 5] (k = 2), the text goes [7, 8]: rejected at 0.
     s = statistical_acceptance([([5, 6], [5, 7, 8])], k=2, bigram=False)
-    assert s["token_acceptance"] == 0.0 and s["position_acceptance"][0] == 0.0
+    assert s.token_acceptance == 0.0 and s.position_acceptance[0] == 0.0
 
 
 def test_bigram_table_is_left_out_of_its_own_sequence():
@@ -29,7 +29,7 @@ def test_bigram_table_is_left_out_of_its_own_sequence():
     # which never has 8: no proposal at the position after 8.
     seqs = [([8], [9]), ([1, 2], [1, 2])]
     with_table = statistical_acceptance(seqs, k=1, min_count=1)
-    assert with_table["positions"] == 1  # only sequence 1 has a position to score (t = 1)
+    assert with_table.positions == 1  # only sequence 1 has a position to score (t = 1)
     s = statistical_acceptance([([8, 9], [8, 9, 8])], k=1, min_count=1)  # a single sequence: an empty table
     assert s == statistical_acceptance([([8, 9], [8, 9, 8])], k=1, bigram=False)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptive.calibrate.costs import CostModel, measure_costs
+from adaptive.costs import CostModel, measure_costs
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from adaptive.calibrate.costs import CostModel
-from adaptive.calibrate.runner import WorkDir, calibrate
+from adaptive.calibrate.runner import calibrate
+from adaptive.calibrate.settings import calibration_workdir
+from adaptive.costs import CostModel
 from adaptive.profile import load_profile
 from tests.conftest import TINY_DOMAINS, tiny_settings
 
@@ -21,8 +22,8 @@ COSTS = CostModel.uniform(4, verify=(1.0, 1.02, 1.04, 1.06, 1.08))  # fixed: tim
 
 DRIVER = """
 import sys
-from adaptive.calibrate.costs import CostModel
 from adaptive.calibrate.runner import calibrate
+from adaptive.costs import CostModel
 from tests.conftest import TINY_DOMAINS, tiny_settings
 model, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 calibrate(model, TINY_DOMAINS, out, tiny_settings(trials=4, init_trials=2), dtype="float32", progress=False,
@@ -45,10 +46,11 @@ def reference(tiny_model_dir, tmp_path_factory):
 
 
 # kill right after the first file of each phase appears in OUT.work/
-@pytest.mark.parametrize("kill_after", ["prep-*.pt", "trials-*.jsonl", "confirm-*.json", "cascade-*.json"])
+@pytest.mark.parametrize("kill_after", ["prep-*.pt", "trials-*.jsonl", "confirm-*.json", "pld-*.json",
+                                        "cascade-*.json"])
 def test_sigkill_then_resume_gives_a_complete_profile(tiny_model_dir, tmp_path, reference, kill_after):
     out = tmp_path / "p"
-    work = WorkDir(out).path
+    work = calibration_workdir(out).path
     proc = _start(tiny_model_dir, out, resume=False)
     deadline = time.monotonic() + 120
     try:
@@ -69,9 +71,8 @@ def test_sigkill_then_resume_gives_a_complete_profile(tiny_model_dir, tmp_path, 
     p = load_profile(out)  # complete and valid (checksums, every domain)
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     for name in TINY_DOMAINS:  # same seed and costs: the search's result is an uninterrupted run's
-        assert p.domains[name].skip == reference.domains[name].skip, (kill_after, name)
-        assert p.domains[name].trials == reference.domains[name].trials
-    assert p.global_set.skip == reference.global_set.skip
+        assert p.domains[name].layer_skip == reference.domains[name].layer_skip, (kill_after, name)
+    assert p.global_set.layer_skip == reference.global_set.layer_skip
 
 
 def test_two_calibrations_of_one_output_never_mix(tiny_model_dir, tmp_path, reference):
@@ -88,4 +89,4 @@ def test_two_calibrations_of_one_output_never_mix(tiny_model_dir, tmp_path, refe
     p = load_profile(out)
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     for name in TINY_DOMAINS:
-        assert p.domains[name].skip == reference.domains[name].skip
+        assert p.domains[name].layer_skip == reference.domains[name].layer_skip

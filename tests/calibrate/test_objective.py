@@ -1,6 +1,8 @@
 import pytest
 
-from adaptive.calibrate.objective import best_draft_length, expected_speedup, expected_tokens_per_step, matchness
+from adaptive.calibrate.objective import matchness
+from adaptive.costs import best_draft_length, expected_speedup, expected_tokens_per_step
+from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
@@ -19,10 +21,11 @@ def test_expected_speedup_and_best_length():
     # 1 + 0.8 + 0.64 = 2.44 tokens for 2 * 0.5 + 1.05 = 2.05 units
     assert expected_speedup(0.8, 2, 0.5, 1.05) == pytest.approx(2.44 / 2.05)
     assert expected_speedup(0.3, 0, 0.5) == 1.0  # plain decoding
-    k, s = best_draft_length(0.8, 0.5)
+    flat = (1.0,) * 9  # verifying costs one step whatever the draft length
+    k, s = best_draft_length(0.8, 0.5, flat, 8)
     assert k == 2 and s == pytest.approx(2.44 / 2.0)
     # a draft as expensive as the target never pays
-    assert best_draft_length(0.9, 1.0)[1] < 1.0
+    assert best_draft_length(0.9, 1.0, flat, 8, min_len=1)[1] < 1.0
 
 
 def test_matchness_full_model_is_one_and_skips_lower_it():
@@ -40,6 +43,7 @@ def test_matchness_full_model_is_one_and_skips_lower_it():
     # the teacher-forced estimate agrees with what real greedy drafting accepts at k = 1
     skip = SkipSet(attn=(1, 4))
     est = matchness(bb, seqs, skip.masks(6))
-    acc = [eng.generate(p, GenerationConfig(max_new_tokens=20, draft_len=1, ignore_eos=True), method="ssd",
-                        skip=skip).stats.acceptance_rate for p, _ in seqs]
+    drafter = build_drafter(DrafterSpec("ssd", skip=skip), bb)
+    acc = [eng.generate(p, GenerationConfig(max_new_tokens=20, draft_len=1, ignore_eos=True),
+                        drafter=drafter).stats.acceptance_rate for p, _ in seqs]
     assert abs(est - sum(acc) / len(acc)) < 0.25

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaptive.calibrate.costs import CostModel
+from adaptive.costs import CostModel
 from adaptive.calibrate.search import (Estimate, MatchnessScorer, RankedSpace, SublayerSpace, estimate, make_space,
                                        run_search, suggest, top_candidates)
 from adaptive.engine.config import GenerationConfig

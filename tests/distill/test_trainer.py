@@ -39,7 +39,7 @@ def test_split_prompts_holds_out_the_last_quarter_of_each_domain():
 @pytest.mark.parametrize("source", ["teacher", "on-policy"])
 def test_training_raises_held_out_acceptance(lm, prof, source):
     r = distill(lm, prof, TINY_DOMAINS, DistillConfig(**{**FAST, "data_source": source, "steps": 60}), progress=False)
-    b, a = r.meta["before"], r.meta["after"]
+    b, a = r.record.before, r.record.after
     # measured (seed 0): greedy 0.25 -> ~0.4, sampling 0.56 -> ~0.68; margins well inside those gains
     assert a["greedy"] >= b["greedy"] + 0.08, (b, a)
     assert a["sampling"] >= b["sampling"] + 0.05, (b, a)
@@ -52,14 +52,14 @@ def test_training_raises_held_out_acceptance(lm, prof, source):
 def test_every_divergence_trains(lm, prof, div):
     r = distill(lm, prof, TINY_DOMAINS, DistillConfig(**{**FAST, "divergence": div, "data_source": "teacher"}),
                 progress=False)
-    assert r.meta["after"]["loss"] < r.meta["before"]["loss"]
+    assert r.record.after["loss"] < r.record.before["loss"]
 
 
 @pytest.mark.parametrize("source", ["fixed", "mixed"])
 def test_other_data_sources(lm, prof, source):
     r = distill(lm, prof, TINY_DOMAINS, DistillConfig(**{**FAST, "data_source": source}), progress=False)
-    assert r.meta["config"]["data_source"] == source and r.meta["train_positions"] > 0
-    assert r.meta["after"]["loss"] < r.meta["before"]["loss"]
+    assert r.record.config["data_source"] == source and r.record.train_positions > 0
+    assert r.record.after["loss"] < r.record.before["loss"]
 
 
 def test_profile_round_trip(lm, prof):
@@ -67,13 +67,16 @@ def test_profile_round_trip(lm, prof):
 
     r = distill(lm, prof, TINY_DOMAINS, DistillConfig(**FAST, data_source="teacher"), progress=False)
     p = load_profile(prof)
-    meta, weights = p.distilled_drafter("early-exit")
-    assert meta["exit_layer"] == 2 and meta["model"]["weights_hash"] == lm.fingerprint()["weights_hash"]
-    assert meta["after"] == r.meta["after"] and 0 < meta["draft_cost"] < 2
-    block = ExitBlock.from_state(meta["block"], weights)
+    rec, weights = p.distilled_drafter("early-exit")
+    assert rec.exit_layer == 2 and rec.model.weights_hash == lm.fingerprint().weights_hash
+    assert rec.after == r.record.after and 0 < rec.draft_cost < 2
+    assert rec.acceptance == r.record.after["greedy"] and rec.kind == "early-exit"
+    assert rec == r.record  # the typed record round-trips through the profile
+    assert r.to_dict()["after"] == r.record.after and "history" not in r.to_dict()
+    block = ExitBlock.from_state(rec.block, weights)
     assert float(block.down.weight.abs().sum()) > 0  # trained, not the zero-initialised identity
     h = torch.randn(3, block.hidden)
-    assert torch.equal(block(h), ExitBlock.from_state(meta["block"], weights)(h))
+    assert torch.equal(block(h), ExitBlock.from_state(rec.block, weights)(h))
     # the rest of the profile is intact, and saving it again keeps the drafter
     assert set(p.domains) == set(TINY_DOMAINS)
     from adaptive.profile import save_profile
@@ -123,7 +126,7 @@ def test_interrupted_run_resumes_to_the_same_weights(lm, prof, tmp_path):
     w1 = load_profile(prof).distilled_weights["early-exit"]
     w2 = load_profile(other).distilled_weights["early-exit"]
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
-    assert got.meta["after"] == ref.meta["after"]
+    assert got.record.after == ref.record.after
     assert not work.exists()
 
 

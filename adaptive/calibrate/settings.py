@@ -1,0 +1,125 @@
+"""What decides a calibration's result: :class:`CalibrationSettings`, the domains, the work directory."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from adaptive.calibrate.search import SPACES
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
+from adaptive.errors import AdaptiveError, ConfigError
+from adaptive.workdir import WorkDir
+
+BACKENDS = ("loky", "threading", "dask", "ray")
+MIN_PROMPTS = 3
+GLOBAL = "__global__"  # the task over all domains; its record is the profile's "global" one
+
+
+class CalibrationError(AdaptiveError):
+    """A calibration cannot start or resume (locked output, mismatched checkpoint, bad domains)."""
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Everything that decides a calibration's result. Validated on construction."""
+
+    prompts_per_domain: int = 16
+    anchors_per_domain: int = 10
+    trials: int = 30
+    init_trials: int = 6
+    space: str = "ranked"
+    continuation_tokens: int = 32
+    confirm_candidates: int = 3
+    confirm_prompts: int = 3
+    confirm_tokens: int = 64
+    max_draft_len: int = 8
+    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
+    min_gain: float = 0.02
+    bigram_min_count: int = 2
+    cascade_max_split: int = 2
+    cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
+    cascade_lenience: float = 1.0
+    vocab_sizes: tuple = (1024, 2048, 4096, 8192, 16384)  # reduced draft heads tried (empty: full head only)
+    route_k: int = 5
+    cost_context: int = 128
+    chat: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        positive = ("prompts_per_domain", "anchors_per_domain", "trials", "continuation_tokens",
+                    "confirm_candidates", "confirm_prompts", "confirm_tokens", "max_draft_len", "pld_draft_len",
+                    "route_k", "cost_context", "bigram_min_count", "cascade_max_draft_len")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.confirm_tokens < 2:
+            raise ConfigError(f"confirm-tokens must be at least 2 (decode-phase timing), got {self.confirm_tokens}")
+        if self.prompts_per_domain < MIN_PROMPTS:
+            raise ConfigError(f"prompts-per-domain must be at least {MIN_PROMPTS}, got {self.prompts_per_domain}")
+        if not 0 <= self.init_trials <= self.trials:
+            raise ConfigError(f"init-trials must be between 0 and trials ({self.trials}), got {self.init_trials}")
+        if self.space not in SPACES:
+            raise ConfigError(f"space must be one of {', '.join(SPACES)}, got {self.space!r}")
+        if self.max_draft_len > 64:
+            raise ConfigError("max-draft-len must be at most 64")
+        if not 0 <= self.min_gain < 1:
+            raise ConfigError(f"min-gain must be in [0, 1), got {self.min_gain}")
+        self._check_cascade_and_vocab()
+
+    def _check_cascade_and_vocab(self) -> None:
+        if self.cascade_max_draft_len > 64:
+            raise ConfigError("cascade-max-draft-len must be at most 64")
+        if not isinstance(self.cascade_max_split, int) or not 0 <= self.cascade_max_split <= self.cascade_max_draft_len:
+            raise ConfigError("cascade-max-split must be in 0 .. cascade-max-draft-len, "
+                              f"got {self.cascade_max_split!r}")
+        if not self.cascade_lenience >= 1.0:
+            raise ConfigError(f"cascade-lenience must be >= 1, got {self.cascade_lenience}")
+        sizes = tuple(self.vocab_sizes)
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 16 for v in sizes) or len(set(sizes)) != len(sizes):
+            raise ConfigError(f"vocab-sizes must be distinct integers >= 16, got {list(sizes)}")
+        object.__setattr__(self, "vocab_sizes", tuple(sorted(sizes)))
+
+    @classmethod
+    def quick(cls, **overrides) -> "CalibrationSettings":
+        """The README preset: a few minutes on 2 CPU cores for the built-in domains."""
+        base = dict(prompts_per_domain=6, anchors_per_domain=6, trials=10, init_trials=4, continuation_tokens=24,
+                    confirm_candidates=2, confirm_prompts=2, confirm_tokens=40)
+        return cls(**{**base, **overrides})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["vocab_sizes"] = list(self.vocab_sizes)  # as JSON reads it back: a resumed run compares equal
+        return d
+
+
+def check_domains(domains: dict[str, list[str]], settings: CalibrationSettings) -> dict[str, list[str]]:
+    """The prompts actually used: the first ``prompts_per_domain`` of each domain (in file order)."""
+    if not domains:
+        raise ConfigError("no domains to calibrate")
+    for reserved in (GLOBAL, "global"):
+        if reserved in domains:
+            raise ConfigError(f"{reserved!r} is reserved for the global skip set; rename that domain")
+    out = {}
+    for name, prompts in domains.items():
+        prompts = [p for p in prompts if isinstance(p, str) and p.strip()]
+        if len(prompts) < MIN_PROMPTS:
+            raise ConfigError(f"domain {name!r} has {len(prompts)} prompt(s); calibration needs at least {MIN_PROMPTS}")
+        out[name] = prompts[: settings.prompts_per_domain]
+    return out
+
+
+def domains_digest(domains: dict[str, list[str]]) -> str:
+    """A short hash of the domains' names and prompts (what a resumed calibration must match)."""
+    h = hashlib.sha256()
+    for name in sorted(domains):
+        h.update(name.encode() + b"\0")
+        for p in domains[name]:
+            h.update(p.encode() + b"\1")
+    return h.hexdigest()[:16]
+
+
+def calibration_workdir(out: str | Path) -> WorkDir:
+    """``OUT.work/``: the checkpoints of the calibration writing the profile ``out``."""
+    return WorkDir(Path(str(out) + ".work"), "calibration", CalibrationError, busy_hint=" or choose another --out")
