@@ -138,11 +138,6 @@ class DistillResult:
     record: DistilledRecord
     plot: Path | None
 
-    @property
-    def meta(self) -> dict:
-        """The record as JSON (``before``, ``after``, ``draft_cost``, ...)."""
-        return self.record.to_dict()
-
     def to_dict(self) -> dict:
         rec = {k: v for k, v in self.record.to_dict().items() if k != "history" and v is not None}
         return {"kind": self.kind, "profile": str(self.profile), "plot": str(self.plot) if self.plot else None, **rec}
