@@ -256,7 +256,6 @@ def prepare_domain(common: _Common, name: str, prompts: list[str]) -> dict:
     """Encode, embed, continue greedily and measure influence for one domain (checkpointed)."""
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
-    from adaptive.engine.loop import Plan
     from adaptive.index.embedding import pooled_to_numpy
 
     path = WorkDir(Path(common.work[: -len(".work")])).file("prep", name, "pt")
@@ -275,17 +274,12 @@ def prepare_domain(common: _Common, name: str, prompts: list[str]) -> dict:
     influence = torch.zeros(2, bb.n_layers)
     for prompt in _bar(prompts, f"prepare {name}", common.progress):
         p = engine.encode(prompt, chat=s.chat)
-        pooled = {}
-
-        def grab(vec, _store=pooled):
-            _store["v"] = vec
-            return Plan()
-
-        cont = engine.generate(p, cfg, plan=grab).token_ids  # greedy, through the first EOS
+        session = engine.start(p, cfg, pool=True)  # the prefill's pooled embedding, as the runtime routes
+        cont = [item for item in engine.decode(session)][-1].token_ids  # greedy, through the first EOS
         tail = (p + cont)[-(len(cont) + 64):]
         influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))
         ids.append(p)
-        embs.append(pooled_to_numpy(pooled["v"]))
+        embs.append(pooled_to_numpy(session.pooled))
         seqs.append((p, cont))
     out = {"name": name, "ids": ids, "embeddings": np.stack(embs), "sequences": seqs,
            "influence": influence / len(prompts)}
