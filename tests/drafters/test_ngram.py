@@ -81,7 +81,7 @@ def test_pld_sampling_runs_and_drafts():
 def test_ngram_drafter_validates():
     with pytest.raises(ValueError):
         NgramDrafter(max_ngram=0)
-    assert NgramDrafter(4, 2).describe() == {"name": "ngram", "max_ngram": 4, "min_ngram": 2}
+    assert NgramDrafter(4, 2).describe() == {"name": "pld", "max_ngram": 4, "min_ngram": 2}
 
 
 # -- the bigram table ------------------------------------------------------------------------------
