@@ -275,7 +275,7 @@ def prepare_domain(common: _Common, name: str, prompts: list[str]) -> dict:
     for prompt in _bar(prompts, f"prepare {name}", common.progress):
         p = engine.encode(prompt, chat=s.chat)
         session = engine.start(p, cfg, pool=True)  # the prefill's pooled embedding, as the runtime routes
-        cont = [item for item in engine.decode(session)][-1].token_ids  # greedy, through the first EOS
+        cont = list(engine.decode(session))[-1].token_ids  # greedy, through the first EOS
         tail = (p + cont)[-(len(cont) + 64):]
         influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))
         ids.append(p)
