@@ -1,4 +1,10 @@
-"""``run_bench()``: every method on every prompt, interleaved prompt by prompt, then the report."""
+"""``run_bench()``: every method on every prompt, interleaved prompt by prompt, then the report.
+
+:data:`BENCH_METHODS` is the one table of benchmarked methods, built from the other lists: the
+Hugging Face baselines, the engine's own ``ar`` (the reference) and ``pld``, every routing policy
+of :data:`~adaptive.runtime.policies.POLICIES`, and their ``-fixed`` (bandit off) and
+``-full-vocab`` (full LM head) variants where they apply.
+"""
 
 from __future__ import annotations
 
@@ -12,38 +18,77 @@ import torch
 
 from adaptive.bench.data import BenchPrompt
 from adaptive.bench.report import summarize
+from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
+from adaptive.engine.audit import audit_divergence
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine
 from adaptive.errors import ConfigError
+from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult
+from adaptive.runtime.policies import DISTILLED
 
-METHODS = ("ar", "hf", "hf-pld", "hf-early-exit", "pld", "ssd-static", "knn-ssd", "knn-ssd-fixed", "knn-ssd-full-vocab",
-           "knn-skip", "knn-skip-full-vocab", "cascade", "cascade-fixed", "early-exit", "early-exit-fixed",
-           "draft-model")
-from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN  # noqa: E402
-NEEDS_PROFILE = METHODS[5:]
+FIXED_VARIANTS = ("knn-ssd", "cascade", "early-exit")  # policies benchmarked also with the bandit off (`-fixed`)
+FULL_VOCAB_VARIANTS = ("knn-ssd", "knn-skip")  # policies benchmarked also with the full LM head (`-full-vocab`)
+WITHOUT_BANDIT = ("ssd-static",)  # policies benchmarked with calibration's fixed draft length only (Self-SD)
+
+
+@dataclass(frozen=True)
+class BenchMethod:
+    """One benchmarked method. ``runs_on``: ``"engine"`` (our loop with ``drafter``: ``ar`` or ``pld``,
+    no profile), ``"hf"`` (transformers ``generate``) or ``"runtime"`` (an :class:`AdaptiveRuntime`
+    with ``policy``, ``bandit`` on or off and the reduced vocabulary or not; needs a profile)."""
+
+    name: str
+    description: str
+    runs_on: str
+    drafter: str = "ar"
+    policy: str | None = None
+    bandit: bool = True
+    reduced_vocab: bool = True
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.runs_on == "runtime"
+
+    @property
+    def distilled(self) -> str | None:
+        """The kind of drafter `adaptive distill` must have stored in the profile, or ``None``."""
+        return self.policy if self.policy in DISTILLED else None
+
+
+def _bench_methods() -> dict[str, BenchMethod]:
+    table = [
+        BenchMethod("ar", "our loop, plain greedy decoding (the reference)", "engine"),
+        BenchMethod("hf", "transformers generate, greedy", "hf"),
+        BenchMethod("hf-pld", "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)", "hf"),
+        BenchMethod("hf-early-exit", "transformers assisted generation with assistant_early_exit = half the layers",
+                    "hf"),
+        BenchMethod("pld", f"our loop with prompt-lookup drafts (n-gram 3..1), fixed draft length {PLD_DRAFT_LEN}",
+                    "engine", drafter="pld"),
+    ]
+    for name, policy in POLICIES.items():
+        if name == "ar":  # the engine's own `ar` is the reference
+            continue
+        bandit = name not in WITHOUT_BANDIT
+        how = "Thompson-sampled draft length" if bandit else "calibration's fixed draft length"
+        table.append(BenchMethod(name, f"the runtime's {name}: {policy.description} ({how})", "runtime",
+                                 policy=name, bandit=bandit))
+        if name in FIXED_VARIANTS:
+            table.append(BenchMethod(f"{name}-fixed", f"{name} with calibration's fixed draft length (for a distilled "
+                                     "drafter: the one its acceptance and cost give) instead of the bandit", "runtime",
+                                     policy=name, bandit=False))
+        if name in FULL_VOCAB_VARIANTS:
+            table.append(BenchMethod(f"{name}-full-vocab", f"{name} with the full LM head for every layer-skip draft "
+                                     "(the reduced-vocabulary ablation)", "runtime", policy=name, reduced_vocab=False))
+    return {m.name: m for m in table}
+
+
+BENCH_METHODS: dict[str, BenchMethod] = _bench_methods()
+METHODS = tuple(BENCH_METHODS)
+NEEDS_PROFILE = tuple(m.name for m in BENCH_METHODS.values() if m.needs_profile)
 # bench methods that decode with a drafter `adaptive distill` stored in the profile -> its kind
-DISTILLED_KIND = {"early-exit": "early-exit", "early-exit-fixed": "early-exit", "draft-model": "draft-model"}
-DESCRIPTIONS = {
-    "ar": "our loop, plain greedy decoding (the reference)",
-    "hf": "transformers generate, greedy",
-    "hf-pld": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
-    "hf-early-exit": "transformers assisted generation with assistant_early_exit = half the layers",
-    "pld": f"our loop with prompt-lookup drafts (n-gram 3..1), fixed draft length {PLD_DRAFT_LEN}",
-    "ssd-static": "self-speculative with the profile's global skip set and its draft length (Self-SD)",
-    "knn-ssd": "the runtime: KNN routing to the domain's calibrated choice (layer-skip drafting, prompt lookup "
-               "or plain decoding), Thompson-sampled draft length",
-    "knn-ssd-fixed": "the runtime with calibration's fixed draft length instead of the bandit",
-    "knn-ssd-full-vocab": "knn-ssd with the full LM head for every layer-skip draft (the reduced-vocabulary ablation)",
-    "knn-skip": "the runtime routing every request to its domain's skip set (KNN-SSD as published: layer skipping "
-                "only), over the domain's reduced draft vocabulary where calibration measured it faster",
-    "knn-skip-full-vocab": "knn-skip with the full LM head",
-    "cascade": "the runtime's cascade: KNN routing to the domain's cascade (prompt lookup and its bigram table, "
-               "under and after the domain's layer-skip drafter), split and draft length by a two-level Thompson sampler",
-    "cascade-fixed": "the runtime's cascade with calibration's split and draft length instead of the sampler",
-    "early-exit": "the early-exit drafter `adaptive distill` stored in the profile (first N layers and a trained exit "
-                  "block), draft length by the routed domain's Thompson sampler (EESD)",
-    "early-exit-fixed": "early-exit with the draft length its distilled acceptance and cost give, no sampler",
-    "draft-model": "the separate draft model `adaptive distill` fine-tuned and stored in the profile, Thompson-sampled "
-                   "draft length",
-}
+DISTILLED_KIND = {m.name: m.distilled for m in BENCH_METHODS.values() if m.distilled}
+DESCRIPTIONS = {m.name: m.description for m in BENCH_METHODS.values()}
 
 
 @dataclass(frozen=True)
@@ -94,56 +139,31 @@ class _Methods:
     """Runs one method on one prompt and returns the measured fields."""
 
     def __init__(self, lm, profile, settings: BenchSettings, methods: list[str]):
-        from adaptive.engine.engine import Engine
-
         self.lm, self.settings = lm, settings
         self.engine = Engine(lm)
         self.profile = profile
-        self.runtime = self.fixed = self.full_vocab = None
-        if profile is not None:
-            from adaptive.runtime import AdaptiveRuntime
-
-            if {"knn-ssd", "cascade", "knn-skip", "early-exit", "draft-model"} & set(methods):
-                self.runtime = AdaptiveRuntime(profile, lm, bandit=True, seed=0)
-            if {"knn-ssd-full-vocab", "knn-skip-full-vocab"} & set(methods):
-                self.full_vocab = AdaptiveRuntime(profile, lm, bandit=True, seed=0, reduced_vocab=False)
-            if {"knn-ssd-fixed", "ssd-static", "cascade-fixed", "early-exit-fixed"} & set(methods):
-                self.fixed = AdaptiveRuntime(profile, lm, bandit=False)
+        self.runtimes: dict[tuple[bool, bool], AdaptiveRuntime] = {}  # (bandit, reduced_vocab) -> runtime
+        for m in (BENCH_METHODS[name] for name in methods):
+            key = (m.bandit, m.reduced_vocab)
+            if m.needs_profile and key not in self.runtimes:
+                self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
+                                                     reduced_vocab=m.reduced_vocab)
 
     def ids(self, messages) -> list[int]:
-        chat = self.profile.settings.get("chat") if self.profile is not None else None
+        chat = self.profile.runtime.chat if self.profile is not None else None
         return self.engine.encode(messages, chat=chat)
 
     def run(self, method: str, messages) -> dict:
-        from adaptive.engine.config import GenerationConfig
-
+        m = BENCH_METHODS[method]
         n = self.settings.max_new_tokens
-        if method == "ar":
-            r = self.engine.generate(self.ids(messages), GenerationConfig(max_new_tokens=n), method="ar")
-            return _from_result(r)
-        if method.startswith("hf"):
+        if m.runs_on == "hf":
             return self._hf(method, self.ids(messages), n)
-        if method == "pld":
-            cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN)
-            return _from_result(self.engine.generate(self.ids(messages), cfg, method="pld"))
-        if method == "knn-ssd":
-            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="knn-ssd"))
-        if method == "knn-ssd-fixed":
-            return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="knn-ssd"))
-        if method == "ssd-static":
-            return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="ssd-static"))
-        if method == "cascade":
-            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="cascade"))
-        if method == "knn-skip":
-            return _from_result(self.runtime.generate(messages, max_new_tokens=n, method="knn-skip"))
-        if method in ("knn-ssd-full-vocab", "knn-skip-full-vocab"):
-            return _from_result(self.full_vocab.generate(messages, max_new_tokens=n, method=method[:-len("-full-vocab")]))
-        if method == "cascade-fixed":
-            return _from_result(self.fixed.generate(messages, max_new_tokens=n, method="cascade"))
-        if method in DISTILLED_KIND:
-            rt = self.fixed if method.endswith("-fixed") else self.runtime
-            return _from_result(rt.generate(messages, max_new_tokens=n, method=DISTILLED_KIND[method]))
-        raise ConfigError(f"unknown method {method!r}")
+        if m.runs_on == "engine":
+            cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
+            drafter = build_drafter(DrafterSpec(m.drafter), self.lm.backbone)
+            return _from_result(self.engine.generate(self.ids(messages), cfg, drafter=drafter))
+        runtime = self.runtimes[(m.bandit, m.reduced_vocab)]
+        return _from_result(runtime.generate(messages, max_new_tokens=n, policy=m.policy))
 
     @torch.inference_mode()
     def _hf(self, method: str, ids: list[int], n: int) -> dict:
@@ -173,11 +193,15 @@ class _Methods:
 
 def _from_result(r) -> dict:
     s = r.stats
-    info = {k: r.info[k] for k in ("applied", "decision", "skip_text") if k in r.info}
-    if "draft_vocab" in r.info.get("drafter", {}):
-        info["draft_vocab"] = r.info["drafter"]["draft_vocab"]
-    if "route" in r.info:
-        info["domain"] = r.info["route"].get("domain")
+    info = {}
+    if isinstance(r, RuntimeResult):
+        info = {"applied": r.applied, "decision": r.decision}
+        if r.skip is not None:
+            info["skip_text"] = r.skip
+        if "draft_vocab" in r.drafter_info:
+            info["draft_vocab"] = r.drafter_info["draft_vocab"]
+        if r.route is not None:
+            info["domain"] = r.domain
     if s.draft_lengths:
         info["draft_lengths"] = {str(k): v for k, v in sorted(s.draft_lengths.items())}
     return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "steps": s.steps, "drafted": s.drafted,
@@ -187,9 +211,7 @@ def _from_result(r) -> dict:
 def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: BenchSettings, profile=None,
               progress: bool = True, on_run: Callable[[dict], None] | None = None) -> dict:
     """Benchmark ``methods`` on ``prompts``; returns the report (see docs/benchmarks.md)."""
-    from adaptive.engine.audit import audit_divergence
-
-    missing = [m for m in methods if m in NEEDS_PROFILE]
+    missing = [m for m in methods if BENCH_METHODS[m].needs_profile]
     if missing and profile is None:
         raise ConfigError(f"method(s) {', '.join(missing)} need a calibration profile: pass --profile DIR")
     if profile is not None:
@@ -227,7 +249,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                    **out["info"]}
             if m == "ar":
                 ref = out["token_ids"]
-                replies[(p.id, t)] = runner.engine._text(ref)
+                replies[(p.id, t)] = runner.engine.text(ref)
                 rec["identical"] = True
             else:
                 a = audit_divergence(lm.backbone, ids, ref, out["token_ids"])

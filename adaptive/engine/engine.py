@@ -1,39 +1,47 @@
-"""Text in, text out: prompt encoding (chat template), EOS and stop strings, streaming, results."""
+"""Text in, text out: prompt encoding (chat template), EOS and stop strings, streaming, results.
+
+One request is :meth:`Engine.start` (encode is the caller's; the prefill, optionally pooling the
+prompt's embedding) then :meth:`Engine.decode` (the decode steps with a drafter, turned into text
+deltas and a :class:`GenerationResult`); :meth:`Engine.stream` does both. Text is detokenized
+incrementally (:class:`TextDecoder`) and stop strings are looked for only where a new token can
+have completed one, so a long generation costs linear time.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
+
+import torch
 
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import Acceptor, GenerationStats, Plan, decode, default_acceptor
-from adaptive.engine.protocol import Drafter, DraftLengthPolicy
+from adaptive.engine.loop import (Acceptor, GenerationStats, Prefill, decode_steps, default_acceptor, new_cache,
+                                  new_generator, prefill)
+from adaptive.engine.protocol import DecodeState, Drafter, DraftLengthPolicy
 from adaptive.errors import ConfigError
 
 Messages = Sequence[dict]
+REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
 
 
 @dataclass
 class GenerationResult:
-    """``token_ids`` are the generated ids (the EOS id included when generation ended on it)."""
+    """``token_ids`` are the generated ids (the EOS id included when generation ended on it).
+    ``drafter``: the drafter kind that decoded it (:data:`adaptive.drafters.factory.DRAFTERS`; ``ar``
+    for none); ``drafter_info``: that drafter's :meth:`~adaptive.engine.protocol.Drafter.describe`."""
 
     text: str
     token_ids: list[int]
     finish_reason: str  # "eos" | "stop" | "length"
     stats: GenerationStats
-    drafter: str  # the drafter kind that decoded it (adaptive.drafters.factory.DRAFTERS), "ar" for none
-    info: dict = field(default_factory=dict)
+    drafter: str = "ar"
+    drafter_info: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """JSON: ``drafter`` is the drafter's description, or ``"ar"`` when none drafted."""
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "drafter": self.drafter, "stats": self.stats.to_dict(), **self.info}
-
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or ``None``."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+                "drafter": self.drafter_info or self.drafter, "stats": self.stats.to_dict()}
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -47,12 +55,157 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+class TextDecoder:
+    """Incremental detokenization: token ids in, text out, decoding only a short window per update.
+
+    ``committed`` text only grows. Each update decodes the tokens since the start of the previous
+    update's window (a lookback, so that tokenizers which render a token differently at the start
+    of a text, such as SentencePiece's leading space, are seen in context) and commits the part
+    beyond that lookback's own text, unless it ends in U+FFFD: an incomplete UTF-8 sequence (a
+    byte-level BPE token holding part of a character) waits, as ``pending``, for the tokens that
+    complete it. ``committed + pending`` equals decoding all ids at once for byte-level and
+    character tokenizers.
+
+    Example (a character tokenizer): ``add([h, i])`` -> committed ``"hi"``; ``add([!])`` decodes
+    ``[h, i, !]`` against ``[h, i]`` -> committed ``"hi!"``.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are committed
+        self._prefix_text = ""  # decode(ids[_prefix:_read])
+        self._pieces: list[str] = []
+        self.committed_len = 0
+        self.pending = ""
+
+    def add(self, ids: Sequence[int]) -> None:
+        self.ids.extend(ids)
+        new = self._decode(self.ids[self._prefix:])
+        if len(new) > len(self._prefix_text) and not new.endswith(REPLACEMENT):
+            delta = new[len(self._prefix_text):]
+            self._pieces.append(delta)
+            self.committed_len += len(delta)
+            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix_text = self._decode(self.ids[self._prefix:self._read])
+            self.pending = ""
+        else:
+            self.pending = new[len(self._prefix_text):] if new.startswith(self._prefix_text) else ""
+
+    @property
+    def length(self) -> int:
+        """Length of ``committed + pending``."""
+        return self.committed_len + len(self.pending)
+
+    def text_from(self, start: int) -> str:
+        """``(committed + pending)[start:]``, joining only the pieces it needs."""
+        tail, n = [], self.committed_len
+        for piece in reversed(self._pieces):
+            if n <= start:
+                break
+            n -= len(piece)
+            tail.append(piece)
+        return "".join(reversed(tail))[max(start - n, 0):] + self.pending[max(start - self.committed_len, 0):]
+
+    def text(self) -> str:
+        return self.text_from(0)
+
+
+class TextStream:
+    """Turns a request's generated ids into text deltas, watching EOS, stop strings and the length.
+
+    Token by token, exactly as plain decoding would see them: generation ends on an EOS id (kept in
+    the ids; unless ``ignore_eos``), on the token that completes a stop string (the text is cut
+    before it), or at ``max_new_tokens``. A stop string is searched for only in the tail that can
+    hold one completed by the new token: from ``longest stop - 1`` characters before where the
+    text stood before it. Deltas hold back ``longest stop - 1`` characters (a stop string is never
+    emitted) and a trailing U+FFFD (an incomplete UTF-8 sequence).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], eos: set[int], cfg: GenerationConfig):
+        self.cfg = cfg
+        self.eos = eos
+        self.ids: list[int] = []
+        self.text = TextDecoder(decode)
+        self.finish: str | None = None
+        self.cut: int | None = None  # where the text ends when a stop string ended it
+        self._longest = max((len(s) for s in cfg.stop), default=1)
+        self._emitted = 0
+
+    def push(self, chunk: list[int]) -> str:
+        """Take one step's tokens; return the text that can be shown now ('' for none).
+
+        Once :attr:`finish` is set the rest of the text is returned and later tokens are ignored.
+        """
+        if self.finish:
+            return ""
+        cfg, text = self.cfg, self.text
+        batch: list[int] = []  # text tokens not yet given to the decoder (no stop strings to watch)
+        for t in chunk:
+            self.ids.append(t)
+            if t in self.eos and not cfg.ignore_eos:
+                self.finish = "eos"
+            elif cfg.stop and t not in self.eos:
+                before = text.committed_len  # the text up to here held no stop string
+                text.add([t])
+                start = max(before - (self._longest - 1), 0)
+                window = text.text_from(start)
+                found = [i for i in (window.find(s) for s in cfg.stop) if i >= 0]
+                if found:
+                    self.finish, self.cut = "stop", start + min(found)
+            elif t not in self.eos:
+                batch.append(t)
+            if not self.finish and len(self.ids) >= cfg.max_new_tokens:
+                self.finish = "length"
+            if self.finish:
+                break
+        if batch:
+            text.add(batch)
+        if self.finish:
+            end = self.cut if self.cut is not None else text.length
+        else:
+            end = text.length - (self._longest - 1)
+        if end <= self._emitted:
+            return ""
+        delta = text.text_from(self._emitted)[: end - self._emitted]
+        if not self.finish:
+            delta = delta.rstrip(REPLACEMENT)  # an incomplete UTF-8 sequence waits for the next token
+        self._emitted += len(delta)
+        return delta
+
+    def final_text(self) -> str:
+        full = self.text.text()
+        return full[: self.cut] if self.cut is not None else full
+
+
+@dataclass(eq=False)
+class Session:
+    """A prefilled request, ready for :meth:`Engine.decode` (once): its ids, config, the loop's
+    :class:`DecodeState` (the first token pending), the :class:`Prefill` (``pooled`` embedding when
+    asked for) and the statistics so far; ``started``: when the request began (``perf_counter``)."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    state: DecodeState
+    prefill: Prefill
+    stats: GenerationStats
+    started: float
+    decoded: bool = False
+
+    @property
+    def pooled(self) -> torch.Tensor | None:
+        """``[hidden]`` the prompt's pooled embedding (``None`` unless started with ``pool=True``)."""
+        return self.prefill.pooled
+
+
 class Engine:
     """Decodes prompts with a loaded model (:class:`adaptive.models.LoadedModel`).
 
     ``generate(prompt, config, drafter=...)`` returns a :class:`GenerationResult` (no drafter: plain
     decoding; drafters come from :func:`adaptive.drafters.factory.build_drafter`); ``stream(...)``
-    yields text deltas and finally the result.
+    yields text deltas and finally the result. ``start`` and ``decode`` are the two halves, for a
+    caller that decides what to draft with after the prefill (the runtime routes on ``pooled``).
     """
 
     def __init__(self, lm):
@@ -86,80 +239,78 @@ class Engine:
             ids = ids["input_ids"]
         return list(ids)
 
+    def text(self, ids: Sequence[int]) -> str:
+        """The text of generated ids, as results show it (EOS ids and special tokens left out)."""
+        return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def start(self, prompt_ids: list[int], config: GenerationConfig | None = None, pool: bool = False) -> Session:
+        """Prefill ``prompt_ids`` (with the pooled embedding when ``pool``): a :class:`Session` to decode."""
+        cfg = config or GenerationConfig()
+        t0 = time.perf_counter()
+        gen = new_generator(cfg, self.backbone.device)
+        cache = new_cache(self.backbone, len(prompt_ids), cfg)
+        pre = prefill(self.backbone, prompt_ids, cache, cfg, gen, pool=pool)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), prefill_time=pre.time)
+        state = DecodeState(self.backbone, cache, list(prompt_ids) + [pre.first], cfg, gen)
+        return Session(list(prompt_ids), cfg, state, pre, stats, t0)
+
+    def decode(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,
+               acceptor: Acceptor = default_acceptor) -> Iterator[str | GenerationResult]:
+        """Decode a started session: yield text deltas as tokens are accepted, then the :class:`GenerationResult`.
+
+        ``drafter`` drafts with ``policy`` choosing each step's draft length (default:
+        ``config.draft_len`` every step); no drafter decodes plainly.
+        """
+        if session.decoded:
+            raise ConfigError("a session is decoded once; start another")
+        session.decoded = True
+        cfg, stats = session.config, session.stats
+        out = TextStream(self._decode_text, self.eos, cfg)
+        delta = out.push([session.prefill.first])
+        if delta:
+            yield delta
+        if not out.finish:
+            steps = decode_steps(self.backbone, session.state, drafter, policy, cfg, stats, acceptor)
+            for chunk in steps:
+                delta = out.push(chunk)
+                if delta:
+                    yield delta
+                if out.finish:
+                    steps.close()
+                    break
+        stats.tokens = len(out.ids)
+        stats.total_time = time.perf_counter() - session.started
+        yield GenerationResult(out.final_text(), out.ids, out.finish or "length", stats,
+                               drafter.name if drafter is not None else "ar",
+                               drafter.describe() if drafter is not None else {})
+
     def stream(
         self,
         prompt: str | Messages | list[int],
         config: GenerationConfig | None = None,
         drafter: Drafter | None = None,
         policy: DraftLengthPolicy | None = None,
-        plan=None,
         chat: bool | None = None,
         acceptor: Acceptor = default_acceptor,
     ) -> Iterator[str | GenerationResult]:
         """Yield text deltas as tokens are accepted, then the final :class:`GenerationResult`.
 
-        ``prompt`` may also be a list of token ids (used as is). ``drafter`` drafts with ``policy``
-        choosing each step's draft length (default: ``config.draft_len`` every step). ``plan`` (a
-        :class:`Plan` or a function of the prompt embedding returning one) overrides both.
+        ``prompt`` may also be a list of token ids (used as is): encode -> :meth:`start` -> :meth:`decode`.
         """
         cfg = config or GenerationConfig()
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
         else:
             prompt_ids = self.encode(prompt, chat)
-        if plan is None:
-            plan = Plan(drafter, policy, {"drafter": drafter.describe()} if drafter is not None else {})
-        chosen: list[Plan] = [plan] if isinstance(plan, Plan) else []
-        if callable(plan):
-            route = plan
-
-            def plan(pooled, _route=route):  # remember what the router chose, for the result
-                chosen.append(_route(pooled))
-                return chosen[-1]
-        stats = GenerationStats()
-        out: list[int] = []
-        emitted = ""
-        finish = None
-        hold = max((len(s) for s in cfg.stop), default=1) - 1
-        t0 = time.perf_counter()
-        steps = decode(self.backbone, prompt_ids, cfg, plan, stats, acceptor)
-        for chunk in steps:
-            # Token by token, so that a multi-token step ends exactly where plain decoding would.
-            for t in chunk:
-                out.append(t)
-                if t in self.eos and not cfg.ignore_eos:
-                    finish = "eos"
-                elif cfg.stop and (cut := _first_stop(self._text(out), cfg.stop)) is not None:
-                    finish = "stop"
-                elif len(out) >= cfg.max_new_tokens:
-                    finish = "length"
-                if finish:
-                    break
-            text = self._text(out)
-            if finish == "stop":
-                text = text[:cut]
-            if finish:
-                steps.close()
-                if text.startswith(emitted) and len(text) > len(emitted):
-                    yield text[len(emitted):]
-                break
-            safe = text[: len(text) - hold] if hold else text
-            safe = safe.rstrip("\ufffd")  # an incomplete UTF-8 sequence waits for the next token
-            if safe.startswith(emitted) and len(safe) > len(emitted):
-                yield safe[len(emitted):]
-                emitted = safe
-        stats.tokens = len(out)
-        stats.total_time = time.perf_counter() - t0
-        info = dict(chosen[-1].info) if chosen else {}
-        used = chosen[-1].drafter if chosen else None
-        yield GenerationResult(text, out, finish or "length", stats, used.name if used is not None else "ar", info)
+        yield from self.decode(self.start(prompt_ids, cfg), drafter, policy, acceptor)
 
     def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
+        """:meth:`stream`'s final result."""
         result = None
         for item in self.stream(prompt, config, **kwargs):
             result = item
         assert isinstance(result, GenerationResult)
         return result
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)

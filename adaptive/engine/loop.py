@@ -1,7 +1,8 @@
-"""The decoding loop: plain autoregressive decoding and (self-)speculative decoding in one function.
+"""The decoding loop on tensors, in gpt-fast's shape: :func:`prefill`, then :func:`decode_steps`.
 
 Plain decoding (``ar``) is the same loop with no drafter: every step verifies zero drafted tokens
-and keeps the target's own next token.
+and keeps the target's own next token. :func:`decode` composes the two on token ids. What to
+draft with is decided between them (the runtime routes on the prefill's pooled embedding).
 """
 
 from __future__ import annotations
@@ -84,13 +85,14 @@ class GenerationStats:
         }
 
 
-@dataclass
-class Plan:
-    """What to decode with, possibly chosen after the prefill (routing uses the prefill embedding)."""
+@dataclass(frozen=True)
+class Prefill:
+    """What a prefill produced: the ``first`` generated token, the prompt's ``pooled`` embedding
+    (``[hidden]``, the mean final hidden state; ``None`` unless asked for) and its wall time (s)."""
 
-    drafter: Drafter | None = None
-    policy: DraftLengthPolicy | None = None
-    info: dict = field(default_factory=dict)
+    first: int
+    pooled: torch.Tensor | None
+    time: float
 
 
 def _sync(device: torch.device) -> None:
@@ -98,52 +100,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def decode(
-    backbone,
-    prompt_ids: list[int],
-    cfg: GenerationConfig,
-    plan: Plan | Callable[[torch.Tensor], Plan] | None = None,
-    stats: GenerationStats | None = None,
-    acceptor: Acceptor = default_acceptor,
-) -> Iterator[list[int]]:
-    """Yield the new tokens of each step until ``cfg.max_new_tokens`` have been produced.
+def new_generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator | None:
+    """The request's random stream: ``None`` when greedy, else seeded with ``cfg.seed`` (random without one)."""
+    if cfg.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
 
-    ``plan`` is a :class:`Plan`, or a function of the prompt's pooled embedding (``[hidden]``)
-    returning one, called once after the prefill; ``None`` decodes plainly. EOS and stop strings
-    are the caller's to watch (it stops iterating); this loop owns acceptance and KV rollback.
+
+def new_cache(backbone, n_prompt: int, cfg: GenerationConfig):
+    """A KV cache with room for the prompt, ``cfg.max_new_tokens`` and the longest draft beyond them."""
+    return backbone.new_cache(n_prompt + cfg.max_new_tokens + cfg.draft_len + 1)
+
+
+def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, generator: torch.Generator | None,
+            pool: bool = False) -> Prefill:
+    """Run the prompt through the model into ``cache`` (positions ``0 .. n-1``) and pick the first token.
+
+    Afterwards ``cache.length == len(prompt_ids)`` and the first token is pending (not cached yet).
+    ``pool``: also return the prompt's pooled embedding (:mod:`adaptive.index.embedding` uses the same).
     """
-    stats = stats if stats is not None else GenerationStats()
-    dev = backbone.device
-    gen = None
-    if not cfg.greedy:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    n_prompt = len(prompt_ids)
-    if n_prompt == 0:
+    if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
-    stats.prompt_tokens = n_prompt
-    cache = backbone.new_cache(n_prompt + cfg.max_new_tokens + cfg.draft_len + 1)
-
+    dev = backbone.device
     t0 = time.perf_counter()
-    out = backbone.forward(torch.tensor(prompt_ids, device=dev), cache, 0, logits="last", pool=callable(plan))
-    cache.length = n_prompt
-    logits = out.logits[0]
+    out = backbone.forward(torch.tensor(prompt_ids, device=dev), cache, 0, logits="last", pool=pool)
+    cache.length = len(prompt_ids)
+    logits = out.logits[0]  # [V]
     if cfg.greedy:
         first = int(logits.argmax())
     else:
-        first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1, generator=gen))
-    if callable(plan):
-        plan = plan(out.pooled)
-    plan = plan or Plan()
-    drafter = plan.drafter
-    policy = plan.policy or FixedDraftLength(cfg.draft_len)
+        first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
+                                      generator=generator))
     _sync(dev)
-    stats.prefill_time = time.perf_counter() - t0
-    tokens = list(prompt_ids) + [first]
-    produced = 1
-    yield [first]
+    return Prefill(first, out.pooled if pool else None, time.perf_counter() - t0)
 
-    state = DecodeState(backbone, cache, tokens, cfg, gen)
+
+def decode_steps(
+    backbone,
+    state: DecodeState,
+    drafter: Drafter | None = None,
+    policy: DraftLengthPolicy | None = None,
+    cfg: GenerationConfig | None = None,
+    stats: GenerationStats | None = None,
+    acceptor: Acceptor = default_acceptor,
+) -> Iterator[list[int]]:
+    """Yield each verification step's new tokens (accepted drafts, then the target's own token).
+
+    ``state`` is as :func:`prefill` left it: ``state.tokens`` is the prompt and the first token
+    (pending), which counts as one of ``cfg.max_new_tokens`` (default ``state.config``). Steps run
+    until that many tokens have been produced or the caller stops iterating (EOS and stop strings
+    are the caller's to watch). ``drafter`` drafts with ``policy`` choosing each step's
+    :class:`DraftChoice` (default: ``cfg.draft_len`` every step); ``None`` decodes plainly. This
+    loop owns acceptance and KV rollback.
+    """
+    cfg = cfg or state.config
+    stats = stats if stats is not None else GenerationStats()
+    policy = policy or FixedDraftLength(cfg.draft_len)
+    dev = backbone.device
+    cache, tokens, gen = state.cache, state.tokens, state.generator
+    produced = 1
     while produced < cfg.max_new_tokens:
         pos = cache.length  # position of the pending token tokens[-1]
         remaining = cfg.max_new_tokens - produced
@@ -157,8 +174,8 @@ def decode(
             draft = Draft(torch.empty(0, dtype=torch.long, device=dev))
         _sync(dev)
         t2 = time.perf_counter()
-        verify_in = torch.cat([torch.tensor([tokens[-1]], device=dev), draft.tokens.to(dev)])
-        p_logits = backbone.forward(verify_in, cache, pos, logits="all").logits
+        verify_in = torch.cat([torch.tensor([tokens[-1]], device=dev), draft.tokens.to(dev)])  # [k + 1]
+        p_logits = backbone.forward(verify_in, cache, pos, logits="all").logits  # [k + 1, V]
         n, nxt = acceptor(draft, p_logits, cfg, gen)
         # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
         # rejected drafts is this assignment: their stale keys are overwritten before being read.
@@ -180,3 +197,23 @@ def decode(
         tokens.extend(new)
         produced += len(new)
         yield new
+
+
+def decode(
+    backbone,
+    prompt_ids: list[int],
+    cfg: GenerationConfig,
+    drafter: Drafter | None = None,
+    policy: DraftLengthPolicy | None = None,
+    stats: GenerationStats | None = None,
+    acceptor: Acceptor = default_acceptor,
+) -> Iterator[list[int]]:
+    """:func:`prefill` then :func:`decode_steps`, on token ids: yields ``[first]``, then each step's tokens."""
+    stats = stats if stats is not None else GenerationStats()
+    gen = new_generator(cfg, backbone.device)
+    cache = new_cache(backbone, len(prompt_ids), cfg)
+    pre = prefill(backbone, prompt_ids, cache, cfg, gen)
+    stats.prompt_tokens, stats.prefill_time = len(prompt_ids), pre.time
+    yield [pre.first]
+    state = DecodeState(backbone, cache, list(prompt_ids) + [pre.first], cfg, gen)
+    yield from decode_steps(backbone, state, drafter, policy, cfg, stats, acceptor)

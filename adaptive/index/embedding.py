@@ -2,7 +2,7 @@
 
 A prompt's embedding is the mean over its positions of the target model's final-norm hidden state
 (KNN-SSD's mean-pooled last-layer representation), taken from the prefill forward itself: the
-runtime gets it from the prefill it runs anyway (``decode(..., plan=callable)`` passes it), the
+runtime gets it from the prefill it runs anyway (:func:`adaptive.engine.loop.prefill` with ``pool=True``), the
 calibrator from :func:`embed_prompt`, which runs that same forward. Before any distance is
 measured the :class:`~adaptive.index.anchors.AnchorIndex` scales it to unit length
 (:meth:`AnchorIndex.transform`).
@@ -23,8 +23,8 @@ def pooled_to_numpy(pooled: torch.Tensor) -> np.ndarray:
 def embed_prompt(backbone, prompt_ids: list[int]) -> np.ndarray:
     """``[hidden]`` float32: the pooled final hidden state of the prompt's prefill.
 
-    Identical to the ``pooled`` vector :func:`adaptive.engine.loop.decode` computes from its own
-    prefill of the same ids (tested), so calibration and routing see the same vectors.
+    Identical to the ``pooled`` vector :func:`adaptive.engine.loop.prefill` computes from the same
+    ids (tested), so calibration and routing see the same vectors.
     """
     if not prompt_ids:
         raise ValueError("cannot embed an empty prompt")

@@ -1,4 +1,9 @@
-"""Routing a prompt with a profile: embedding -> nearest anchors -> domain -> what to decode with."""
+"""Routing a prompt with a profile: embedding -> nearest anchors -> domain -> its calibrated decision.
+
+The profile is read through its typed records (:class:`adaptive.profile.Profile`; not imported:
+the index sits below the profile). What a serving request decodes with also depends on the
+routing policy: that is the runtime's :class:`~adaptive.runtime.runtime.RoutedPlan`.
+"""
 
 from __future__ import annotations
 
@@ -9,29 +14,30 @@ from adaptive.index.embedding import embed_prompt
 
 
 @dataclass(frozen=True)
-class Decision:
-    """A routed request: the :class:`Route`, the domain profile it selects, and the decoding choice."""
+class RouteDecision:
+    """A routed prompt: the :class:`Route`, the record that applies (``applied``: the domain, or
+    ``"global"`` when out-of-domain) and that record's calibrated decision (``drafter``, one of
+    ``ar``, ``ssd``, ``pld``, ``cascade``, at fixed length ``draft_len``), with its skip set's text."""
 
     route: Route
-    profile_domain: str  # the domain whose settings apply ("global" when out-of-domain)
-    skip_text: str
+    applied: str
+    drafter: str
     draft_len: int
-    method: str  # the domain's calibrated choice: "ssd", "pld", "cascade" or "ar"
+    skip_text: str
 
     def to_dict(self) -> dict:
-        return {**self.route.to_dict(), "applied": self.profile_domain, "skip": self.skip_text,
-                "draft_len": self.draft_len, "method": self.method}
+        return {**self.route.to_dict(), "applied": self.applied, "skip": self.skip_text,
+                "draft_len": self.draft_len, "decision": self.drafter}
 
 
-def decide(profile, vector, k: int | None = None) -> Decision:
+def decide(profile, vector, k: int | None = None) -> RouteDecision:
     """Route a raw pooled embedding ``[hidden]`` with ``profile`` (a :class:`adaptive.profile.Profile`)."""
     route = profile.index.route(vector, k)
     dp = profile.domain(route.domain)
-    lengths = {"pld": dp.pld_draft_len, "cascade": dp.cascade.draft_len if dp.cascade else dp.pld_draft_len}
-    return Decision(route, dp.name, dp.skip.to_text(), lengths.get(dp.decision, dp.draft_len), dp.decision)
+    return RouteDecision(route, dp.name, dp.decision.drafter, dp.decision.draft_len, dp.layer_skip.skip.to_text())
 
 
-def route_prompt(profile, engine, prompt, k: int | None = None) -> Decision:
-    """Encode ``prompt`` as calibration did (its chat setting), embed it, and decide."""
-    ids = engine.encode(prompt, chat=profile.settings.get("chat"))
+def route_prompt(profile, engine, prompt, k: int | None = None) -> RouteDecision:
+    """Encode ``prompt`` as calibration did (the profile's chat setting), embed it, and decide."""
+    ids = engine.encode(prompt, chat=profile.runtime.chat)
     return decide(profile, embed_prompt(engine.backbone, ids), k)

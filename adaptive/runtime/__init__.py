@@ -1,6 +1,8 @@
-"""The serving runtime: KNN routing to a domain's skip set, Thompson-sampled draft lengths."""
+"""The serving runtime: KNN routing to a domain's decision, Thompson-sampled draft lengths."""
 
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
-from adaptive.runtime.runtime import AdaptiveRuntime, RuntimeResult
+from adaptive.runtime.policies import POLICIES, Policy, get_policy
+from adaptive.runtime.runtime import AdaptiveRuntime, RoutedPlan, RuntimeResult
 
-__all__ = ["AdaptiveRuntime", "RuntimeResult", "ThompsonCascade", "ThompsonDraftLength"]
+__all__ = ["POLICIES", "AdaptiveRuntime", "Policy", "RoutedPlan", "RuntimeResult", "ThompsonCascade",
+           "ThompsonDraftLength", "get_policy"]

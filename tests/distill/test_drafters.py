@@ -11,7 +11,7 @@ from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock, early_exit
 from adaptive.drafters.model import ModelDrafter, check_same_tokenizer
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import Plan, decode
+from adaptive.engine.loop import decode
 from adaptive.errors import ConfigError
 from adaptive.models import LoadedModel, load_model
 from adaptive.runtime import AdaptiveRuntime
@@ -60,25 +60,25 @@ def test_untrained_block_is_the_identity(lm):
     assert torch.equal(block(h), h)
 
 
-@pytest.mark.parametrize("method", ["early-exit", "draft-model"])
-def test_runtime_greedy_equals_ar(lm, distilled, method):
+@pytest.mark.parametrize("policy", ["early-exit", "draft-model"])
+def test_runtime_greedy_equals_ar(lm, distilled, policy):
     fixed = AdaptiveRuntime.from_profile(distilled, model=lm, bandit=False)  # always drafts
     sampler = AdaptiveRuntime.from_profile(distilled, model=lm)  # may decline to draft where it does not pay
     for prompt in PROMPTS:
-        ref = fixed.generate(prompt, max_new_tokens=24, method="ar")
-        got = fixed.generate(prompt, max_new_tokens=24, method=method)
+        ref = fixed.generate(prompt, max_new_tokens=24, policy="ar")
+        got = fixed.generate(prompt, max_new_tokens=24, policy=policy)
         assert got.token_ids == ref.token_ids, prompt
-        assert got.decision == method and got.stats.drafted > 0
-        assert sampler.generate(prompt, max_new_tokens=24, method=method).token_ids == ref.token_ids
+        assert got.decision == policy and got.stats.drafted > 0 and got.draft_policy.startswith("fixed")
+        assert sampler.generate(prompt, max_new_tokens=24, policy=policy).token_ids == ref.token_ids
     state = sampler.bandit_state()
-    assert any(k.startswith(f"{method}:") for k in state)  # one Thompson sampler per routed domain
+    assert any(k.startswith(f"{policy}:") for k in state)  # one Thompson sampler per routed domain
 
 
 def test_draft_model_was_trained(distilled):
     from adaptive.profile import load_profile
 
     meta = load_profile(distilled).distilled["draft-model"]
-    assert meta["after"]["greedy"] > meta["before"]["greedy"]  # the draft model was trained too
+    assert meta.after["greedy"] > meta.before["greedy"]  # the draft model was trained too
 
 
 def test_a_profile_without_the_drafter_says_so(lm, tiny_profile):
@@ -86,7 +86,7 @@ def test_a_profile_without_the_drafter_says_so(lm, tiny_profile):
 
     rt = AdaptiveRuntime.from_profile(tiny_profile, model=lm)
     with pytest.raises(ProfileError, match="no distilled early-exit drafter"):
-        rt.generate("abc", max_new_tokens=4, method="early-exit")
+        rt.generate("abc", max_new_tokens=4, policy="early-exit")
 
 
 def test_early_exit_sampling_matches_the_target():
@@ -114,7 +114,7 @@ def test_model_drafter_greedy_equals_ar_across_requests(lm, draft_dir):
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
         ref = sum(decode(lm.backbone, ids, cfg), [])
-        assert sum(decode(lm.backbone, ids, cfg, Plan(drafter)), []) == ref
+        assert sum(decode(lm.backbone, ids, cfg, drafter), []) == ref
 
 
 def test_draft_model_must_share_the_tokenizer(lm, tiny_profile):

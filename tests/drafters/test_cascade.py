@@ -6,11 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive.drafters.cascade import CascadeConfig, CascadeDrafter, lenient_greedy_accept, lenient_point_mass
+from adaptive.drafters.cascade import CascadeDrafter, CascadePlan, lenient_greedy_accept, lenient_point_mass
 from adaptive.drafters.ngram import BigramTable, NgramDrafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import Plan, decode
+from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.engine.loop import decode
+from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
@@ -65,11 +67,11 @@ def test_lenient_point_mass_produces_q_eff_empirically():
 
 
 def test_config_validation_and_round_trip():
-    c = CascadeConfig(split=1, draft_len=6, lenience=1.5, max_split=2)
-    assert CascadeConfig.from_dict(c.to_dict()) == c
+    c = CascadePlan(split=1, draft_len=6, lenience=1.5, max_split=2)
+    assert CascadePlan.from_dict(c.to_dict()) == c
     for bad in (dict(draft_len=0), dict(split=9, draft_len=8), dict(lenience=0.5), dict(min_prob=2.0)):
         with pytest.raises(ValueError):
-            CascadeConfig(**bad)
+            CascadePlan(**bad)
 
 
 def test_drafter_validation():
@@ -81,6 +83,17 @@ def test_drafter_validation():
         CascadeDrafter(NgramDrafter(), None, 4, lenience=0.9)
     # without a skip set there is no layer-skip level, whatever split is asked for
     assert CascadeDrafter(NgramDrafter(), None, 4, split=3).split == 0
+
+
+class _Recorder(FixedDraftLength):
+    """A fixed draft length that keeps every draft it is told about."""
+
+    def __init__(self, k, drafts):
+        super().__init__(k)
+        self.drafts = drafts
+
+    def update(self, draft, accepted):
+        self.drafts.append(draft)
 
 
 def _chain_table(vocab):
@@ -97,37 +110,41 @@ def test_cascade_greedy_equals_plain_in_fp32(family):
     table = _chain_table(lm.backbone.vocab_size)
     for prompt in ["the cat sat on the mat. the cat sat on", "xyz 123 xyz 12"]:
         cfg = GenerationConfig(max_new_tokens=24, draft_len=5)
-        ar = engine.generate(prompt, cfg, method="ar")
+        ar = engine.generate(prompt, cfg)
         for split, vertical, lenience, bigram in [(0, True, 1.0, table), (1, True, 1.0, None), (2, True, 3.0, table),
                                                   (3, False, 1.0, table), (5, True, 1.0, table)]:
             d = CascadeDrafter(NgramDrafter(bigram=bigram), skip, lm.n_layers, split, vertical, lenience)
-            r = engine.generate(prompt, cfg, plan=Plan(d))
+            drafts = []
+            r = engine.generate(prompt, cfg, drafter=d, policy=_Recorder(5, drafts))
             assert r.token_ids == ar.token_ids, (prompt, split, vertical, lenience)
             assert r.stats.drafted > 0
             if split:
-                assert d.forwards > 0 and d.neural_tokens >= d.forwards  # vertical: >= 1 token per forward
+                forwards = sum(x.forwards for x in drafts)
+                layer_skip = sum(s == LAYER_SKIP for x in drafts for s in x.sources)
+                assert forwards > 0 and layer_skip >= forwards  # vertical: >= 1 token per forward
 
 
 def test_sources_say_where_tokens_came_from():
     lm = tiny_lm("llama")
     d = CascadeDrafter(NgramDrafter(bigram=_chain_table(lm.backbone.vocab_size)), SkipSet((1,), ()), lm.n_layers,
                        split=2, vertical=False)
-    stats_seen = []
-    for _ in decode(lm.backbone, [3, 4, 5], GenerationConfig(max_new_tokens=12, draft_len=5), Plan(d)):
-        stats_seen.append(list(d.last_sources))
+    drafts = []
+    list(decode(lm.backbone, [3, 4, 5], GenerationConfig(max_new_tokens=12, draft_len=5), d, _Recorder(5, drafts)))
     # token by token (not vertical): 2 layer-skip tokens, then the bigram tail fills the draft of 5
-    assert stats_seen[1] == ["n", "n", "s", "s", "s"]
+    assert drafts[0].sources == (LAYER_SKIP, LAYER_SKIP, STATISTICAL, STATISTICAL, STATISTICAL)
+    assert drafts[0].forwards == 2
 
 
-def test_engine_method_cascade_with_and_without_skip():
+def test_factory_cascade_with_and_without_skip():
     lm = tiny_lm("llama")
     engine = Engine(lm)
     cfg = GenerationConfig(max_new_tokens=20, draft_len=4)
-    ar = engine.generate("ab ab ab ab", cfg, method="ar")
-    plain = engine.generate("ab ab ab ab", cfg, method="cascade")
-    assert plain.token_ids == ar.token_ids and plain.info["drafter"]["split"] == 0
-    skipped = engine.generate("ab ab ab ab", cfg, method="cascade", skip=SkipSet((1,), (2,)))
-    assert skipped.token_ids == ar.token_ids and skipped.info["drafter"]["split"] == 1
+    ar = engine.generate("ab ab ab ab", cfg)
+    plain = engine.generate("ab ab ab ab", cfg, drafter=build_drafter(DrafterSpec("cascade"), lm.backbone))
+    assert plain.token_ids == ar.token_ids and plain.drafter_info["split"] == 0 and plain.drafter == "cascade"
+    skipped = engine.generate("ab ab ab ab", cfg,
+                              drafter=build_drafter(DrafterSpec("cascade", skip=SkipSet((1,), (2,))), lm.backbone))
+    assert skipped.token_ids == ar.token_ids and skipped.drafter_info["split"] == 1
 
 
 def _cascade_counts(lm, drafter, n):
@@ -138,7 +155,7 @@ def _cascade_counts(lm, drafter, n):
     counts = torch.zeros(V, V)
     for seed in range(n):
         cfg = GenerationConfig(**{**CFG.__dict__, "seed": seed, "max_new_tokens": 4})
-        toks = sum(decode(lm.backbone, PROMPT, cfg, Plan(drafter)), [])
+        toks = sum(decode(lm.backbone, PROMPT, cfg, drafter), [])
         counts[toks[1], toks[2]] += 1
     return counts
 

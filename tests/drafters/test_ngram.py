@@ -64,16 +64,16 @@ def test_pld_decoding_equals_plain_greedy(family):
     for prompt in ["abc abc abc abc", "the cat sat on the mat. the cat sat on", "xyz 123 xyz 12"]:
         for k in (1, 3, 8):
             cfg = GenerationConfig(max_new_tokens=30, draft_len=k)
-            ar = engine.generate(prompt, cfg, method="ar")
-            pld = engine.generate(prompt, cfg, method="pld")
+            ar = engine.generate(prompt, cfg)
+            pld = engine.generate(prompt, cfg, drafter=NgramDrafter())
             assert pld.token_ids == ar.token_ids, (prompt, k)
-            assert pld.info["drafter"]["name"] == "ngram"
+            assert pld.drafter == pld.drafter_info["name"] == "pld"
 
 
 def test_pld_sampling_runs_and_drafts():
     lm = tiny_lm("llama")
     r = Engine(lm).generate("ab ab ab ab ab", GenerationConfig(max_new_tokens=20, temperature=0.9, seed=1,
-                                                             draft_len=4), method="pld")
+                                                             draft_len=4), drafter=NgramDrafter())
     assert 1 <= len(r.token_ids) <= 20
     assert r.stats.drafted > 0  # the repeated prompt gives the lookup something to propose
 
@@ -81,7 +81,7 @@ def test_pld_sampling_runs_and_drafts():
 def test_ngram_drafter_validates():
     with pytest.raises(ValueError):
         NgramDrafter(max_ngram=0)
-    assert NgramDrafter(4, 2).describe() == {"name": "ngram", "max_ngram": 4, "min_ngram": 2}
+    assert NgramDrafter(4, 2).describe() == {"name": "pld", "max_ngram": 4, "min_ngram": 2}
 
 
 # -- the bigram table ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.drafters.vocab import DraftHead, coverage_curve, rank_tokens
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import Plan, decode
+from adaptive.engine.loop import decode
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
 
@@ -63,17 +63,17 @@ def test_reduced_head_greedy_equals_plain_in_fp32(family):
     for prompt in ["the cat sat on the mat. the cat sat on", "xyz 123 xyz 12"]:
         cfg = GenerationConfig(max_new_tokens=24, draft_len=4)
         ids = engine.encode(prompt)
-        ar = engine.generate(ids, cfg, method="ar")
-        full = engine.generate(ids, cfg, method="ssd", skip=skip)
+        ar = engine.generate(ids, cfg)
+        full = engine.generate(ids, cfg, drafter=LayerSkipDrafter(skip, lm.n_layers))
         # a small subset: many of the target's tokens cannot be drafted, none may change the output
         half = torch.arange(0, bb.vocab_size, 2)
         head = DraftHead.build(bb.lm_head.weight, half, extra=ids)
         d = LayerSkipDrafter(skip, lm.n_layers, head)
-        r = engine.generate(ids, cfg, plan=Plan(d))
+        r = engine.generate(ids, cfg, drafter=d)
         assert r.token_ids == ar.token_ids == full.token_ids, prompt
         assert d.describe()["draft_vocab"] == len(head)
         drafted = set()
-        for chunk in decode(bb, ids, cfg, Plan(_Spy(LayerSkipDrafter(skip, lm.n_layers, head), drafted))):
+        for chunk in decode(bb, ids, cfg, _Spy(LayerSkipDrafter(skip, lm.n_layers, head), drafted)):
             pass
         assert drafted and drafted <= set(head.ids.tolist())  # never a token outside the subset
 
@@ -84,13 +84,10 @@ class _Spy:
     def __init__(self, inner, seen):
         self.inner, self.seen = inner, seen
 
-    def propose(self, state, max_len):
-        d = self.inner.propose(state, max_len)
+    def propose(self, state, choice):
+        d = self.inner.propose(state, choice)
         self.seen.update(d.tokens.tolist())
         return d
-
-    def observe(self, drafted, accepted):
-        pass
 
     def describe(self):
         return {}

@@ -1,5 +1,6 @@
 import torch
 
+from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.engine.audit import audit_divergence, first_difference
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
@@ -32,8 +33,8 @@ def test_audit_passes_correct_rule_and_catches_broken_rule():
     for seed in range(5):
         prompt = torch.randint(3, lm.model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
         ar = eng.generate(prompt, cfg).token_ids
-        good = eng.generate(prompt, cfg, method="ssd", skip=skip).token_ids
-        bad = eng.generate(prompt, cfg, method="ssd", skip=skip, acceptor=broken_greedy).token_ids
+        good = eng.generate(prompt, cfg, drafter=LayerSkipDrafter(skip, lm.n_layers)).token_ids
+        bad = eng.generate(prompt, cfg, drafter=LayerSkipDrafter(skip, lm.n_layers), acceptor=broken_greedy).token_ids
         ok = audit_divergence(lm.backbone, prompt, ar, good)
         assert ok.identical and not ok.violation
         res = audit_divergence(lm.backbone, prompt, ar, bad)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
@@ -23,7 +24,7 @@ def test_greedy_equality_on_cuda():
     gpu = Engine(LoadedModel(gpu_model, char_tokenizer(), "t", "-", torch.device("cuda"), torch.float32))
     gpu_ar = gpu.generate(prompt, cfg).token_ids
     assert gpu_ar == ref  # same weights (same seed), fp32: the CUDA path decodes as the CPU one
-    assert gpu.generate(prompt, cfg, method="ssd", skip=SkipSet(attn=(1, 3))).token_ids == ref
+    assert gpu.generate(prompt, cfg, drafter=LayerSkipDrafter(SkipSet(attn=(1, 3)), 6)).token_ids == ref
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,5 +32,5 @@ def test_sampling_runs_on_cuda():
     model = tiny_model("qwen2", n_layers=4).cuda()
     eng = Engine(LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cuda"), torch.float32))
     r = eng.generate([3, 4, 5], GenerationConfig(max_new_tokens=16, temperature=0.8, seed=1, ignore_eos=True),
-                     method="ssd", skip=SkipSet(mlp=(1,)))
+                     drafter=LayerSkipDrafter(SkipSet(mlp=(1,)), 4))
     assert len(r.token_ids) == 16

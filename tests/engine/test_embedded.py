@@ -3,6 +3,7 @@
 import pytest
 
 from adaptive.calibrate.prompts import builtin_domains
+from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
@@ -22,7 +23,7 @@ def test_fp32_greedy_equality_on_real_prompts(embedded_fp32):
     cfg = GenerationConfig(max_new_tokens=32, draft_len=4)
     for prompt in prompts():
         ar = eng.generate(prompt, cfg)
-        ssd = eng.generate(prompt, cfg, method="ssd", skip=SKIP)
+        ssd = eng.generate(prompt, cfg, drafter=LayerSkipDrafter(SKIP, embedded_fp32.n_layers))
         assert ssd.token_ids == ar.token_ids, prompt
         assert ssd.stats.accepted > 0
 
@@ -33,7 +34,7 @@ def test_bf16_divergences_are_near_ties(embedded_bf16):
     for prompt in prompts():
         ids = eng.encode(prompt)
         ar = eng.generate(ids, cfg)
-        ssd = eng.generate(ids, cfg, method="ssd", skip=SKIP)
+        ssd = eng.generate(ids, cfg, drafter=LayerSkipDrafter(SKIP, embedded_bf16.n_layers))
         audit = audit_divergence(embedded_bf16.backbone, ids, ar.token_ids, ssd.token_ids)
         assert not audit.violation, audit
 
@@ -44,10 +45,8 @@ def test_fp32_cascade_and_reduced_head_equal_plain(embedded_fp32):
     import torch
 
     from adaptive.drafters.cascade import CascadeDrafter
-    from adaptive.drafters.layerskip import LayerSkipDrafter
     from adaptive.drafters.ngram import NgramDrafter, build_bigram_table
     from adaptive.drafters.vocab import DraftHead, rank_tokens
-    from adaptive.engine.loop import Plan
 
     eng = Engine(embedded_fp32)
     bb = embedded_fp32.backbone
@@ -58,9 +57,9 @@ def test_fp32_cascade_and_reduced_head_equal_plain(embedded_fp32):
     for ids in encoded:
         ar = eng.generate(ids, cfg)
         cascade = CascadeDrafter(NgramDrafter(bigram=table), SKIP, bb.n_layers, split=2, vertical=True)
-        c = eng.generate(ids, cfg, plan=Plan(cascade))
+        c = eng.generate(ids, cfg, drafter=cascade)
         head = DraftHead.build(bb.lm_head.weight, subset, extra=ids)
-        r = eng.generate(ids, cfg, plan=Plan(LayerSkipDrafter(SKIP, bb.n_layers, head)))
+        r = eng.generate(ids, cfg, drafter=LayerSkipDrafter(SKIP, bb.n_layers, head))
         assert c.token_ids == ar.token_ids and r.token_ids == ar.token_ids
         assert c.stats.accepted > 0 and r.stats.accepted > 0
 
@@ -71,7 +70,6 @@ def test_fp32_early_exit_equals_plain(embedded_fp32):
     import torch
 
     from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
-    from adaptive.engine.loop import Plan
 
     eng = Engine(embedded_fp32)
     bb = embedded_fp32.backbone
@@ -84,7 +82,7 @@ def test_fp32_early_exit_equals_plain(embedded_fp32):
     for prompt in prompts():
         ids = eng.encode(prompt)
         ar = eng.generate(ids, cfg)
-        ee = eng.generate(ids, cfg, plan=Plan(EarlyExitDrafter(20, bb.n_layers, block)))
+        ee = eng.generate(ids, cfg, drafter=EarlyExitDrafter(20, bb.n_layers, block))
         assert ee.token_ids == ar.token_ids, prompt
         drafted, accepted = drafted + ee.stats.drafted, accepted + ee.stats.accepted
     assert drafted > 0 and accepted > 0

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
@@ -40,7 +41,8 @@ def test_greedy_equals_hf_generate(family):
         for skip in skips:
             for k in (1, 2, 3, 5, 8):
                 cfg = GenerationConfig(max_new_tokens=n, draft_len=k, ignore_eos=True)
-                r = eng.generate(prompt, cfg, method="ssd" if skip else "ar", skip=skip or None)
+                d = build_drafter(DrafterSpec("ssd", skip=skip), lm.backbone) if skip else None
+                r = eng.generate(prompt, cfg, drafter=d)
                 assert r.token_ids == ref, (prompt_len, skip.to_text(), k)
                 checked += 1
     assert checked == 3 * 6 * 5
@@ -52,9 +54,10 @@ def test_confidence_stop_keeps_equality_and_shortens_drafts():
     prompt = list(range(5, 20))
     ref = hf_greedy(lm.model, prompt, 30)
     skip = SkipSet(attn=(1, 3), mlp=(4,))
-    plain = eng.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=8, ignore_eos=True), method="ssd", skip=skip)
+    d = build_drafter(DrafterSpec("ssd", skip=skip), lm.backbone)
+    plain = eng.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=8, ignore_eos=True), drafter=d)
     conf = eng.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=8, ignore_eos=True, confidence_threshold=0.9),
-                        method="ssd", skip=skip)
+                        drafter=d)
     assert plain.token_ids == ref and conf.token_ids == ref
     assert conf.stats.drafted / conf.stats.steps < plain.stats.drafted / plain.stats.steps
 
@@ -62,7 +65,7 @@ def test_confidence_stop_keeps_equality_and_shortens_drafts():
 def test_stats_are_consistent():
     lm = tiny_lm("llama", n_layers=6)
     r = Engine(lm).generate(list(range(3, 12)), GenerationConfig(max_new_tokens=40, draft_len=4, ignore_eos=True),
-                            method="ssd", skip=SkipSet(attn=(2,)))
+                            drafter=build_drafter(DrafterSpec("ssd", skip=SkipSet(attn=(2,))), lm.backbone))
     s = r.stats
     assert s.tokens == 40 == len(r.token_ids)
     assert sum(s.accept_hist.values()) == s.steps

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import Plan, decode
+from adaptive.engine.loop import decode
 from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
@@ -46,7 +46,7 @@ def sample_counts(lm, drafter, acceptor=None):
     kwargs = {"acceptor": acceptor} if acceptor else {}
     for seed in range(N):
         cfg = GenerationConfig(**{**CFG.__dict__, "seed": seed})
-        toks = sum(decode(lm.backbone, PROMPT, cfg, Plan(drafter), **kwargs), [])
+        toks = sum(decode(lm.backbone, PROMPT, cfg, drafter, **kwargs), [])
         counts[toks[1], toks[2]] += 1
     return counts
 

@@ -4,25 +4,19 @@ import numpy as np
 import torch
 
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import Plan, decode
+from adaptive.engine.loop import new_cache, prefill
 from adaptive.index.embedding import embed_prompt
 from tests.conftest import tiny_lm
 
 
-def test_embed_prompt_equals_the_decode_prefill_pooling():
+def test_embed_prompt_equals_the_prefill_pooling():
     lm = tiny_lm("llama")
     ids = list(range(3, 40))
-    seen = {}
-
-    def plan(pooled):
-        seen["v"] = pooled.clone()
-        return Plan()
-
-    for _ in decode(lm.backbone, ids, GenerationConfig(max_new_tokens=3), plan=plan):
-        pass
+    cfg = GenerationConfig(max_new_tokens=3)
+    pooled = prefill(lm.backbone, ids, new_cache(lm.backbone, len(ids), cfg), cfg, None, pool=True).pooled
     vec = embed_prompt(lm.backbone, ids)
     assert vec.shape == (lm.model.config.hidden_size,) and vec.dtype == np.float32
-    np.testing.assert_array_equal(vec, seen["v"].numpy())
+    np.testing.assert_array_equal(vec, pooled.numpy())
     # it depends on the prompt
     assert not np.allclose(vec, embed_prompt(lm.backbone, list(range(5, 42))))
 

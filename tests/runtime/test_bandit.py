@@ -6,9 +6,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive.runtime.bandit import ThompsonDraftLength, best_length
+import torch
+
+from adaptive.costs import best_draft_length
+from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, Draft
+from adaptive.runtime.bandit import ThompsonDraftLength
 
 VERIFY = (1.0, 1.0, 1.05, 1.1, 1.15, 1.2)
+
+
+def best_length(a, cost, verify, max_len):
+    return best_draft_length(a, cost, verify, max_len)[0]
+
+
+def draft(k, sources=(), forwards=0):
+    """A draft of ``k`` tokens (their ids do not matter to a policy)."""
+    return Draft(torch.zeros(k, dtype=torch.long), None, tuple(sources), forwards)
+
+
+def observe(b, drafted, accepted):
+    b.update(draft(drafted), accepted)
 
 
 def test_best_length_worked_examples():
@@ -24,20 +41,20 @@ def test_best_length_worked_examples():
 
 def test_update_counts_successes_until_the_first_rejection():
     b = ThompsonDraftLength(0.5, VERIFY, 5, prior=(1, 1))
-    b.update(4, 2)  # two accepted, then one rejection; the fourth draft is unobserved
+    observe(b, 4, 2)  # two accepted, then one rejection; the fourth draft is unobserved
     assert (b.alpha, b.beta) == (3.0, 2.0)
-    b.update(3, 3)  # all accepted: no failure observed
+    observe(b, 3, 3)  # all accepted: no failure observed
     assert (b.alpha, b.beta) == (6.0, 2.0)
-    b.update(0, 0)  # a plain step teaches nothing
+    observe(b, 0, 0)  # a plain step teaches nothing
     assert (b.alpha, b.beta) == (6.0, 2.0)
     with pytest.raises(ValueError):
-        b.update(2, 3)
+        observe(b, 2, 3)
 
 
 def test_posterior_is_bounded_by_the_window():
     b = ThompsonDraftLength(0.5, VERIFY, 5, prior=(1, 1), window=50)
     for _ in range(1000):
-        b.update(3, 2)
+        observe(b, 3, 2)
     assert b.alpha + b.beta <= 50 + 1e-9
     assert b.mean == pytest.approx(2 / 3, abs=0.02)
 
@@ -45,22 +62,22 @@ def test_posterior_is_bounded_by_the_window():
 def test_bandit_learns_to_stop_drafting_when_drafts_fail_and_to_draft_when_they_pass():
     bad = ThompsonDraftLength(0.9, VERIFY, 5, prior=(5, 5), seed=1)
     for _ in range(200):
-        k = bad.choose(5)
+        k = bad.choose(5).length
         if k:
-            bad.update(k, 0)  # every draft rejected
-    assert sum(bad.choose(5) == 0 for _ in range(100)) >= 95
+            observe(bad, k, 0)  # every draft rejected
+    assert sum(bad.choose(5).length == 0 for _ in range(100)) >= 95
     good = ThompsonDraftLength(0.1, VERIFY, 5, prior=(1, 1), seed=1)
     for _ in range(200):
-        k = good.choose(5)
+        k = good.choose(5).length
         if k:
-            good.update(k, k)
-    assert sum(good.choose(5) == 5 for _ in range(100)) >= 95
-    assert good.choose(2) <= 2  # respects the step's limit
+            observe(good, k, k)
+    assert sum(good.choose(5).length == 5 for _ in range(100)) >= 95
+    assert good.choose(2).length <= 2  # respects the step's limit
 
 
 def test_allow_zero_false_always_drafts():
     b = ThompsonDraftLength(0.99, VERIFY, 5, prior=(1, 50), allow_zero=False)
-    assert all(b.choose(5) >= 1 for _ in range(20))
+    assert all(b.choose(5).length >= 1 for _ in range(20))
 
 
 def test_bandit_is_thread_safe():
@@ -69,7 +86,7 @@ def test_bandit_is_thread_safe():
     def work():
         for _ in range(2000):
             b.choose(5)
-            b.update(2, 1)
+            observe(b, 2, 1)
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
@@ -86,14 +103,17 @@ def test_updates_keep_a_valid_posterior(steps):
     b = ThompsonDraftLength(0.5, VERIFY + (1.3, 1.4, 1.5), 8, window=40)
     for drafted, accepted in steps:
         accepted = min(accepted, drafted)
-        b.update(drafted, accepted)
+        observe(b, drafted, accepted)
         assert b.alpha > 0 and b.beta > 0 and b.alpha + b.beta <= 40 + 1e-9
-        assert 0 <= b.choose(8) <= 8
+        assert 0 <= b.choose(8).length <= 8
 
 
 # -- the cascade's two-level sampler ---------------------------------------------------------------
 
-from adaptive.runtime.bandit import ThompsonCascade, best_split, cascade_expected_tokens  # noqa: E402
+from adaptive.costs import best_split, cascade_expected_tokens  # noqa: E402
+from adaptive.runtime.bandit import ThompsonCascade  # noqa: E402
+
+L, S = LAYER_SKIP, STATISTICAL
 
 
 def test_cascade_expected_tokens_docstring_case():
@@ -113,49 +133,39 @@ def test_best_split_docstring_case():
     assert best_split(0.0, 0.0, 0.5, 0.01, (1, 1.01, 1.05), 2, 2) == (0, 0)
 
 
-class _FakeDrafter:
-    masks = object()  # has a layer-skip level
-
-    def __init__(self):
-        self.split = None
-        self.last_sources = []
-        self.forwards_per_token = 1.0
-
-
 def test_thompson_cascade_credits_each_level():
-    d = _FakeDrafter()
-    b = ThompsonCascade(d, 0.5, [1.0] * 6, 5, 2, neural_prior=(1, 1), stat_prior=(1, 1))
-    d.last_sources = ["n", "n", "s", "s", "s"]
-    b.update(5, 3)  # n, n accepted; tail position 0 accepted; tail position 1 rejected; the last says nothing
-    assert (b.neural.alpha, b.neural.beta) == (3.0, 1.0)
+    b = ThompsonCascade(0.5, [1.0] * 6, 5, 2, layer_skip_prior=(1, 1), stat_prior=(1, 1))
+    # L, L accepted; tail position 0 accepted; tail position 1 rejected; the last says nothing
+    b.update(draft(5, (L, L, S, S, S), forwards=2), 3)
+    assert (b.layer_skip.alpha, b.layer_skip.beta) == (3.0, 1.0)
     assert [(t.alpha, t.beta) for t in b.tail[:3]] == [(2.0, 1.0), (1.0, 2.0), (1.0, 1.0)]
-    d.last_sources = ["n", "s"]
-    b.update(2, 2)  # all accepted: one success each, no failure
-    assert (b.neural.alpha, b.tail[0].alpha, b.tail[0].beta) == (4.0, 3.0, 1.0)
-    d.last_sources = ["s", "s"]
-    b.update(2, 0)  # tail position 0 rejected at once
+    b.update(draft(2, (L, S), forwards=1), 2)  # all accepted: one success each, no failure
+    assert (b.layer_skip.alpha, b.tail[0].alpha, b.tail[0].beta) == (4.0, 3.0, 1.0)
+    b.update(draft(2, (S, S)), 0)  # tail position 0 rejected at once
     assert (b.tail[0].alpha, b.tail[0].beta, b.tail[1].alpha) == (3.0, 2.0, 1.0)
+    # layer-skip forwards per layer-skip token, from the drafts' own counts: 3 forwards for 3 tokens
+    assert b.forwards_per_token == 1.0
+    b.update(draft(3, (L, L, L), forwards=1), 3)  # vertical: three tokens from one forward
+    assert b.forwards_per_token == pytest.approx(4 / 6)
     with pytest.raises(ValueError):
-        b.update(2, 3)
+        b.update(draft(2, (L, S)), 3)
 
 
-def test_thompson_cascade_sets_the_split():
-    d = _FakeDrafter()
+def test_thompson_cascade_chooses_the_split():
     # a near-perfect, cheap layer-skip level and a useless statistical one: layer-skip positions
-    b = ThompsonCascade(d, 0.1, [1.0] * 9, 8, 3, neural_prior=(500, 1), stat_prior=(1, 500), seed=0)
-    k = b.choose(8)
-    assert d.split == 3 and k >= 3
+    b = ThompsonCascade(0.1, [1.0] * 9, 8, 3, layer_skip_prior=(500, 1), stat_prior=(1, 500), seed=0)
+    c = b.choose(8)
+    assert c.split == 3 and c.length >= 3
     # the reverse: statistical tokens only
-    b = ThompsonCascade(d, 0.9, [1.0] * 9, 8, 3, neural_prior=(1, 500), stat_prior=(500, 1), seed=0)
-    assert b.choose(8) == 8 and d.split == 0
-    d.masks = None  # no layer-skip level at all: never a split
-    b = ThompsonCascade(d, 0.1, [1.0] * 9, 8, 3, neural_prior=(500, 1), stat_prior=(1, 500), seed=0)
-    b.choose(8)
-    assert d.split == 0 and b.max_split == 0
+    b = ThompsonCascade(0.9, [1.0] * 9, 8, 3, layer_skip_prior=(1, 500), stat_prior=(500, 1), seed=0)
+    c = b.choose(8)
+    assert c.length == 8 and c.split == 0
+    # no layer-skip level at all (max_split 0): never a split
+    b = ThompsonCascade(0.1, [1.0] * 9, 8, 0, layer_skip_prior=(500, 1), stat_prior=(1, 500), seed=0)
+    assert b.choose(8).split == 0 and b.max_split == 0
     assert set(b.state()) == {"layer_skip", "statistical", "forwards_per_token", "chosen"}
     # priors by tail position: a long tail pays when later positions are likely once reached
-    d.masks = None
-    rising = ThompsonCascade(d, 0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0,
+    rising = ThompsonCascade(0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0,
                              stat_prior=[(400, 600), (900, 100), (900, 100), (900, 100), (900, 100)], seed=0)
-    flat = ThompsonCascade(d, 0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0, stat_prior=(400, 600), seed=0)
-    assert rising.choose(5) == 5 and flat.choose(5) < 5
+    flat = ThompsonCascade(0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0, stat_prior=(400, 600), seed=0)
+    assert rising.choose(5).length == 5 and flat.choose(5).length < 5

@@ -3,14 +3,43 @@
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 
+from adaptive.drafters.cascade import CascadePlan
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
+from adaptive.engine.skip import SkipSet
 from adaptive.errors import ConfigError
-from adaptive.profile import ProfileError, load_profile
-from adaptive.runtime import AdaptiveRuntime
+from adaptive.costs import STAT_DRAFT_COST
+from adaptive.profile import Decision, Prior, Priors, ProfileError, VocabChoice, load_profile
+from adaptive.runtime import POLICIES, AdaptiveRuntime
+from adaptive.runtime.runtime import beta_prior
 from tests.conftest import TINY_DOMAINS
+
+
+def drafting(d, drafter: str | None = None, **changes):
+    """Domain record ``d`` deciding ``drafter`` (default: its own decision), with a skip set to draft
+    with (layer 1's attention where the search found none), optimistic priors (0.9 per token, a
+    layer-skip draft token at 0.1 of a step) and flat verification costs, so that the bandits
+    start out drafting on this random model whatever the tiny calibration's timings were."""
+    skip = d.layer_skip.skip if d.layer_skip.skip else SkipSet((1,), ())
+    drafter = drafter or d.decision.drafter
+    length = {"ssd": d.layer_skip.draft_len, "pld": 4, "cascade": d.cascade.draft_len, "ar": 1}[drafter]
+    priors = Priors(layer_skip=Prior(0.9, 0.1), lookup=Prior(0.9, STAT_DRAFT_COST),
+                    statistical=Prior(0.9, STAT_DRAFT_COST), reduced_head_cost=0.05)
+    return dataclasses.replace(d, decision=Decision(drafter, length), layer_skip=dataclasses.replace(d.layer_skip, skip=skip),
+                               priors=priors, verify=(1.0,) * 16, **changes)
+
+
+def with_domains(profile, drafter=None, **changes):
+    """A copy of ``profile`` whose domains and global record are :func:`drafting` (``drafter``: a
+    drafter name, or a function of the domain's name giving one)."""
+    pick = drafter if callable(drafter) else (lambda name: drafter)
+    p = dataclasses.replace(profile)
+    p.domains = {n: drafting(d, pick(n), **changes) for n, d in profile.domains.items()}
+    p.global_set = drafting(profile.global_set, pick(None) or "ssd", **changes)
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +48,7 @@ def runtime(tiny_profile, tiny_model_dir):
     layer skipping (the tiny model's timings decide nothing)."""
     from adaptive.models import load_model
 
-    p = load_profile(tiny_profile)
-    p.domains = {n: dataclasses.replace(d, pays=True, method="pld" if n == "math" else "ssd")
-                 for n, d in p.domains.items()}
-    p.global_set = dataclasses.replace(p.global_set, pays=True, method="ssd")
+    p = with_domains(load_profile(tiny_profile), lambda n: "pld" if n == "math" else "ssd")
     lm = load_model(str(tiny_model_dir), dtype="float32")
     return AdaptiveRuntime(p, lm, seed=0)
 
@@ -34,33 +60,42 @@ def _ar(rt, prompt, n=24):
     return Engine(rt.lm).generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
 
 
-@pytest.mark.parametrize("method", ["knn-ssd", "cascade", "ssd-static", "ar"])
-def test_runtime_greedy_output_equals_plain_decoding(runtime, method):
+@pytest.mark.parametrize("policy", ["knn-ssd", "knn-skip", "cascade", "ssd-static", "ar"])
+def test_runtime_greedy_output_equals_plain_decoding(runtime, policy):
+    drafted = 0
     for prompt in PROMPTS:
-        r = runtime.generate(prompt, max_new_tokens=24, method=method)
-        assert r.token_ids == _ar(runtime, prompt), (method, prompt)
-        if method == "ar":
-            assert r.decision == "ar"
-        elif method == "ssd-static":
-            assert r.decision == "ssd" and r.info["applied"] == "global"
-        elif method == "cascade":
-            assert r.decision == "cascade" and r.info["drafter"]["name"] == "cascade"
+        r = runtime.generate(prompt, max_new_tokens=24, policy=policy)
+        assert r.token_ids == _ar(runtime, prompt), (policy, prompt)
+        assert r.policy == policy
+        drafted += r.stats.drafted
+        if policy == "ar":
+            assert r.decision == "ar" and r.stats.drafted == 0
+        elif policy == "ssd-static":
+            assert r.decision == "ssd" and r.applied == "global"
+        elif policy == "cascade":
+            assert r.decision == "cascade" and r.drafter_info["name"] == "cascade"
+        elif policy == "knn-skip":
+            assert r.decision == "ssd" and r.skip == runtime.profile.domain(r.domain).layer_skip.skip.to_text()
         else:
-            assert r.decision == runtime.profile.domain(r.domain).decision
+            assert r.decision == runtime.profile.domain(r.domain).decision.drafter
+    if policy != "ar":  # equality must not come from never drafting
+        assert drafted > 0, policy
 
 
 def test_result_records_the_routing_decision(runtime):
     r = runtime.generate(TINY_DOMAINS["code"][-1], max_new_tokens=16)
     assert r.domain in (*TINY_DOMAINS, None)
-    assert r.info["applied"] in (*TINY_DOMAINS, "global")
+    assert r.applied in (*TINY_DOMAINS, "global") and r.applied == runtime.profile.domain(r.domain).name
     assert r.neighbours and all({"domain", "distance"} <= set(n) for n in r.neighbours)
     if r.decision == "ssd":
-        assert r.skip == runtime.profile.domain(r.domain).skip.to_text()
+        assert r.skip == runtime.profile.domain(r.domain).layer_skip.skip.to_text()
     else:
-        assert r.decision == "pld" and r.skip is None and r.info["drafter"]["name"] == "ngram"
+        assert r.decision == "pld" and r.skip is None and r.drafter_info["name"] == "pld"
     assert sum(r.draft_lengths.values()) >= 1
-    assert r.info["draft_policy"] == "thompson" and "alpha" in r.info["bandit"]
-    assert r.to_dict()["route"]["neighbours"]
+    assert r.draft_policy == "thompson" and "alpha" in r.bandit
+    d = r.to_dict()
+    assert d["route"]["neighbours"] and d["policy"] == "knn-ssd" and d["decision"] == r.decision
+    assert d["applied"] == r.applied and d["bandit"] == r.bandit and d["drafter"]["name"] == r.decision
 
 
 def test_stream_yields_the_text_then_the_result(runtime):
@@ -77,12 +112,12 @@ def test_sampling_is_reproducible_with_a_seed_and_fixed_draft_lengths(runtime):
     a = fixed.generate("hello there", max_new_tokens=16, temperature=0.8, seed=3)
     b = fixed.generate("hello there", max_new_tokens=16, temperature=0.8, seed=3)
     assert a.token_ids == b.token_ids
-    assert a.info["draft_policy"].startswith("fixed")
+    assert a.draft_policy.startswith("fixed")
 
 
 def test_bad_options_are_clear_errors(runtime):
-    with pytest.raises(ConfigError, match="method"):
-        runtime.generate("x", method="fast")
+    with pytest.raises(ConfigError, match="policy 'fast'; choose one of " + ", ".join(POLICIES)):
+        runtime.generate("x", policy="fast")
     with pytest.raises(ConfigError, match="max_new_tokens"):
         runtime.generate("x", max_new_tokens=0)
     with pytest.raises(ConfigError, match="temperature"):
@@ -127,19 +162,17 @@ def test_concurrent_requests_match_single_threaded_output(runtime):
             assert ids == expected[j], j
         else:  # sampled: a complete, valid generation
             assert 1 <= len(ids) <= 20 and all(0 <= t < runtime.lm.backbone.vocab_size for t in ids)
-    # bounded state: one bandit per (drafting method, domain) at most: knn-ssd, cascade, ssd-static
-    assert len(runtime.bandit_state()) <= 3 * (len(TINY_DOMAINS) + 1)
+    # bounded state: one bandit per (drafting policy, record) at most: knn-ssd, knn-skip, cascade, ssd-static
+    assert len(runtime.bandit_state()) <= 4 * (len(TINY_DOMAINS) + 1)
 
 
 def test_prompt_lookup_domains_are_lossless(runtime):
     # every domain (and the global set) decoded with prompt lookup
-    p = dataclasses.replace(runtime.profile)
-    p.domains = {n: dataclasses.replace(d, method="pld") for n, d in p.domains.items()}
-    p.global_set = dataclasses.replace(p.global_set, method="pld")
+    p = with_domains(runtime.profile, "pld")
     rt = AdaptiveRuntime(p, runtime.lm)
     for prompt in PROMPTS:
         r = rt.generate(prompt, max_new_tokens=24)
-        assert r.decision == "pld" and r.info["drafter"]["name"] == "ngram" and r.skip is None
+        assert r.decision == "pld" and r.drafter_info["name"] == "pld" and r.skip is None
         assert r.token_ids == _ar(runtime, prompt)
     # with fixed draft lengths (the bandit may rightly stop drafting on this random model) it drafts
     fixed = AdaptiveRuntime(p, runtime.lm, bandit=False)
@@ -158,57 +191,91 @@ def test_route_inside_a_stream_does_not_deadlock(runtime):
 def test_cascade_uses_the_domains_table_and_split(runtime):
     """Each domain's cascade drafts with its own bigram table; a profile split puts layer-skip tokens
     first; greedy output stays that of plain decoding; the two-level bandit learns per level."""
-    from adaptive.drafters.cascade import CascadeConfig
-
-    p = dataclasses.replace(runtime.profile)
-    p.domains = {n: dataclasses.replace(d, cascade=CascadeConfig(split=1, draft_len=4, max_split=2),
-                                        skip=d.skip if (d.skip.attn or d.skip.mlp) else d.skip.__class__((1,), ()))
-                 for n, d in p.domains.items()}
+    p = with_domains(runtime.profile, cascade=CascadePlan(split=1, draft_len=4, max_split=2))
     for bandit in (False, True):
         rt = AdaptiveRuntime(p, runtime.lm, bandit=bandit)
+        moved = []
         for prompt in PROMPTS[:3]:
-            r = rt.generate(prompt, max_new_tokens=24, method="cascade")
+            r = rt.generate(prompt, max_new_tokens=24, policy="cascade")
             assert r.token_ids == _ar(runtime, prompt), (bandit, prompt)
             if r.domain is not None:
-                d = r.info["drafter"]
+                d = r.drafter_info
                 assert d["statistical"]["bigram_entries"] == len(p.domains[r.domain].bigram)
-                assert r.skip == p.domains[r.domain].skip.to_text()
+                assert r.skip == p.domains[r.domain].layer_skip.skip.to_text()
                 if not bandit:
                     assert d["split"] == 1 and r.stats.drafted > 0
+            if bandit and r.stats.drafted:
+                moved.append(r.applied)
         if bandit:
-            states = [v for k, v in rt.bandit_state().items() if k.startswith("cascade:")]
-            assert states and all({"layer_skip", "statistical"} <= set(s) for s in states)
-            # some tokens were credited to a level beyond the priors' pseudo-counts
-            assert any(s["chosen"] for s in states)
+            states = rt.bandit_state()
+            assert all({"layer_skip", "statistical"} <= set(v) for k, v in states.items() if k.startswith("cascade:"))
+            assert moved, "the cascade's bandit never drafted"
+            for applied in moved:  # every bandit that saw a draft left its prior
+                s, dp = states[f"cascade:{applied}"], p.domain(None if applied == "global" else applied)
+                prior_ls = beta_prior(dp.priors.layer_skip.acceptance)
+                prior_tail = beta_prior(dp.priors.statistical.acceptance)
+                ls_moved = (s["layer_skip"]["alpha"], s["layer_skip"]["beta"]) != tuple(round(x, 3) for x in prior_ls)
+                tail_moved = any(m != round(prior_tail[0] / sum(prior_tail), 4) for m in s["statistical"])
+                assert ls_moved or tail_moved, (applied, s)
 
 
 def test_cascade_with_a_profile_made_before_cascades(runtime):
     """A profile without cascade settings or tables: the cascade is prompt lookup alone, still lossless."""
-    p = dataclasses.replace(runtime.profile)
-    p.domains = {n: dataclasses.replace(d, cascade=None, bigram=None) for n, d in p.domains.items()}
-    p.global_set = dataclasses.replace(p.global_set, cascade=None, bigram=None)
+    # what calibration records where it measured no cascade: prompt lookup alone, no table
+    p = with_domains(runtime.profile, cascade=CascadePlan(split=0, draft_len=8, max_split=0), bigram=None)
     rt = AdaptiveRuntime(p, runtime.lm, bandit=False)
-    r = rt.generate("ab ab ab ab ab ab", max_new_tokens=16, method="cascade")
-    assert r.info["drafter"]["split"] == 0 and "bigram_entries" not in r.info["drafter"]["statistical"]
+    r = rt.generate("ab ab ab ab ab ab", max_new_tokens=16, policy="cascade")
+    assert r.drafter_info["split"] == 0 and "bigram_entries" not in r.drafter_info["statistical"] and r.skip is None
     assert r.token_ids == _ar(runtime, "ab ab ab ab ab ab", 16) and r.stats.drafted > 0
 
 
 def test_knn_skip_with_a_reduced_vocabulary_is_lossless(runtime):
     """Routed layer skipping over each domain's reduced vocabulary (joined with the prompt's tokens):
     greedy output is plain decoding's; reduced_vocab=False keeps the full head."""
-    import numpy as np
-
-    p = dataclasses.replace(runtime.profile)
-    p.domains = {n: dataclasses.replace(d, reduced_vocab=True, draft_vocab=np.arange(3, 30),
-                                        skip=d.skip if (d.skip.attn or d.skip.mlp) else d.skip.__class__((1,), ()))
-                 for n, d in p.domains.items()}
+    p = reduced_profile(runtime.profile)
     reduced, full = AdaptiveRuntime(p, runtime.lm), AdaptiveRuntime(p, runtime.lm, reduced_vocab=False)
     for prompt in PROMPTS[:3]:
-        r = reduced.generate(prompt, max_new_tokens=24, method="knn-skip")
-        f = full.generate(prompt, max_new_tokens=24, method="knn-skip")
+        r = reduced.generate(prompt, max_new_tokens=24, policy="knn-skip")
+        f = full.generate(prompt, max_new_tokens=24, policy="knn-skip")
         assert r.token_ids == f.token_ids == _ar(runtime, prompt), prompt
         if r.domain is not None:
-            assert r.decision == "ssd" and r.skip == p.domains[r.domain].skip.to_text()
-            prompt_ids = set(runtime.engine.encode(prompt, chat=p.settings.get("chat")))
-            assert r.info["drafter"]["draft_vocab"] == len(set(range(3, 30)) | prompt_ids)
-            assert "draft_vocab" not in f.info["drafter"]
+            assert r.decision == "ssd" and r.skip == p.domains[r.domain].layer_skip.skip.to_text()
+            prompt_ids = set(runtime.engine.encode(prompt, chat=p.runtime.chat))
+            assert r.drafter_info["draft_vocab"] == len(set(range(3, 30)) | prompt_ids)
+            assert "draft_vocab" not in f.drafter_info
+
+
+def reduced_profile(profile):
+    """Every record drafting layer-skip tokens over ids 3..29 (joined with each request's prompt ids)."""
+    vocab = VocabChoice(size=27, vocab_size=40, draft_len=4, coverage={}, draft_cost={}, estimate={},
+                        full_estimate=1.0, use=True)
+    return with_domains(profile, "ssd", vocab=vocab, draft_vocab=np.arange(3, 30))
+
+
+@pytest.mark.parametrize("policy", ["knn-skip", "cascade"])
+def test_requests_do_not_change_drafters(runtime, policy):
+    """Drafters are built per request: a request after another one through the same reduced-head
+    domain decodes exactly as the same request on a fresh runtime, and an earlier plan's drafter
+    description is not changed by a later request."""
+    p = reduced_profile(runtime.profile)
+    if policy == "cascade":
+        p = with_domains(p, "ssd", cascade=CascadePlan(split=1, draft_len=4, max_split=2))
+    first, second = TINY_DOMAINS["code"][-1], TINY_DOMAINS["code"][-2] + " zz 77"
+    shared = AdaptiveRuntime(p, runtime.lm, bandit=False)
+    a = shared.generate(first, max_new_tokens=20, policy=policy)
+    a_info = dict(a.drafter_info)
+    b = shared.generate(second, max_new_tokens=20, policy=policy)
+    fresh = AdaptiveRuntime(p, runtime.lm, bandit=False).generate(second, max_new_tokens=20, policy=policy)
+    assert b.applied == fresh.applied and b.decision == fresh.decision == ("ssd" if policy == "knn-skip" else policy)
+    assert b.token_ids == fresh.token_ids == _ar(runtime, second, 20)
+    assert b.drafter_info == fresh.drafter_info and "draft_vocab" in b.drafter_info
+    assert (b.stats.drafted, b.stats.accepted, b.draft_lengths) == (
+        fresh.stats.drafted, fresh.stats.accepted, fresh.draft_lengths) and b.stats.drafted > 0
+    assert a.drafter_info == a_info and a.drafter_info["draft_vocab"] != b.drafter_info["draft_vocab"]
+    # plans built one after the other keep their own heads
+    route = shared.route(first).route
+    ids1, ids2 = (shared.engine.encode(t, chat=p.runtime.chat) for t in (first, second))
+    plan1 = shared.plan(POLICIES[policy], route, ids1)
+    n1 = len(plan1.spec.head)
+    plan2 = shared.plan(POLICIES[policy], route, ids2)
+    assert len(plan1.spec.head) == n1 and plan1.spec.head is not plan2.spec.head

@@ -39,13 +39,14 @@ def _post(url, body: bytes):
 
 
 def test_http_server_answers_concurrent_requests_losslessly(tiny_profile, tiny_model_dir):
-    import dataclasses
+    from tests.runtime.test_runtime import drafting
 
     rt = AdaptiveRuntime.from_profile(tiny_profile, model=str(tiny_model_dir), dtype="float32")
     # make the domains draft (layer skipping, prompt lookup) so that the server exercises both
     p = rt.profile
-    p.domains = {n: dataclasses.replace(d, method="pld" if i % 2 else "ssd") for i, (n, d) in enumerate(p.domains.items())}
-    p.global_set = dataclasses.replace(p.global_set, method="ssd")
+    names = sorted(p.domains)
+    p.domains = {n: drafting(d, "pld" if names.index(n) % 2 else "ssd") for n, d in p.domains.items()}
+    p.global_set = drafting(p.global_set, "ssd")
     server = ThreadingHTTPServer(("127.0.0.1", 0), _load_example().make_handler(rt))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
