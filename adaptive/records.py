@@ -54,6 +54,8 @@ def to_json(obj):
 
 
 def _convert(tp, value, where: str):
+    if tp is typing.Any or tp is object:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not _NONE]
@@ -76,8 +78,6 @@ def _convert(tp, value, where: str):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
         return {str(k): _convert(vt, v, f"{where}.{k}") for k, v in value.items()}
-    if tp is typing.Any or tp is object:
-        return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if hasattr(tp, "from_dict") and not getattr(tp, "_record", False):
             return tp.from_dict(value)

@@ -15,7 +15,6 @@ from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.settings import CalibrationSettings
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import Plan
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.limits import check_room
 from adaptive.models import LoadedModel
@@ -69,17 +68,12 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     influence = torch.zeros(2, bb.n_layers)
     for prompt in progress_bar(prompts, f"prepare {name}", worker.progress):
         p = engine.encode(prompt, chat=s.chat)
-        pooled = {}
-
-        def grab(vec, _store=pooled):
-            _store["v"] = vec
-            return Plan()
-
-        cont = engine.generate(p, cfg, plan=grab).token_ids  # greedy, through the first EOS
+        session = engine.start(p, cfg, pool=True)  # the prefill's pooled embedding, as the runtime routes on
+        cont = list(engine.decode(session))[-1].token_ids  # greedy, through the first EOS
         tail = (p + cont)[-(len(cont) + 64):]
         influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))
         ids.append(p)
-        embs.append(pooled_to_numpy(pooled["v"]))
+        embs.append(pooled_to_numpy(session.pooled))
         seqs.append((p, cont))
     return Prepared(name, ids, np.stack(embs), seqs, influence / len(prompts))
 
