@@ -13,10 +13,18 @@ from adaptive.models import LoadedModel
 # -- test tiers ------------------------------------------------------------------------------------
 # A plain `pytest` runs the fast tier (pyproject's addopts deselect `slow` and `embedded`); `make test`
 # (what CI runs) runs everything. `embedded` is added here to every test that loads the embedded
-# model; `slow` to the tests below (subprocess kills, a dask cluster, long end-to-end runs).
+# model; `slow` to the tests below: subprocess kills, a dask cluster, the statistical (chi-square)
+# sampling tests, which draw thousands of samples (20-50 s each on 2 cores), and the comparisons
+# with Hugging Face's generate (greedy equality stays in the fast tier through our own `ar`).
 SLOW = {
     "tests/calibrate/test_faults.py": None,  # None: every test of the module
     "tests/calibrate/test_runner.py": {"test_dask_backend_on_a_local_cluster"},
+    "tests/engine/test_sampling_distribution.py": None,
+    "tests/drafters/test_cascade.py": {"test_cascade_sampling_matches_target"},
+    "tests/drafters/test_vocab.py": {"test_reduced_head_sampling_matches_target"},
+    "tests/distill/test_drafters.py": {"test_draft_model_sampling_matches_the_target",
+                                       "test_early_exit_sampling_matches_the_target"},
+    "tests/engine/test_greedy_equality.py": {"test_greedy_equals_hf_generate"},
 }
 EMBEDDED_FIXTURES = {"embedded_fp32", "embedded_bf16"}
 

@@ -21,7 +21,8 @@ def test_fingerprint_is_dtype_independent_and_model_specific(tiny_model_dir, tmp
     tiny_model("llama", seed=99).save_pretrained(other)
     char_tokenizer().save_pretrained(other)
     c = load_model(str(other), device="cpu", dtype="float32").fingerprint()
-    assert c["config_hash"] == a["config_hash"] and c["weights_hash"] != a["weights_hash"]
+    assert c.config_hash == a.config_hash and c.weights_hash != a.weights_hash
+    assert not c.same_model(a) and a.same_model(b)
 
 
 def test_missing_model_names_what_was_tried(tmp_path):
