@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
@@ -60,8 +61,9 @@ def main() -> None:
     cfgs = {"ar": GenerationConfig(max_new_tokens=args.max_new_tokens)}
     for k in ks:
         cfgs[f"ssd-k{k}"] = GenerationConfig(max_new_tokens=args.max_new_tokens, draft_len=k)
+    ssd = build_drafter(DrafterSpec("ssd", skip=skip), lm.backbone)  # keeps no state between requests
     eng.generate(prompts[0][1], GenerationConfig(max_new_tokens=16))  # warm-up
-    eng.generate(prompts[0][1], cfgs[f"ssd-k{ks[0]}"], method="ssd", skip=skip)
+    eng.generate(prompts[0][1], cfgs[f"ssd-k{ks[0]}"], drafter=ssd)
 
     rows = []
     for group, prompt in prompts:
@@ -73,7 +75,7 @@ def main() -> None:
         row["hf"] = {"tokens_per_s": len(hf) / (time.perf_counter() - t)}
         ar = None
         for name, cfg in cfgs.items():
-            r = eng.generate(ids, cfg, method="ar" if name == "ar" else "ssd", skip=None if name == "ar" else skip)
+            r = eng.generate(ids, cfg, drafter=None if name == "ar" else ssd)
             s = r.stats
             row[name] = {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate,
                          "mean_accepted_tokens": s.mean_accepted_tokens}

@@ -1,6 +1,7 @@
 """Compare the two search spaces at equal trials on one domain (estimated speedup, no timing).
 
-    python benchmarks/search_space_compare.py --domain /tmp/sb/math_reasoning.jsonl --prompts 16 --trials 30 --seeds 0,1,2
+    python benchmarks/search_space_compare.py --domain /tmp/sb/math_reasoning.jsonl --prompts 16 --trials 30 \
+        --seeds 0,1,2
 
 Prepares the domain as calibration does (greedy continuations, influence), measures the cost model
 once, then runs the Bayesian search in the ``ranked`` and ``sublayer`` spaces with the same scorer,
@@ -16,9 +17,9 @@ import time
 
 import torch
 
-from adaptive.calibrate.costs import measure_costs
 from adaptive.calibrate.search import MatchnessScorer, estimate, make_space, run_search, top_candidates
 from adaptive.calibrate.sources import read_prompt_rows
+from adaptive.costs import measure_costs
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.models import load_model
@@ -49,7 +50,8 @@ def main() -> None:
         space = make_space(name, bb.n_layers, influence)
         best, t0 = [], time.perf_counter()
         for seed in [int(s) for s in args.seeds.split(",")]:
-            hist = run_search(space, lambda skip: estimate(skip, scorer, costs), args.trials, seed=seed, n_init=args.init)
+            hist = run_search(space, lambda skip: estimate(skip, scorer, costs), args.trials, seed=seed,
+                              n_init=args.init)
             top = top_candidates(hist, 1)[0]
             best.append((top["target"], top["skip"], top["matchness"]))
         out[name] = {"best_estimated_speedup": [round(b[0], 4) for b in best],

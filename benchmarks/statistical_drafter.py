@@ -59,12 +59,12 @@ def main() -> None:
         rows = {"pld": statistical_acceptance(held, args.k, bigram=False)}
         for mp in probs:
             rows[f"bigram@{mp}"] = statistical_acceptance(held, args.k, min_prob=mp, table=table)
-        report[f.stem] = {"table_entries": len(table), **rows}
+        report[f.stem] = {"table_entries": len(table), **{name: r.to_dict() for name, r in rows.items()}}
         print(f"{f.stem} (table {len(table)} entries, {time.perf_counter() - t0:.0f} s)")
-        for name, r in rows.items():
-            print(f"  {name:12s} token acc {r['token_acceptance']:.3f}  available {r['available']:.2f}  "
-                  f"accepted/step {r['accepted_per_step']:.3f}  drafted/step {r['drafted_per_step']:.2f}  "
-                  f"by position {r['position_acceptance'][:4]}")
+        for name, r in rows.items():  # a StatisticalAcceptance record each
+            print(f"  {name:12s} token acc {r.token_acceptance:.3f}  available {r.available:.2f}  "
+                  f"accepted/step {r.accepted_per_step:.3f}  drafted/step {r.drafted_per_step:.2f}  "
+                  f"by position {list(r.position_acceptance[:4])}")
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=1))
 
