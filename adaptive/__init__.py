@@ -11,6 +11,6 @@ from adaptive.errors import AdaptiveError
 from adaptive.models import LoadedModel, load_model
 from adaptive.runtime import AdaptiveRuntime, RuntimeResult
 
-__all__ = ["AdaptiveError", "AdaptiveRuntime", "RuntimeResult", "Engine", "GenerationConfig", "GenerationResult", "LoadedModel", "SkipSet",
-           "load_model", "skipping"]
+__all__ = ["AdaptiveError", "AdaptiveRuntime", "RuntimeResult", "Engine", "GenerationConfig", "GenerationResult",
+           "LoadedModel", "SkipSet", "load_model", "skipping"]
 __version__ = "0.1.0"

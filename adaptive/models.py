@@ -200,7 +200,9 @@ def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval(), tok
 
 
-def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> LoadedModel:
+def load_model(
+    spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
     ``device="auto"`` takes CUDA when present, else the CPU. ``dtype="auto"`` takes bf16 on CUDA and

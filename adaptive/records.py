@@ -24,12 +24,12 @@ import dataclasses
 import sys
 import types
 import typing
-from functools import lru_cache
+from functools import cache
 
 _NONE = type(None)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
 

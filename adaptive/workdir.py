@@ -24,9 +24,10 @@ import re
 import shutil
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from adaptive.errors import AdaptiveError
 

@@ -70,8 +70,14 @@ def tiny_model(family: str = "llama", n_layers: int = 4, vocab: int | None = Non
                init: float = 0.2, hidden: int = 64):
     """A randomly initialised decoder. ``init`` (weight std) well above HF's 0.02 gives peaked,
     varied outputs instead of one token repeated, so equality tests have something to check."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     vocab = vocab or len(SPECIALS) + len(CHARS)
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layers,

@@ -2,10 +2,9 @@
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
-
-from dataclasses import replace
 
 from adaptive.profile import SCHEMA_VERSION, DomainRecord, ProfileError, load_profile, profile_json, save_profile
 from tests.conftest import TINY_DOMAINS

@@ -73,7 +73,9 @@ def markdown(summary: dict, methods: list[str]) -> str:
             cells.append("-" if not f or f["speedup"] is None else f"{f['speedup']:.2f}x ({f['tokens_per_s']:.1f})")
         name = "**overall**" if g == "overall" else g
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    detail = ["", "| method | mean accepted tokens | acceptance rate | draft ms/token | identical to ar | lossless violations |",
+    detail = ["",
+              "| method | mean accepted tokens | acceptance rate | draft ms/token | identical to ar "
+              "| lossless violations |",
               "|---|---|---|---|---|---|"]
     for m in methods:
         f = summary[m]

@@ -9,7 +9,7 @@ by a table that has seen the very text it is scored on.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from adaptive.costs import STAT_DRAFT_COST, best_split, verify_table
 from adaptive.drafters.cascade import CascadePlan
@@ -35,9 +35,9 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
     ``bigram=True`` builds each sequence's table from the other sequences (leave one out) unless a
     fixed ``table`` (built from other text) is given; ``bigram=False``: prompt lookup alone.
 
-    Returns (a :class:`~adaptive.profile.StatisticalAcceptance`) ``token_acceptance`` (accepted / (accepted + first rejections), the bandit's model),
-    ``position_acceptance`` (``[k]``: accepted / reached at each draft position), ``available``
-    (share of positions with any proposal), ``accepted_per_step`` and ``drafted_per_step`` (means
+    Returns (a :class:`~adaptive.profile.StatisticalAcceptance`) ``token_acceptance`` (accepted / (accepted + first
+    rejections), the bandit's model), ``position_acceptance`` (``[k]``: accepted / reached at each draft position),
+    ``available`` (share of positions with any proposal), ``accepted_per_step`` and ``drafted_per_step`` (means
     over all scored positions, a position without a proposal counting 0) and ``positions``. Positions whose
     proposal runs past the continuation's end are scored only up to that end.
     """

@@ -33,8 +33,17 @@ from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import BigramTable, build_bigram_table
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
-from adaptive.profile import (GLOBAL as GLOBAL_RECORD, Decision, DomainRecord, Measurement, Prior, Priors, SkipSearch,
-                              StatisticalAcceptance, VocabChoice)
+from adaptive.profile import GLOBAL as GLOBAL_RECORD
+from adaptive.profile import (
+    Decision,
+    DomainRecord,
+    Measurement,
+    Prior,
+    Priors,
+    SkipSearch,
+    StatisticalAcceptance,
+    VocabChoice,
+)
 from adaptive.workdir import WorkDir, append_json_line, checkpointed, read_json, read_json_lines, write_json
 
 # the best "candidate" when every trial proposed the empty skip set: layer skipping cannot be chosen

@@ -18,16 +18,23 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from adaptive import __version__
 from adaptive.calibrate.domain import DomainTask, calibrate_domain
 from adaptive.calibrate.parallel import Worker, in_process, run_parallel, shared_model
 from adaptive.calibrate.prepare import Prepared, check_prompt_lengths, prepare_domain
-from adaptive.calibrate.settings import (BACKENDS, GLOBAL, CalibrationError, CalibrationSettings, calibration_workdir,
-                                         check_domains, domains_digest)
+from adaptive.calibrate.settings import (
+    BACKENDS,
+    GLOBAL,
+    CalibrationError,
+    CalibrationSettings,
+    calibration_workdir,
+    check_domains,
+    domains_digest,
+)
 from adaptive.costs import CostModel, measure_costs
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -61,7 +61,8 @@ class SublayerSpace:
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
-        self.pbounds = {**{f"a{i}": (0.0, 1.0) for i in range(n_layers)}, **{f"m{i}": (0.0, 1.0) for i in range(n_layers)}}
+        self.pbounds = {**{f"a{i}": (0.0, 1.0) for i in range(n_layers)},
+                        **{f"m{i}": (0.0, 1.0) for i in range(n_layers)}}
 
     def decode(self, params: dict) -> SkipSet:
         L = self.n_layers

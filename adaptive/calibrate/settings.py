@@ -82,7 +82,7 @@ class CalibrationSettings:
         object.__setattr__(self, "vocab_sizes", tuple(sorted(sizes)))
 
     @classmethod
-    def quick(cls, **overrides) -> "CalibrationSettings":
+    def quick(cls, **overrides) -> CalibrationSettings:
         """The README preset: a few minutes on 2 CPU cores for the built-in domains."""
         base = dict(prompts_per_domain=6, anchors_per_domain=6, trials=10, init_trials=4, continuation_tokens=24,
                     confirm_candidates=2, confirm_prompts=2, confirm_tokens=40)

@@ -6,8 +6,8 @@ and returns one typed :class:`~adaptive.profile.Measurement` per candidate.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ class Candidate:
     estimated_speedup: float | None = None
 
     @classmethod
-    def of(cls, m: Measurement) -> "Candidate":
+    def of(cls, m: Measurement) -> Candidate:
         """The candidate that ``m`` timed (to time it again)."""
         return cls(m.drafter, m.draft_len, m.skip, m.cascade, m.draft_vocab, m.estimated_acceptance,
                    m.estimated_draft_cost, m.estimated_speedup)

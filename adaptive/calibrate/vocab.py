@@ -9,7 +9,7 @@ the reduced head is used only where that measured faster (:class:`~adaptive.prof
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,8 +10,17 @@ import click
 from adaptive.bench.data import load_bench_prompts
 from adaptive.bench.report import markdown, plot
 from adaptive.bench.runner import BENCH_METHODS, DISTILLED_KIND, BenchSettings, run_bench
-from adaptive.cli.common import (NameList, command, device_option, dtype_option, info, load, model_option,
-                                 profile_model, quiet_option)
+from adaptive.cli.common import (
+    NameList,
+    command,
+    device_option,
+    dtype_option,
+    info,
+    load,
+    model_option,
+    profile_model,
+    quiet_option,
+)
 from adaptive.profile import load_profile
 
 DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")

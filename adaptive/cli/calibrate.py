@@ -7,9 +7,22 @@ import click
 from adaptive.calibrate.runner import BACKENDS, CalibrationSettings, calibrate
 from adaptive.calibrate.search import SPACES
 from adaptive.calibrate.sources import read_prompt_rows
-from adaptive.cli.common import (Command, NameEqualsPath, SizeList, command, device_option, domain_prompts,
-                                 dtype_option, echo_json, info, json_option, load, model_option, profile_model,
-                                 quiet_option)
+from adaptive.cli.common import (
+    Command,
+    NameEqualsPath,
+    SizeList,
+    command,
+    device_option,
+    domain_prompts,
+    dtype_option,
+    echo_json,
+    info,
+    json_option,
+    load,
+    model_option,
+    profile_model,
+    quiet_option,
+)
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt

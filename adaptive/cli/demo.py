@@ -17,8 +17,17 @@ import click
 from adaptive.calibrate.prompts import builtin_domains
 from adaptive.calibrate.runner import CalibrationSettings, calibrate
 from adaptive.cli.calibrate import summary_table
-from adaptive.cli.common import (command, device_option, dtype_option, echo_json, info, json_option, load, model_option,
-                                 quiet_option)
+from adaptive.cli.common import (
+    command,
+    device_option,
+    dtype_option,
+    echo_json,
+    info,
+    json_option,
+    load,
+    model_option,
+    quiet_option,
+)
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig

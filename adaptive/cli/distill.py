@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import click
 
-from adaptive.cli.common import (NameEqualsPath, command, device_option, domain_prompts, dtype_option, echo_json, info,
-                                 json_option, load, model_option, profile_model, quiet_option)
+from adaptive.cli.common import (
+    NameEqualsPath,
+    command,
+    device_option,
+    domain_prompts,
+    dtype_option,
+    echo_json,
+    info,
+    json_option,
+    load,
+    model_option,
+    profile_model,
+    quiet_option,
+)
 from adaptive.distill.data import DATA_SOURCES
 from adaptive.distill.divergences import DIVERGENCES
 from adaptive.distill.trainer import DistillConfig, distill

@@ -9,8 +9,19 @@ from __future__ import annotations
 
 import click
 
-from adaptive.cli.common import (LayerList, command, device_option, dtype_option, echo_json, info, json_option, load,
-                                 model_option, sampling_config, sampling_options)
+from adaptive.cli.common import (
+    LayerList,
+    command,
+    device_option,
+    dtype_option,
+    echo_json,
+    info,
+    json_option,
+    load,
+    model_option,
+    sampling_config,
+    sampling_options,
+)
 from adaptive.drafters.factory import DRAFTERS, LAYER_SKIP_DRAFTERS, DrafterSpec, build_drafter
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet

@@ -1,10 +1,18 @@
 """Costs: the pure arithmetic of speculative decoding (:mod:`.model`) and its measurement (:mod:`.measure`)."""
 
-from adaptive.costs.measure import (measure_costs, measure_draft_cost, measure_head_costs,
-                                    measure_verify_costs)
-from adaptive.costs.model import (STAT_DRAFT_COST, CostModel, best_draft_length, best_split,
-                                  cascade_expected_tokens, expected_speedup, expected_tokens_per_step,
-                                  extrapolate, reach, verify_table)
+from adaptive.costs.measure import measure_costs, measure_draft_cost, measure_head_costs, measure_verify_costs
+from adaptive.costs.model import (
+                                    STAT_DRAFT_COST,
+                                    CostModel,
+                                    best_draft_length,
+                                    best_split,
+                                    cascade_expected_tokens,
+                                    expected_speedup,
+                                    expected_tokens_per_step,
+                                    extrapolate,
+                                    reach,
+                                    verify_table,
+)
 
 __all__ = ["STAT_DRAFT_COST", "CostModel", "best_draft_length", "best_split", "cascade_expected_tokens",
            "expected_speedup", "expected_tokens_per_step", "extrapolate", "measure_costs", "measure_draft_cost",

@@ -21,7 +21,7 @@ def _verify_ratios(backbone, ids, cache, context: int, full: float, max_verify: 
     """Cost of a full forward over 1..max_verify tokens relative to ``full`` (one token), at ``context``."""
     verify = [1.0]
     for n in range(2, max_verify + 1):
-        t = _time(lambda: backbone.forward(ids[context:context + n], cache, context, logits="all"), repeats, sync)
+        t = _time(lambda n=n: backbone.forward(ids[context:context + n], cache, context, logits="all"), repeats, sync)
         verify.append(max(t / full, verify[-1]))  # a longer forward never counts as cheaper
     return verify
 

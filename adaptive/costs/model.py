@@ -10,8 +10,8 @@ list for ``k = 0 .. max_len`` (:func:`verify_table`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 STAT_DRAFT_COST = 0.005  # a statistical draft token (a lookup, ~0.1 ms against a ~30 ms step)
 
@@ -153,7 +153,8 @@ class CostModel:
         attention 0 costs ``0.1 + 0.3 + 0.15 + 0.15 = 0.7``.
         """
         sa, sm = skip_masks
-        return self.base + sum(c for c, s in zip(self.attn, sa) if not s) + sum(c for c, s in zip(self.mlp, sm) if not s)
+        return (self.base + sum(c for c, s in zip(self.attn, sa) if not s)
+                + sum(c for c, s in zip(self.mlp, sm) if not s))
 
     def verify_cost(self, k: int) -> float:
         """Cost of verifying ``k`` drafted tokens (a forward over ``k + 1`` tokens)."""

@@ -40,7 +40,7 @@ class TrainSequence:
         return [list(self.ids), self.start]
 
     @classmethod
-    def from_list(cls, item) -> "TrainSequence":
+    def from_list(cls, item) -> TrainSequence:
         return cls(tuple(int(t) for t in item[0]), int(item[1]))
 
 

@@ -39,7 +39,7 @@ class Dataset:
         return self.offsets[-1]
 
     @classmethod
-    def build(cls, backbone, seqs: list[TrainSequence], student) -> "Dataset":
+    def build(cls, backbone, seqs: list[TrainSequence], student) -> Dataset:
         pairs = [capture_hidden(backbone, s, student.masks) for s in seqs]
         offsets = [0]
         for h, _ in pairs:

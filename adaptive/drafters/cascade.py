@@ -56,7 +56,8 @@ class CascadePlan:
         if self.draft_len < 1:
             raise ValueError(f"cascade draft_len must be >= 1, got {self.draft_len}")
         if not 0 <= self.split <= self.draft_len or not 0 <= self.max_split <= 64:
-            raise ValueError(f"cascade split must be in 0 .. draft_len and max_split in 0 .. 64, got {self.split}, {self.max_split}")
+            raise ValueError("cascade split must be in 0 .. draft_len and max_split in 0 .. 64, "
+                             f"got {self.split}, {self.max_split}")
         if not self.lenience >= 1.0:
             raise ValueError(f"lenience must be >= 1, got {self.lenience}")
         if not 0.0 <= self.min_prob <= 1.0:
@@ -88,7 +89,9 @@ def lenient_greedy_accept(proposal: torch.Tensor, logits: torch.Tensor, lenience
     return n, int(logits[n].argmax())
 
 
-def lenient_point_mass(q: torch.Tensor, x: int, lenience: float = 1.0) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+def lenient_point_mass(
+    q: torch.Tensor, x: int, lenience: float = 1.0
+) -> tuple[float, torch.Tensor, torch.Tensor | None]:
     """Keep a point-mass proposal ``x`` against the draft distribution ``q`` (``[V]``), leniently.
 
     Returns ``(a, q_eff, rest)``: ``x`` is kept with probability ``a = min(1, lenience * q(x))``;

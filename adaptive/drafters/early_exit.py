@@ -60,7 +60,7 @@ class ExitBlock(nn.Module):
         self.act = _act(self.act_name)
 
     @classmethod
-    def from_backbone(cls, backbone, layer: int) -> "ExitBlock":
+    def from_backbone(cls, backbone, layer: int) -> ExitBlock:
         """A block initialised from layer ``layer``'s MLP (float32, on the model's device), output zeroed."""
         w = backbone.mlp_weights(layer)
         block = cls(w["gate"].shape[1], w["gate"].shape[0], w["act"], backbone.norm_eps).to(backbone.device)
@@ -78,7 +78,7 @@ class ExitBlock(nn.Module):
         return {"hidden": self.hidden, "intermediate": self.intermediate, "act": self.act_name, "eps": self.eps}
 
     @classmethod
-    def from_state(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "ExitBlock":
+    def from_state(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> ExitBlock:
         """Rebuild a block from :meth:`meta` and its ``state_dict`` (``ValueError`` when they disagree)."""
         block = cls(int(meta["hidden"]), int(meta["intermediate"]), str(meta["act"]), float(meta["eps"]))
         try:

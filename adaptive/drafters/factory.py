@@ -54,7 +54,8 @@ class DrafterSpec:
         if self.kind == "ssd" and not self.skip:
             raise ConfigError("drafter 'ssd' needs a non-empty skip set (e.g. --skip-attn 4,7,9)")
         if self.head is not None and self.kind not in LAYER_SKIP_DRAFTERS:
-            raise ConfigError(f"a reduced draft head is for {' and '.join(LAYER_SKIP_DRAFTERS)} drafters, not {self.kind!r}")
+            raise ConfigError(f"a reduced draft head is for {' and '.join(LAYER_SKIP_DRAFTERS)} drafters, "
+                              f"not {self.kind!r}")
         if self.kind == "early-exit" and (self.exit_layer is None or self.exit_block is None):
             raise ConfigError("drafter 'early-exit' needs an exit layer and an exit block")
         if self.kind == "draft-model" and self.draft_backbone is None:

@@ -8,9 +8,9 @@ proposing them costs a search over token ids, not a forward pass.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch

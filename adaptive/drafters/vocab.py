@@ -13,8 +13,8 @@ is what a drafter uses at run time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ class DraftHead:
 
     @classmethod
     def build(cls, lm_head: torch.Tensor, domain_ids: torch.Tensor, domain_rows: torch.Tensor | None = None,
-              extra: Sequence[int] = ()) -> "DraftHead":
+              extra: Sequence[int] = ()) -> DraftHead:
         """``lm_head``: ``[V, hidden]``; ``domain_ids``: ``[Vd]`` the domain's subset (``domain_rows``
         its rows, precomputed, or gathered here); ``extra``: further ids (the prompt's), deduplicated."""
         rows = domain_rows if domain_rows is not None else lm_head[domain_ids]

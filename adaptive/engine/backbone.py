@@ -249,7 +249,8 @@ class Backbone:
         out = torch.zeros(2, self.n_layers)
 
         def turn(a, b):
-            return float((1 - F.cosine_similarity(a[0, from_position:].float(), b[0, from_position:].float(), dim=-1)).mean())
+            cos = F.cosine_similarity(a[0, from_position:].float(), b[0, from_position:].float(), dim=-1)
+            return float((1 - cos).mean())
 
         h = self.embed(ids)
         for i, layer in enumerate(self.layers):

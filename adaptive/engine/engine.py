@@ -10,14 +10,22 @@ have completed one, so a long generation costs linear time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import (Acceptor, GenerationStats, Prefill, decode_steps, default_acceptor, new_cache,
-                                  new_generator, prefill)
+from adaptive.engine.loop import (
+    Acceptor,
+    GenerationStats,
+    Prefill,
+    decode_steps,
+    default_acceptor,
+    new_cache,
+    new_generator,
+    prefill,
+)
 from adaptive.engine.protocol import DecodeState, Drafter, DraftLengthPolicy
 from adaptive.errors import ConfigError
 

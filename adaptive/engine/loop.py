@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
-from adaptive.engine.protocol import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.config import GenerationConfig
+from adaptive.engine.protocol import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
 
 # (draft, p_logits [k+1, V], config, generator) -> (n_accepted, next_token)

@@ -98,7 +98,7 @@ class DraftLengthPolicy(ABC):
     def choose(self, max_len: int) -> DraftChoice:
         """A choice with ``length`` in ``0 .. max_len`` (0: no draft this step, a plain step)."""
 
-    def update(self, draft: Draft, accepted: int) -> None:
+    def update(self, draft: Draft, accepted: int) -> None:  # noqa: B027 - optional hook, a no-op for policies that do not learn
         """Learn from one verification: ``accepted`` of ``draft``'s tokens were kept."""
 
 

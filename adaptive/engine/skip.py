@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 
@@ -44,7 +44,9 @@ def parse_layer_list(text: str) -> tuple[int, ...]:
         except ValueError as exc:
             if isinstance(exc, SkipSetError):
                 raise
-            raise SkipSetError(f"cannot read {part!r} in layer list {text!r}: use numbers and ranges like 3,5,10-14") from None
+            raise SkipSetError(
+                f"cannot read {part!r} in layer list {text!r}: use numbers and ranges like 3,5,10-14"
+            ) from None
     if any(i < 0 for i in out):
         raise SkipSetError(f"negative layer index in {text!r}")
     return tuple(sorted(out))
@@ -88,7 +90,7 @@ class SkipSet:
         if self.n_layers is not None:
             self.validate_for(self.n_layers)
 
-    def validate_for(self, n_layers: int) -> "SkipSet":
+    def validate_for(self, n_layers: int) -> SkipSet:
         """Raise :class:`SkipSetError` unless every index is below ``n_layers``."""
         for name in ("attn", "mlp"):
             bad = [i for i in getattr(self, name) if i >= n_layers]
@@ -116,7 +118,7 @@ class SkipSet:
         return ";".join(parts)
 
     @classmethod
-    def from_text(cls, text: str, n_layers: int | None = None) -> "SkipSet":
+    def from_text(cls, text: str, n_layers: int | None = None) -> SkipSet:
         """Parse the text form, e.g. ``"attn=3,5-7;mlp=2"`` or ``"none"``."""
         text = text.strip()
         if text in ("", "none"):
@@ -136,7 +138,7 @@ class SkipSet:
         return {"attn": list(self.attn), "mlp": list(self.mlp)}
 
     @classmethod
-    def from_dict(cls, data: dict, n_layers: int | None = None) -> "SkipSet":
+    def from_dict(cls, data: dict, n_layers: int | None = None) -> SkipSet:
         if not isinstance(data, dict) or set(data) - {"attn", "mlp"}:
             raise SkipSetError(f"a skip set is an object with 'attn' and 'mlp' lists, got {data!r}")
         return cls(attn=tuple(data.get("attn", ())), mlp=tuple(data.get("mlp", ())), n_layers=n_layers)

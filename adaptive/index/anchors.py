@@ -127,7 +127,7 @@ class AnchorIndex:
 
     @classmethod
     def build(cls, embeddings: dict[str, np.ndarray], per_domain: int = 10, seed: int = 0, k: int = 5,
-              ood_margin: float = 1.25, center: bool = False) -> "AnchorIndex":
+              ood_margin: float = 1.25, center: bool = False) -> AnchorIndex:
         """Cluster each domain's raw embeddings (``{domain: [n, d]}``) into at most ``per_domain`` anchors.
 
         The out-of-domain threshold is ``ood_margin`` times the largest leave-one-out distance:
@@ -192,7 +192,7 @@ class AnchorIndex:
         (directory / "anchors.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
     @classmethod
-    def load(cls, directory: Path) -> "AnchorIndex":
+    def load(cls, directory: Path) -> AnchorIndex:
         """Load and check an index; every problem is an :class:`IndexFileError` naming the file."""
         import faiss
 

@@ -270,7 +270,9 @@ class Profile:
         try:
             return self.domains[name]
         except KeyError:
-            raise ProfileError(f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}") from None
+            raise ProfileError(
+                f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}"
+            ) from None
 
     def check_model(self, fingerprint: ModelFingerprint) -> None:
         """Raise :class:`ProfileError` unless ``fingerprint`` is this profile's model."""

@@ -33,8 +33,14 @@ from adaptive.costs import CostModel
 from adaptive.drafters.ngram import BigramTable
 from adaptive.errors import SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
-from adaptive.profile.records import (DistilledRecord, DomainRecord, ModelFingerprint, Profile, ProfileError,
-                                      RuntimeSettings)
+from adaptive.profile.records import (
+    DistilledRecord,
+    DomainRecord,
+    ModelFingerprint,
+    Profile,
+    ProfileError,
+    RuntimeSettings,
+)
 from adaptive.records import from_json, to_json
 
 SCHEMA_VERSION = 2  # 2: typed records (adaptive.profile.records); 1: before them, not readable (recalibrate)
@@ -104,7 +110,8 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a profile is shared like any directory
         profile.index.save(tmp)
         data = profile_json(profile)
-        names = list(AnchorIndex.FILES) + [kind for kind in (BIGRAMS, VOCAB) if _save_tables(kind, profile, data, tmp / kind)]
+        names = list(AnchorIndex.FILES) + [kind for kind in (BIGRAMS, VOCAB)
+                                           if _save_tables(kind, profile, data, tmp / kind)]
         if profile.distilled_weights:
             _save_distilled(profile, tmp / DISTILLED)
             names.append(DISTILLED)
@@ -183,7 +190,8 @@ def _save_tables(kind: str, profile: Profile, data: dict, path: Path) -> bool:
     (``bigram`` / ``draft_vocab``: ``{"entry": i, "entries": rows}``); ``False`` when no domain has one."""
     key = "bigram" if kind == BIGRAMS else "draft_vocab"
     arrays = {}
-    entries = [(data["domains"][n], d) for n, d in sorted(profile.domains.items())] + [(data["global"], profile.global_set)]
+    entries = ([(data["domains"][n], d) for n, d in sorted(profile.domains.items())]
+               + [(data["global"], profile.global_set)])
     for i, (entry, dp) in enumerate(entries):
         a = _table_arrays(kind, dp)
         if a is not None:
@@ -213,8 +221,8 @@ def _load_tables(kind: str, path: Path, entries: dict) -> dict:
                 if kind == BIGRAMS:
                     out[name] = BigramTable(z[f"{i}_keys"], z[f"{i}_succ"], z[f"{i}_prob"].astype(np.float32))
                 else:
-                    out[name] = z[f"{i}_ids"].astype(np.int64)
-                    if out[name].ndim != 1 or out[name].min(initial=0) < 0 or np.unique(out[name]).size != out[name].size:
+                    out[name] = ids = z[f"{i}_ids"].astype(np.int64)
+                    if ids.ndim != 1 or ids.min(initial=0) < 0 or np.unique(ids).size != ids.size:
                         raise ValueError(f"entry {i} is not a list of distinct token ids")
                 if len(out[name]) != int(ref.get("entries", len(out[name]))):
                     raise ValueError(f"entry {i} has {len(out[name])} rows, profile.json says {ref['entries']}")
@@ -243,12 +251,14 @@ def load_profile(path: str | Path) -> Profile:
     if not isinstance(version, int):
         raise ProfileError(f"{pj}: no schema_version")
     if version > SCHEMA_VERSION:
-        raise ProfileError(f"{pj}: schema version {version} is newer than this adaptive reads ({SCHEMA_VERSION}); upgrade adaptive")
+        raise ProfileError(f"{pj}: schema version {version} is newer than this adaptive reads ({SCHEMA_VERSION}); "
+                           "upgrade adaptive")
     if version < 1:
         raise ProfileError(f"{pj}: unknown schema version {version}")
     if version < SCHEMA_VERSION:
-        raise ProfileError(f"{pj}: schema version {version} was written by an earlier adaptive and is not read any more; "
-                           f"calibrate again (adaptive calibrate ... --out {path})")
+        raise ProfileError(f"{pj}: schema version {version} was written by an earlier adaptive "
+                           "and is not read any more; calibrate again "
+                           f"(adaptive calibrate ... --out {path})")
     files = data.get("files", {})
     for name in [*AnchorIndex.FILES, *(n for n in OPTIONAL_FILES if n in files)]:
         f = path / name

@@ -20,9 +20,9 @@ drafter ``adaptive distill`` stored in the profile (EESD).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from adaptive.index.router import RouteDecision, decide
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
-from adaptive.runtime.policies import DISTILLED, Policy, get_policy
+from adaptive.runtime.policies import Policy, get_policy
 
 THOMPSON = "thompson"
 

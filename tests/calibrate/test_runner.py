@@ -152,7 +152,6 @@ def test_calibration_records_the_decision_of_scripted_timings(tiny_model_dir, tm
     for d in [*p.domains.values(), p.global_set]:
         want_len = lens.get(drafter, d.cascade.draft_len)
         assert d.decision == Decision(drafter, want_len, speedup), d.name
-        roles = [m.role for m in d.measurements]
         assert [m.drafter for m in d.measurements if m.role == "recheck"] == [rechecked][: rechecked is not None]
         assert d.priors.layer_skip.acceptance == 0.4 and d.priors.lookup.acceptance == 0.4
         assert d.vocab is None or not d.vocab.use  # scripted: the reduced head is never faster
@@ -165,7 +164,8 @@ def _timed_of(d):
         by_role.setdefault(m.role, []).append(m)
     best = max(by_role["candidate"], key=lambda m: m.speedup)
     ssd = by_role["vocab"][0] if d.reduced_vocab else best
-    return {"ssd": ssd, "pld": by_role["lookup"][0], "cascade": by_role["cascade"][0]}, by_role.get("recheck", [None])[0]
+    timed = {"ssd": ssd, "pld": by_role["lookup"][0], "cascade": by_role["cascade"][0]}
+    return timed, by_role.get("recheck", [None])[0]
 
 
 def test_calibration_writes_a_complete_profile(tiny_profile):

@@ -4,9 +4,18 @@ import numpy as np
 import pytest
 import torch
 
+from adaptive.calibrate.search import (
+    Estimate,
+    MatchnessScorer,
+    RankedSpace,
+    SublayerSpace,
+    estimate,
+    make_space,
+    run_search,
+    suggest,
+    top_candidates,
+)
 from adaptive.costs import CostModel
-from adaptive.calibrate.search import (Estimate, MatchnessScorer, RankedSpace, SublayerSpace, estimate, make_space,
-                                       run_search, suggest, top_candidates)
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.loop import decode
 from adaptive.engine.skip import SkipSet

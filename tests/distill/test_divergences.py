@@ -7,8 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive.distill.divergences import (DIVERGENCES, divergence, forward_kl, greedy_agreement, jsd, reverse_kl,
-                                          sampling_acceptance, tvd)
+from adaptive.distill.divergences import (
+    DIVERGENCES,
+    divergence,
+    forward_kl,
+    greedy_agreement,
+    jsd,
+    reverse_kl,
+    sampling_acceptance,
+    tvd,
+)
 
 P = torch.tensor([0.5, 0.5]).log()
 Q = torch.tensor([0.25, 0.75]).log()

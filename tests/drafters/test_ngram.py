@@ -1,7 +1,6 @@
 """Prompt lookup: literal arrays, one commented case each, and lossless decoding with it."""
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 

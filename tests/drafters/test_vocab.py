@@ -1,6 +1,5 @@
 """Reduced-vocabulary draft heads: the pure functions with literal arrays, then lossless decoding."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,7 +27,8 @@ def test_coverage_curve_docstring_case():
     # for 0, the ranking of [1, 3] is [1, 3]: V=1 covers 1 of [1, 2]; for 1, the ranking of [1, 1, 2] is
     # [1, 2]: V=1 covers none of [3]; V=2 adds 2 (for 0) but not 3 -> 2 of 3
     cov = coverage_curve([[1, 1, 2], [1, 3]], [[1, 2], [3]], [1, 2, 3])
-    assert cov == {1: pytest.approx(0.3333, abs=1e-4), 2: pytest.approx(0.3333, abs=1e-4), 3: pytest.approx(0.3333, abs=1e-4)}
+    assert cov == {1: pytest.approx(0.3333, abs=1e-4), 2: pytest.approx(0.3333, abs=1e-4),
+                   3: pytest.approx(0.3333, abs=1e-4)}
     # the text a target is scored on is left out: in-sample it would be 100%
     cov = coverage_curve([[4, 4], [5, 5]], [[4], [5]], [1])
     assert cov == {1: 0.0}
@@ -73,7 +73,7 @@ def test_reduced_head_greedy_equals_plain_in_fp32(family):
         assert r.token_ids == ar.token_ids == full.token_ids, prompt
         assert d.describe()["draft_vocab"] == len(head)
         drafted = set()
-        for chunk in decode(bb, ids, cfg, _Spy(LayerSkipDrafter(skip, lm.n_layers, head), drafted)):
+        for _ in decode(bb, ids, cfg, _Spy(LayerSkipDrafter(skip, lm.n_layers, head), drafted)):
             pass
         assert drafted and drafted <= set(head.ids.tolist())  # never a token outside the subset
 

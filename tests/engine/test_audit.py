@@ -31,7 +31,8 @@ def test_audit_passes_correct_rule_and_catches_broken_rule():
     cfg = GenerationConfig(max_new_tokens=40, draft_len=4, ignore_eos=True)
     violations = 0
     for seed in range(5):
-        prompt = torch.randint(3, lm.model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(3, lm.model.config.vocab_size, (8,), generator=gen).tolist()
         ar = eng.generate(prompt, cfg).token_ids
         good = eng.generate(prompt, cfg, drafter=LayerSkipDrafter(skip, lm.n_layers)).token_ids
         bad = eng.generate(prompt, cfg, drafter=LayerSkipDrafter(skip, lm.n_layers), acceptor=broken_greedy).token_ids

@@ -56,8 +56,8 @@ def test_confidence_stop_keeps_equality_and_shortens_drafts():
     skip = SkipSet(attn=(1, 3), mlp=(4,))
     d = build_drafter(DrafterSpec("ssd", skip=skip), lm.backbone)
     plain = eng.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=8, ignore_eos=True), drafter=d)
-    conf = eng.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=8, ignore_eos=True, confidence_threshold=0.9),
-                        drafter=d)
+    conf = eng.generate(prompt, GenerationConfig(max_new_tokens=30, draft_len=8, ignore_eos=True,
+                                                 confidence_threshold=0.9), drafter=d)
     assert plain.token_ids == ref and conf.token_ids == ref
     assert conf.stats.drafted / conf.stats.steps < plain.stats.drafted / plain.stats.steps
 

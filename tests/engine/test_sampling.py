@@ -1,6 +1,6 @@
-import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
 

@@ -6,10 +6,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from adaptive.engine.config import GenerationConfig
-from adaptive.engine.engine import Engine
-from adaptive.engine.loop import decode
 from adaptive.drafters.layerskip import LayerSkipDrafter
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.loop import decode
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm

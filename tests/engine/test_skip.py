@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adaptive.engine.backbone import Backbone
 from adaptive.engine.skip import SkipSet, format_layer_list, parse_layer_list, skipping
@@ -57,7 +58,7 @@ def test_skipping_context_manager_matches_backbone_and_restores():
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
     skip = SkipSet(attn=(0, 2), mlp=(1,))
-    modules_before = [(l.self_attn, l.mlp) for l in model.model.layers]
+    modules_before = [(layer.self_attn, layer.mlp) for layer in model.model.layers]
     with torch.no_grad():
         full = model(ids).logits[0]
         with skipping(model, skip):
@@ -68,23 +69,23 @@ def test_skipping_context_manager_matches_backbone_and_restores():
     assert torch.equal(after, full)
     assert not torch.allclose(skipped, full)  # skipping changed the output ...
     assert torch.allclose(ours, skipped, atol=1e-5)  # ... exactly as our backbone's skip does
-    assert [(l.self_attn, l.mlp) for l in model.model.layers] == modules_before
+    assert [(layer.self_attn, layer.mlp) for layer in model.model.layers] == modules_before
 
 
 def test_skipping_restores_after_exception():
     model = tiny_model("qwen2")
-    before = [(l.self_attn, l.mlp) for l in model.model.layers]
+    before = [(layer.self_attn, layer.mlp) for layer in model.model.layers]
     with pytest.raises(RuntimeError, match="boom"):
         with skipping(model, SkipSet(attn=(0, 1, 2, 3), mlp=(3,))):
             assert model.model.layers[0].self_attn is not before[0][0]
             raise RuntimeError("boom")
-    assert [(l.self_attn, l.mlp) for l in model.model.layers] == before
+    assert [(layer.self_attn, layer.mlp) for layer in model.model.layers] == before
 
 
 def test_skipping_validates_before_touching_the_model():
     model = tiny_model("llama")
-    before = [l.self_attn for l in model.model.layers]
+    before = [layer.self_attn for layer in model.model.layers]
     with pytest.raises(SkipSetError):
         with skipping(model, SkipSet(attn=(1, 9))):
             pass
-    assert [l.self_attn for l in model.model.layers] == before
+    assert [layer.self_attn for layer in model.model.layers] == before

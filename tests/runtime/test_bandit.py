@@ -3,10 +3,9 @@
 import threading
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import torch
 
 from adaptive.costs import best_draft_length
 from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, Draft

@@ -6,12 +6,12 @@ import threading
 import numpy as np
 import pytest
 
+from adaptive.costs import STAT_DRAFT_COST
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import ConfigError
-from adaptive.costs import STAT_DRAFT_COST
 from adaptive.profile import Decision, Prior, Priors, ProfileError, VocabChoice, load_profile
 from adaptive.runtime import POLICIES, AdaptiveRuntime
 from adaptive.runtime.runtime import beta_prior
@@ -28,7 +28,8 @@ def drafting(d, drafter: str | None = None, **changes):
     length = {"ssd": d.layer_skip.draft_len, "pld": 4, "cascade": d.cascade.draft_len, "ar": 1}[drafter]
     priors = Priors(layer_skip=Prior(0.9, 0.1), lookup=Prior(0.9, STAT_DRAFT_COST),
                     statistical=Prior(0.9, STAT_DRAFT_COST), reduced_head_cost=0.05)
-    return dataclasses.replace(d, decision=Decision(drafter, length), layer_skip=dataclasses.replace(d.layer_skip, skip=skip),
+    return dataclasses.replace(d, decision=Decision(drafter, length),
+                               layer_skip=dataclasses.replace(d.layer_skip, skip=skip),
                                priors=priors, verify=(1.0,) * 16, **changes)
 
 
@@ -157,7 +158,7 @@ def test_concurrent_requests_match_single_threaded_output(runtime):
         t.join()
     assert not errors
     assert len(got) == 4 * len(jobs)
-    for (offset, j), ids in got.items():
+    for (_offset, j), ids in got.items():
         if j[1] == 0.0:  # greedy: identical to single-threaded output
             assert ids == expected[j], j
         else:  # sampled: a complete, valid generation

@@ -13,10 +13,14 @@ HERE = Path(__file__).parent
 def _load() -> dict[str, tuple[str, ...]]:
     out = {}
     for path in sorted(HERE.glob("*.jsonl")):
-        out[path.stem] = tuple(json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+        lines = path.read_text(encoding="utf-8").splitlines()
+        out[path.stem] = tuple(json.loads(line)["prompt"] for line in lines if line.strip())
     return out
 
 
 def builtin_domains() -> dict[str, list[str]]:
-    """``{domain: [prompt, ...]}`` for the shipped domains (code, math, qa, rag, summarization, translation, writing)."""
+    """``{domain: [prompt, ...]}`` for the shipped domains.
+
+    The domains: code, math, qa, rag, summarization, translation, writing.
+    """
     return {k: list(v) for k, v in _load().items()}
