@@ -15,7 +15,7 @@ import numpy as np
 
 from adaptive.calibrate.settings import CalibrationSettings
 from adaptive.calibrate.timing import Candidate, measure_candidates
-from adaptive.costs import expected_tokens_per_step, extrapolate, measure_head_costs
+from adaptive.costs import expected_speedup, extrapolate, measure_head_costs
 from adaptive.drafters.vocab import coverage_curve, rank_tokens
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
@@ -36,7 +36,7 @@ def size_estimates(acceptance: float, k: int, verify: Sequence[float], coverage:
     v_k = extrapolate(verify, k)
 
     def est(a: float, c: float) -> float:
-        return round(expected_tokens_per_step(a, k) / (k * c + v_k), 4)
+        return round(expected_speedup(a, k, c, v_k), 4)
 
     ests = {v: est(acceptance * coverage[v], costs[v]) for v in coverage}
     return max(ests, key=ests.get), ests, est(acceptance, costs[vocab_size])

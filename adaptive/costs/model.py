@@ -66,7 +66,7 @@ def best_draft_length(a: float, draft_cost: float, verify: Sequence[float], max_
         raise ValueError(f"need 0 <= min_len <= max_len and a verify cost for 0 .. {max_len} drafts")
     best_k, best = min_len, -1.0
     for k in range(min_len, max_len + 1):
-        v = expected_tokens_per_step(a, k) / (k * draft_cost + verify[k])
+        v = expected_speedup(a, k, draft_cost, verify[k])
         if v > best:
             best_k, best = k, v
     return best_k, best

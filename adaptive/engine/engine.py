@@ -47,9 +47,9 @@ class GenerationResult:
     drafter_info: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        """JSON: ``drafter`` is the drafter's description, or ``"ar"`` when none drafted."""
+        """JSON: ``drafter`` is the drafter's description (``{"name": "ar"}`` when none drafted)."""
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "drafter": self.drafter_info or self.drafter, "stats": self.stats.to_dict()}
+                "drafter": self.drafter_info or {"name": self.drafter}, "stats": self.stats.to_dict()}
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -33,17 +33,17 @@ class Policy:
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("knn-ssd", "KNN routing to the domain's calibrated decision (layer-skip drafting, prompt lookup, the "
-                      "cascade or plain decoding), Thompson-sampled draft length", True, None),
+                      "cascade or plain decoding)", True, None),
     Policy("knn-skip", "KNN routing to the domain's skip set for every request (KNN-SSD as published: layer "
                        "skipping only; plain decoding where the domain has none)", True, "ssd"),
     Policy("ssd-static", "the global record's skip set for every request (the Self-SD baseline)", False, "ssd"),
     Policy("cascade", "KNN routing to the domain's cascade (prompt lookup and its bigram table, under and after "
-                      "the domain's layer-skip drafter), split and draft length by a two-level Thompson sampler",
+                      "the domain's layer-skip drafter)",
            True, "cascade"),
-    Policy("early-exit", "the early-exit drafter `adaptive distill` stored in the profile, draft length by the "
-                         "routed domain's Thompson sampler (EESD)", True, "early-exit"),
-    Policy("draft-model", "the draft model `adaptive distill` stored in the profile, draft length by the routed "
-                          "domain's Thompson sampler", True, "draft-model"),
+    Policy("early-exit", "the early-exit drafter `adaptive distill` stored in the profile (EESD), with the "
+                         "routed domain's verify costs", True, "early-exit"),
+    Policy("draft-model", "the draft model `adaptive distill` stored in the profile, with the routed domain's "
+                          "verify costs", True, "draft-model"),
     Policy("ar", "plain autoregressive decoding (routed, for the record)", True, "ar"),
 )}
 DISTILLED = ("early-exit", "draft-model")  # drafter kinds trained by `adaptive distill`, stored in the profile

@@ -155,6 +155,10 @@ def test_calibration_records_the_decision_of_scripted_timings(tiny_model_dir, tm
         assert [m.drafter for m in d.measurements if m.role == "recheck"] == [rechecked][: rechecked is not None]
         assert d.priors.layer_skip.acceptance == 0.4 and d.priors.lookup.acceptance == 0.4
         assert d.vocab is None or not d.vocab.use  # scripted: the reduced head is never faster
+    records = len(p.domains) + 1  # the domains and the global record: each timed once per phase
+    roles = [role for role, _ in calls]
+    assert roles.count("lookup") == records and roles.count("cascade") == records
+    assert roles.count("recheck") == (records if rechecked else 0)
 
 
 def _timed_of(d):
