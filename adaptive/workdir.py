@@ -31,6 +31,10 @@ from typing import Any, TypeVar
 
 from adaptive.errors import AdaptiveError
 
+# Bumped when what a work directory holds changes shape: a leftover of another format is then
+# refused by the state comparison ("made with different format") instead of being misread.
+CHECKPOINT_FORMAT = 2
+
 T = TypeVar("T")
 
 

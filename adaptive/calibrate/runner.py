@@ -40,7 +40,7 @@ from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.models import LoadedModel, ModelFingerprint
 from adaptive.profile import Profile, RuntimeSettings, check_writable, save_profile
-from adaptive.workdir import checkpointed
+from adaptive.workdir import CHECKPOINT_FORMAT, checkpointed
 
 __all__ = ["BACKENDS", "CalibrationError", "CalibrationSettings", "calibrate", "check_domains", "model_spec"]
 
@@ -140,7 +140,8 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     log(f"calibrating {worker.spec} on {len(domains)} domains: "
         f"{', '.join(sorted(domains))}")
     fingerprint = replace(lm.fingerprint(), spec=worker.spec, dtype=str(lm.dtype).replace("torch.", ""))
-    state = {"settings": s.to_dict(), "model": fingerprint.to_dict(), "domains": domains_digest(domains),
+    state = {"format": CHECKPOINT_FORMAT, "settings": s.to_dict(), "model": fingerprint.to_dict(),
+             "domains": domains_digest(domains),
              "costs": cost_model.to_dict() if cost_model is not None else "measured"}
     work = calibration_workdir(out)
     with work.guarded(state, resume, "rerun with the same model, domains and settings, or delete it") as resumed:

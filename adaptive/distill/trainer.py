@@ -40,7 +40,7 @@ from adaptive.engine.engine import Engine, eos_ids
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.limits import check_room
 from adaptive.profile import DistilledRecord, load_profile, save_profile
-from adaptive.workdir import WorkDir, atomic_write, checkpointed
+from adaptive.workdir import CHECKPOINT_FORMAT, WorkDir, atomic_write, checkpointed
 
 KINDS = ("early-exit", "draft-model")
 
@@ -365,7 +365,7 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
     train_p, eval_p = encode_prompts(lm, domains, cfg, profile.runtime.chat)
     eos = set(eos_ids(lm.model, lm.tokenizer))
     work = WorkDir(Path(str(profile_dir) + f".distill-{kind}.work"), "distillation", DistillError)
-    state = {"config": cfg.to_dict(), "kind": kind, "model": lm.fingerprint().to_dict(),
+    state = {"format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "kind": kind, "model": lm.fingerprint().to_dict(),
              "student": _digest(student.meta()), "data": _digest([[n, p] for n, p in train_p + eval_p])}
     with work.guarded(state, resume, "rerun with the same options, or delete it"):
         t_start = time.perf_counter()

@@ -65,8 +65,9 @@ class DrafterSpec:
 def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
     """The drafter ``spec`` describes, for ``backbone`` (the target); ``None`` for ``ar``.
 
-    Drafters are cheap to build and keep no state between requests (a draft model's own KV
-    cache aside), so one is built per request.
+    Drafters are cheap to build and keep no state between requests, so one is built per request;
+    the exception is a draft model's drafter, whose own KV cache a caller may keep across requests
+    (the runtime does: it resyncs by common prefix).
     """
     n_layers = backbone.n_layers
     if spec.kind == "ar":

@@ -166,7 +166,7 @@ class DomainRecord:
     priors: Priors
     verify: tuple[float, ...]
     verify_context: int = 0
-    cascade: CascadePlan = field(default_factory=CascadePlan)
+    cascade: CascadePlan = field(default_factory=lambda: CascadePlan(split=0, max_split=0))
     statistical: StatisticalAcceptance | None = None
     vocab: VocabChoice | None = None
     measurements: tuple[Measurement, ...] = ()
@@ -174,6 +174,10 @@ class DomainRecord:
     anchors: int = 0
     bigram: BigramTable | None = field(default=None, compare=False, repr=False, metadata={"json": False})
     draft_vocab: np.ndarray | None = field(default=None, compare=False, repr=False, metadata={"json": False})
+
+    def __post_init__(self):
+        if not self.verify or any(v <= 0 for v in self.verify):
+            raise ValueError(f"domain {self.name!r}: verify costs must be positive, one per token count from 1")
 
     def verify_table(self, max_len: int) -> tuple[float, ...]:
         return verify_table(self.verify, max_len)

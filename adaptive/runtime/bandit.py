@@ -95,8 +95,9 @@ class ThompsonDraftLength(DraftLengthPolicy):
     def choose(self, max_len: int) -> DraftChoice:
         with self._lock:
             a = self.posterior.sample(self._rng)
-        k, _ = best_draft_length(a, self.draft_cost, self.verify, min(max_len, self.max_len),
-                                 min_len=0 if self.allow_zero else 1)
+        k, _ = best_draft_length(a, self.draft_cost, self.verify, min(max_len, self.max_len))
+        if k == 0 and not self.allow_zero:
+            k = 1
         with self._lock:
             self.chosen[k] = self.chosen.get(k, 0) + 1
         return DraftChoice(k)

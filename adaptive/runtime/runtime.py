@@ -158,7 +158,7 @@ class AdaptiveRuntime:
         self._bandits: dict[str, DraftLengthPolicy] = {}  # "policy:domain" -> its Thompson sampler
         self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> (ids, LM-head rows)
         self._exit_block: ExitBlock | None = None  # the distilled early-exit block, in the model's dtype
-        self._draft_backbone = None  # the distilled draft model
+        self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | LoadedModel | None = None, device: str = "auto",
@@ -211,8 +211,8 @@ class AdaptiveRuntime:
             else:  # a distilled drafter
                 spec, rec = self._distilled(kind)
                 prior, cost = rec.acceptance, rec.draft_cost
-                fixed, _ = best_draft_length(prior, cost, dp.verify_table(self.max_draft_len), self.max_draft_len,
-                                             min_len=1)
+                fixed = max(1, best_draft_length(prior, cost, dp.verify_table(self.max_draft_len),
+                                                 self.max_draft_len)[0])
             if self.bandit:
                 length = self._bandits.get(key)
                 if length is None:
@@ -278,9 +278,11 @@ class AdaptiveRuntime:
                     block = ExitBlock.from_state(rec.block, weights)
                     self._exit_block = block.to(device=bb.device, dtype=bb.dtype).eval()
                 return DrafterSpec("early-exit", exit_layer=rec.exit_layer, exit_block=self._exit_block), rec
-            if self._draft_backbone is None:
-                self._draft_backbone = build_draft_model(rec.model_config, weights, bb.device, bb.dtype)
-            return DrafterSpec("draft-model", draft_backbone=self._draft_backbone, label=rec.name or kind), rec
+            if self._draft_model is None:
+                draft_bb = build_draft_model(rec.model_config, weights, bb.device, bb.dtype)
+                self._draft_model = build_drafter(DrafterSpec("draft-model", draft_backbone=draft_bb,
+                                                              label=rec.name or kind), bb)
+            return DrafterSpec("draft-model", draft_backbone=self._draft_model.bb, label=rec.name or kind), rec
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"the distilled {kind} drafter in the profile is malformed "
                                f"({type(exc).__name__}: {exc})") from None
@@ -304,7 +306,9 @@ class AdaptiveRuntime:
             session = self.engine.start(ids, cfg, pool=True)
             route = self.profile.index.route(pooled_to_numpy(session.pooled))
             plan = self.plan(pol, route, ids)
-            drafter = build_drafter(plan.spec, self.engine.backbone)
+            # a draft model keeps its own KV cache: one drafter across requests reuses the common prefix
+            drafter = self._draft_model if plan.drafter == "draft-model" else build_drafter(plan.spec,
+                                                                                            self.engine.backbone)
             for item in self.engine.decode(session, drafter, plan.length_policy):
                 if isinstance(item, GenerationResult):
                     yield self._result(item, plan)
