@@ -111,6 +111,16 @@ class LoadedModel:
         return Backbone(self.model)
 
     @property
+    def spec(self) -> str | None:
+        """What :func:`load_model` takes to load this model again: the embedded name, a hub id, or
+        the GGUF file or directory it came from; ``None`` for a model built in memory."""
+        if self.name in _EMBEDDED:
+            return self.name
+        if self.source.startswith("hf-cache:"):
+            return self.source[len("hf-cache:"):]
+        return None if self.source in ("", "in-process") else self.source
+
+    @property
     def n_layers(self) -> int:
         return self.model.config.num_hidden_layers
 

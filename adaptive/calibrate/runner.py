@@ -65,12 +65,10 @@ def check_options(domains: dict[str, list[str]], s: CalibrationSettings, jobs: i
 def model_spec(lm: LoadedModel) -> str:
     """What a worker process passes to ``load_model`` to load ``lm`` again (its directory, GGUF file
     or hub id), or :class:`ConfigError` for a model built in memory."""
-    if lm.source.startswith("hf-cache:"):
-        return lm.source[len("hf-cache:"):]
-    if lm.source == "in-process" or not lm.source:
+    if lm.spec is None:
         raise ConfigError("a model built in memory cannot be loaded by worker processes: use jobs=1, "
                           "backend='threading', or pass the model's spec")
-    return lm.source
+    return lm.spec
 
 
 def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, jobs: int, backend: str, device: str,

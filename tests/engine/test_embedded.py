@@ -86,3 +86,7 @@ def test_fp32_early_exit_equals_plain(embedded_fp32):
         assert ee.token_ids == ar.token_ids, prompt
         drafted, accepted = drafted + ee.stats.drafted, accepted + ee.stats.accepted
     assert drafted > 0 and accepted > 0
+
+
+def test_the_embedded_model_is_reloaded_by_its_name(embedded_fp32):
+    assert embedded_fp32.spec == "smollm2-135m"  # what a profile records and a worker process loads

@@ -41,3 +41,12 @@ def test_dtype_resolution():
     assert resolve_dtype("auto", torch.device("cpu")) in (torch.bfloat16, torch.float32)
     with pytest.raises(ConfigError):
         resolve_dtype("int8")
+
+
+def test_spec_loads_the_model_again(tiny_model_dir):
+    from tests.conftest import tiny_lm
+
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    assert lm.spec == str(tiny_model_dir.resolve())
+    assert load_model(lm.spec, device="cpu", dtype="float32").fingerprint() == lm.fingerprint()
+    assert tiny_lm().spec is None  # built in memory: nothing to load it from
