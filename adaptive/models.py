@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from adaptive.engine.backbone import Backbone
+from adaptive.engine.quant import check_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
 from adaptive.records import record
 
@@ -86,6 +88,7 @@ class ModelFingerprint:
     weights_hash: str
     spec: str = ""
     dtype: str = ""
+    weights: str = "dense"
 
     def same_model(self, other: ModelFingerprint) -> bool:
         return (self.model_type, self.n_layers, self.config_hash, self.weights_hash) == (
@@ -102,13 +105,19 @@ class LoadedModel:
     source: str
     device: torch.device
     dtype: torch.dtype
+    weights: str = "dense"  # how the engine stores the linear layers: adaptive.engine.quant.WEIGHT_MODES
     _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        check_weights(self.weights, self.device)
 
     @cached_property
     def backbone(self):
-        from adaptive.engine.backbone import Backbone
-
-        return Backbone(self.model)
+        """The engine's view of the model. Quantized ``weights`` round the model's own weights in
+        place: its fingerprint (the dense model's identity) is taken before."""
+        if self.weights != "dense":
+            self.fingerprint()
+        return Backbone(self.model, self.weights)
 
     @property
     def spec(self) -> str | None:
@@ -211,16 +220,19 @@ def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+    spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+    weights: str = "dense",
 ) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
     ``device="auto"`` takes CUDA when present, else the CPU. ``dtype="auto"`` takes bf16 on CUDA and
-    on CPUs that compute bf16 natively, float32 elsewhere. Raises :class:`ModelNotFoundError`
-    naming what was tried.
+    on CPUs that compute bf16 natively, float32 elsewhere. ``weights``: ``dense`` (the dtype's own),
+    ``int8`` or ``int4`` weight-only quantization of the engine's linear layers (CPU; see
+    :mod:`adaptive.engine.quant`). Raises :class:`ModelNotFoundError` naming what was tried.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_weights(weights, dev)
     gguf: Path | None = None
     name = spec
     if spec in _EMBEDDED:
@@ -235,13 +247,13 @@ def load_model(
         if not (target / "config.json").is_file():
             _convert_gguf(gguf, target)
         model, tok = _load_hf(str(target), dev, dt)
-        return LoadedModel(model, tok, name, str(gguf), dev, dt)
+        return LoadedModel(model, tok, name, str(gguf), dev, dt, weights)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec} is a directory without config.json: not a Hugging Face model")
         model, tok = _load_hf(str(path), dev, dt)
-        return LoadedModel(model, tok, path.name, str(path.resolve()), dev, dt)
+        return LoadedModel(model, tok, path.name, str(path.resolve()), dev, dt, weights)
     try:
         model, tok = _load_hf(spec, dev, dt)
     except Exception as exc:
@@ -250,4 +262,4 @@ def load_model(
             f"hub id {spec!r} in the local Hugging Face cache ({type(exc).__name__}). "
             f"Known embedded names: {', '.join(_EMBEDDED)}"
         ) from None
-    return LoadedModel(model, tok, spec, f"hf-cache:{spec}", dev, dt)
+    return LoadedModel(model, tok, spec, f"hf-cache:{spec}", dev, dt, weights)

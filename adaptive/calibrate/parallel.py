@@ -17,16 +17,16 @@ from adaptive.errors import ConfigError
 from adaptive.models import LoadedModel, load_model
 from adaptive.workdir import WorkDir
 
-_MODELS: dict[tuple[str, str, str], LoadedModel] = {}  # per worker process: loaded once, reused by its tasks
+_MODELS: dict[tuple[str, str, str, str], LoadedModel] = {}  # per worker process: loaded once, reused by its tasks
 _MODELS_LOCK = threading.Lock()
 
 
-def shared_model(spec: str, device: str, dtype: str) -> LoadedModel:
+def shared_model(spec: str, device: str, dtype: str, weights: str = "dense") -> LoadedModel:
     """Load ``spec`` once per process (the tasks of a pool's worker reuse it)."""
-    key = (str(spec), str(device), str(dtype))
+    key = (str(spec), str(device), str(dtype), weights)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            _MODELS[key] = load_model(spec, device=device, dtype=dtype)
+            _MODELS[key] = load_model(spec, device=device, dtype=dtype, weights=weights)
         return _MODELS[key]
 
 
@@ -49,6 +49,7 @@ class Worker:
     threads: int | None = None
     progress: bool = True
     lm: LoadedModel | None = field(default=None, compare=False, repr=False)
+    weights: str = "dense"
 
     def __getstate__(self):
         return {**self.__dict__, "lm": None}
@@ -56,7 +57,7 @@ class Worker:
     def model(self) -> LoadedModel:
         if self.threads:
             torch.set_num_threads(self.threads)
-        return self.lm if self.lm is not None else shared_model(self.spec, self.device, self.dtype)
+        return self.lm if self.lm is not None else shared_model(self.spec, self.device, self.dtype, self.weights)
 
     @property
     def work(self) -> WorkDir:

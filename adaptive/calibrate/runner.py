@@ -72,7 +72,7 @@ def model_spec(lm: LoadedModel) -> str:
 
 
 def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, jobs: int, backend: str, device: str,
-            dtype: str, progress: bool) -> Worker:
+            dtype: str, progress: bool, weights: str = "dense") -> Worker:
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
     if isinstance(model, LoadedModel):
         try:
@@ -82,9 +82,11 @@ def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, 
                 raise
             spec = model.name  # recorded in the profile; never loaded
         dt = str(model.dtype).replace("torch.", "")
-        return Worker(spec, str(model.device), dt, settings, str(out), threads, progress, lm=model)
+        return Worker(spec, str(model.device), dt, settings, str(out), threads, progress, lm=model,
+                      weights=model.weights)
     return Worker(model, device, dtype, settings, str(out), threads, progress,
-                  lm=shared_model(model, device, dtype) if in_process(jobs, backend) else None)
+                  lm=shared_model(model, device, dtype, weights) if in_process(jobs, backend) else None,
+                  weights=weights)
 
 
 def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostModel,
@@ -117,10 +119,10 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
               settings: CalibrationSettings | None = None, *, jobs: int = 1, backend: str = "loky",
               scheduler: str | None = None, resume: bool = False, device: str = "auto", dtype: str = "auto",
               progress: bool = True, log: Callable[[str], None] = lambda msg: None,
-              cost_model: CostModel | None = None) -> Profile:
+              cost_model: CostModel | None = None, weights: str = "dense") -> Profile:
     """Calibrate ``model`` on ``domains`` (``{name: [prompt, ...]}``) and write the profile to ``out``.
 
-    ``model``: a spec for :func:`adaptive.models.load_model` (with ``device`` and ``dtype``), or an
+    ``model``: a spec for :func:`adaptive.models.load_model` (with ``device``, ``dtype`` and ``weights``), or an
     already loaded model, used as is by tasks in this process (``jobs == 1`` or the threading
     backend); worker processes load it again from its source in its dtype.
     ``cost_model`` replaces the timed measurement (e.g. another profile's, for a reproducible search:
@@ -132,12 +134,13 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     out = Path(out)
     check_writable(out)
     started = time.perf_counter()
-    worker = _worker(model, s, out, jobs, backend, device, dtype, progress)
-    lm = worker.lm or shared_model(worker.spec, worker.device, worker.dtype)
+    worker = _worker(model, s, out, jobs, backend, device, dtype, progress, weights)
+    lm = worker.lm or shared_model(worker.spec, worker.device, worker.dtype, worker.weights)
     check_prompt_lengths(lm, domains, s)  # before anything is written: a bad prompt leaves nothing behind
     log(f"calibrating {worker.spec} on {len(domains)} domains: "
         f"{', '.join(sorted(domains))}")
-    fingerprint = replace(lm.fingerprint(), spec=worker.spec, dtype=str(lm.dtype).replace("torch.", ""))
+    fingerprint = replace(lm.fingerprint(), spec=worker.spec, dtype=str(lm.dtype).replace("torch.", ""),
+                          weights=lm.weights)
     state = {"format": CHECKPOINT_FORMAT, "settings": s.to_dict(), "model": fingerprint.to_dict(),
              "domains": domains_digest(domains),
              "costs": cost_model.to_dict() if cost_model is not None else "measured"}

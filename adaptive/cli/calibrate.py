@@ -22,6 +22,7 @@ from adaptive.cli.common import (
     model_option,
     profile_model,
     quiet_option,
+    weights_option,
 )
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
@@ -85,11 +86,13 @@ def summary_table(profile) -> str:
 @click.option("--resume", is_flag=True, help="Continue an interrupted calibration of the same --out.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @dtype_option
+@weights_option
 @device_option
 @quiet_option
 @json_option
 def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, anchors_per_domain, trials, space,
-                  jobs, backend, scheduler, vocab_sizes, resume, seed, dtype, device, quiet, as_json):
+                  jobs, backend, scheduler, vocab_sizes, resume, seed, dtype, weights, device, quiet,
+                  as_json):
     """Find the best drafter per domain and write a profile directory.
 
     Per domain: a Bayesian search of the best skip set, then prompt lookup, the cascade and a
@@ -105,7 +108,8 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     settings = CalibrationSettings.quick(**over) if quick else CalibrationSettings(**over)
     domains = domain_prompts(domain_args, "--domains")
     profile = calibrate(model_spec, domains, out_dir, settings, jobs=jobs, backend=backend, scheduler=scheduler,
-                        resume=resume, device=device, dtype=dtype, progress=not quiet, log=info)
+                        resume=resume, device=device, dtype=dtype, progress=not quiet, log=info,
+                        weights="dense" if weights == "auto" else weights)
     if as_json:
         echo_json({"profile": str(profile.path), **profile_json(profile)})
         return
@@ -173,8 +177,8 @@ def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, device, as_j
     if (prompt is None) == (data_file is None):
         raise click.UsageError("give either PROMPT or --data FILE")
     p = load_profile(profile_dir)
-    spec, dt = profile_model(p, model_spec, dtype)
-    lm = load(spec, device, dt)
+    spec, dt, weights = profile_model(p, model_spec, dtype)
+    lm = load(spec, device, dt, weights)
     p.check_model(lm.fingerprint())
     engine = Engine(lm)
     rows = read_prompt_rows(data_file) if data_file else [{"prompt": prompt}]

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from adaptive.engine.config import GenerationConfig
+from adaptive.engine.quant import WEIGHT_MODES
 from adaptive.engine.skip import SkipSetError, parse_layer_list
 from adaptive.models import DEFAULT_MODEL, load_model
 
@@ -179,6 +180,10 @@ model_option = click.option("--model", "model_spec", default=DEFAULT_MODEL, show
                             help="smollm2-135m, a .gguf file, a local HF directory, or a cached hub id.")
 dtype_option = click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
                             help="auto: bf16 where the CPU/GPU computes it natively (with a profile: its dtype).")
+weights_option = click.option(
+    "--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
+    help="How the engine stores the linear layers: dense (--dtype's), int8 or int4 weight-only quantization (CPU; "
+         "fewer bytes read per step). auto: dense, or with a profile the profile's.")
 device_option = click.option("--device", type=Device(), default="auto", show_default=True,
                              help="auto: CUDA when present, else the CPU; cuda:N picks a GPU.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -220,12 +225,14 @@ def info(message: str) -> None:
     click.echo(message, err=True)
 
 
-def load(model_spec: str, device: str, dtype: str):
+def load(model_spec: str, device: str, dtype: str, weights: str = "auto"):
     info(f"loading {model_spec} ...")
-    return load_model(model_spec, device=device, dtype=dtype)
+    return load_model(model_spec, device=device, dtype=dtype, weights="dense" if weights == "auto" else weights)
 
 
-def profile_model(profile, model_spec: str, dtype: str) -> tuple[str, str]:
-    """The model spec and dtype to load for ``profile``: its own unless ``--model``/``--dtype`` say otherwise."""
+def profile_model(profile, model_spec: str, dtype: str, weights: str = "auto") -> tuple[str, str, str]:
+    """The model spec, dtype and weights to load for ``profile``: its own unless ``--model``/``--dtype``/
+    ``--weights`` say otherwise."""
     spec = (profile.model.spec or DEFAULT_MODEL) if model_spec == DEFAULT_MODEL else model_spec
-    return spec, (profile.model.dtype or "auto") if dtype == "auto" else dtype
+    return (spec, (profile.model.dtype or "auto") if dtype == "auto" else dtype,
+            profile.model.weights if weights == "auto" else weights)

@@ -88,7 +88,7 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                         checkpoint_every=min(eval_every, 25), seed=seed)
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)
-    spec, dt = profile_model(profile, model_spec, dtype)
+    spec, dt, _ = profile_model(profile, model_spec, dtype)  # distillation trains on dense weights
     lm = load(spec, device, dt)
     profile.check_model(lm.fingerprint())
     draft_lm = None if drafter == EARLY_EXIT else load(drafter, device, "float32")

@@ -21,6 +21,7 @@ from adaptive.cli.common import (
     model_option,
     sampling_config,
     sampling_options,
+    weights_option,
 )
 from adaptive.drafters.factory import DRAFTERS, LAYER_SKIP_DRAFTERS, DrafterSpec, build_drafter
 from adaptive.engine.engine import Engine
@@ -58,11 +59,12 @@ stream_option = click.option("--stream", is_flag=True, help="Print text as it is
 @sampling_options
 @click.option("--raw", is_flag=True, help="Encode the prompt as raw text, without the chat template.")
 @dtype_option
+@weights_option
 @device_option
 @stream_option
 @json_option
-def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, device, stream, as_json,
-               **sampling):
+def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, weights, device, stream,
+               as_json, **sampling):
     """Decode PROMPT with the drafter you choose (no profile) and print the text.
 
     The output is what plain decoding (`--drafter ar`) gives, token for token when greedy. With
@@ -74,7 +76,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
         raise click.UsageError(f"--skip-attn/--skip-mlp are for --drafter {' or '.join(LAYER_SKIP_DRAFTERS)}, "
                                f"not {drafter}")
     spec = DrafterSpec(drafter, skip=skip or None)  # before the model loads: `ssd` without a skip set is an error
-    lm = load(model_spec, device, dtype)
+    lm = load(model_spec, device, dtype, weights)
     skip.validate_for(lm.n_layers)
     items = Engine(lm).stream(prompt, cfg, drafter=build_drafter(spec, lm.backbone), chat=False if raw else None)
     result = _print_stream(items, lm, stream, as_json)
@@ -110,10 +112,12 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
 @model_option
 @sampling_options
 @dtype_option
+@weights_option
 @device_option
 @stream_option
 @json_option
-def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model_spec, dtype, device, stream, as_json,
+def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model_spec, dtype, weights, device, stream,
+                 as_json,
                  **sampling):
     """Decode PROMPT through a profile (the runtime) and print the text.
 
@@ -125,6 +129,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
     info(f"loading profile {profile_dir} ...")
     rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
                                       device=device, dtype=None if dtype == "auto" else dtype,
+                                      weights=None if weights == "auto" else weights,
                                       reduced_vocab=not full_vocab, bandit=not fixed_draft_len)
     items = rt.stream(prompt, policy=policy, **sampling)
     result = _print_stream(items, rt.lm, stream, as_json)

@@ -16,12 +16,12 @@ transformers 5.x. Anything else is refused with :class:`UnsupportedModelError` a
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from adaptive.engine.quant import Linear, check_weights
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -41,7 +41,8 @@ def decoder_layers(model) -> list:
 class KVCache:
     """Keys and values of every layer, written by absolute position.
 
-    ``k``, ``v``: ``[n_layers, n_kv_heads, max_len, head_dim]`` (batch size 1).
+    ``k``, ``v``: ``[n_layers, n_kv_heads, max_len, head_dim]`` (batch size 1) in
+    :attr:`Backbone.cache_dtype` (float32 on the CPU, where bf16 attention kernels are slow).
     ``length``: number of leading positions that hold the *full* model's keys. Positions beyond it
     may hold a draft's keys (from the layers the draft ran) and are overwritten before being trusted.
     """
@@ -69,10 +70,62 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None  # [T, hidden]: the residual stream before the adapter and final norm
 
 
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights as the engine's step uses them, fused once at load.
+
+    ``qkv``: ``[(n_heads + 2 * n_kv_heads) * head_dim, hidden]`` (rows: queries, keys, values), so a
+    step projects with one matrix product instead of three; ``gate_up``: ``[2 * intermediate, hidden]``
+    likewise. The Hugging Face modules' own parameters are re-pointed at row slices of these, so
+    the model holds one copy of its dense weights and ``model.generate`` still works. With
+    quantized weights (:mod:`adaptive.engine.quant`) each :class:`Linear` holds the packed copy.
+    """
+
+    attn_norm: torch.Tensor  # [hidden]
+    attn_eps: float
+    qkv: Linear  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim, with Qwen2's biases
+    o: Linear  # n_heads * head_dim -> hidden
+    mlp_norm: torch.Tensor  # [hidden]
+    mlp_eps: float
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+    act: object  # the MLP's activation module (SiLU for the supported families)
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linear layers' weights (and biases) by rows and make each layer's parameters a
+    view into the result: one copy in memory, one matrix product per step."""
+    weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+    biases = [m.bias for m in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
+                                                                          device=weight.device)
+                          for m, b in zip(linears, biases)]).contiguous()
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row:row + n]
+        if bias is not None and m.bias is not None:
+            m.bias.data = bias[row:row + n]
+        row += n
+    return weight, bias
+
+
+def _eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input's dtype."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class Backbone:
     """Functional forward over a Hugging Face decoder with per-call sublayer skipping."""
 
-    def __init__(self, model):
+    def __init__(self, model, weights: str = "dense"):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -88,6 +141,9 @@ class Backbone:
                     raise UnsupportedModelError(f"decoder layer {i} has no {name}: unsupported layout")
             if hasattr(layer.self_attn, "q_norm"):
                 raise UnsupportedModelError("attention with q/k norms (Qwen3-style) is not supported yet")
+            for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+                if not hasattr(layer.mlp, name):
+                    raise UnsupportedModelError(f"decoder layer {i}'s MLP has no {name}: not a gated MLP")
         self.n_layers = len(self.layers)
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
@@ -98,7 +154,6 @@ class Backbone:
         self.norm = model.model.norm
         self.lm_head = model.lm_head
         self.rotary = model.model.rotary_emb
-        self._apply_rotary = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         window = getattr(cfg, "sliding_window", None)
@@ -106,6 +161,22 @@ class Backbone:
             self.max_positions = min(self.max_positions, int(window))
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._full = ((False,) * self.n_layers, (False,) * self.n_layers)
+        self.weight_mode = check_weights(weights, self.device)
+        self.weights = [self._layer_weights(layer, weights) for layer in self.layers]
+        self.head = Linear.build(self.lm_head.weight, self.lm_head.bias, weights)
+
+    @staticmethod
+    def _layer_weights(layer, mode: str) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        with torch.no_grad():
+            qkv = Linear.build(*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), mode)
+            gate_up = Linear.build(*_fuse([mlp.gate_proj, mlp.up_proj]), mode)
+            o = Linear.build(attn.o_proj.weight, attn.o_proj.bias, mode)
+            down = Linear.build(mlp.down_proj.weight, mlp.down_proj.bias, mode)
+        return LayerWeights(
+            attn_norm=layer.input_layernorm.weight, attn_eps=_eps(layer.input_layernorm), qkv=qkv, o=o,
+            mlp_norm=layer.post_attention_layernorm.weight, mlp_eps=_eps(layer.post_attention_layernorm),
+            gate_up=gate_up, down=down, act=mlp.act_fn)
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +186,12 @@ class Backbone:
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's and attention's dtype: float32 on the CPU (its bf16 batched products and
+        attention kernels cost 3-4x float32's at decoding sizes, measured), the model's elsewhere."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def new_cache(self, max_len: int) -> KVCache:
         """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context."""
         if max_len > self.max_positions:
@@ -123,20 +200,26 @@ class Backbone:
             )
         shape = (self.n_layers, self.n_kv_heads, max_len, self.head_dim)
         return KVCache(
-            k=torch.zeros(shape, dtype=self.dtype, device=self.device),
-            v=torch.zeros(shape, dtype=self.dtype, device=self.device),
+            k=torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+            v=torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
         )
 
     def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions ``[start, end)``: ``[1, end-start, head_dim]`` each, from a table."""
-        if self._rope_cache is None or self._rope_cache[0].shape[1] < end:
-            have = 0 if self._rope_cache is None else self._rope_cache[0].shape[1]
-            n = max(end, min(max(256, 2 * have), self.max_positions))  # grow geometrically
+        """cos and signed sin for positions ``[start, end)``: ``[end-start, 1, head_dim]`` each, in the
+        cache dtype, from a table grown geometrically. The sign of the first half of ``sin`` is folded
+        in, so that rotating is ``x * cos + x.roll(head_dim // 2) * sin`` (Llama's rotate_half)."""
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < end:
+            have = 0 if self._rope_cache is None else self._rope_cache[0].shape[0]
+            n = max(end, min(max(256, 2 * have), self.max_positions))
             pos = torch.arange(n, device=self.device).unsqueeze(0)
-            probe = torch.empty(1, dtype=self.dtype, device=self.device)
-            self._rope_cache = self.rotary(probe, pos)
+            probe = torch.empty(1, dtype=torch.float32, device=self.device)
+            cos, sin = self.rotary(probe, pos)  # [1, n, head_dim], float32
+            half = self.head_dim // 2
+            sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+            dt = self.cache_dtype
+            self._rope_cache = (cos[0].unsqueeze(1).to(dt).contiguous(), sin[0].unsqueeze(1).to(dt).contiguous())
         cos, sin = self._rope_cache
-        return cos[:, start:end], sin[:, start:end]
+        return cos[start:end], sin[start:end]
 
     @torch.inference_mode()
     def forward(
@@ -165,61 +248,73 @@ class Backbone:
         to the residual stream before the final norm. ``hidden=True`` also returns that residual stream
         as it was before the adapter (``ForwardOutput.hidden``, ``[T, hidden]``; distillation data).
         """
-        ids = input_ids.reshape(1, -1)
-        T = ids.shape[1]
+        ids = input_ids.reshape(-1)
+        T = ids.shape[0]
         end = start + T
         if end > cache.max_len:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
         skip_attn, skip_mlp = skip_masks or self._full
         cos, sin = self._rope(start, end)
-        mask = None
+        # Query t (absolute start+t) may see keys 0..start+t: the banned ones, [T, end] (None for one token).
+        banned = None
         if T > 1:
-            # Query t (absolute start+t) may see keys 0..start+t.
-            q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-            k_pos = torch.arange(end, device=self.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-        h = self.embed(ids)
-        for i, layer in enumerate(self.layers):
+            banned = torch.ones(T, end, dtype=torch.bool, device=self.device).triu_(start + 1)
+        h = F.embedding(ids, self.embed.weight)  # [T, hidden]
+        for i, w in enumerate(self.weights):
             if not skip_attn[i]:
-                h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, start, end, cos, sin, mask,
-                                        read_only)
+                h = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, start, end, cos, sin,
+                                        banned, read_only)
             if not skip_mlp[i]:
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-        residual = h[0] if hidden else None
+                h = h + self._mlp(w, h)
+        residual = h if hidden else None
         if adapter is not None:
-            h = adapter(h)
-        h = self.norm(h)
-        pooled = h[0].float().mean(dim=0) if pool else None
+            h = adapter(h.unsqueeze(0))[0]
+        if logits == "last" and not pool:
+            h = h[-1:]
+        h = rms_norm(h, self.norm.weight, self.norm_eps)
+        pooled = h.float().mean(dim=0) if pool else None
         if logits == "none":
             return ForwardOutput(None, pooled, residual)
-        hs = h[0, -1:] if logits == "last" else h[0]
-        weight = self.lm_head.weight if head is None else head
-        out = F.linear(hs, weight, self.lm_head.bias if head is None else None)
+        hs = h[-1:] if logits == "last" else h
+        out = self.head(hs) if head is None else F.linear(hs, head)
         return ForwardOutput(out.float(), pooled, residual)
 
-    def _attention(self, attn, x, cache: KVCache, i: int, start: int, end: int, cos, sin, mask, read_only=False):
-        T = x.shape[1]
-        q = attn.q_proj(x).view(1, T, self.n_heads, self.head_dim).transpose(1, 2)
-        if read_only:
-            k = torch.zeros(1, self.n_kv_heads, T, self.head_dim, dtype=q.dtype, device=q.device)
-            q, _ = self._apply_rotary(q, k, cos, sin)
-        else:
-            k = attn.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._apply_rotary(q, k, cos, sin)
-            cache.k[i, :, start:end] = k[0]
-            cache.v[i, :, start:end] = v[0]
-        keys = cache.k[i, :, :end].unsqueeze(0)
-        vals = cache.v[i, :, :end].unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
-        )
-        return attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+    @staticmethod
+    def _mlp(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """One gated MLP sublayer on the residual ``h`` (``[T, hidden]``): its output, ``[T, hidden]``."""
+        gate, up = w.gate_up(rms_norm(h, w.mlp_norm, w.mlp_eps)).chunk(2, dim=-1)
+        return w.down(w.act(gate) * up)
+
+    def _attention(self, w: LayerWeights, x: torch.Tensor, cache: KVCache, i: int, start: int, end: int,
+                   cos: torch.Tensor, sin: torch.Tensor, banned: torch.Tensor | None, read_only: bool = False):
+        """One attention sublayer on ``x`` (``[T, hidden]``, normed): its output, ``[T, hidden]``.
+
+        Queries, keys and values come from one product with the fused weight; rotary embedding is
+        applied to queries and keys together; attention runs in the cache dtype over the cache's
+        positions ``0 .. end-1`` with grouped heads as a batch (``[n_kv_heads, group * T, head_dim]``).
+        """
+        T = x.shape[0]
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = w.qkv(x).to(cache.k.dtype).view(T, H + 2 * KV, D)
+        rot = H if read_only else H + KV  # rotate the queries, and the keys when they are written
+        qk = qkv[:, :rot]
+        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [T, rot, D]
+        if not read_only:
+            cache.k[i, :, start:end] = qk[:, H:].transpose(0, 1)
+            cache.v[i, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
+        G = H // KV
+        q = qk[:, :H].reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
+        scores = torch.bmm(q, cache.k[i, :, :end].transpose(1, 2)).mul_(self.scaling)  # [KV, G*T, end]
+        if banned is not None:
+            scores.view(KV, G, T, end).masked_fill_(banned, float("-inf"))
+        out = torch.bmm(torch.softmax(scores, dim=-1), cache.v[i, :, :end])  # [KV, G*T, D]
+        out = out.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D).to(x.dtype)
+        return w.o(out)
 
     @property
     def norm_eps(self) -> float:
         """The final RMSNorm's epsilon (for the functional norm distillation trains through)."""
-        return float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6)))
+        return _eps(self.norm)
 
     def mlp_weights(self, i: int) -> dict:
         """Layer ``i``'s pre-MLP norm and gated MLP weights (``norm [H]``, ``gate``/``up [I, H]``,
@@ -241,21 +336,21 @@ class Backbone:
         A sublayer with a small value barely turns the hidden state: a cheap prior on which
         sublayers a draft can skip (the calibrator's ranked search space).
         """
-        ids = input_ids.reshape(1, -1)
-        T = ids.shape[1]
+        ids = input_ids.reshape(-1)
+        T = ids.shape[0]
         cache = self.new_cache(T)
         cos, sin = self._rope(0, T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if T > 1 else None
+        banned = torch.ones(T, T, dtype=torch.bool, device=self.device).triu_(1) if T > 1 else None
         out = torch.zeros(2, self.n_layers)
 
         def turn(a, b):
-            cos = F.cosine_similarity(a[0, from_position:].float(), b[0, from_position:].float(), dim=-1)
+            cos = F.cosine_similarity(a[from_position:].float(), b[from_position:].float(), dim=-1)
             return float((1 - cos).mean())
 
-        h = self.embed(ids)
-        for i, layer in enumerate(self.layers):
-            nh = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, 0, T, cos, sin, mask)
+        h = F.embedding(ids, self.embed.weight)
+        for i, w in enumerate(self.weights):
+            nh = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, 0, T, cos, sin, banned)
             out[0, i] = turn(h, nh)
-            h = nh + layer.mlp(layer.post_attention_layernorm(nh))
+            h = nh + self._mlp(w, nh)
             out[1, i] = turn(nh, h)
         return out

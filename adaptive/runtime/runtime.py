@@ -162,18 +162,19 @@ class AdaptiveRuntime:
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | LoadedModel | None = None, device: str = "auto",
-                     dtype: str | None = None, **kwargs) -> AdaptiveRuntime:
+                     dtype: str | None = None, weights: str | None = None, **kwargs) -> AdaptiveRuntime:
         """Load a profile and its model (the one it names unless ``model`` is a spec or a loaded model).
 
         A model the profile was not calibrated for is a :class:`~adaptive.profile.ProfileError`.
-        ``dtype`` defaults to the one calibration used.
+        ``dtype`` and ``weights`` default to the ones calibration used.
         """
         profile = load_profile(directory)
         if isinstance(model, LoadedModel):
             lm = model
         else:
             spec = model or profile.model.spec or profile.model.name
-            lm = load_model(spec, device=device, dtype=dtype or profile.model.dtype or "auto")
+            lm = load_model(spec, device=device, dtype=dtype or profile.model.dtype or "auto",
+                            weights=weights or profile.model.weights)
         return cls(profile, lm, **kwargs)
 
     # -- routing and planning ------------------------------------------------------------------

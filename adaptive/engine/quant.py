@@ -1,0 +1,133 @@
+"""Weight-only quantization of the target's linear layers: ``dense``, ``int8`` or ``int4``.
+
+The engine's step multiplies through :class:`Linear`, whatever the storage:
+
+* ``dense``: the model's own weights in its dtype (``F.linear``);
+* ``int8``: one int8 per weight, a scale per output row (symmetric), multiplied by PyTorch's own
+  CPU kernel ``aten._weight_int8pack_mm`` on bf16 activations;
+* ``int4``: 4 bits per weight in groups of :data:`INT4_GROUP` along the input dimension, each group
+  with its own scale and offset (asymmetric, ``w = (q - 8) * scale + zero``), multiplied by
+  ``aten._weight_int4pack_mm_for_cpu``. Groups of 32 are the embedded GGUF's own Q4_1 blocks (a
+  scale and a minimum per 32 weights), so int4 comes close to the file's original numbers.
+
+Decoding is bound by reading the weights on a small CPU (one step streams every weight once), so
+fewer bytes per weight are fewer milliseconds per step. Quantizing rounds the model's own weights
+in place to the values the packed copy holds (so Hugging Face's ``generate`` on the same model and
+our engine share one set of weights), and long inputs (:data:`DENSE_ROWS` tokens or more: prompt
+prefills, never a verification) multiply by those rounded dense weights, where the dense product
+is faster than the packed kernels. Lossless still holds, against plain decoding *with the same
+weights*: ``ar``, every draft and every verification multiply through the same :class:`Linear`
+objects. How far each mode's output is from the dense model's is measured, not assumed
+(docs/results.md).
+
+Worked example (int8, one row): ``w = [0.5, -1.0, 0.25]`` -> scale ``1.0 / 127``, ``q = [64, -127, 32]``,
+dequantized ``[0.504, -1.0, 0.252]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from adaptive.errors import ConfigError
+
+WEIGHT_MODES = ("dense", "int8", "int4")
+INT4_GROUP = 32  # the GGUF Q4_1 block; every hidden size we support is a multiple of it
+_ACT = torch.bfloat16  # activations of the quantized kernels (their CPU implementations take bf16)
+# Inputs of this many tokens or more multiply by the dense (rounded) weights: beyond the longest
+# verification (1 + the largest draft_len, 64), so every decode step and verification uses the kernel.
+DENSE_ROWS = 72
+
+
+def check_weights(mode: str, device: torch.device) -> str:
+    """Validate a weight mode for a device; returns it. Quantized modes run on PyTorch's CPU kernels."""
+    if mode not in WEIGHT_MODES:
+        raise ConfigError(f"unknown weights {mode!r}; choose {', '.join(WEIGHT_MODES)}")
+    if mode != "dense" and device.type != "cpu":
+        raise ConfigError(f"weights {mode} use PyTorch's CPU kernels; on {device.type} use dense weights")
+    return mode
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``weight`` ``[N, K]`` -> (``q`` int8 ``[N, K]``, ``scales`` bf16 ``[N]``)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales.to(_ACT)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group`` input columns.
+
+    ``weight`` ``[N, K]`` (``K % group == 0``) -> (``q`` int32 ``[N, K]`` in 0..15, ``scales_zeros``
+    bf16 ``[K // group, N, 2]``) with ``w ~= (q - 8) * scale + zero`` as the CPU kernel computes.
+    """
+    N, K = weight.shape
+    if K % group:
+        raise ConfigError(f"int4 groups of {group} need an input size divisible by {group}, got {K}")
+    w = weight.detach().float().reshape(N, K // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(N, K)
+    zero = lo + 8 * scale  # so that (q - 8) * scale + zero == q * scale + lo
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_ACT)  # [G, N, 2]
+    return q, scales_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """Inverse of :func:`quantize_int4` (float32 ``[N, K]``): what the kernel multiplies by."""
+    N, K = q.shape
+    sz = scales_zeros.float().transpose(0, 1)  # [N, G, 2]
+    w = (q.reshape(N, K // group, group).float() - 8) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(N, K)
+
+
+class Linear:
+    """``y = x @ W.T + b`` with ``W`` dense or weight-only quantized; ``x``: ``[T, K]`` -> ``[T, N]``
+    in ``x``'s dtype. Built once at load by :meth:`build`; the dense case is ``F.linear`` itself."""
+
+    __slots__ = ("mode", "weight", "bias", "scales", "group", "shape", "dense")
+
+    def __init__(self, mode: str, weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None = None,
+                 group: int = 0, shape: tuple[int, int] = (0, 0), dense: torch.Tensor | None = None):
+        self.mode, self.weight, self.bias, self.scales, self.group = mode, weight, bias, scales, group
+        self.shape = shape or tuple(weight.shape)
+        self.dense = weight if dense is None else dense  # [N, K] in the model's dtype
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, mode: str = "dense") -> Linear:
+        """The engine's linear layer over ``weight`` (``[N, K]``). For ``int8``/``int4``, ``weight``
+        itself is overwritten with its rounded values (dequantized packed weights)."""
+        shape = tuple(weight.shape)
+        if mode == "dense":
+            return cls("dense", weight, bias, shape=shape)
+        with torch.no_grad():
+            if mode == "int8":
+                q, scales = quantize_int8(weight)
+                weight.copy_(q.float() * scales.float()[:, None])
+                return cls("int8", q, bias, scales, shape=shape, dense=weight)
+            if mode == "int4":
+                pad = -shape[0] % 16  # the kernel packs rows in blocks of 16: pad with zero rows, cut them after
+                q, sz = quantize_int4(F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight)
+                weight.copy_(dequantize_int4(q, sz)[:shape[0]])
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                return cls("int4", packed, bias, sz, INT4_GROUP, shape=shape, dense=weight)
+        raise ConfigError(f"unknown weights {mode!r}; choose {', '.join(WEIGHT_MODES)}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "dense" or x.shape[0] >= DENSE_ROWS:
+            return F.linear(x, self.dense, self.bias)
+        if self.mode == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x.to(_ACT), self.weight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_ACT), self.weight, self.group, self.scales)
+            if y.shape[-1] != self.shape[0]:
+                y = y[..., :self.shape[0]]
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step reads for this layer's weight (and scales)."""
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (0 if self.scales is None else self.scales.numel() * self.scales.element_size())

@@ -1,0 +1,113 @@
+"""Weight-only quantization: literal worked examples, the kernels against their dequantized weights,
+greedy equality with plain decoding on the same weights, and clear errors."""
+
+import random
+
+import pytest
+import torch
+
+from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine
+from adaptive.engine.quant import (
+    DENSE_ROWS,
+    Linear,
+    check_weights,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+)
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import ConfigError
+from adaptive.models import LoadedModel
+from tests.conftest import char_tokenizer, tiny_model
+
+
+def quantized_lm(weights: str, family: str = "llama", **kw) -> LoadedModel:
+    model = tiny_model(family, **kw)
+    return LoadedModel(model, char_tokenizer(), f"tiny-{family}", "in-process", torch.device("cpu"), torch.float32,
+                       weights)
+
+
+def test_int8_worked_example():
+    q, scales = quantize_int8(torch.tensor([[0.5, -1.0, 0.25]]))
+    assert q.tolist() == [[64, -127, 32]]
+    assert scales.float().item() == pytest.approx(1 / 127, rel=1e-2)
+
+
+def test_int4_recovers_a_q4_1_block_exactly():
+    # a block of 32 on Q4_1's grid (scale d, minimum m, codes 0..15 including both ends)
+    d, m = 0.125, -1.0
+    codes = torch.tensor([0, 15] + [random.Random(0).randrange(16) for _ in range(30)], dtype=torch.float32)
+    w = (m + d * codes).reshape(1, 32).repeat(16, 1)
+    q, sz = quantize_int4(w)
+    assert torch.equal(q[0], codes.to(torch.int32))
+    assert torch.equal(dequantize_int4(q, sz), w)
+
+
+def test_int4_needs_whole_groups():
+    with pytest.raises(ConfigError, match="divisible by 32"):
+        quantize_int4(torch.randn(16, 48))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_kernel_multiplies_by_the_rounded_weights(mode, rows):
+    torch.manual_seed(0)
+    w = torch.randn(40, 64)  # 40 rows: int4 pads them to 48 and cuts the output back
+    original = w.clone()
+    lin = Linear.build(w, torch.randn(40), mode)
+    assert not torch.equal(w, original)  # rounded in place: the model now holds the quantized values
+    assert (w - original).abs().max() < (0.02 if mode == "int8" else 0.3)
+    x = torch.randn(rows, 64)
+    y = lin(x)
+    assert y.shape == (rows, 40) and y.dtype == torch.float32
+    ref = x @ w.T + lin.bias  # the same weights, dense, in float32
+    assert torch.allclose(y, ref, atol=0.1, rtol=0.02)  # the kernel's activations are bf16
+    assert lin.nbytes < w.numel() * 4 / (3.5 if mode == "int8" else 5)  # int4 here: 8 rows of padding
+
+
+def test_long_inputs_use_the_rounded_dense_weights():
+    w = torch.randn(32, 64)
+    lin = Linear.build(w, None, "int8")
+    x = torch.randn(DENSE_ROWS, 64)
+    assert torch.equal(lin(x), x @ w.T)  # exactly F.linear on the rounded weights
+
+
+def test_dense_is_f_linear():
+    w, b = torch.randn(8, 16), torch.randn(8)
+    x = torch.randn(2, 16)
+    assert torch.equal(Linear.build(w, b)(x), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_speculation_equals_plain_decoding_on_the_same_weights(mode, family):
+    lm = quantized_lm(mode, family, n_layers=6)
+    eng = Engine(lm)
+    rng = random.Random(7)
+    V = lm.model.config.vocab_size
+    for prompt_len in (3, 20):
+        prompt = [rng.randrange(3, V) for _ in range(prompt_len)]
+        ref = eng.generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True)).token_ids
+        assert len(set(ref)) > 3
+        for spec in (DrafterSpec("ssd", skip=SkipSet((1, 3), (2,))), DrafterSpec("pld")):
+            for k in (1, 3, 6):
+                cfg = GenerationConfig(max_new_tokens=24, draft_len=k, ignore_eos=True)
+                out = eng.generate(prompt, cfg, drafter=build_drafter(spec, lm.backbone)).token_ids
+                assert out == ref, (mode, family, prompt_len, spec.kind, k)
+
+
+def test_quantizing_keeps_the_dense_fingerprint():
+    dense = quantized_lm("dense")
+    q = quantized_lm("int8")
+    assert q.backbone.weight_mode == "int8"
+    assert q.fingerprint().same_model(dense.fingerprint())
+
+
+def test_weight_mode_errors():
+    with pytest.raises(ConfigError, match="unknown weights 'int3'"):
+        check_weights("int3", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="CPU kernels"):
+        check_weights("int8", torch.device("cuda"))
+    assert check_weights("dense", torch.device("cuda")) == "dense"
