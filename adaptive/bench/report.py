@@ -45,6 +45,8 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
     drafted = sum(r.get("drafted") or 0 for r in stepped)
     accepted = sum(r.get("accepted") or 0 for r in stepped)
     differing = [r["id"] for r in mine if r.get("identical") is False]
+    compared = [r for r in mine if r.get("identical") is not None]  # methods on other weights are not
+    agreement = [r["agreement"] for r in mine if r.get("agreement") is not None]
     draft_s = sum(r.get("draft_time_s") or 0.0 for r in stepped)
     return {
         "prompts": len(mine),
@@ -54,7 +56,9 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
         "acceptance_rate": round(accepted / drafted, 4) if drafted else (0.0 if stepped else None),
         # drafting time per drafted token (a layer-skip draft forward; near 0 for prompt lookup)
         "draft_ms_per_token": round(1e3 * draft_s / drafted, 3) if drafted else None,
-        "identical_to_ar": not differing,
+        "identical_to_ar": (not differing) if compared else None,
+        # other weights (llama.cpp): mean leading tokens equal to ar's output
+        "agreement_tokens": round(_mean(agreement), 2) if agreement else None,
         "differing_prompts": differing,
         "lossless_violations": sum(1 for r in mine if r.get("violation")),
     }
@@ -82,6 +86,9 @@ def markdown(summary: dict, methods: list[str]) -> str:
         mat = "-" if f["mean_accepted_tokens"] is None else f"{f['mean_accepted_tokens']:.2f}"
         acc = "-" if f["acceptance_rate"] is None else f"{f['acceptance_rate']:.2f}"
         same = "yes" if f["identical_to_ar"] else f"no ({len(f['differing_prompts'])} prompts)"
+        if f["identical_to_ar"] is None:
+            same = "other weights" + (f": first {f['agreement_tokens']:.0f} tokens agree on average"
+                                      if f.get("agreement_tokens") is not None else "")
         dms = "-" if f.get("draft_ms_per_token") is None else f"{f['draft_ms_per_token']:.2f}"
         detail.append(f"| {m} | {mat} | {acc} | {dms} | {same} | {f['lossless_violations']} |")
     return head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n"

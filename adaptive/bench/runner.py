@@ -1,7 +1,7 @@
 """``run_bench()``: every method on every prompt, interleaved prompt by prompt, then the report.
 
 :data:`BENCH_METHODS` is the one table of benchmarked methods, built from the other lists: the
-Hugging Face baselines, the engine's own ``ar`` (the reference) and ``pld``, every routing policy
+Hugging Face and llama.cpp baselines, the engine's own ``ar`` (the reference) and ``pld``, every routing policy
 of :data:`~adaptive.runtime.policies.POLICIES`, and their ``-fixed`` (bandit off) and
 ``-full-vocab`` (full LM head) variants where they apply.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from adaptive.bench.data import BenchPrompt
+from adaptive.bench.llamacpp import LlamaCpp, gguf_path
 from adaptive.bench.report import summarize
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
@@ -35,7 +36,8 @@ WITHOUT_BANDIT = ("ssd-static",)  # policies benchmarked with calibration's fixe
 @dataclass(frozen=True)
 class BenchMethod:
     """One benchmarked method. ``runs_on``: ``"engine"`` (our loop with ``drafter``: ``ar`` or ``pld``,
-    no profile), ``"hf"`` (transformers ``generate``) or ``"runtime"`` (an :class:`AdaptiveRuntime`
+    no profile), ``"hf"`` (transformers ``generate``), ``"llamacpp"`` (llama-cpp-python on the model's
+    GGUF file; ``drafter`` ``pld`` for its prompt lookup) or ``"runtime"`` (an :class:`AdaptiveRuntime`
     with ``policy``, ``bandit`` on or off and the reduced vocabulary or not; needs a profile)."""
 
     name: str
@@ -63,6 +65,10 @@ def _bench_methods() -> dict[str, BenchMethod]:
         BenchMethod("hf-pld", "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)", "hf"),
         BenchMethod("hf-early-exit", "transformers assisted generation with assistant_early_exit = half the layers",
                     "hf"),
+        BenchMethod("llama.cpp", "llama-cpp-python on the same GGUF file (its own quantized weights), greedy, "
+                    "same prompt tokens and threads", "llamacpp"),
+        BenchMethod("llama.cpp-pld", "llama-cpp-python's prompt lookup decoding (LlamaPromptLookupDecoding, "
+                    "10 tokens)", "llamacpp", drafter="pld"),
         BenchMethod("pld", f"our loop with prompt-lookup drafts (n-gram 3..1), fixed draft length {PLD_DRAFT_LEN}",
                     "engine", drafter="pld"),
     ]
@@ -142,12 +148,24 @@ class _Methods:
         self.lm, self.settings = lm, settings
         self.engine = Engine(lm)
         self.profile = profile
+        self.llamacpp: dict[str, LlamaCpp] = {}
+        for name in methods:  # loaded up front: a missing extra or GGUF file fails before any run
+            if BENCH_METHODS[name].runs_on == "llamacpp":
+                self.llamacpp[name] = LlamaCpp(gguf_path(lm), torch.get_num_threads(),
+                                               min(4096, lm.backbone.max_positions),
+                                               prompt_lookup=BENCH_METHODS[name].drafter == "pld")
         self.runtimes: dict[tuple[bool, bool], AdaptiveRuntime] = {}  # (bandit, reduced_vocab) -> runtime
         for m in (BENCH_METHODS[name] for name in methods):
             key = (m.bandit, m.reduced_vocab)
             if m.needs_profile and key not in self.runtimes:
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
                                                      reduced_vocab=m.reduced_vocab)
+
+    def same_weights(self, method: str) -> bool:
+        """Whether ``method`` decodes with our engine's weights (llama.cpp never does; Hugging Face's
+        ``generate`` does unless the engine quantized them)."""
+        runs_on = BENCH_METHODS[method].runs_on
+        return runs_on != "llamacpp" and not (runs_on == "hf" and self.lm.weights != "dense")
 
     def ids(self, messages) -> list[int]:
         chat = self.profile.runtime.chat if self.profile is not None else None
@@ -158,6 +176,10 @@ class _Methods:
         n = self.settings.max_new_tokens
         if m.runs_on == "hf":
             return self._hf(method, self.ids(messages), n)
+        if m.runs_on == "llamacpp":
+            out, dt = self.llamacpp[method].generate(self.ids(messages), n, self.engine.eos)
+            return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
+                    "drafted": None, "accepted": None, "info": {}}
         if m.runs_on == "engine":
             cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
             drafter = build_drafter(DrafterSpec(m.drafter), self.lm.backbone)
@@ -189,6 +211,16 @@ class _Methods:
                 break
         return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
                 "drafted": None, "accepted": None, "info": {}}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share: ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _from_result(r) -> dict:
@@ -251,6 +283,9 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                 ref = out["token_ids"]
                 replies[(p.id, t)] = runner.engine.text(ref)
                 rec["identical"] = True
+            elif not runner.same_weights(m):  # other numbers: agreement with ar, never a lossless check
+                rec["identical"] = None
+                rec["agreement"] = common_prefix(ref, out["token_ids"])
             else:
                 a = audit_divergence(lm.backbone, ids, ref, out["token_ids"])
                 rec["identical"] = a.identical
@@ -267,7 +302,8 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
     summary = summarize(runs, methods)
     return {
         "machine": machine_info(lm.device),
-        "model": {"name": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "n_layers": lm.n_layers},
+        "model": {"name": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "weights": lm.weights,
+                  "n_layers": lm.n_layers},
         "settings": {"max_new_tokens": settings.max_new_tokens, "warmup": settings.warmup,
                      "threads": torch.get_num_threads(), "prompts": len(items),
                      "profile": str(profile.path) if profile is not None else None, "greedy": True,
