@@ -136,8 +136,8 @@ def profile_show(directory, as_json):
         return
     m, c, s = p.model, p.cost_model, p.settings
     click.echo(f"profile {p.path} (schema {SCHEMA_VERSION}, adaptive {p.version}, created {p.created})")
-    click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.dtype}; config {m.config_hash}, "
-               f"weights {m.weights_hash})")
+    click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.dtype}, {m.weights} weights; "
+               f"config {m.config_hash}, weights {m.weights_hash})")
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
                + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))))

@@ -157,7 +157,8 @@ def _print_stream(items, lm, stream: bool, as_json: bool):
         else:
             result = item
     if as_json:
-        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", "")})
+        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", ""),
+                   "weights": lm.weights})
     elif stream:
         click.echo()
     else:

@@ -187,6 +187,12 @@ class Backbone:
         return self.lm_head.weight.dtype
 
     @property
+    def numerics(self) -> torch.dtype:
+        """The precision the step's products round to: the model's dtype, or bf16 with quantized
+        weights (the packed kernels take and return bf16 activations). The audit's tolerance follows it."""
+        return self.dtype if self.weight_mode == "dense" else torch.bfloat16
+
+    @property
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's and attention's dtype: float32 on the CPU (its bf16 batched products and
         attention kernels cost 3-4x float32's at decoding sizes, measured), the model's elsewhere."""

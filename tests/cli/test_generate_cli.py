@@ -34,6 +34,20 @@ def test_decode_json(capsys, tiny_model_dir):
     assert json.loads(ar)["token_ids"] == obj["token_ids"]
 
 
+def test_decode_with_quantized_weights(capsys, tiny_model_dir):
+    runs = {}
+    for drafter in ("ar", "pld"):
+        out, _ = run_ok(capsys, "decode", "abcabcabc", "--model", str(tiny_model_dir), "--drafter", drafter,
+                        "--weights", "int4", "--max-new-tokens", "12", "--dtype", "float32", "--json")
+        runs[drafter] = json.loads(out)["token_ids"]
+    assert runs["pld"] == runs["ar"]  # lossless against plain decoding with the same (int4) weights
+    dense, _ = run_ok(capsys, "decode", "abcabcabc", "--model", str(tiny_model_dir), "--drafter", "ar",
+                      "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    assert len(json.loads(dense)["token_ids"]) == len(runs["ar"])
+    code, _, err = run(capsys, "decode", "abc", "--model", str(tiny_model_dir), "--weights", "int3")
+    assert code != 0 and "int3" in err and "Traceback" not in err
+
+
 def test_decode_stream_prints_text(capsys, tiny_model_dir):
     out, err = run_ok(capsys, "decode", "abc", "--model", str(tiny_model_dir), "--drafter", "ar", "--stream",
                       "--max-new-tokens", "10", "--dtype", "float32")

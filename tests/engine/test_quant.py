@@ -111,3 +111,15 @@ def test_weight_mode_errors():
     with pytest.raises(ConfigError, match="CPU kernels"):
         check_weights("int8", torch.device("cuda"))
     assert check_weights("dense", torch.device("cuda")) == "dense"
+
+
+def test_quantized_weights_are_audited_at_bf16_tolerance():
+    from adaptive.engine.audit import MARGIN_TOLERANCE, audit_divergence
+
+    lm = quantized_lm("int8")
+    assert lm.backbone.numerics == torch.bfloat16 and quantized_lm("dense").backbone.numerics == torch.float32
+    prompt = [5, 6, 7, 8]
+    ref = Engine(lm).generate(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True)).token_ids
+    other = ref[:3] + [(ref[3] + 1) % lm.model.config.vocab_size] + ref[4:]
+    a = audit_divergence(lm.backbone, prompt, ref, other)
+    assert a.position == 3 and a.tolerance == MARGIN_TOLERANCE[torch.bfloat16]
