@@ -21,7 +21,7 @@ from adaptive.bench.llamacpp import LlamaCpp, gguf_path
 from adaptive.bench.report import summarize
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
-from adaptive.engine.audit import audit_divergence
+from adaptive.engine.audit import audit_divergence, first_difference
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.errors import ConfigError
@@ -215,12 +215,8 @@ class _Methods:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two outputs share: ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    i = first_difference(a, b)
+    return len(a) if i is None else i
 
 
 def _from_result(r) -> dict:

@@ -14,17 +14,14 @@ from collections.abc import Sequence
 from adaptive.costs import STAT_DRAFT_COST, best_split, verify_table
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, build_bigram_table, statistical_draft
+from adaptive.engine.audit import first_difference
 from adaptive.profile import StatisticalAcceptance
 
 
 def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
     """How many leading tokens of ``proposal`` equal ``actual``'s. Example: ``[4, 5, 6]`` vs ``[4, 5, 9]`` -> 2."""
-    n = 0
-    for a, b in zip(proposal, actual):
-        if a != b:
-            break
-        n += 1
-    return n
+    i = first_difference(list(proposal), list(actual))
+    return len(proposal) if i is None else i
 
 
 def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int, min_count: int = 2,
