@@ -69,6 +69,45 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
         drafted_per_step=round(drafted / positions, 4) if positions else 0.0)
 
 
+def replay_speedup(sequences: list[tuple[list[int], list[int]]], k: int, verify: Sequence[float], min_count: int = 2,
+                   min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True) -> float:
+    """The statistical drafter's expected speedup, by replaying greedy speculative decoding of each
+    continuation (the full model's own greedy text) with it: exact acceptance, modelled cost.
+
+    Step by step from the continuation's second token: draft up to ``k`` tokens from the context so
+    far (leave-one-out bigram tables, as :func:`statistical_acceptance`; ``bigram=False``: prompt
+    lookup alone), accept the prefix that matches what the model wrote, add the model's own token
+    and move on; each step costs ``verify[len(draft)]`` (a verify table) plus
+    :data:`~adaptive.costs.STAT_DRAFT_COST` per drafted token. Returns tokens / cost. Unlike a mean
+    over positions (:func:`statistical_acceptance`), steps start where decoding would start them,
+    so a long copied span counts once, as one step, not once per position it covers.
+
+    Example: continuation ``[7, 1, 2, 3, 9]`` after prompt ``[1, 2, 3, 4]``, ``k = 3``, verify
+    ``(1, 1, 1, 1)``, prompt lookup: after ``[.., 4, 7]`` nothing repeats, a plain step gives ``1``;
+    after ``[.., 7, 1]`` lookup drafts ``[2, 3, 4]``, 2 are accepted and the model adds 9: 4 tokens
+    for a cost of ``1 + 1 + 3 * 0.005``: 1.985.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    table_v = verify_table(verify, k)
+    tokens, cost = 0, 0.0
+    for i, (prompt, cont) in enumerate(sequences):
+        table = None
+        if bigram:
+            table = build_bigram_table([list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i], min_count)
+        context = list(prompt) + list(cont[:1])
+        t = 1
+        while t < len(cont):
+            proposal = statistical_draft(context, k, table, min_prob=min_prob)[: len(cont) - t]
+            n = accepted_prefix(proposal, cont[t:t + len(proposal)])
+            step = min(n + 1, len(cont) - t)
+            cost += table_v[len(proposal)] + len(proposal) * STAT_DRAFT_COST
+            tokens += step
+            context.extend(cont[t:t + step])
+            t += step
+    return tokens / cost if cost else 1.0
+
+
 def choose_cascade(stat_acceptance, layer_skip_acceptance: float, layer_skip_cost: float, verify: Sequence[float],
                    max_len: int, max_split: int, lenience: float = 1.0,
                    min_prob: float = DEFAULT_BIGRAM_MIN_PROB) -> CascadePlan:

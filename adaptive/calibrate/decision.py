@@ -1,55 +1,50 @@
-"""What decodes a domain: a pure function of its timed measurements and ``min_gain``.
+"""What decodes a domain: a pure function of its raced measurements.
 
-Calibration times three drafters against plain decoding (``ar``): the best skip set (``ssd``, over
-the reduced vocabulary where that measured faster), prompt lookup (``pld``) and the ``cascade``.
-The fastest is timed once more when it beats ``ar`` by ``min_gain`` (the best of several noisy
-measurements is biased upwards), and the decision uses the mean of its two timings:
+Calibration races up to four drafters against plain decoding (``ar``) in paired blocks
+(:mod:`.timing`), each one's speedup with a bootstrap interval and a verdict (:mod:`.interval`):
+the best skip set (role ``candidate``, ``ssd``), the same over the domain's reduced vocabulary
+(``vocab``), prompt lookup (``lookup``, ``pld``) and the ``cascade``. A drafter may decode the
+domain only when
 
-1. :func:`to_recheck` names the drafter to time again (or ``None``);
-2. :func:`decide` returns the :class:`~adaptive.profile.Decision` and the speedup used per drafter.
+* its verdict is ``faster``: the interval's low end is at least ``1 + margin`` (so no drafter whose
+  interval includes 1.0 is ever recorded faster than ``ar``), and
+* it was measured accepting at least ``floor`` tokens per verification step beyond the target's
+  own (``mean_accepted - 1``): a draft that is almost never accepted cannot be faster, whatever
+  the clock said.
 
-Example: speedups ``ssd 1.30, pld 1.10, cascade 1.20``, ``min_gain 0.02``: ``ssd`` is timed again;
-a recheck of 1.14 gives ``ssd`` (1.30 + 1.14) / 2 = 1.22, more than the cascade's 1.20:
-``Decision("ssd", draft_len, 1.22)``. A recheck of 1.00 gives 1.15 and the cascade wins (ties go to
-the first in ``ssd, pld, cascade`` order). Nothing at least 1.02: ``Decision("ar", 1, 1.0)``.
+Of those, the one with the highest speedup wins (ties: :data:`ROLES` order); none: ``ar``.
+
+Example: ``candidate`` 1.30 [1.21, 1.38] accepting 0.9 tokens per step, ``cascade`` 1.35
+[1.01, 1.62] (open: its interval reaches below 1.02) and ``lookup`` 1.10 [1.05, 1.15] accepting
+0.6: ``Decision("ssd", k, 1.30)``. Had the candidate accepted 0.1 tokens per step (below a floor
+of 0.2), ``pld`` would decode at 1.10.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from adaptive.calibrate.interval import FASTER
 from adaptive.profile import Decision, Measurement
 
-TIMED = ("ssd", "pld", "cascade")  # the drafters a domain's decision compares, in tie-break order
+ROLES = ("candidate", "vocab", "lookup", "cascade")  # the raced drafters, in tie-break order
 
 
-def _speeds(timed: dict[str, Measurement]) -> dict[str, float]:
-    missing = [m for m in TIMED if m not in timed]
-    if missing:
-        raise ValueError(f"a decision needs timings of {', '.join(TIMED)}; missing {', '.join(missing)}")
-    return {m: timed[m].speedup for m in TIMED}
+def eligible(m: Measurement, floor: float) -> bool:
+    """Whether ``m`` may decode its domain: verdict ``faster`` and at least ``floor`` accepted tokens per step."""
+    return m.verdict == FASTER and m.mean_accepted - 1.0 >= floor
 
 
-def to_recheck(timed: dict[str, Measurement], min_gain: float) -> str | None:
-    """The fastest drafter when it beats ``ar`` by ``min_gain`` (to be timed again), else ``None``."""
-    speed = _speeds(timed)
-    winner = max(speed, key=speed.get)
-    return winner if speed[winner] >= 1.0 + min_gain else None
-
-
-def decide(timed: dict[str, Measurement], min_gain: float,
-           recheck: Measurement | None = None) -> tuple[Decision, dict[str, float]]:
-    """The domain's decision from the ``timed`` measurements (``ssd``, ``pld``, ``cascade``) and the
-    ``recheck`` of the drafter :func:`to_recheck` named (its speedup becomes the mean of both).
-
-    Returns the decision (the fastest drafter at least ``1 + min_gain`` times ``ar``'s speed, at the
-    draft length it was timed with, else ``ar``) and the speedup used for each drafter.
-    """
-    speed = _speeds(timed)
-    if recheck is not None:
-        if recheck.drafter != to_recheck(timed, min_gain):
-            raise ValueError(f"a recheck of {recheck.drafter} where {to_recheck(timed, min_gain)} was to be rechecked")
-        speed[recheck.drafter] = (speed[recheck.drafter] + recheck.speedup) / 2
-    paying = {m: v for m, v in speed.items() if v >= 1.0 + min_gain}
-    if not paying:
-        return Decision("ar", 1, 1.0), speed
-    best = max(paying, key=paying.get)
-    return Decision(best, timed[best].draft_len, round(float(speed[best]), 4)), speed
+def decide(timed: Mapping[str, Measurement], floor: float) -> Decision:
+    """The domain's :class:`Decision` from its raced measurements (``{role: Measurement}``)."""
+    unknown = sorted(set(timed) - set(ROLES))
+    if unknown:
+        raise ValueError(f"unknown measurement role(s) {', '.join(unknown)}; expected {', '.join(ROLES)}")
+    best = None
+    for role in ROLES:
+        m = timed.get(role)
+        if m is not None and eligible(m, floor) and (best is None or m.speedup > best.speedup):
+            best = m
+    if best is None:
+        return Decision("ar", 1, 1.0)
+    return Decision(best.drafter, best.draft_len, round(float(best.speedup), 4))

@@ -1,14 +1,20 @@
 """Phase 4 of a calibration, for one domain (or the global set over all domains).
 
-In order, each step checkpointed in ``OUT.work/`` (so that a resumed run redoes nothing that finished):
+In order, each timed or searched step checkpointed in ``OUT.work/`` (a resumed run redoes nothing
+that finished):
 
-1. the Bayesian search over skip sets (one line of ``trials-<domain>.jsonl`` per trial, fsynced);
-2. timed decoding of the best candidates against ``ar`` (``confirm-<domain>.json``, one record each);
-3. prompt lookup, timed the same way (``pld-<domain>.json``);
-4. the cascade: the domain's bigram table, its statistical drafter's teacher-forced acceptance,
-   the starting split, and a timed run (``cascade-<domain>.json``);
-5. the reduced draft vocabulary (:mod:`.vocab`, ``vocab-<domain>.json``);
-6. the decision (:mod:`.decision`), after timing the fastest drafter once more (``recheck-<domain>.json``).
+1. what the statistical drafters reach, teacher-forced on the domain's continuations (free: no
+   forward), and the verification costs at the domain's context length (``verify-<domain>.json``);
+   from them the *reference* layer skipping must beat: ``max(1, pld, statistical cascade) * (1 + min_gain)``;
+2. the bound on layer skipping over the ranked space (:mod:`.bound`); its scored corners are the
+   search's first trials (``trials-<domain>.jsonl``). When even the bound cannot reach the
+   reference, the search stops there and the record says so (``SkipSearch.bound``/``reference``);
+3. otherwise the Bayesian search over skip sets, its candidates above the acceptance floor;
+4. the cascade's plan and the reduced draft vocabulary, from estimates (:mod:`.cascade`, :mod:`.vocab`);
+5. the race (``race-<domain>.jsonl``, one line per timed prompt): prompt lookup, the cascade, and
+   the best skip set (full head, and reduced head where that estimates faster) when its estimate
+   reaches ``time_gate``, each against ``ar`` in paired blocks until its interval settles (:mod:`.timing`);
+6. the decision (:mod:`.decision`), a pure function of the race.
 
 :func:`calibrate_domain` returns the domain's typed :class:`~adaptive.profile.DomainRecord`.
 """
@@ -16,17 +22,28 @@ In order, each step checkpointed in ``OUT.work/`` (so that a resumed run redoes 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from adaptive.calibrate.cascade import choose_cascade, statistical_acceptance
-from adaptive.calibrate.decision import decide, to_recheck
+from adaptive.calibrate.bound import Bound, layer_skip_bound
+from adaptive.calibrate.cascade import choose_cascade, replay_speedup, statistical_acceptance
+from adaptive.calibrate.decision import decide
 from adaptive.calibrate.parallel import Worker
-from adaptive.calibrate.search import Estimate, MatchnessScorer, estimate, make_space, run_search, top_candidates
+from adaptive.calibrate.search import (
+    MatchnessScorer,
+    RankedSpace,
+    estimate,
+    make_space,
+    run_search,
+    top_candidates,
+    trial_record,
+)
 from adaptive.calibrate.settings import GLOBAL, CalibrationSettings
-from adaptive.calibrate.timing import Candidate, measure_candidates
+from adaptive.calibrate.timing import Candidate, RaceConfig, race_candidates
 from adaptive.calibrate.vocab import choose_vocab
 from adaptive.costs import STAT_DRAFT_COST, CostModel, measure_verify_costs
 from adaptive.drafters.cascade import CascadePlan
@@ -44,11 +61,7 @@ from adaptive.profile import (
     StatisticalAcceptance,
     VocabChoice,
 )
-from adaptive.workdir import WorkDir, append_json_line, checkpointed, read_json, read_json_lines, write_json
-
-# the best "candidate" when every trial proposed the empty skip set: layer skipping cannot be chosen
-NO_CANDIDATE = Measurement("ssd", "candidate", draft_len=1, speedup=0.0, estimated_acceptance=1.0,
-                           estimated_draft_cost=1.0, estimated_speedup=0.0)
+from adaptive.workdir import append_json_line, checkpointed, read_json_lines
 
 
 @dataclass
@@ -65,168 +78,198 @@ class DomainTask:
     anchors: int
 
 
-@dataclass
-class CascadeCalibration:
-    """The cascade's plan from the domain's measured acceptances, the statistical drafter's
-    acceptance, the timed run, the verification costs at ``verify_context`` and the bigram table."""
-
-    plan: CascadePlan
-    statistical: StatisticalAcceptance
-    timed: Measurement
-    verify: tuple[float, ...]
-    verify_context: int
-    bigram: BigramTable
-
-
 def search_seed(seed: int, name: str) -> int:
     """The search's seed for one domain: distinct per domain, the same on every run."""
     return seed * 1_000_003 + int(hashlib.sha1(name.encode()).hexdigest()[:6], 16)
 
 
-def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask) -> list[dict]:
-    """The search's trial history (resumed from the checkpoint's complete trials)."""
+@dataclass(frozen=True)
+class Statistical:
+    """What the domain's statistical drafters reach teacher-forced: prompt lookup alone (``lookup``)
+    and backed by the domain's bigram table (``bigram``, leave one out), with their estimated
+    speedups (:func:`~.cascade.replay_speedup`, at the cost model's verification costs);
+    ``verify``: forwards over 1, 2, ... tokens timed at the domain's ``context`` length, for the
+    cascade's plan."""
+
+    lookup: StatisticalAcceptance
+    bigram: StatisticalAcceptance
+    lookup_speedup: float
+    bigram_speedup: float
+    verify: tuple[float, ...]
+    context: int
+
+
+def statistical(worker: Worker, lm: LoadedModel, task: DomainTask) -> Statistical:
+    """:class:`Statistical` for the domain; the verification costs are timed once (checkpointed)."""
+    s = worker.settings
+    bar = worker.phase("verify", task.name, 1)
+
+    def compute() -> dict:
+        # verification costs at this domain's context length (long prompts make long drafts relatively cheap)
+        context = int(np.median([len(p) for p, _ in task.sequences])) + s.confirm_tokens // 2
+        verify = measure_verify_costs(lm.backbone, context, max_verify=s.cascade_max_draft_len + 1, repeats=5)
+        return {"verify": list(verify), "context": context}
+
+    rec = checkpointed(worker.work.file("verify", task.name), compute)
+    bar.close()
+    verify = tuple(float(v) for v in rec["verify"])
+    lookup = statistical_acceptance(task.sequences, s.pld_draft_len, s.bigram_min_count, bigram=False)
+    stats = statistical_acceptance(task.sequences, s.cascade_max_draft_len, s.bigram_min_count)
+    # replayed at the cost model's verification costs, as the search's estimates are: with a given
+    # cost model the reference, the bound and the search are deterministic
+    model = task.costs.verify
+    pld = replay_speedup(task.sequences, s.pld_draft_len, model, s.bigram_min_count, bigram=False)
+    stat = replay_speedup(task.sequences, s.cascade_max_draft_len, model, s.bigram_min_count)
+    return Statistical(lookup, stats, round(pld, 4), round(stat, 4), verify, int(rec["context"]))
+
+
+def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, reference: float
+                     ) -> tuple[list[dict], Bound | None]:
+    """The search's trial history (resumed from the checkpoint's complete trials) and, in the ranked
+    space, the bound that decided whether to search beyond its scored corners."""
     s = worker.settings
     space = make_space(s.space, lm.backbone.n_layers, task.influence)
     path = worker.work.file("trials", task.name, "jsonl")
     history = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("trial") == i)
     scorer = None
 
-    def score(skip: SkipSet) -> Estimate:
+    def score(skip: SkipSet):
         nonlocal scorer
         if scorer is None:  # its prefill is wasted when every trial is resumed
             scorer = MatchnessScorer(lm.backbone, task.sequences)
-        return estimate(skip, scorer, task.costs, s.max_draft_len)
+        return estimate(skip, scorer, task.costs, s.max_draft_len, s.acceptance_floor)
 
-    bar = None
-    if worker.progress and len(history) < s.trials:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=s.trials, initial=len(history), desc=f"search {task.name}", leave=False)
+    bar = worker.phase("search", task.name, s.trials, len(history))
     best = [max((h["target"] for h in history), default=0.0)]
 
     def on_trial(rec: dict) -> None:
         append_json_line(path, rec)
         best[0] = max(best[0], rec["target"])
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(best=f"{best[0]:.3f}")
+        bar.update(1, best=round(best[0], 3))
 
-    history = run_search(space, score, s.trials, seed=search_seed(s.seed, task.name), n_init=s.init_trials,
-                         history=history, on_trial=on_trial)
-    if bar is not None:
-        bar.close()
-    return history
-
-
-def _measured(path, cands: list[Candidate]) -> list[Measurement]:
-    """The checkpoint's measurements that are of the leading ``cands`` (others are measured again)."""
-    done = []
-    try:
-        recs = [Measurement.from_dict(d) for d in read_json(path)] if path.exists() else []
-    except (ValueError, OSError):
-        return []
-    for m, c in zip(recs, cands):
-        if (m.drafter, m.skip, m.draft_len) != (c.drafter, c.skip, c.draft_len):
-            break  # measured for another candidate list: measure from here on
-        done.append(m)
-    return done
+    bound = None
+    if isinstance(space, RankedSpace):
+        bound = _bound(space, task, s, score, history, on_trial, reference)
+    if bound is None or bound.pays:
+        n_init = 0 if len(history) >= 2 else s.init_trials
+        history = run_search(space, score, max(s.trials, len(history)), seed=search_seed(s.seed, task.name),
+                             n_init=n_init, history=history, on_trial=on_trial)
+    bar.close()
+    return history, bound
 
 
-def confirm_candidates(lm: LoadedModel, s: CalibrationSettings, work: WorkDir, task: DomainTask,
-                       history: list[dict]) -> list[Measurement]:
-    """The ``confirm_candidates`` best skip sets of the search, timed against ``ar``."""
-    cands = [Candidate("ssd", int(h["draft_len"]), skip=h["skip"], estimated_acceptance=h["matchness"],
-                       estimated_draft_cost=h["draft_cost"], estimated_speedup=h["target"])
-             for h in top_candidates(history, s.confirm_candidates)]
-    if not cands:
-        return []
-    path = work.file("confirm", task.name)
-    done = _measured(path, cands)
-    if len(done) == len(cands):
-        return done
-    new: list[Measurement] = []
+def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: Callable, history: list[dict],
+           on_trial: Callable[[dict], None], reference: float) -> Bound:
+    """:func:`~.bound.layer_skip_bound` over ``space``, its scored corners recorded as trials
+    (already recorded ones are read back, not scored again)."""
+    import time
 
-    def on_done(m: Measurement) -> None:
-        new.append(m)
-        write_json(path, [r.to_dict() for r in done + new])
+    seen = {h["skip"]: h for h in history}
 
-    return measure_candidates(lm, task.confirm_ids, cands, s.confirm_tokens, done=done, on_done=on_done)
+    def corner(na: int, nm: int) -> float:
+        params = {"n_attn": na, "n_mlp": nm}
+        skip = space.decode(params)
+        key = skip.to_text()
+        if key not in seen:
+            t0 = time.perf_counter()
+            rec = trial_record(len(history), params, skip, score(skip), time.perf_counter() - t0)
+            history.append(rec)
+            seen[key] = rec
+            on_trial(rec)
+        return float(seen[key]["matchness"])
+
+    def cost(na: int, nm: int) -> float:
+        return task.costs.draft_cost(space.decode({"n_attn": na, "n_mlp": nm}).masks(space.n_layers))
+
+    return layer_skip_bound(space.n_layers, corner, cost, task.costs.verify_table(s.max_draft_len), s.max_draft_len,
+                            s.acceptance_floor, reference)
 
 
-def timed_once(path, measure) -> Measurement:
-    """``measure()`` (one :class:`Measurement`), checkpointed at ``path``."""
-    return Measurement.from_dict(checkpointed(path, lambda: measure().to_dict()))
+def race_key(candidates: dict[str, Candidate]) -> str:
+    """A short hash of the raced candidates: a checkpoint's lines are replayed only into the same race."""
+    blob = json.dumps({k: c.to_dict() for k, c in sorted(candidates.items())}, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def calibrate_cascade(lm: LoadedModel, s: CalibrationSettings, work: WorkDir, task: DomainTask,
-                      best: Measurement) -> CascadeCalibration:
-    """The domain's bigram table, its statistical drafter's measured acceptance, the cascade's
-    starting plan (from those and the best skip set's measured acceptance) and its timed speedup."""
-    bigram = build_bigram_table([list(p) + list(c) for p, c in task.sequences], s.bigram_min_count)
-
-    def compute() -> dict:
-        n = s.cascade_max_draft_len
-        # verification costs at this domain's context length (long prompts make long drafts relatively cheap)
-        context = int(np.median([len(p) for p, _ in task.sequences])) + s.confirm_tokens // 2
-        verify = measure_verify_costs(lm.backbone, context, max_verify=n + 1)
-        stats = statistical_acceptance(task.sequences, n, s.bigram_min_count)
-        skip_ok = best.skip not in ("none", "") and best.token_acceptance > 0
-        plan = choose_cascade(stats.position_acceptance, best.token_acceptance, float(best.estimated_draft_cost),
-                              verify, n, s.cascade_max_split if skip_ok else 0, s.cascade_lenience)
-        cand = Candidate("cascade", plan.draft_len, skip=best.skip, cascade=plan)
-        timed = measure_candidates(lm, task.confirm_ids, [cand], s.confirm_tokens, role="cascade", bigram=bigram)[0]
-        return {"plan": plan.to_dict(), "statistical": stats.to_dict(), "timed": timed.to_dict(),
-                "verify": list(verify), "verify_context": context}
-
-    rec = checkpointed(work.file("cascade", task.name), compute)
-    return CascadeCalibration(CascadePlan.from_dict(rec["plan"]), StatisticalAcceptance.from_dict(rec["statistical"]),
-                              Measurement.from_dict(rec["timed"]), tuple(rec["verify"]), int(rec["verify_context"]),
-                              bigram)
+def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str, Candidate], bigram: BigramTable,
+         vocab) -> dict[str, Measurement]:
+    """The domain's race (:func:`~.timing.race_candidates`), one checkpoint line per timed prompt."""
+    s = worker.settings
+    key = race_key(candidates)
+    path = worker.work.file("race", task.name, "jsonl")
+    done = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("key") == key)
+    rc = RaceConfig(block_tokens=s.block_tokens, max_tokens=s.confirm_tokens, prompts=s.confirm_prompts,
+                    min_blocks=s.min_blocks, margin=s.min_gain, level=s.interval_level, seed=s.seed)
+    max_blocks = s.confirm_prompts * -(-(s.confirm_tokens - 1) // s.block_tokens)
+    bar = worker.phase("race", task.name, max_blocks, sum(len(r["blocks"]) for r in done))
+    out = race_candidates(lm, task.confirm_ids, candidates, rc, done=done, bigram=bigram, vocab=vocab,
+                          on_prompt=lambda rec: append_json_line(path, {**rec, "key": key}),
+                          on_block=lambda: bar.update(1))
+    bar.close()
+    return out
 
 
 def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
-    """Search, confirm, lookup, cascade, vocabulary and decision for one domain (or the global set)."""
+    """Reference, bound, search, cascade, vocabulary, race and decision for one domain (or the global set)."""
     s, work = worker.settings, worker.work
     lm = worker.model()
-    history = search_skip_sets(worker, lm, task)
-    results = confirm_candidates(lm, s, work, task, history)
-    best = max(results, key=lambda m: m.speedup) if results else NO_CANDIDATE
-    pld = timed_once(work.file("pld", task.name), lambda: measure_candidates(
-        lm, task.confirm_ids, [Candidate("pld", s.pld_draft_len)], s.confirm_tokens, role="lookup")[0])
-    cascade = calibrate_cascade(lm, s, work, task, best)
-    vocab, vocab_timed, vocab_ids = choose_vocab(lm, s, work.file("vocab", task.name), task.sequences, best,
-                                                 cascade.verify, task.confirm_ids)
-    timed = {"ssd": vocab_timed if vocab is not None and vocab.use else best, "pld": pld, "cascade": cascade.timed}
-    winner = to_recheck(timed, s.min_gain)
-    recheck = None
-    if winner is not None:
-        recheck = timed_once(work.file("recheck", task.name), lambda: measure_candidates(
-            lm, task.confirm_ids, [Candidate.of(timed[winner])], s.confirm_tokens, role="recheck",
-            bigram=cascade.bigram, vocab=vocab_ids)[0])
-    decision, _ = decide(timed, s.min_gain, recheck)
-    measurements = (*results, pld, *([recheck] if recheck else []), cascade.timed,
-                    *([vocab_timed] if vocab_timed else []))
-    return domain_record(task, decision, best, len(history), timed["ssd"], cascade, vocab, vocab_ids, measurements)
+    st = statistical(worker, lm, task)
+    reference = max(1.0, st.lookup_speedup, st.bigram_speedup) * (1.0 + s.min_gain)
+    history, bound = search_skip_sets(worker, lm, task, reference)
+    top = top_candidates(history, 1, s.acceptance_floor)
+    best = top[0] if top and (bound is None or bound.pays) else None
+    bigram = build_bigram_table([list(p) + list(c) for p, c in task.sequences], s.bigram_min_count)
+    a_l = float(best["matchness"]) if best else 0.0
+    c_l = float(best["draft_cost"]) if best else 1.0
+    plan = choose_cascade(st.bigram.position_acceptance, a_l, c_l, st.verify, s.cascade_max_draft_len,
+                          s.cascade_max_split if best else 0, s.cascade_lenience)
+    candidates = {"lookup": Candidate("pld", s.pld_draft_len, estimated_speedup=st.lookup_speedup),
+                  "cascade": Candidate("cascade", plan.draft_len, skip=best["skip"] if best else "none", cascade=plan,
+                                       estimated_speedup=st.bigram_speedup)}
+    vocab, vocab_ids = None, None
+    if best is not None and best["target"] >= s.time_gate:
+        ssd = Candidate("ssd", int(best["draft_len"]), skip=best["skip"], estimated_acceptance=best["matchness"],
+                        estimated_draft_cost=best["draft_cost"], estimated_speedup=best["target"])
+        candidates["candidate"] = ssd
+        vocab, vocab_ids = choose_vocab(lm, s, work.file("vocab", task.name), task.sequences, ssd.skip, ssd.draft_len,
+                                        a_l, st.verify)
+        if vocab is not None and vocab.estimate[str(vocab.size)] > vocab.full_estimate:
+            candidates["vocab"] = replace(ssd, draft_vocab=vocab.size)
+    timed = race(worker, lm, task, candidates, bigram, vocab_ids)
+    if vocab is not None and "vocab" in timed:
+        vocab = replace(vocab, use=timed["vocab"].speedup > timed["candidate"].speedup)
+    decision = decide(timed, s.acceptance_floor)
+    return domain_record(task, decision, history, best, bound, st, plan, bigram, vocab, vocab_ids, timed)
 
 
-def domain_record(task: DomainTask, decision: Decision, best: Measurement, trials: int, ssd: Measurement,
-                  cascade: CascadeCalibration, vocab: VocabChoice | None, vocab_ids, measurements) -> DomainRecord:
-    """The typed record of one domain: ``best`` is the search's best skip set as timed, ``ssd`` the
-    timing of layer skipping used for the decision (over the reduced vocabulary where that was faster)."""
-    lookup = next(m for m in measurements if m.role == "lookup")
-    stats = cascade.statistical
+def domain_record(task: DomainTask, decision: Decision, history: list[dict], best: dict | None, bound: Bound | None,
+                  st: Statistical, plan: CascadePlan, bigram: BigramTable, vocab: VocabChoice | None, vocab_ids,
+                  timed: dict[str, Measurement]) -> DomainRecord:
+    """The typed record of one domain. ``best``: the search's best skip set above the floor (``None``
+    when none, or when the bound ruled layer skipping out); its prior is the race's measured
+    acceptance where it was raced, else the search's teacher-forced estimate."""
+    ssd = timed.get("vocab") if vocab is not None and vocab.use else timed.get("candidate")
+    a_l = ssd.token_acceptance if ssd is not None else (float(best["matchness"]) if best else 0.0)
+    c_l = float(best["draft_cost"]) if best else 1.0
     reduced_cost = None
     if vocab is not None:
         costs = vocab.draft_cost
-        reduced_cost = best.estimated_draft_cost * costs[str(vocab.size)] / costs[str(vocab.vocab_size)]
-    priors = Priors(layer_skip=Prior(min(max(ssd.token_acceptance, 0.0), 1.0), float(best.estimated_draft_cost)),
+        reduced_cost = c_l * costs[str(vocab.size)] / costs[str(vocab.vocab_size)]
+    lookup = timed["lookup"]
+    priors = Priors(layer_skip=Prior(min(max(a_l, 0.0), 1.0), c_l),
                     lookup=Prior(lookup.token_acceptance, STAT_DRAFT_COST),
-                    statistical=Prior(stats.token_acceptance, STAT_DRAFT_COST, stats.position_acceptance),
+                    statistical=Prior(st.bigram.token_acceptance, STAT_DRAFT_COST, st.bigram.position_acceptance),
                     reduced_head_cost=reduced_cost)
-    layer_skip = SkipSearch(SkipSet.from_text(best.skip), best.draft_len, float(best.estimated_acceptance),
-                            float(best.estimated_draft_cost), float(best.estimated_speedup), trials)
+    if best is not None:
+        layer_skip = SkipSearch(SkipSet.from_text(best["skip"]), int(best["draft_len"]), float(best["matchness"]),
+                                float(best["draft_cost"]), float(best["target"]), len(history))
+    else:
+        layer_skip = SkipSearch(SkipSet(), 1, 0.0, 1.0, 0.0, len(history))
+    if bound is not None:
+        layer_skip = replace(layer_skip, bound=bound.speedup, reference=bound.reference)
+    measurements = tuple(timed[r] for r in ("candidate", "vocab", "lookup", "cascade") if r in timed)
     return DomainRecord(
         name=GLOBAL_RECORD if task.name == GLOBAL else task.name, decision=decision, layer_skip=layer_skip,
-        priors=priors, verify=cascade.verify, verify_context=cascade.verify_context, cascade=cascade.plan,
-        statistical=stats, vocab=vocab, measurements=tuple(measurements), prompts=task.prompts, anchors=task.anchors,
-        bigram=cascade.bigram, draft_vocab=np.asarray(vocab_ids) if vocab_ids is not None else None)
+        priors=priors, verify=st.verify, verify_context=st.context, cascade=plan, statistical=st.bigram,
+        vocab=vocab, measurements=measurements, prompts=task.prompts, anchors=task.anchors, bigram=bigram,
+        draft_vocab=np.asarray(vocab_ids) if vocab_ids is not None else None)

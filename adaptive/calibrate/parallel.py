@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from adaptive.calibrate.progress import Phase, Progress
 from adaptive.calibrate.settings import BACKENDS, CalibrationSettings, calibration_workdir
 from adaptive.errors import ConfigError
 from adaptive.models import LoadedModel, load_model
@@ -50,9 +51,14 @@ class Worker:
     progress: bool = True
     lm: LoadedModel | None = field(default=None, compare=False, repr=False)
     weights: str = "dense"
+    bars: Progress | None = field(default=None, compare=False, repr=False)  # the caller's bar, in its process only
 
     def __getstate__(self):
-        return {**self.__dict__, "lm": None}
+        return {**self.__dict__, "lm": None, "bars": None}
+
+    def phase(self, phase: str, task: str, items: int, done: int = 0) -> Phase:
+        """A phase of the calibration's overall bar (a silent one in a worker process)."""
+        return Phase(self.bars, phase, task, items, done)
 
     def model(self) -> LoadedModel:
         if self.threads:

@@ -34,14 +34,6 @@ class Prepared:
     influence: torch.Tensor
 
 
-def progress_bar(it, desc: str, on: bool):
-    if not on:
-        return it
-    from tqdm.auto import tqdm
-
-    return tqdm(it, desc=desc, leave=False, file=None)
-
-
 def _save(path: Path, prep: Prepared) -> None:
     buf = io.BytesIO()
     torch.save(asdict(prep), buf)  # plain containers: a checkpoint does not pickle this class
@@ -66,7 +58,8 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     cfg = GenerationConfig(max_new_tokens=s.continuation_tokens)
     ids, embs, seqs = [], [], []
     influence = torch.zeros(2, bb.n_layers)
-    for prompt in progress_bar(prompts, f"prepare {name}", worker.progress):
+    bar = worker.phase("prepare", name, len(prompts))
+    for prompt in prompts:
         p = engine.encode(prompt, chat=s.chat)
         session = engine.start(p, cfg, pool=True)  # the prefill's pooled embedding, as the runtime routes on
         cont = list(engine.decode(session))[-1].token_ids  # greedy, through the first EOS
@@ -75,13 +68,17 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
         ids.append(p)
         embs.append(pooled_to_numpy(session.pooled))
         seqs.append((p, cont))
+        bar.update(1)
+    bar.close()
     return Prepared(name, ids, np.stack(embs), seqs, influence / len(prompts))
 
 
-def check_prompt_lengths(lm: LoadedModel, domains: dict[str, list[str]], settings: CalibrationSettings) -> None:
+def check_prompt_lengths(lm: LoadedModel, domains: dict[str, list[str]],
+                         settings: CalibrationSettings) -> dict[str, list[list[int]]]:
     """:func:`~adaptive.limits.check_room` for calibration: each prompt encoded as calibration
-    encodes it, with room for the continuation and the timed decoding."""
+    encodes it, with room for the continuation and the timed decoding. Returns the encodings."""
     engine = Engine(lm)
     room = max(settings.continuation_tokens, settings.confirm_tokens) + settings.max_draft_len + 1
     encoded = {name: [engine.encode(p, chat=settings.chat) for p in prompts] for name, prompts in domains.items()}
     check_room(encoded, room, lm.backbone.max_positions, "calibration")
+    return encoded

@@ -6,11 +6,12 @@ kill redoes nothing that finished:
 1. cost model: time the forwards of this machine (``costs.json``);
 2. per domain, in parallel: encode, continue and measure influence (:mod:`.prepare`, ``prep-*.pt``);
 3. FAISS k-means anchors per domain, one index over all;
-4. per domain and once over all domains (the global set), in parallel: search, timed confirmation,
-   prompt lookup, cascade, reduced vocabulary and the decision (:mod:`.domain`);
+4. per domain and once over all domains (the global set), in parallel: the bound and search of skip
+   sets, the cascade and reduced vocabulary, the race against ``ar`` and the decision (:mod:`.domain`);
 5. the profile, written atomically; the work directory is then removed.
 
-Settings live in :mod:`.settings`, timing in :mod:`.timing`, the decision in :mod:`.decision`,
+One progress bar (:mod:`.progress`) covers all phases and domains with an ETA. Settings live in
+:mod:`.settings`, timing in :mod:`.timing` and :mod:`.interval`, the decision in :mod:`.decision`,
 parallel execution in :mod:`.parallel`.
 """
 
@@ -26,6 +27,7 @@ from adaptive import __version__
 from adaptive.calibrate.domain import DomainTask, calibrate_domain
 from adaptive.calibrate.parallel import Worker, in_process, run_parallel, shared_model
 from adaptive.calibrate.prepare import Prepared, check_prompt_lengths, prepare_domain
+from adaptive.calibrate.progress import Progress, budgets
 from adaptive.calibrate.settings import (
     BACKENDS,
     GLOBAL,
@@ -98,7 +100,8 @@ def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostMode
                         len(prep[n].ids), index.labels.count(n)) for n in names]
     pool = [prep[n].sequences[i] for i in range(s.prompts_per_domain) for n in names
             if i < len(prep[n].sequences)][: s.prompts_per_domain]
-    confirm = [prep[n].ids[0] for n in names][: s.confirm_prompts]
+    confirm = [prep[n].ids[i] for i in range(s.confirm_prompts) for n in names
+               if i < len(prep[n].ids)][: s.confirm_prompts]
     influence = sum(prep[n].influence for n in names) / len(names)
     tasks.append(DomainTask(GLOBAL, pool, influence, costs, confirm, sum(len(prep[n].ids) for n in names),
                             len(index.labels)))
@@ -126,8 +129,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     already loaded model, used as is by tasks in this process (``jobs == 1`` or the threading
     backend); worker processes load it again from its source in its dtype.
     ``cost_model`` replaces the timed measurement (e.g. another profile's, for a reproducible search:
-    with it and the same seed, the search is deterministic; the final choice among the
-    ``confirm_candidates`` best is by timed decoding, hence noisy unless that is 1).
+    with it and the same seed, the bound and the search are deterministic; the race is timed).
     """
     s = settings or CalibrationSettings()
     domains = check_options(domains, s, jobs, backend, scheduler)
@@ -136,7 +138,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     started = time.perf_counter()
     worker = _worker(model, s, out, jobs, backend, device, dtype, progress, weights)
     lm = worker.lm or shared_model(worker.spec, worker.device, worker.dtype, worker.weights)
-    check_prompt_lengths(lm, domains, s)  # before anything is written: a bad prompt leaves nothing behind
+    encoded = check_prompt_lengths(lm, domains, s)  # before anything is written: a bad prompt leaves nothing behind
     log(f"calibrating {worker.spec} on {len(domains)} domains: "
         f"{', '.join(sorted(domains))}")
     fingerprint = replace(lm.fingerprint(), spec=worker.spec, dtype=str(lm.dtype).replace("torch.", ""),
@@ -148,9 +150,16 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     with work.guarded(state, resume, "rerun with the same model, domains and settings, or delete it") as resumed:
         if resumed:
             log(f"resuming from {work.path}")
-        costs = cost_model if cost_model is not None else CostModel.from_dict(
-            checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
-        records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log)
+        names = sorted(domains)
+        worker.bars = Progress(progress, budgets(s, {n: [len(p) for p in encoded[n]] for n in names}, [*names, GLOBAL]))
+        try:
+            costs = cost_model if cost_model is not None else CostModel.from_dict(
+                checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
+            worker.bars.finish("costs", "")
+            records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log)
+        finally:
+            worker.bars.close()
+            worker.bars = None
         seconds = round(time.perf_counter() - started, 1)
         run = {"jobs": jobs, "backend": backend, "seconds": seconds}
         profile = _profile(fingerprint, s, costs, records, index, run)
@@ -171,8 +180,14 @@ def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel,
     log(f"preparing {len(names)} domains ...")
     preps = run_parallel(prepare_domain, [(worker, n, domains[n]) for n in names], jobs, backend, scheduler)
     prep = {p.name: p for p in preps}
+    for n in names:  # done in worker processes, or resumed: the bar catches up
+        worker.bars.finish("prepare", n)
     index = AnchorIndex.build({n: prep[n].embeddings for n in names}, per_domain=s.anchors_per_domain, seed=s.seed,
                               k=s.route_k)
-    log(f"searching skip sets ({s.trials} trials each) ...")
+    log(f"bounding and searching skip sets (up to {s.trials} trials each), racing drafters against ar ...")
     tasks = _domain_tasks(prep, index, costs, s)
-    return run_parallel(calibrate_domain, [(worker, t) for t in tasks], jobs, backend, scheduler), index
+    records = run_parallel(calibrate_domain, [(worker, t) for t in tasks], jobs, backend, scheduler)
+    for t in tasks:
+        for phase in ("verify", "search", "race"):
+            worker.bars.finish(phase, t.name)
+    return records, index

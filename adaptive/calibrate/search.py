@@ -141,13 +141,14 @@ class Estimate:
     speedup: float
 
 
-def estimate(skip: SkipSet, scorer: Callable, costs: CostModel, max_draft_len: int = 8) -> Estimate:
-    """Score ``skip``: matchness from ``scorer(masks)``, speedup from the cost model at the best k."""
+def estimate(skip: SkipSet, scorer: Callable, costs: CostModel, max_draft_len: int = 8, floor: float = 0.0) -> Estimate:
+    """Score ``skip``: matchness from ``scorer(masks)``, speedup from the cost model at the best k.
+    A matchness below ``floor`` scores a speedup of 0: such a skip set is never a candidate."""
     masks = skip.masks(costs.n_layers)
     a = float(scorer(masks)) if skip.size else 1.0
     c = costs.draft_cost(masks)
     best_k, best = best_draft_length(min(a, 1.0), c, costs.verify_table(max_draft_len), max_draft_len, min_len=1)
-    return Estimate(a, c, best_k, best)
+    return Estimate(a, c, best_k, best if a >= floor else 0.0)
 
 
 def _random_params(pbounds: dict, rng: np.random.RandomState) -> dict:
@@ -183,6 +184,13 @@ def suggest(space, history: list[dict], trial: int, seed: int, n_init: int) -> d
     return {k: (int(round(float(v))) if len(space.pbounds[k]) > 2 else float(v)) for k, v in params.items()}
 
 
+def trial_record(trial: int, params: dict, skip: SkipSet, est: Estimate, seconds: float) -> dict:
+    """One line of a search's history (``trials-<domain>.jsonl``)."""
+    return {"trial": trial, "params": params, "skip": skip.to_text(), "n_attn": len(skip.attn),
+            "n_mlp": len(skip.mlp), "matchness": round(est.matchness, 6), "draft_cost": round(est.draft_cost, 6),
+            "draft_len": est.draft_len, "target": round(est.speedup, 6), "seconds": round(seconds, 3)}
+
+
 def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: int = 0, n_init: int = 5,
                history: list[dict] | None = None, on_trial: Callable[[dict], None] | None = None) -> list[dict]:
     """Run trials ``len(history) .. trials-1``; returns the full history (one dict per trial).
@@ -213,10 +221,7 @@ def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: i
             est = Estimate(1.0, 1.0, 1, 0.0)
         else:
             est = score(skip)
-        rec = {"trial": t, "params": params, "skip": key, "n_attn": len(skip.attn), "n_mlp": len(skip.mlp),
-               "matchness": round(est.matchness, 6), "draft_cost": round(est.draft_cost, 6),
-               "draft_len": est.draft_len, "target": round(est.speedup, 6),
-               "seconds": round(time.perf_counter() - t0, 3)}
+        rec = trial_record(t, params, skip, est, time.perf_counter() - t0)
         history.append(rec)
         seen.setdefault(key, rec)
         if on_trial is not None:
@@ -224,11 +229,12 @@ def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: i
     return history
 
 
-def top_candidates(history: list[dict], n: int) -> list[dict]:
-    """The ``n`` best distinct skip sets of a history by expected speedup (ties: fewer skipped first)."""
+def top_candidates(history: list[dict], n: int, floor: float = 0.0) -> list[dict]:
+    """The ``n`` best distinct skip sets of a history by expected speedup (ties: fewer skipped first),
+    leaving out those whose matchness is below ``floor``."""
     best: dict[str, dict] = {}
     for h in history:
-        if h["skip"] == "none":  # not a drafter
+        if h["skip"] == "none" or h["matchness"] < floor:  # not a drafter, or one that is almost never accepted
             continue
         if h["skip"] not in best or h["target"] > best[h["skip"]]["target"]:
             best[h["skip"]] = h

@@ -30,12 +30,16 @@ class CalibrationSettings:
     init_trials: int = 6
     space: str = "ranked"
     continuation_tokens: int = 32
-    confirm_candidates: int = 3
-    confirm_prompts: int = 3
-    confirm_tokens: int = 64
+    confirm_prompts: int = 6  # the most prompts a domain's drafters are timed on (the race stops earlier when settled)
+    confirm_tokens: int = 64  # the most tokens timed per prompt
+    block_tokens: int = 16  # tokens per paired block of the race (ar and each candidate from the same state)
+    min_blocks: int = 6  # blocks before a candidate's interval may settle it
+    interval_level: float = 0.9  # two-sided level of the bootstrap interval of a timed speedup
+    acceptance_floor: float = 0.2  # below it a skip set is never a candidate, a drafter never declared faster
+    time_gate: float = 0.95  # a skip set is timed only when its estimated speedup reaches this
     max_draft_len: int = 8
     pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
-    min_gain: float = 0.02
+    min_gain: float = 0.02  # the margin: a drafter is declared faster when its interval's low end is >= 1 + min_gain
     bigram_min_count: int = 2
     cascade_max_split: int = 2
     cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
@@ -48,8 +52,8 @@ class CalibrationSettings:
 
     def __post_init__(self):
         positive = ("prompts_per_domain", "anchors_per_domain", "trials", "continuation_tokens",
-                    "confirm_candidates", "confirm_prompts", "confirm_tokens", "max_draft_len", "pld_draft_len",
-                    "route_k", "cost_context", "bigram_min_count", "cascade_max_draft_len")
+                    "confirm_prompts", "confirm_tokens", "block_tokens", "min_blocks", "max_draft_len",
+                    "pld_draft_len", "route_k", "cost_context", "bigram_min_count", "cascade_max_draft_len")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -66,6 +70,15 @@ class CalibrationSettings:
             raise ConfigError("max-draft-len must be at most 64")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"min-gain must be in [0, 1), got {self.min_gain}")
+        if not 0.5 <= self.interval_level < 1:
+            raise ConfigError(f"interval-level must be in [0.5, 1), got {self.interval_level}")
+        if not 0 <= self.acceptance_floor < 1:
+            raise ConfigError(f"acceptance-floor must be in [0, 1), got {self.acceptance_floor}")
+        if not self.time_gate >= 0:
+            raise ConfigError(f"time-gate must be >= 0 (0: time every skip set found), got {self.time_gate}")
+        if self.block_tokens >= self.confirm_tokens:
+            raise ConfigError(f"block-tokens ({self.block_tokens}) must be below confirm-tokens "
+                              f"({self.confirm_tokens})")
         self._check_cascade_and_vocab()
 
     def _check_cascade_and_vocab(self) -> None:
@@ -85,7 +98,7 @@ class CalibrationSettings:
     def quick(cls, **overrides) -> CalibrationSettings:
         """The README preset: a few minutes on 2 CPU cores for the built-in domains."""
         base = dict(prompts_per_domain=6, anchors_per_domain=6, trials=10, init_trials=4, continuation_tokens=24,
-                    confirm_candidates=2, confirm_prompts=2, confirm_tokens=40)
+                    confirm_prompts=4, confirm_tokens=48, min_blocks=4)
         return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict:

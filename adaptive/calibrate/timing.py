@@ -1,26 +1,32 @@
 """Timed decoding of drafters against plain decoding (``ar``): what calibration decides on.
 
-:func:`measure_candidates` times each :class:`Candidate` interleaved with ``ar`` on the same prompts
-and returns one typed :class:`~adaptive.profile.Measurement` per candidate.
+:func:`race_candidates` times the :class:`Candidate` drafters of a domain in paired blocks against
+``ar`` (:func:`time_prompt`: same prompt state, same tokens, seconds apart) until each one's
+bootstrap interval settles (:mod:`.interval`), and returns one typed
+:class:`~adaptive.profile.Measurement` per candidate, its interval and verdict included.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
+from adaptive.calibrate.interval import Race
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import BigramTable
 from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.engine import Engine
+from adaptive.engine.engine import eos_ids
+from adaptive.engine.loop import GenerationStats, decode_steps, prefill
+from adaptive.engine.protocol import DecodeState
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
-from adaptive.profile import Measurement
+from adaptive.profile import Interval, Measurement
 from adaptive.records import record
 
 
@@ -48,25 +54,25 @@ class Candidate:
 
 
 @dataclass
-class _Counts:
-    """Sums over the timed runs of one candidate: ``ar`` and drafted tokens and seconds (decode
-    phase), the drafter's drafted/accepted tokens, rejections, steps, and identical outputs."""
+class _Tally:
+    """One candidate's decoding over its timed blocks: tokens and seconds (its own and ``ar``'s on
+    the same blocks), drafted/accepted tokens, rejections, verification steps, blocks whose tokens
+    equal ``ar``'s, and the prompts it was timed on."""
 
-    n_ar: int = 0
-    t_ar: float = 0.0
-    n_sd: int = 0
-    t_sd: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    ar_seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0
     steps: int = 0
     same: int = 0
+    blocks: int = 0
+    prompts: int = 0
 
-
-def _decode_rate(stats) -> tuple[int, float]:
-    """Tokens decoded after the prefill and the time they took (the prefill is the same for every
-    drafter, and on long prompts its noise would swamp the difference being measured)."""
-    return max(stats.tokens - 1, 0), max(stats.total_time - stats.prefill_time, 1e-9)
+    def add(self, other: dict) -> None:
+        for k, v in other.items():
+            setattr(self, k, getattr(self, k) + v)
 
 
 def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | None, vocab, prompt: list[int]):
@@ -84,61 +90,140 @@ def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | No
     return build_drafter(DrafterSpec(cand.drafter), bb)
 
 
-def _time(engine: Engine, lm: LoadedModel, cand: Candidate, prompt_ids: list[list[int]], tokens: int, repeats: int,
-          bigram, vocab) -> _Counts:
-    c = _Counts()
-    cfg = GenerationConfig(max_new_tokens=tokens, draft_len=cand.draft_len)
-    for _ in range(repeats):
-        for p in prompt_ids:  # ar right before the drafter on every prompt: drift hits both alike
-            a = engine.generate(p, cfg)
-            b = engine.generate(p, cfg, drafter=candidate_drafter(lm, cand, bigram, vocab, p))
-            n, t = _decode_rate(a.stats)
-            c.n_ar, c.t_ar = c.n_ar + n, c.t_ar + t
-            n, t = _decode_rate(b.stats)
-            c.n_sd, c.t_sd = c.n_sd + n, c.t_sd + t
-            c.drafted += b.stats.drafted
-            c.accepted += b.stats.accepted
-            c.rejections += b.stats.rejections
-            c.steps += b.stats.steps
-            c.same += a.token_ids == b.token_ids
-    return c
+def _block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter) -> tuple[float, list[int], GenerationStats]:
+    """Decode ``n`` tokens from the state ``(cache, tokens)`` (the last token pending) with ``drafter``
+    (``None``: plain decoding); returns the seconds, the new tokens and the loop's statistics. The
+    state is left after those tokens: the caller rewinds it (``cache.length`` and ``tokens``)."""
+    cfg = GenerationConfig(max_new_tokens=n + 1, draft_len=max(draft_len, 1))
+    stats = GenerationStats()
+    state = DecodeState(bb, cache, tokens, cfg, None)
+    start = len(tokens)
+    t0 = time.perf_counter()
+    for _ in decode_steps(bb, state, drafter, None, cfg, stats):
+        pass
+    if bb.device.type == "cuda":
+        torch.cuda.synchronize(bb.device)
+    return time.perf_counter() - t0, tokens[start:], stats
 
 
-def measurement(cand: Candidate, role: str, c: _Counts, prompts: int, repeats: int) -> Measurement:
-    """The typed record of one candidate's timed runs (rates and speedup rounded as profiles store them)."""
-    ar, sd = c.n_ar / c.t_ar, c.n_sd / c.t_sd
-    return Measurement(
-        drafter=cand.drafter, role=role, draft_len=cand.draft_len,
-        speedup=round(sd / ar, 4) if c.n_ar else 0.0,
-        acceptance=round(c.accepted / c.drafted, 4) if c.drafted else 0.0,
-        # per token up to the first rejection (what the runtime's bandit models)
-        token_acceptance=round(c.accepted / (c.accepted + c.rejections), 4) if c.accepted + c.rejections else 0.0,
-        mean_accepted=round((c.accepted + c.steps) / c.steps, 4) if c.steps else 0.0,
-        ar_tokens_per_s=round(ar, 3), tokens_per_s=round(sd, 3), identical_outputs=int(c.same), prompts=prompts,
-        repeats=repeats, skip=cand.skip, estimated_acceptance=cand.estimated_acceptance,
-        estimated_draft_cost=cand.estimated_draft_cost, estimated_speedup=cand.estimated_speedup,
-        cascade=cand.cascade, draft_vocab=cand.draft_vocab)
+def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candidate], active: Callable[[], list[str]],
+                on_block: Callable[[float, dict[str, float]], None], *, block_tokens: int, max_tokens: int,
+                eos: set[int], bigram=None, vocab=None) -> dict[str, dict]:
+    """Time ``ar`` and the still ``active()`` candidates block by block on one prompt.
 
-
-def measure_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: Sequence[Candidate], tokens: int, *,
-                       role: str = "candidate", done: Sequence[Measurement] = (),
-                       on_done: Callable[[Measurement], None] | None = None, repeats: int = 1,
-                       bigram: BigramTable | None = None, vocab=None) -> list[Measurement]:
-    """Timed plain vs speculative decoding of each candidate on the same prompts, as ``role``.
-
-    Plain decoding runs right before each candidate on every prompt (``repeats`` times), so drift
-    hits both alike. Speedup = (candidate tokens/s) / (plain tokens/s), decode phase only, each
-    over all prompts. The first ``len(done)`` candidates were measured already (``done``, kept);
-    ``on_done`` receives each new measurement (the checkpoint hook).
+    The prompt is prefilled once. Each block of ``block_tokens`` tokens is decoded from the same
+    state by every active candidate (in turn, rotating their order) and then by ``ar``, whose tokens
+    the next block continues from; ``on_block(ar_seconds, {name: seconds})`` gets each block's
+    times. Stops after ``max_tokens`` tokens, after the block that produced an EOS, or when no
+    candidate is active. Returns each candidate's decoding tally over this prompt (:class:`_Tally` fields).
     """
-    engine = Engine(lm)
-    out = list(done)
-    if len(out) < len(candidates):
-        engine.generate(prompt_ids[0], GenerationConfig(max_new_tokens=4))  # warm-up
-    for cand in candidates[len(out):]:
-        counts = _time(engine, lm, cand, prompt_ids, tokens, repeats, bigram, vocab)
-        rec = measurement(cand, role, counts, len(prompt_ids), repeats)
-        out.append(rec)
-        if on_done is not None:
-            on_done(rec)
+    bb = lm.backbone
+    longest = max((c.draft_len for c in candidates.values()), default=1)
+    cache = bb.new_cache(len(prompt) + max_tokens + longest + 1)
+    first = prefill(bb, prompt, cache, GenerationConfig(max_new_tokens=max_tokens), None).first
+    tokens = list(prompt) + [first]
+    drafters = {name: candidate_drafter(lm, c, bigram, vocab, prompt) for name, c in candidates.items()}
+    tally = {name: _Tally() for name in candidates}
+    made, block = 1, 0
+    while made < max_tokens and active():
+        n = min(block_tokens, max_tokens - made)
+        pos, length = cache.length, len(tokens)
+        names = active()
+        names = names[block % len(names):] + names[: block % len(names)]
+        seconds = {}
+        outs = {}
+        for name in names:
+            seconds[name], outs[name], st = _block(bb, cache, tokens, n, candidates[name].draft_len, drafters[name])
+            tally[name].add(dict(tokens=n, seconds=seconds[name], drafted=st.drafted, accepted=st.accepted,
+                                 rejections=st.rejections, steps=st.steps, blocks=1))
+            cache.length = pos
+            del tokens[length:]
+        ar_seconds, ar_out, _ = _block(bb, cache, tokens, n, 1, None)  # last: the next block continues from ar
+        for name in names:
+            tally[name].add(dict(ar_seconds=ar_seconds, same=int(outs[name] == ar_out)))
+        on_block(ar_seconds, seconds)
+        made += n
+        block += 1
+        if any(t in eos for t in ar_out):
+            break
+    for t in tally.values():
+        t.prompts = int(t.blocks > 0)
+    return {name: asdict(t) for name, t in tally.items()}
+
+
+def measurement(cand: Candidate, role: str, t: _Tally, speedup: float, interval: Interval, verdict: str) -> Measurement:
+    """The typed record of one candidate's race (rates and speedup rounded as profiles store them)."""
+    return Measurement(
+        drafter=cand.drafter, role=role, draft_len=cand.draft_len, speedup=round(speedup, 4),
+        acceptance=round(t.accepted / t.drafted, 4) if t.drafted else 0.0,
+        # per token up to the first rejection (what the runtime's bandit models)
+        token_acceptance=round(t.accepted / (t.accepted + t.rejections), 4) if t.accepted + t.rejections else 0.0,
+        mean_accepted=round((t.accepted + t.steps) / t.steps, 4) if t.steps else 0.0,
+        ar_tokens_per_s=round(t.tokens / t.ar_seconds, 3) if t.ar_seconds else 0.0,
+        tokens_per_s=round(t.tokens / t.seconds, 3) if t.seconds else 0.0, identical_outputs=int(t.same),
+        prompts=t.prompts, repeats=t.blocks, skip=cand.skip, estimated_acceptance=cand.estimated_acceptance,
+        estimated_draft_cost=cand.estimated_draft_cost, estimated_speedup=cand.estimated_speedup,
+        cascade=cand.cascade, draft_vocab=cand.draft_vocab, interval=interval, verdict=verdict)
+
+
+@dataclass(frozen=True)
+class RaceConfig:
+    """How a domain's candidates are raced against ``ar``: blocks of ``block_tokens`` on up to
+    ``prompts`` prompts, ``max_tokens`` each; a candidate settles after ``min_blocks`` blocks once
+    its interval (at ``level``) clears or misses ``1 + margin`` (:class:`~.interval.Race`)."""
+
+    block_tokens: int = 16
+    max_tokens: int = 64
+    prompts: int = 6
+    min_blocks: int = 6
+    margin: float = 0.02
+    level: float = 0.9
+    seed: int = 0
+
+
+def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate], rc: RaceConfig, *,
+                    done: Sequence[dict] = (), on_prompt: Callable[[dict], None] | None = None, bigram=None,
+                    vocab=None, on_block: Callable[[], None] | None = None) -> dict[str, Measurement]:
+    """Race ``candidates`` (``{role: Candidate}``) against ``ar`` on ``prompt_ids`` (:func:`time_prompt`
+    per prompt, :class:`~.interval.Race` deciding when a candidate has been timed enough).
+
+    ``done``: the records of prompts already timed (a checkpoint), replayed into the race;
+    ``on_prompt`` receives each newly timed prompt's record (``{"blocks": [[ar, {name: s}], ...],
+    "tally": {name: {...}}}``). Returns each candidate's :class:`Measurement`, its role being its name.
+    """
+    race = Race(list(candidates), rc.margin, rc.level, rc.min_blocks, seed=rc.seed)
+    totals = {name: _Tally() for name in candidates}
+
+    def replay(rec: dict) -> None:
+        for ar, secs in rec["blocks"]:
+            race.add(ar, secs)
+        for name, t in rec["tally"].items():
+            totals[name].add(t)
+
+    for rec in done:
+        replay(rec)
+    eos = eos_ids(lm.model, lm.tokenizer)
+    for p in prompt_ids[len(done): rc.prompts]:
+        if not race.active:
+            break
+        blocks: list = []
+
+        def block(ar: float, secs: dict[str, float], blocks: list = blocks) -> None:
+            race.add(ar, secs)
+            blocks.append([ar, secs])
+            if on_block is not None:
+                on_block()
+
+        tally = time_prompt(lm, p, candidates, lambda: race.active, block, block_tokens=rc.block_tokens,
+                            max_tokens=rc.max_tokens, eos=eos, bigram=bigram, vocab=vocab)
+        rec = {"blocks": blocks, "tally": tally}
+        for name, t in tally.items():
+            totals[name].add(t)
+        if on_prompt is not None:
+            on_prompt(rec)
+    out = {}
+    for name, cand in candidates.items():
+        if race.blocks[name]:
+            speedup, iv = race.result(name)
+            out[name] = measurement(cand, name, totals[name], speedup, iv, race.verdict(name))
     return out

@@ -3,8 +3,9 @@
 Tokens are ranked by frequency over the domain's prompts and continuations; for each size in
 ``vocab_sizes`` the leave-one-out coverage of the continuations and the measured cost of a draft
 token over a head of that size give an estimated speedup at the best skip set's own draft length.
-When the best size's estimate beats the full head's, the skip set is timed drafting over it, and
-the reduced head is used only where that measured faster (:class:`~adaptive.profile.VocabChoice`).
+When the best size's estimate beats the full head's, the skip set drafting over it joins the
+domain's race (:mod:`.timing`), and the reduced head is used only where that measured faster than
+the full head (:class:`~adaptive.profile.VocabChoice` ``use``, set by :mod:`.domain`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from adaptive.calibrate.settings import CalibrationSettings
-from adaptive.calibrate.timing import Candidate, measure_candidates
 from adaptive.costs import expected_speedup, extrapolate, measure_head_costs
 from adaptive.drafters.vocab import coverage_curve, rank_tokens
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
-from adaptive.profile import Measurement, VocabChoice
+from adaptive.profile import VocabChoice
 from adaptive.workdir import checkpointed
 
 
@@ -42,39 +42,32 @@ def size_estimates(acceptance: float, k: int, verify: Sequence[float], coverage:
     return max(ests, key=ests.get), ests, est(acceptance, costs[vocab_size])
 
 
-def _choose(lm: LoadedModel, s: CalibrationSettings, sequences: list, best: Measurement, verify: Sequence[float],
-            confirm_ids: list[list[int]], sizes: list[int], ranking: np.ndarray) -> dict:
+def _choose(lm: LoadedModel, s: CalibrationSettings, sequences: list, skip: str, draft_len: int, acceptance: float,
+            verify: Sequence[float], sizes: list[int]) -> dict:
     bb = lm.backbone
     coverage = coverage_curve([list(p) + list(c) for p, c in sequences], [list(c) for _, c in sequences], sizes,
                               bb.vocab_size)
-    masks = SkipSet.from_text(best.skip, lm.n_layers).masks(lm.n_layers)
+    masks = SkipSet.from_text(skip, lm.n_layers).masks(lm.n_layers)
     costs = measure_head_costs(bb, masks, [*sizes, bb.vocab_size], context=s.cost_context)
-    k = best.draft_len
-    size, ests, full = size_estimates(best.token_acceptance, k, verify, coverage, costs, bb.vocab_size)
-    timed = None
-    if ests[size] > full:
-        cand = Candidate("ssd", k, skip=best.skip, draft_vocab=size)
-        timed = measure_candidates(lm, confirm_ids, [cand], s.confirm_tokens, role="vocab", vocab=ranking[:size])[0]
-    choice = VocabChoice(size=size, vocab_size=bb.vocab_size, draft_len=k,
+    size, ests, full = size_estimates(acceptance, draft_len, verify, coverage, costs, bb.vocab_size)
+    choice = VocabChoice(size=size, vocab_size=bb.vocab_size, draft_len=draft_len,
                          coverage={str(v): float(c) for v, c in coverage.items()},
                          draft_cost={str(v): float(c) for v, c in costs.items()},
-                         estimate={str(v): e for v, e in ests.items()}, full_estimate=full,
-                         use=timed is not None and timed.speedup > best.speedup)
-    return {"choice": choice.to_dict(), "timed": timed.to_dict() if timed is not None else None}
+                         estimate={str(v): e for v, e in ests.items()}, full_estimate=full)
+    return choice.to_dict()
 
 
-def choose_vocab(lm: LoadedModel, s: CalibrationSettings, path, sequences: list, best: Measurement,
-                 verify: Sequence[float], confirm_ids: list[list[int]]
-                 ) -> tuple[VocabChoice | None, Measurement | None, np.ndarray | None]:
-    """The domain's :class:`VocabChoice`, the timed run over the reduced head (``None`` when its
-    estimate did not beat the full head's) and the chosen token ids, checkpointed at ``path``;
-    ``(None, None, None)`` when the best skip set drafts nothing or no size is below the vocabulary's."""
+def choose_vocab(lm: LoadedModel, s: CalibrationSettings, path, sequences: list, skip: str, draft_len: int,
+                 acceptance: float, verify: Sequence[float]) -> tuple[VocabChoice | None, np.ndarray | None]:
+    """The domain's :class:`VocabChoice` (``use`` still ``False``: the race decides it) for the skip
+    set ``skip`` drafting ``draft_len`` tokens at ``acceptance``, and the chosen token ids (best
+    first), checkpointed at ``path``; ``(None, None)`` when no skip set drafts or no size is below the
+    vocabulary's."""
     bb = lm.backbone
     sizes = [v for v in s.vocab_sizes if v < bb.vocab_size]
-    if best.skip in ("none", "") or not sizes:
-        return None, None, None
+    if skip in ("none", "") or not sizes:
+        return None, None
     ranking = rank_tokens([list(p) + list(c) for p, c in sequences], bb.vocab_size)
-    rec = checkpointed(path, lambda: _choose(lm, s, sequences, best, verify, confirm_ids, sizes, ranking))
-    choice = VocabChoice.from_dict(rec["choice"])
-    timed = Measurement.from_dict(rec["timed"]) if rec["timed"] is not None else None
-    return choice, timed, ranking[: choice.size]
+    rec = checkpointed(path, lambda: _choose(lm, s, sequences, skip, draft_len, acceptance, verify, sizes))
+    choice = VocabChoice.from_dict(rec)
+    return choice, ranking[: choice.size]

@@ -30,11 +30,11 @@ from adaptive.index.router import route_prompt
 from adaptive.profile import SCHEMA_VERSION, load_profile, profile_json
 
 SUMMARY_COLUMNS = {  # header -> (summary_rows() key, decimals or None)
-    "domain": ("domain", None), "prompts": ("prompts", None), "anchors": ("anchors", None),
-    "attn": ("skip_attn", None), "mlp": ("skip_mlp", None), "k": ("draft_len", None),
+    "domain": ("domain", None), "prompts": ("prompts", None), "bound": ("bound", 2), "ref": ("reference", 2),
+    "trials": ("trials", None), "attn": ("skip_attn", None), "mlp": ("skip_mlp", None), "k": ("draft_len", None),
     "est.acc": ("est_acceptance", 2), "meas.acc": ("meas_acceptance", 2), "est.x": ("est_speedup", 2),
-    "meas.x": ("meas_speedup", 2), "vocab": ("draft_vocab", None), "pld.x": ("pld_speedup", 2),
-    "casc.x": ("cascade_speedup", 2), "decode": ("decision", None),
+    "ssd.x [90%]": ("ssd_timed", None), "vocab": ("draft_vocab", None), "pld.x [90%]": ("pld_timed", None),
+    "casc.x [90%]": ("cascade_timed", None), "decode": ("decision", None),
 }
 
 

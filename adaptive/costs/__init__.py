@@ -7,6 +7,7 @@ from adaptive.costs.model import (
                                     best_draft_length,
                                     best_split,
                                     cascade_expected_tokens,
+                                    cascade_speedup,
                                     expected_speedup,
                                     expected_tokens_per_step,
                                     extrapolate,
@@ -15,5 +16,5 @@ from adaptive.costs.model import (
 )
 
 __all__ = ["STAT_DRAFT_COST", "CostModel", "best_draft_length", "best_split", "cascade_expected_tokens",
-           "expected_speedup", "expected_tokens_per_step", "extrapolate", "measure_costs", "measure_draft_cost",
-           "measure_head_costs", "measure_verify_costs", "reach", "verify_table"]
+           "cascade_speedup", "expected_speedup", "expected_tokens_per_step", "extrapolate", "measure_costs",
+           "measure_draft_cost", "measure_head_costs", "measure_verify_costs", "reach", "verify_table"]

@@ -97,6 +97,16 @@ def cascade_expected_tokens(a_layer_skip: float, h: int, a_stat: float | Sequenc
     return expected_tokens_per_step(a_layer_skip, h) + a_layer_skip ** h * reach(a_stat, t)
 
 
+def cascade_speedup(a_layer_skip: float, h: int, a_stat: float | Sequence[float], k: int, layer_skip_cost: float,
+                    stat_cost: float, verify: Sequence[float]) -> float:
+    """Expected tokens per unit cost of a cascade draft of ``k`` tokens, the first ``h`` from the
+    layer-skip level: :func:`cascade_expected_tokens` over ``h * layer_skip_cost + (k - h) * stat_cost
+    + verify[k]`` (a verify table). Example: ``a_l = 0.9, h = 1, a_s = 0.3, k = 2``, costs 0.5 and 0,
+    verify ``(1, 1, 1.05)``: ``2.17 / 1.55 = 1.40``; ``h = 0, k = 0`` is a plain step: ``1 / verify[0]``."""
+    return cascade_expected_tokens(a_layer_skip, h, a_stat, k - h) / (h * layer_skip_cost + (k - h) * stat_cost
+                                                                       + verify[k])
+
+
 def best_split(a_layer_skip: float, a_stat: float | Sequence[float], layer_skip_cost: float, stat_cost: float,
                verify: Sequence[float], max_len: int, max_split: int) -> tuple[int, int]:
     """The ``(split, k)`` maximising expected tokens per unit cost for a cascade draft.
@@ -111,8 +121,7 @@ def best_split(a_layer_skip: float, a_stat: float | Sequence[float], layer_skip_
     best, best_v = (0, 0), 1.0 / verify[0]
     for h in range(0, min(max_split, max_len) + 1):
         for k in range(max(h, 1), max_len + 1):
-            cost = h * layer_skip_cost + (k - h) * stat_cost + verify[k]
-            v = cascade_expected_tokens(a_layer_skip, h, a_stat, k - h) / cost
+            v = cascade_speedup(a_layer_skip, h, a_stat, k, layer_skip_cost, stat_cost, verify)
             if v > best_v:
                 best, best_v = (h, k), v
     return best

@@ -6,6 +6,7 @@ from adaptive.profile.records import (
                                       Decision,
                                       DistilledRecord,
                                       DomainRecord,
+                                      Interval,
                                       Measurement,
                                       ModelFingerprint,
                                       Prior,
@@ -30,6 +31,6 @@ from adaptive.profile.store import (
 )
 
 __all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "FORMAT", "GLOBAL", "SCHEMA_VERSION", "VOCAB", "Decision",
-           "DistilledRecord", "DomainRecord", "Measurement", "ModelFingerprint", "Prior", "Priors", "Profile",
-           "ProfileError", "RuntimeSettings", "SkipSearch", "StatisticalAcceptance", "VocabChoice", "check_writable",
-           "load_profile", "profile_json", "save_profile"]
+           "DistilledRecord", "DomainRecord", "Interval", "Measurement", "ModelFingerprint", "Prior", "Priors",
+           "Profile", "ProfileError", "RuntimeSettings", "SkipSearch", "StatisticalAcceptance", "VocabChoice",
+           "check_writable", "load_profile", "profile_json", "save_profile"]

@@ -61,6 +61,25 @@ class Priors:
 
 
 @record
+class Interval:
+    """A bootstrap interval of a timed speedup (:mod:`adaptive.calibrate.interval`): ``low`` to ``high``
+    at ``level`` (two-sided), over ``blocks`` paired blocks of plain and speculative decoding."""
+
+    low: float
+    high: float
+    level: float = 0.9
+    blocks: int = 0
+
+    def __post_init__(self):
+        if not self.low <= self.high or not 0.0 < self.level < 1.0:
+            raise ValueError(f"an interval needs low <= high and a level in (0, 1), got {self}")
+
+    def to_text(self) -> str:
+        """``[0.95, 1.12]``: how tables show it."""
+        return f"[{self.low:.2f}, {self.high:.2f}]"
+
+
+@record
 class Measurement:
     """One timed run of a drafter against ``ar``, interleaved on the same prompts, decode phase only.
 
@@ -88,11 +107,16 @@ class Measurement:
     estimated_speedup: float | None = None
     cascade: CascadePlan | None = None
     draft_vocab: int | None = None
+    interval: Interval | None = None
+    verdict: str = ""
 
 
 @record
 class SkipSearch:
-    """The best skip set the search found for a domain, at its best draft length, and its estimate."""
+    """The best skip set the search found for a domain, at its best draft length, and its estimate
+    (an empty skip set: none above the acceptance floor, or none searched). ``bound``: the most
+    any skip set of the ranked space could reach (:mod:`adaptive.calibrate.bound`), against the
+    ``reference`` it had to beat; the search went past the bound's corners only where ``bound >= reference``."""
 
     skip: SkipSet
     draft_len: int
@@ -100,6 +124,13 @@ class SkipSearch:
     estimated_draft_cost: float = 1.0
     estimated_speedup: float = 0.0
     trials: int = 0
+    bound: float | None = None
+    reference: float | None = None
+
+    @property
+    def searched(self) -> bool:
+        """Whether the search went beyond the bound (always, without a bound)."""
+        return self.bound is None or self.reference is None or self.bound >= self.reference
 
     def __post_init__(self):
         if self.draft_len < 1:
@@ -291,18 +322,30 @@ class Profile:
     def summary_rows(self) -> list[dict]:
         """One row per domain (then the global record) for tables."""
         rows = []
+        def timed_text(m: Measurement | None) -> str | None:
+            if m is None:
+                return None
+            return f"{m.speedup:.2f} {m.interval.to_text()}" if m.interval is not None else f"{m.speedup:.2f}"
+
         for d in [*(self.domains[n] for n in sorted(self.domains)), self.global_set]:
             timed = {m.role: m for m in d.measurements}
-            best_candidate = max((m.speedup for m in d.measurements if m.role == "candidate"), default=None)
+            ls = d.layer_skip
+            ssd = timed.get("vocab") if d.reduced_vocab else timed.get("candidate")
+            chosen = next((m for m in d.measurements if m.drafter == d.decision.drafter and m.verdict == "faster"
+                           and m.speedup == d.decision.speedup), None)
             rows.append({"domain": d.name, "prompts": d.prompts, "anchors": d.anchors,
-                         "skip_attn": len(d.layer_skip.skip.attn), "skip_mlp": len(d.layer_skip.skip.mlp),
-                         "draft_len": d.layer_skip.draft_len,
-                         "est_acceptance": d.layer_skip.estimated_acceptance,
-                         "meas_acceptance": d.priors.layer_skip.acceptance,
-                         "est_speedup": d.layer_skip.estimated_speedup, "meas_speedup": best_candidate,
+                         "skip_attn": len(ls.skip.attn), "skip_mlp": len(ls.skip.mlp), "draft_len": ls.draft_len,
+                         "bound": ls.bound, "reference": ls.reference, "trials": ls.trials,
+                         "est_acceptance": ls.estimated_acceptance if ls.skip.size else None,
+                         "meas_acceptance": ssd.token_acceptance if ssd is not None else None,
+                         "est_speedup": ls.estimated_speedup if ls.skip.size else None,
+                         "meas_speedup": ssd.speedup if ssd is not None else None, "ssd_timed": timed_text(ssd),
                          "pld_speedup": timed["lookup"].speedup if "lookup" in timed else None,
+                         "pld_timed": timed_text(timed.get("lookup")),
                          "cascade_speedup": timed["cascade"].speedup if "cascade" in timed else None,
+                         "cascade_timed": timed_text(timed.get("cascade")),
                          "draft_vocab": d.vocab.size if d.reduced_vocab else None,
                          "decision": d.decision.drafter, "decision_speedup": d.decision.speedup,
-                         "skip": d.layer_skip.skip.to_text()})
+                         "decision_interval": chosen.interval.to_text() if chosen and chosen.interval else None,
+                         "skip": ls.skip.to_text()})
         return rows

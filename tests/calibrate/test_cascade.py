@@ -41,3 +41,28 @@ def test_choose_cascade_docstring_cases():
     assert (c.split, c.draft_len) == (0, 2)
     with pytest.raises(ValueError):
         choose_cascade(0.3, 0.9, 0.5, (1, 1, 1.05), 2, 2, lenience=0.5)
+
+
+def test_replay_speedup_docstring_example():
+    from adaptive.calibrate.cascade import replay_speedup
+
+    got = replay_speedup([([1, 2, 3, 4], [7, 1, 2, 3, 9])], 3, (1.0, 1.0, 1.0, 1.0), bigram=False)
+    assert got == pytest.approx(4 / 2.015)
+
+
+def test_replay_counts_a_copied_span_once():
+    """A long copy is one step in decoding: the replay's tokens per step follow that, where a mean over
+    positions counts the span once per position it covers."""
+    from adaptive.calibrate.cascade import replay_speedup, statistical_acceptance
+
+    span = list(range(10, 22))
+    seqs = [([5] + span + [6], [5] + span + [8, 9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39])]
+    flat = (1.0,) * 13
+    replay = replay_speedup(seqs, 12, flat, bigram=False)
+    # 24 tokens after the first: one step copies the span (12 drafted and accepted, then the model's 8),
+    # then 11 plain steps: 24 tokens for 12 verifications and 12 drafted tokens
+    assert replay == pytest.approx(24 / (12 + 12 * 0.005))
+    per_position = statistical_acceptance(seqs, 12, bigram=False)
+    assert per_position.positions == 24
+    # the mean over positions sees the span from each of its 12 positions: twice the tokens per step
+    assert 1 + per_position.accepted_per_step > 2 * (24 / 12)

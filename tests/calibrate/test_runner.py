@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from adaptive.calibrate import domain, vocab
-from adaptive.calibrate.decision import decide, to_recheck
+from adaptive.calibrate import domain, timing, vocab
+from adaptive.calibrate.decision import decide
+from adaptive.calibrate.interval import verdict as _verdict
 from adaptive.calibrate.runner import CalibrationError, CalibrationSettings, calibrate, check_domains
 from adaptive.calibrate.settings import calibration_workdir
 from adaptive.calibrate.timing import Candidate
@@ -15,11 +16,13 @@ from adaptive.calibrate.vocab import size_estimates
 from adaptive.costs import CostModel
 from adaptive.errors import ConfigError
 from adaptive.models import load_model
-from adaptive.profile import Decision, Measurement, ProfileError, load_profile
+from adaptive.profile import Decision, Interval, Measurement, ProfileError, load_profile
 from adaptive.workdir import slug
 from tests.conftest import TINY_DOMAINS, tiny_lm, tiny_settings
 
 COSTS = CostModel.uniform(4, verify=(1.0, 1.02, 1.04, 1.06, 1.08))  # fixed: timing noise cannot change the search
+# skipped sublayers nearly free and verification flat: layer skipping can pay, so the bound lets the search run
+CHEAP = CostModel((0.15,) * 4, (0.1,) * 4, 0.0, (1.0,) * 5)
 
 
 def test_settings_are_validated():
@@ -61,47 +64,52 @@ def test_slug_is_safe_and_distinct():
     assert slug("a b") != slug("a_b")
 
 
-# -- the decision: a pure function of timed measurements -----------------------------------------------
+# -- the decision: a pure function of raced measurements ---------------------------------------------
 
-def _m(drafter, speedup, role="candidate", draft_len=3):
-    return Measurement(drafter, role, draft_len, speedup)
-
-
-def _timed(ssd, pld, cascade):
-    return {"ssd": _m("ssd", ssd, draft_len=4), "pld": _m("pld", pld, "lookup", 5),
-            "cascade": _m("cascade", cascade, "cascade", 9)}
-
-
-def test_decision_docstring_cases():
-    timed = _timed(1.30, 1.10, 1.20)
-    assert to_recheck(timed, 0.02) == "ssd"
-    decision, speed = decide(timed, 0.02, _m("ssd", 1.14, "recheck", 4))
-    assert decision == Decision("ssd", 4, 1.22)
-    assert speed == pytest.approx({"ssd": 1.22, "pld": 1.10, "cascade": 1.20})
-    assert decide(timed, 0.02, _m("ssd", 1.00, "recheck", 4))[0] == Decision("cascade", 9, 1.2)
+def _m(drafter, speedup, role="candidate", draft_len=3, low=None, high=None, verdict=None, mean_accepted=1.9):
+    low = speedup - 0.05 if low is None else low
+    high = speedup + 0.05 if high is None else high
+    iv = Interval(low, high)
+    return Measurement(drafter, role, draft_len, speedup, mean_accepted=mean_accepted, interval=iv,
+                       verdict=verdict or _verdict(iv, 0.02))
 
 
-def test_decision_nothing_pays_is_ar_and_needs_no_recheck():
-    timed = _timed(1.01, 0.6, 1.019)
-    assert to_recheck(timed, 0.02) is None
-    assert decide(timed, 0.02)[0] == Decision("ar", 1, 1.0)
-    # with a lower bar the cascade pays, at the length it was timed with
-    assert to_recheck(timed, 0.01) == "cascade"
-    assert decide(timed, 0.01, _m("cascade", 1.019, "recheck", 9))[0] == Decision("cascade", 9, 1.019)
+def test_decision_docstring_example():
+    timed = {"candidate": _m("ssd", 1.30, low=1.21, high=1.38, draft_len=4),
+             "cascade": _m("cascade", 1.35, "cascade", 9, low=1.01, high=1.62),
+             "lookup": _m("pld", 1.10, "lookup", 5, low=1.05, high=1.15, mean_accepted=1.6)}
+    assert timed["cascade"].verdict == "open"
+    assert decide(timed, 0.2) == Decision("ssd", 4, 1.30)
+    timed["candidate"] = _m("ssd", 1.30, low=1.21, high=1.38, draft_len=4, mean_accepted=1.1)
+    assert decide(timed, 0.2) == Decision("pld", 5, 1.10)
 
 
-def test_decision_recheck_below_the_bar_gives_ar():
-    timed = _timed(0.9, 1.05, 1.0)
-    assert to_recheck(timed, 0.02) == "pld"
-    assert decide(timed, 0.02, _m("pld", 0.97, "recheck", 5))[0] == Decision("ar", 1, 1.0)  # mean 1.01
-    assert decide(timed, 0.02, _m("pld", 1.03, "recheck", 5))[0] == Decision("pld", 5, 1.04)
+def test_decision_nothing_settled_faster_is_ar():
+    timed = {"candidate": _m("ssd", 1.01), "lookup": _m("pld", 0.6, "lookup"),
+             "cascade": _m("cascade", 1.019, "cascade")}
+    assert decide(timed, 0.2) == Decision("ar", 1, 1.0)
+    assert decide({}, 0.2) == Decision("ar", 1, 1.0)
 
 
-def test_decision_refuses_incomplete_or_mismatched_timings():
-    with pytest.raises(ValueError, match="missing cascade"):
-        decide({"ssd": _m("ssd", 1.2), "pld": _m("pld", 1.0)}, 0.02)
-    with pytest.raises(ValueError, match="recheck of pld"):
-        decide(_timed(1.3, 1.0, 1.0), 0.02, _m("pld", 1.2, "recheck"))
+def test_decision_never_takes_an_interval_that_includes_one():
+    # a high point estimate whose interval reaches below 1 (noise) is not faster
+    timed = {"cascade": _m("cascade", 1.29, "cascade", 9, low=0.98, high=1.6)}
+    assert decide(timed, 0.2) == Decision("ar", 1, 1.0)
+
+
+def test_decision_below_the_acceptance_floor_is_never_faster():
+    # skip-everything drafts: measured 1.08x by the clock, 0.01 accepted tokens per step
+    timed = {"candidate": _m("ssd", 1.08, low=1.04, high=1.12, mean_accepted=1.01)}
+    assert timed["candidate"].verdict == "faster"
+    assert decide(timed, 0.2) == Decision("ar", 1, 1.0)
+    assert decide(timed, 0.0) == Decision("ssd", 3, 1.08)
+
+
+def test_decision_ties_and_unknown_roles():
+    timed = {"lookup": _m("pld", 1.2, "lookup", 5), "cascade": _m("cascade", 1.2, "cascade", 9)}
+    assert decide(timed, 0.2) == Decision("pld", 5, 1.2)  # ROLES order
+    with pytest.raises(ValueError, match="unknown measurement role"):
+        decide({"recheck": _m("pld", 1.2)}, 0.2)
 
 
 def test_vocab_size_estimates_docstring_case():
@@ -109,67 +117,57 @@ def test_vocab_size_estimates_docstring_case():
     assert size == 16 and ests == {16: pytest.approx(1.1667, abs=1e-4)} and full == pytest.approx(0.875)
 
 
-# -- end to end with scripted timings: the decision recorded is exactly the scripted one ----------------
+# -- end to end with scripted races: the decision recorded is exactly the scripted one ------------------
 
 def _scripted(script: dict, calls: list):
-    """A stand-in for measure_candidates: speedup ``script[role]`` (``script[(role, drafter)]`` first)."""
+    """A stand-in for race_candidates: each candidate's speedup, interval and verdict from ``script[role]``
+    (``(speedup, low, high)``), mean accepted tokens 1.5."""
 
-    def measure(lm, prompt_ids, candidates, tokens, *, role="candidate", done=(), on_done=None, repeats=1,
-                bigram=None, vocab=None):
-        out = list(done)
-        for c in candidates[len(out):]:
+    def race(lm, prompt_ids, candidates, rc, *, done=(), on_prompt=None, bigram=None, vocab=None, on_block=None):
+        out = {}
+        for role, c in candidates.items():
             calls.append((role, c.drafter))
-            speed = script.get((role, c.drafter), script.get(role))
-            m = Measurement(c.drafter, role, c.draft_len, speed, acceptance=0.5, token_acceptance=0.4,
-                            mean_accepted=1.5, prompts=len(prompt_ids), skip=c.skip,
-                            estimated_acceptance=c.estimated_acceptance, estimated_draft_cost=c.estimated_draft_cost,
-                            estimated_speedup=c.estimated_speedup, cascade=c.cascade, draft_vocab=c.draft_vocab)
-            out.append(m)
-            if on_done is not None:
-                on_done(m)
+            speed, low, high = script[role]
+            iv = Interval(low, high, rc.level, 6)
+            out[role] = Measurement(c.drafter, role, c.draft_len, speed, acceptance=0.5, token_acceptance=0.4,
+                                    mean_accepted=1.5, prompts=len(prompt_ids), skip=c.skip,
+                                    estimated_acceptance=c.estimated_acceptance,
+                                    estimated_draft_cost=c.estimated_draft_cost, estimated_speedup=c.estimated_speedup,
+                                    cascade=c.cascade, draft_vocab=c.draft_vocab, interval=iv,
+                                    verdict=_verdict(iv, rc.margin))
         return out
 
-    return measure
+    return race
 
 
 @pytest.mark.parametrize("script,expect", [
-    # prompt lookup is fastest; its recheck (1.20) gives the mean 1.25
-    ({"candidate": 1.10, "lookup": 1.30, "cascade": 1.05, "vocab": 1.0, "recheck": 1.20}, ("pld", 1.25, "pld")),
-    # layer skipping first at 1.30, its recheck 1.00: mean 1.15, below the cascade's 1.20
-    ({"candidate": 1.30, "lookup": 0.90, "cascade": 1.20, "vocab": 0.5, "recheck": 1.00}, ("cascade", 1.2, "ssd")),
-    # nothing beats ar by min_gain: no recheck at all
-    ({"candidate": 0.80, "lookup": 1.01, "cascade": 0.95, "vocab": 0.7}, ("ar", 1.0, None)),
+    # prompt lookup settles fastest
+    ({"candidate": (1.10, 1.05, 1.15), "lookup": (1.30, 1.2, 1.4), "cascade": (1.05, 1.03, 1.07),
+      "vocab": (1.0, 0.9, 1.1)}, ("pld", 1.3)),
+    # layer skipping has the higher point estimate but its interval includes 1: the cascade decodes
+    ({"candidate": (1.30, 0.95, 1.6), "lookup": (0.90, 0.85, 0.95), "cascade": (1.20, 1.1, 1.3),
+      "vocab": (0.5, 0.4, 0.6)}, ("cascade", 1.2)),
+    # nothing settles faster than ar by the margin
+    ({"candidate": (0.80, 0.7, 0.9), "lookup": (1.01, 0.99, 1.03), "cascade": (0.95, 0.9, 1.0),
+      "vocab": (0.7, 0.6, 0.8)}, ("ar", 1.0)),
 ])
-def test_calibration_records_the_decision_of_scripted_timings(tiny_model_dir, tmp_path, monkeypatch, script, expect):
+def test_calibration_records_the_decision_of_scripted_races(tiny_model_dir, tmp_path, monkeypatch, script, expect):
     calls = []
-    monkeypatch.setattr(domain, "measure_candidates", _scripted(script, calls))
-    monkeypatch.setattr(vocab, "measure_candidates", _scripted(script, calls))
-    s = tiny_settings(trials=4, init_trials=2)
+    monkeypatch.setattr(domain, "race_candidates", _scripted(script, calls))
+    s = tiny_settings(trials=4, init_trials=2, time_gate=0.0)
     p = load_profile(calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", s, dtype="float32", progress=False,
                                cost_model=COSTS).path)
-    drafter, speedup, rechecked = expect
+    drafter, speedup = expect
     lens = {"pld": s.pld_draft_len, "ar": 1}
     for d in [*p.domains.values(), p.global_set]:
         want_len = lens.get(drafter, d.cascade.draft_len)
         assert d.decision == Decision(drafter, want_len, speedup), d.name
-        assert [m.drafter for m in d.measurements if m.role == "recheck"] == [rechecked][: rechecked is not None]
-        assert d.priors.layer_skip.acceptance == 0.4 and d.priors.lookup.acceptance == 0.4
+        assert d.priors.lookup.acceptance == 0.4
         assert d.vocab is None or not d.vocab.use  # scripted: the reduced head is never faster
-    records = len(p.domains) + 1  # the domains and the global record: each timed once per phase
+        assert all(m.interval is not None and m.verdict for m in d.measurements)
+    records = len(p.domains) + 1  # the domains and the global record: each raced once
     roles = [role for role, _ in calls]
     assert roles.count("lookup") == records and roles.count("cascade") == records
-    assert roles.count("recheck") == (records if rechecked else 0)
-
-
-def _timed_of(d):
-    """The measurements a domain's decision was taken on, from its record."""
-    by_role = {}
-    for m in d.measurements:
-        by_role.setdefault(m.role, []).append(m)
-    best = max(by_role["candidate"], key=lambda m: m.speedup)
-    ssd = by_role["vocab"][0] if d.reduced_vocab else best
-    timed = {"ssd": ssd, "pld": by_role["lookup"][0], "cascade": by_role["cascade"][0]}
-    return timed, by_role.get("recheck", [None])[0]
 
 
 def test_calibration_writes_a_complete_profile(tiny_profile):
@@ -178,80 +176,104 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
     assert p.settings["trials"] == 6 and p.settings["space"] == "ranked"
     cm = p.cost_model
     assert cm.n_layers == 4 and cm.verify[0] == 1.0
-    min_gain = p.settings["min_gain"]
+    floor = p.settings["acceptance_floor"]
     for d in [*p.domains.values(), p.global_set]:
-        roles = [m.role for m in d.measurements]
-        assert roles.count("candidate") == 1 and roles.count("lookup") == 1  # confirm_candidates=1, prompt lookup
-        assert roles.count("cascade") == 1 and roles.count("recheck") <= 1
-        c = next(m for m in d.measurements if m.role == "candidate")
-        assert c.drafter == "ssd" and c.skip == d.layer_skip.skip.to_text() and c.prompts >= 1
-        assert 0.0 <= d.layer_skip.estimated_acceptance <= 1.0
-        assert d.layer_skip.estimated_speedup == c.estimated_speedup
-        timed, recheck = _timed_of(d)
+        timed = {m.role: m for m in d.measurements}
+        assert len(timed) == len(d.measurements) and {"lookup", "cascade"} <= set(timed)
+        assert set(timed) <= {"candidate", "vocab", "lookup", "cascade"}
+        for m in d.measurements:
+            assert m.interval is not None and m.interval.low <= m.speedup <= m.interval.high
+            assert m.interval.blocks == m.repeats >= 1 and m.verdict in ("faster", "not faster", "open")
+            assert m.prompts >= 1 and 0 <= m.identical_outputs <= m.repeats
+        # the decision is the pure function's, and never a drafter whose interval includes 1
+        assert decide(timed, floor) == d.decision
+        if d.decision.drafter != "ar":
+            chosen = next(m for m in d.measurements if m.drafter == d.decision.drafter and m.verdict == "faster")
+            assert chosen.interval.low >= 1 + p.settings["min_gain"]
+        # the bound (ranked space) was computed against the reference
+        ls = d.layer_skip
+        assert ls.bound is not None and ls.reference is not None and ls.reference >= 1.0
+        if ls.skip.size:  # a skip set is recorded only above the floor, and only where the bound allowed it
+            assert ls.estimated_acceptance >= floor and ls.searched
+        if "candidate" in timed:
+            c = timed["candidate"]
+            assert c.drafter == "ssd" and c.skip == ls.skip.to_text()
+            assert c.estimated_speedup == ls.estimated_speedup >= p.settings["time_gate"]
         assert timed["cascade"].drafter == "cascade" and timed["cascade"].cascade == d.cascade
-        # the fastest of ssd, pld and cascade beating ar was timed again, and the decision is the pure function's
-        assert (recheck.drafter if recheck else None) == to_recheck(timed, min_gain)
-        assert decide(timed, min_gain, recheck)[0] == d.decision
         assert d.statistical.positions > 0 and d.priors.statistical.by_position == d.statistical.position_acceptance
         assert d.cascade.max_split in (0, 2) and d.cascade.split <= d.cascade.max_split
-        assert d.priors.layer_skip.acceptance == timed["ssd"].token_acceptance
-        assert d.priors.lookup.acceptance == timed["pld"].token_acceptance
-        # the reduced draft vocabulary: chosen where the skip set drafts, coverage and measured cost per size
+        assert d.priors.lookup.acceptance == timed["lookup"].token_acceptance
+        # the reduced draft vocabulary: estimated where a skip set is raced, used only where measured faster
         v = d.vocab
-        assert (v is None) == (d.layer_skip.skip.size == 0) == (d.draft_vocab is None)
-        vocab_timed = [m for m in d.measurements if m.role == "vocab"]
-        assert all(set(x.coverage) == {"16", "32"} and set(x.draft_cost) == {"16", "32", "48"} and x.size in (16, 32)
-                   and len(d.draft_vocab) == x.size and 0.0 <= min(x.coverage.values()) <= 1.0 for x in [v] if x)
-        # timed only where its estimate beat the full head's, and used only where measured faster
-        assert bool(vocab_timed) == bool(v and v.estimate[str(v.size)] > v.full_estimate)
-        assert d.reduced_vocab == bool(vocab_timed and vocab_timed[0].speedup > c.speedup)
-        assert all(m.draft_vocab == v.size for m in vocab_timed)
+        assert (v is None) == ("candidate" not in timed)
+        assert bool(v and v.use) == ("vocab" in timed and timed["vocab"].speedup > timed["candidate"].speedup)
+        assert (d.draft_vocab is not None) == (v is not None) and d.reduced_vocab == bool(v and v.use)
 
 
 def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "prof"
-    settings = tiny_settings(trials=5, init_trials=2)
-    kw = dict(dtype="float32", progress=False, cost_model=COSTS)
-    reference = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "ref", settings, **kw)
+    settings = tiny_settings(trials=5, init_trials=2, acceptance_floor=0.0)
+    kw = dict(dtype="float32", progress=False, cost_model=CHEAP)
+    scored = []
+    real_estimate = domain.estimate
 
-    real_measure = domain.measure_candidates
+    def counting(*a, **k):
+        scored.append(1)
+        return real_estimate(*a, **k)
+
+    monkeypatch.setattr(domain, "estimate", counting)
+    reference = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "ref", settings, **kw)
+    full_run = len(scored)
+    first, second = sorted(TINY_DOMAINS)[:2]  # jobs=1: domains in name order, then the global set
+    n_first = reference.domains[first].layer_skip.trials
+    n_trials = reference.domains[second].layer_skip.trials
+    assert n_trials >= 5 and reference.domains[second].layer_skip.searched
+
+    real_race = domain.race_candidates
+    races = []
 
     def killed(*a, **kw):
-        raise KeyboardInterrupt  # as if killed after the first domain's search
+        races.append(1)
+        if len(races) == 2:
+            raise KeyboardInterrupt  # as if killed after the second domain's search
+        return real_race(*a, **kw)
 
-    monkeypatch.setattr(domain, "measure_candidates", killed)
+    monkeypatch.setattr(domain, "race_candidates", killed)
     with pytest.raises(KeyboardInterrupt):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
     work = calibration_workdir(out)
     assert not out.exists() and work.path.exists()
-    first = sorted(TINY_DOMAINS)[0]
-    trials = work.file("trials", first, "jsonl").read_text().splitlines()
-    assert len(trials) == 5 and json.loads(trials[-1])["trial"] == 4
+    trials = work.file("trials", second, "jsonl").read_text().splitlines()
+    assert len(trials) == n_trials and json.loads(trials[-1])["trial"] == n_trials - 1
+    assert work.file("race", first, "jsonl").exists()  # the first domain was raced: its timings are kept
 
     # without --resume the leftover checkpoint is not silently discarded
-    monkeypatch.setattr(domain, "measure_candidates", real_measure)
+    monkeypatch.setattr(domain, "race_candidates", real_race)
     with pytest.raises(CalibrationError, match="--resume"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
 
-    started_with = []
-    real_search = domain.run_search
-
-    def recording(space, score, trials, **kws):
-        started_with.append(len(kws.get("history") or []))
-        return real_search(space, score, trials, **kws)
-
-    monkeypatch.setattr(domain, "run_search", recording)
-    # as if killed while writing trial 3: three complete lines, then a torn one
-    tfile = work.file("trials", first, "jsonl")
-    tfile.write_text("".join(line + "\n" for line in trials[:3]) + '{"trial": 3, "par')
+    # as if killed while writing trial 2: two complete lines, then a torn one
+    tfile = work.file("trials", second, "jsonl")
+    tfile.write_text("".join(line + "\n" for line in trials[:2]) + '{"trial": 2, "par')
+    scored.clear()
+    lines = [json.loads(x) for x in work.file("race", first, "jsonl").read_text().splitlines()]
+    replayed = {}  # each raced candidate's speedup over the checkpoint's blocks
+    for rec in lines:
+        for ar, secs in rec["blocks"]:
+            for name, t in secs.items():
+                a, c = replayed.get(name, (0.0, 0.0))
+                replayed[name] = (a + ar, c + t)
     resumed = calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, resume=True, **kw)
     assert not work.path.exists()
-    # jobs=1 searches domains in name order, then the global set: the first resumed from 3 trials
-    assert started_with == [3] + [0] * len(TINY_DOMAINS)
-    # same seed, same candidates: the same skip sets as an uninterrupted run
+    # neither the first domain's trials nor the second's two complete ones were scored again
+    assert len(scored) == full_run - n_first - 2
+    # same seed, same candidates: the same skip sets and bounds as an uninterrupted run
     for name in TINY_DOMAINS:
         assert resumed.domains[name].layer_skip == reference.domains[name].layer_skip
     assert resumed.global_set.layer_skip == reference.global_set.layer_skip
+    # the first domain's race was replayed from its checkpoint, not timed again
+    got = {m.role: m.speedup for m in resumed.domains[first].measurements}
+    assert got == {name: round(a / c, 4) for name, (a, c) in replayed.items()}
 
 
 def test_resume_after_the_last_phase_redoes_nothing_and_gives_the_same_profile(tiny_model_dir, tmp_path, monkeypatch):
@@ -272,8 +294,7 @@ def test_resume_after_the_last_phase_redoes_nothing_and_gives_the_same_profile(t
     with pytest.raises(KeyboardInterrupt):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
     monkeypatch.undo()
-    for mod in (domain, vocab):
-        monkeypatch.setattr(mod, "measure_candidates", lambda *a, **k: pytest.fail("timed again on resume"))
+    monkeypatch.setattr(timing, "time_prompt", lambda *a, **k: pytest.fail("timed again on resume"))
     monkeypatch.setattr(domain, "measure_verify_costs", lambda *a, **k: pytest.fail("verify timed again"))
     monkeypatch.setattr(vocab, "measure_head_costs", lambda *a, **k: pytest.fail("head costs timed again"))
     monkeypatch.setattr(domain, "MatchnessScorer", lambda *a, **k: pytest.fail("searched again"))
@@ -285,7 +306,7 @@ def test_resume_after_the_last_phase_redoes_nothing_and_gives_the_same_profile(t
 
 def test_resume_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "prof"
-    monkeypatch.setattr(domain, "measure_candidates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(domain, "race_candidates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(trials=3, init_trials=2),
                   dtype="float32", progress=False)
@@ -341,8 +362,13 @@ def test_an_already_loaded_model_is_used_as_is(tiny_model_dir, tmp_path, monkeyp
     assert {n: d.layer_skip for n, d in p.domains.items()} == {n: d.layer_skip for n, d in ref.domains.items()}
 
 
+def _no_bound(**over):
+    """Settings whose search always runs its trials (Self-SD's space has no bound)."""
+    return tiny_settings(space="sublayer", **over)
+
+
 def test_threading_backend(tiny_model_dir, tmp_path):
-    p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(trials=3, init_trials=2),
+    p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", _no_bound(trials=3, init_trials=2),
                   jobs=2, backend="threading", dtype="float32", progress=False)
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     assert load_profile(tmp_path / "p").global_set.layer_skip.trials == 3
@@ -353,7 +379,7 @@ def test_dask_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
     from dask.distributed import LocalCluster
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
-        p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(trials=3, init_trials=2),
+        p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", _no_bound(trials=3, init_trials=2),
                       jobs=2, backend="dask", scheduler=cluster.scheduler_address, dtype="float32", progress=False)
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     prof = load_profile(tmp_path / "p")

@@ -87,12 +87,14 @@ def test_bayesian_search_finds_the_synthetic_optimum():
 
 
 def test_top_candidates_are_distinct_and_ordered():
-    hist = [{"skip": "attn=1", "target": 1.0, "n_attn": 1, "n_mlp": 0, "trial": 0},
-            {"skip": "attn=1", "target": 1.0, "n_attn": 1, "n_mlp": 0, "trial": 3},
-            {"skip": "attn=1-2", "target": 1.1, "n_attn": 2, "n_mlp": 0, "trial": 1},
-            {"skip": "attn=0-2", "target": 1.0, "n_attn": 3, "n_mlp": 0, "trial": 2}]
+    hist = [{"skip": "attn=1", "target": 1.0, "n_attn": 1, "n_mlp": 0, "trial": 0, "matchness": 0.9},
+            {"skip": "attn=1", "target": 1.0, "n_attn": 1, "n_mlp": 0, "trial": 3, "matchness": 0.9},
+            {"skip": "attn=1-2", "target": 1.1, "n_attn": 2, "n_mlp": 0, "trial": 1, "matchness": 0.8},
+            {"skip": "attn=0-2", "target": 1.0, "n_attn": 3, "n_mlp": 0, "trial": 2, "matchness": 0.3}]
     top = top_candidates(hist, 3)
     assert [t["skip"] for t in top] == ["attn=1-2", "attn=1", "attn=0-2"]  # ties: fewer skipped first
+    # below the acceptance floor a skip set is never a candidate, whatever its estimate
+    assert [t["skip"] for t in top_candidates(hist, 3, floor=0.5)] == ["attn=1-2", "attn=1"]
 
 
 def _sequences(lm, n=3, cont=12):

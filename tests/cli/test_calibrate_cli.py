@@ -29,7 +29,7 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
     assert "vocab" in out and "casc.x" in out
     for name in TINY_DOMAINS:
         assert name in out
-    assert "global" in out and "meas.x" in out
+    assert "global" in out and "casc.x [90%]" in out and "bound" in out
 
     shown, _ = run_ok(capsys, "profile", "show", str(out_dir), "--json")
     data = json.loads(shown)

@@ -19,7 +19,7 @@ def test_demo_reuses_a_profile_routes_and_reports_speedup(capsys, tiny_model_dir
     assert data["lossless_violations"] == 0
     text, _ = run_ok(capsys, "demo", "--model", str(tiny_model_dir), "--profile", str(prof), "--dtype", "float32",
                      "--max-new-tokens", "8", "--repeats", "1")
-    assert "speedup" in text and "routed to" in text and "meas.x" in text
+    assert "speedup" in text and "routed to" in text and "casc.x [90%]" in text
 
 
 def test_demo_refuses_a_profile_of_another_model(capsys, tiny_profile, tmp_path):

@@ -1,0 +1,91 @@
+"""Paired-block speedups, their bootstrap intervals and the sequential race: literal timings in, verdicts out."""
+
+import pytest
+
+from adaptive.calibrate.interval import FASTER, NOT_FASTER, OPEN, Race, bootstrap_speedup, verdict
+from adaptive.profile import Interval
+
+
+def test_docstring_examples():
+    point, iv = bootstrap_speedup([1.0, 1.1, 0.9, 1.0], [0.8, 0.85, 0.75, 0.8])
+    assert point == pytest.approx(1.25)
+    assert 1.2 <= iv.low <= point <= iv.high <= 1.3 and iv.blocks == 4 and iv.level == 0.9
+    assert verdict(iv, 0.02) == FASTER
+    point, iv = bootstrap_speedup([1.0, 1.1, 0.9, 1.0], [0.9, 1.2, 0.8, 1.05])
+    assert point == pytest.approx(4.0 / 3.95)
+    assert iv.low < 1.02 < iv.high and verdict(iv, 0.02) == OPEN
+
+
+def test_interval_is_deterministic_and_narrows_with_more_blocks():
+    ar = [1.0, 1.2, 0.9, 1.1, 1.0, 0.95]
+    cand = [0.9, 1.0, 0.85, 0.9, 0.95, 0.8]
+    assert bootstrap_speedup(ar, cand, seed=3) == bootstrap_speedup(ar, cand, seed=3)
+    _, few = bootstrap_speedup(ar, cand)
+    _, many = bootstrap_speedup(ar * 8, cand * 8)
+    assert many.high - many.low < few.high - few.low
+    _, wide = bootstrap_speedup(ar, cand, level=0.99)
+    assert wide.low <= few.low and wide.high >= few.high
+
+
+def test_one_block_is_its_own_interval_and_bad_input_is_refused():
+    point, iv = bootstrap_speedup([2.0], [1.0])
+    assert point == 2.0 and (iv.low, iv.high, iv.blocks) == (2.0, 2.0, 1)
+    with pytest.raises(ValueError, match="same positive number"):
+        bootstrap_speedup([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        bootstrap_speedup([1.0, 0.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_speedup([1.0], [1.0], level=1.0)
+
+
+@pytest.mark.parametrize("low,high,want", [
+    (1.03, 1.2, FASTER), (1.02, 1.02, FASTER), (0.8, 1.019, NOT_FASTER), (1.0, 1.05, OPEN), (0.9, 1.02, OPEN),
+])
+def test_verdict_against_the_margin(low, high, want):
+    assert verdict(Interval(low, high), 0.02) == want
+
+
+def test_an_interval_that_includes_one_is_never_faster():
+    # whatever the point estimate, an interval reaching below 1 + margin cannot be declared faster
+    for low in (0.5, 0.99, 1.0, 1.019):
+        assert verdict(Interval(low, 3.0), 0.02) != FASTER
+
+
+def test_race_docstring_example():
+    race = Race(["a", "b"], margin=0.02, min_blocks=2)
+    race.add(1.0, {"a": 0.5, "b": 0.9})
+    assert race.active == ["a", "b"]  # too few blocks to settle anything
+    race.add(1.0, {"a": 0.5, "b": 1.1})
+    assert race.verdict("a") == FASTER and race.active == ["b"]
+    assert race.result("a")[0] == pytest.approx(2.0)
+    point, iv = race.result("b")
+    assert point == pytest.approx(1.0) and iv.low < 1.0 < iv.high and race.verdict("b") == OPEN
+    race.add(1.0, {"b": 1.0})  # a left the race: its time is no longer needed
+    assert race.active == ["b"] and len(race.blocks["a"]) == 2 and len(race.blocks["b"]) == 3
+
+
+def test_race_settles_a_slower_candidate_and_refuses_missing_times():
+    race = Race(["slow"], margin=0.02, min_blocks=3)
+    for _ in range(3):
+        race.add(1.0, {"slow": 1.25})
+    assert race.verdict("slow") == NOT_FASTER and race.active == []
+    race = Race(["x", "y"], margin=0.0)
+    with pytest.raises(ValueError, match="missing y"):
+        race.add(1.0, {"x": 1.0})
+    with pytest.raises(ValueError, match="distinct names"):
+        Race(["ar"], margin=0.0)
+    with pytest.raises(ValueError, match="no timed blocks"):
+        Race(["x"], margin=0.0).result("x")
+
+
+def test_race_with_noisy_timings_of_equal_methods_does_not_declare_a_winner():
+    # ar and the candidate are the same speed; the block times carry +-15% noise
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    race = Race(["same"], margin=0.02, min_blocks=4)
+    for _ in range(24):
+        if not race.active:
+            break
+        race.add(float(rng.uniform(0.85, 1.15)), {"same": float(rng.uniform(0.85, 1.15))})
+    assert race.verdict("same") != FASTER

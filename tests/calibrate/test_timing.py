@@ -1,0 +1,65 @@
+"""The paired-block race on a tiny model: same tokens for ar and every drafter, blocks, EOS, resume."""
+
+import pytest
+
+from adaptive.calibrate.timing import Candidate, RaceConfig, race_candidates, time_prompt
+from adaptive.drafters.cascade import CascadePlan
+from tests.conftest import tiny_lm
+
+PROMPT = [5, 9, 12, 5, 9, 12, 5, 9, 30, 31]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm("llama")
+
+
+def _candidates():
+    return {"lookup": Candidate("pld", 3), "candidate": Candidate("ssd", 2, skip="attn=1,2"),
+            "cascade": Candidate("cascade", 3, cascade=CascadePlan(split=0, draft_len=3, max_split=0))}
+
+
+def test_time_prompt_decodes_the_same_tokens_block_by_block(lm):
+    blocks = []
+    tally = time_prompt(lm, PROMPT, _candidates(), lambda: ["lookup", "candidate", "cascade"],
+                        lambda ar, secs: blocks.append((ar, secs)), block_tokens=4, max_tokens=13, eos=set())
+    # 12 tokens after the first one, in blocks of 4: three blocks, each timed for ar and every drafter
+    assert len(blocks) == 3 and all(set(s) == {"lookup", "candidate", "cascade"} and a > 0 for a, s in blocks)
+    for name, t in tally.items():
+        assert t["tokens"] == 12 and t["blocks"] == 3 and t["prompts"] == 1
+        assert t["same"] == 3, name  # greedy fp32: every block's tokens equal ar's
+        assert t["steps"] >= 1 and t["accepted"] <= t["drafted"]
+        assert t["seconds"] == pytest.approx(sum(s[name] for _, s in blocks))
+        assert t["ar_seconds"] == pytest.approx(sum(a for a, _ in blocks))
+
+
+def test_time_prompt_stops_after_an_eos_block_and_when_nothing_is_active(lm):
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.loop import decode
+
+    out = [t for chunk in decode(lm.backbone, PROMPT, GenerationConfig(max_new_tokens=13)) for t in chunk]
+    # out[0] comes from the prefill; blocks of 4 hold out[1:5], out[5:9], out[9:13]
+    eos = {out[5]}  # as if out[5] ended the text: the second block is the last one timed
+    blocks = []
+    time_prompt(lm, PROMPT, {"lookup": Candidate("pld", 3)}, lambda: ["lookup"],
+                lambda ar, secs: blocks.append(secs), block_tokens=4, max_tokens=13, eos=eos)
+    assert len(blocks) == (1 if out[5] in out[1:5] else 2)
+    blocks.clear()
+    time_prompt(lm, PROMPT, {"lookup": Candidate("pld", 3)}, lambda: [], lambda ar, secs: blocks.append(secs),
+                block_tokens=4, max_tokens=13, eos=set())
+    assert blocks == []
+
+
+def test_race_candidates_replays_a_checkpoint_without_timing(lm, monkeypatch):
+    from adaptive.calibrate import timing
+
+    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02)
+    lines = []
+    first = race_candidates(lm, [PROMPT, PROMPT[::-1]], _candidates(), rc, on_prompt=lines.append)
+    assert 1 <= len(lines) <= 2 and set(first) == {"lookup", "candidate", "cascade"}
+    for role, m in first.items():
+        assert m.role == role and m.interval is not None and m.interval.low <= m.speedup <= m.interval.high
+        assert m.repeats == m.interval.blocks == sum(1 for rec in lines for _, s in rec["blocks"] if role in s)
+    monkeypatch.setattr(timing, "time_prompt", lambda *a, **k: pytest.fail("timed again"))
+    again = race_candidates(lm, [PROMPT, PROMPT[::-1]][: len(lines)], _candidates(), rc, done=lines)
+    assert again == first
