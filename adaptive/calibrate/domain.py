@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -162,8 +163,6 @@ def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: 
            on_trial: Callable[[dict], None], reference: float) -> Bound:
     """:func:`~.bound.layer_skip_bound` over ``space``, its scored corners recorded as trials
     (already recorded ones are read back, not scored again)."""
-    import time
-
     seen = {h["skip"]: h for h in history}
 
     def corner(na: int, nm: int) -> float:

@@ -68,6 +68,9 @@ class ForwardOutput:
     logits: torch.Tensor | None
     pooled: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # [T, hidden]: the residual stream before the adapter and final norm
+    # {layer: [2, hidden]}: the final-normed residual stream after that many layers, mean over the
+    # fed positions (row 0) and at the last one (row 1), float32 (``pool_layers``; routing studies)
+    layer_pools: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,7 @@ class Backbone:
         read_only: bool = False,
         adapter=None,
         hidden: bool = False,
+        pool_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """Run tokens ``input_ids`` (``[T]`` or ``[1, T]``) at positions ``start .. start+T-1``.
 
@@ -253,6 +257,9 @@ class Backbone:
         ``adapter`` (a module ``[1, T, hidden] -> [1, T, hidden]``, e.g. an early-exit block) is applied
         to the residual stream before the final norm. ``hidden=True`` also returns that residual stream
         as it was before the adapter (``ForwardOutput.hidden``, ``[T, hidden]``; distillation data).
+        ``pool_layers``: also pool the residual stream after each of these many layers (0: the
+        embeddings), through the final norm, as the mean over positions and at the last one
+        (``ForwardOutput.layer_pools``); the layer count ``n_layers`` is what ``pool`` gives as the mean.
         """
         ids = input_ids.reshape(-1)
         T = ids.shape[0]
@@ -266,12 +273,21 @@ class Backbone:
         if T > 1:
             banned = torch.ones(T, end, dtype=torch.bool, device=self.device).triu_(start + 1)
         h = F.embedding(ids, self.embed.weight)  # [T, hidden]
+        pools = {} if pool_layers else None
+
+        def take(n: int) -> None:
+            if n in pool_layers:
+                x = rms_norm(h, self.norm.weight, self.norm_eps).float()
+                pools[n] = torch.stack([x.mean(dim=0), x[-1]])
+
+        take(0)
         for i, w in enumerate(self.weights):
             if not skip_attn[i]:
                 h = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, start, end, cos, sin,
                                         banned, read_only)
             if not skip_mlp[i]:
                 h = h + self._mlp(w, h)
+            take(i + 1)
         residual = h if hidden else None
         if adapter is not None:
             h = adapter(h.unsqueeze(0))[0]
@@ -280,10 +296,10 @@ class Backbone:
         h = rms_norm(h, self.norm.weight, self.norm_eps)
         pooled = h.float().mean(dim=0) if pool else None
         if logits == "none":
-            return ForwardOutput(None, pooled, residual)
+            return ForwardOutput(None, pooled, residual, pools)
         hs = h[-1:] if logits == "last" else h
         out = self.head(hs) if head is None else F.linear(hs, head)
-        return ForwardOutput(out.float(), pooled, residual)
+        return ForwardOutput(out.float(), pooled, residual, pools)
 
     @staticmethod
     def _mlp(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:

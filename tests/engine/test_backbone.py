@@ -67,3 +67,22 @@ def test_unsupported_model_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="not supported"):
         Backbone(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)))
+
+
+def test_layer_pools_match_the_pooled_embedding_and_the_hidden_state():
+    from tests.conftest import tiny_lm
+
+    lm = tiny_lm("llama")
+    bb = lm.backbone
+    ids = torch.tensor([3, 7, 11, 5, 9])
+    out = bb.forward(ids, bb.new_cache(5), 0, logits="none", pool=True, hidden=True,
+                     pool_layers=(0, 2, bb.n_layers))
+    assert set(out.layer_pools) == {0, 2, bb.n_layers}
+    assert all(v.shape == (2, bb.config.hidden_size) and v.dtype == torch.float32 for v in out.layer_pools.values())
+    final = out.layer_pools[bb.n_layers]
+    torch.testing.assert_close(final[0], out.pooled)  # the mean after every layer is the routing embedding
+    from adaptive.engine.backbone import rms_norm
+
+    last = rms_norm(out.hidden, bb.norm.weight, bb.norm_eps).float()[-1]
+    torch.testing.assert_close(final[1], last)
+    assert bb.forward(ids, bb.new_cache(5), 0, logits="none").layer_pools is None
