@@ -132,7 +132,8 @@ def main() -> None:
         per = " ".join(f"{g[:5]} {h}/{n}" for g, (h, n) in r["per_group"].items() if g != HELD_OUT_EXCLUDED)
         print(f"{r['layer']:>5} {r['pool']:>4} {str(r['whiten']):>6} {r['anchors']:>4} {r['k']:>2}  "
               f"{r['accuracy']:.3f} ({r['correct']}/{r['total']})  {per}")
-    base = next(r for r in results if (r["layer"], r["pool"], r["whiten"], r["anchors"], r["k"]) == (30, "mean", None, 10, 5))
+    default = (30, "mean", None, 10, 5)
+    base = next(r for r in results if (r["layer"], r["pool"], r["whiten"], r["anchors"], r["k"]) == default)
     print(f"\ncurrent default (layer 30, mean, no whitening, 10 anchors, k 5): {base['accuracy']:.3f}")
     # out-of-domain: MT-bench left out of the calibration, for the best configuration and the default
     ood = []
