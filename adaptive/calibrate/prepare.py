@@ -56,12 +56,13 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     engine = Engine(lm)
     bb = lm.backbone
     cfg = GenerationConfig(max_new_tokens=s.continuation_tokens)
+    pooling = s.pooling(bb.n_layers)
     ids, embs, seqs = [], [], []
     influence = torch.zeros(2, bb.n_layers)
     bar = worker.phase("prepare", name, len(prompts))
     for prompt in prompts:
         p = engine.encode(prompt, chat=s.chat)
-        session = engine.start(p, cfg, pool=True)  # the prefill's pooled embedding, as the runtime routes on
+        session = engine.start(p, cfg, pool=pooling)  # the prefill's embedding, as the runtime routes on
         cont = list(engine.decode(session))[-1].token_ids  # greedy, through the first EOS
         tail = (p + cont)[-(len(cont) + 64):]
         influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))

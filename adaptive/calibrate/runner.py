@@ -156,7 +156,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             costs = cost_model if cost_model is not None else CostModel.from_dict(
                 checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
             worker.bars.finish("costs", "")
-            records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log)
+            records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log, lm.backbone.n_layers)
         finally:
             worker.bars.close()
             worker.bars = None
@@ -173,7 +173,7 @@ def _measure_costs(lm: LoadedModel, s: CalibrationSettings, log: Callable[[str],
 
 
 def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel, jobs: int, backend: str,
-                scheduler: str | None, log: Callable[[str], None]) -> tuple[list, AnchorIndex]:
+                scheduler: str | None, log: Callable[[str], None], n_layers: int) -> tuple[list, AnchorIndex]:
     """Phases 2 to 4: the domains' records (name order, then the global one) and the anchor index."""
     s = worker.settings
     names = sorted(domains)
@@ -183,7 +183,7 @@ def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel,
     for n in names:  # done in worker processes, or resumed: the bar catches up
         worker.bars.finish("prepare", n)
     index = AnchorIndex.build({n: prep[n].embeddings for n in names}, per_domain=s.anchors_per_domain, seed=s.seed,
-                              k=s.route_k)
+                              k=s.route_k, pooling=s.pooling(n_layers))
     log(f"bounding and searching skip sets (up to {s.trials} trials each), racing drafters against ar ...")
     tasks = _domain_tasks(prep, index, costs, s)
     records = run_parallel(calibrate_domain, [(worker, t) for t in tasks], jobs, backend, scheduler)

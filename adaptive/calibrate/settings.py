@@ -8,6 +8,7 @@ from pathlib import Path
 
 from adaptive.calibrate.search import SPACES
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
+from adaptive.engine.config import POOL_MODES, Pooling
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.workdir import WorkDir
 
@@ -46,6 +47,8 @@ class CalibrationSettings:
     cascade_lenience: float = 1.0
     vocab_sizes: tuple = (1024, 2048, 4096, 8192, 16384)  # reduced draft heads tried (empty: full head only)
     route_k: int = 5
+    pool_depth: float = 1 / 3  # the routing embedding: the residual stream after this share of the layers ...
+    pool_mode: str = "last"  # ... at the prompt's last position (docs/results.md: routing study)
     cost_context: int = 128
     chat: bool | None = None
     seed: int = 0
@@ -74,6 +77,10 @@ class CalibrationSettings:
             raise ConfigError(f"interval-level must be in [0.5, 1), got {self.interval_level}")
         if not 0 <= self.acceptance_floor < 1:
             raise ConfigError(f"acceptance-floor must be in [0, 1), got {self.acceptance_floor}")
+        if not 0 < self.pool_depth <= 1:
+            raise ConfigError(f"pool-depth must be in (0, 1], got {self.pool_depth}")
+        if self.pool_mode not in POOL_MODES:
+            raise ConfigError(f"pool-mode must be one of {', '.join(POOL_MODES)}, got {self.pool_mode!r}")
         if not self.time_gate >= 0:
             raise ConfigError(f"time-gate must be >= 0 (0: time every skip set found), got {self.time_gate}")
         if self.block_tokens >= self.confirm_tokens:
@@ -100,6 +107,10 @@ class CalibrationSettings:
         base = dict(prompts_per_domain=6, anchors_per_domain=6, trials=10, init_trials=4, continuation_tokens=24,
                     confirm_prompts=4, confirm_tokens=48, min_blocks=4)
         return cls(**{**base, **overrides})
+
+    def pooling(self, n_layers: int) -> Pooling:
+        """The routing embedding for a model of ``n_layers``: e.g. the last position after 10 of 30 layers."""
+        return Pooling(max(1, min(n_layers, round(n_layers * self.pool_depth))), self.pool_mode)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -301,6 +301,22 @@ class Backbone:
         out = self.head(hs) if head is None else F.linear(hs, head)
         return ForwardOutput(out.float(), pooled, residual, pools)
 
+    def pool_args(self, pooling) -> dict:
+        """The :meth:`forward` arguments that compute ``pooling`` (a :class:`~adaptive.engine.config.Pooling`)."""
+        layer = self.n_layers if pooling.layer is None else pooling.layer
+        if layer > self.n_layers:
+            raise ValueError(f"pooling after layer {layer} of a {self.n_layers}-layer model")
+        if layer == self.n_layers and pooling.mode == "mean":
+            return {"pool": True}
+        return {"pool_layers": (layer,)}
+
+    def pooled(self, out: ForwardOutput, pooling) -> torch.Tensor:
+        """``[hidden]`` float32: ``pooling``'s embedding from a forward run with :meth:`pool_args`."""
+        if out.layer_pools:
+            (v,) = out.layer_pools.values()
+            return v[0] if pooling.mode == "mean" else v[1]
+        return out.pooled
+
     @staticmethod
     def _mlp(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """One gated MLP sublayer on the residual ``h`` (``[T, hidden]``): its output, ``[T, hidden]``."""

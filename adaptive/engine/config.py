@@ -51,3 +51,36 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+POOL_MODES = ("mean", "last")
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """Which hidden state of a prompt's prefill is its embedding (what routing compares).
+
+    ``layer``: the residual stream after that many decoder layers, through the final norm
+    (``None``: after all of them); ``mode``: its ``mean`` over the prompt's positions, or its value
+    at the ``last`` one (with a chat template, the end of the assistant header: the model's summary
+    of the prompt so far). ``Pooling()`` is the final mean, what profiles before issue 17 used;
+    calibration's default is ``last`` at a third of the depth, chosen by
+    ``benchmarks/routing_study.py`` (docs/results.md).
+    """
+
+    layer: int | None = None
+    mode: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOL_MODES:
+            raise ConfigError(f"pooling mode must be one of {', '.join(POOL_MODES)}, got {self.mode!r}")
+        if self.layer is not None and (not isinstance(self.layer, int) or isinstance(self.layer, bool)
+                                       or self.layer < 0):
+            raise ConfigError(f"pooling layer must be an integer >= 0 or None, got {self.layer!r}")
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "mode": self.mode}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Pooling:
+        return cls(d.get("layer"), d.get("mode", "mean"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaptive.engine.config import GenerationConfig
+from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.loop import (
     Acceptor,
     GenerationStats,
@@ -203,7 +203,7 @@ class Session:
 
     @property
     def pooled(self) -> torch.Tensor | None:
-        """``[hidden]`` the prompt's pooled embedding (``None`` unless started with ``pool=True``)."""
+        """``[hidden]`` the prompt's embedding (``None`` unless started with ``pool``)."""
         return self.prefill.pooled
 
 
@@ -254,8 +254,10 @@ class Engine:
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def start(self, prompt_ids: list[int], config: GenerationConfig | None = None, pool: bool = False) -> Session:
-        """Prefill ``prompt_ids`` (with the pooled embedding when ``pool``): a :class:`Session` to decode."""
+    def start(self, prompt_ids: list[int], config: GenerationConfig | None = None,
+              pool: bool | Pooling = False) -> Session:
+        """Prefill ``prompt_ids`` (with the prompt's embedding when ``pool``: ``True`` for the final mean,
+        or a :class:`~adaptive.engine.config.Pooling`): a :class:`Session` to decode."""
         cfg = config or GenerationConfig()
         t0 = time.perf_counter()
         gen = new_generator(cfg, self.backbone.device)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaptive.engine.config import GenerationConfig
+from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.protocol import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
 
@@ -115,17 +115,20 @@ def new_cache(backbone, n_prompt: int, cfg: GenerationConfig):
 
 
 def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, generator: torch.Generator | None,
-            pool: bool = False) -> Prefill:
+            pool: bool | Pooling = False) -> Prefill:
     """Run the prompt through the model into ``cache`` (positions ``0 .. n-1``) and pick the first token.
 
     Afterwards ``cache.length == len(prompt_ids)`` and the first token is pending (not cached yet).
-    ``pool``: also return the prompt's pooled embedding (:mod:`adaptive.index.embedding` uses the same).
+    ``pool``: also return the prompt's embedding, as :class:`Pooling` says (``True``: ``Pooling()``,
+    the final mean; :mod:`adaptive.index.embedding` computes the same).
     """
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     dev = backbone.device
     t0 = time.perf_counter()
-    out = backbone.forward(torch.tensor(prompt_ids, device=dev), cache, 0, logits="last", pool=pool)
+    pooling = Pooling() if pool is True else (pool or None)
+    extra = backbone.pool_args(pooling) if pooling is not None else {}
+    out = backbone.forward(torch.tensor(prompt_ids, device=dev), cache, 0, logits="last", **extra)
     cache.length = len(prompt_ids)
     logits = out.logits[0]  # [V]
     if cfg.greedy:
@@ -134,7 +137,7 @@ def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, gener
         first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
                                       generator=generator))
     _sync(dev)
-    return Prefill(first, out.pooled if pool else None, time.perf_counter() - t0)
+    return Prefill(first, backbone.pooled(out, pooling) if pooling is not None else None, time.perf_counter() - t0)
 
 
 def decode_steps(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptive.engine.config import Pooling
 from adaptive.errors import AdaptiveError
 
 EPS = 1e-6
@@ -95,7 +96,8 @@ class AnchorIndex:
 
     FILES = ("anchors.faiss", "anchors.json", "embedding_mean.npy")
 
-    def __init__(self, anchors: np.ndarray, labels: list[str], mean: np.ndarray, ood_threshold: float, k: int = 5):
+    def __init__(self, anchors: np.ndarray, labels: list[str], mean: np.ndarray, ood_threshold: float, k: int = 5,
+                 pooling: Pooling | None = None):
         import faiss
 
         if anchors.ndim != 2 or anchors.shape[0] != len(labels) or anchors.shape[0] == 0:
@@ -107,6 +109,7 @@ class AnchorIndex:
         self.mean = mean.astype(np.float32)
         self.ood_threshold = float(ood_threshold)
         self.k = int(k)
+        self.pooling = pooling or Pooling()  # how the prompts' embeddings were taken (route with the same)
         self.index = faiss.IndexFlatL2(self.anchors.shape[1])
         self.index.add(self.anchors)
 
@@ -127,14 +130,15 @@ class AnchorIndex:
 
     @classmethod
     def build(cls, embeddings: dict[str, np.ndarray], per_domain: int = 10, seed: int = 0, k: int = 5,
-              ood_margin: float = 1.25, center: bool = False) -> AnchorIndex:
+              ood_margin: float = 1.25, center: bool = False, pooling: Pooling | None = None) -> AnchorIndex:
         """Cluster each domain's raw embeddings (``{domain: [n, d]}``) into at most ``per_domain`` anchors.
 
         The out-of-domain threshold is ``ood_margin`` times the largest leave-one-out distance:
         for each calibration prompt, its distance to the nearest anchor of its own domain
         clustered *without* it (a prompt is always close to anchors fitted on itself).
         ``center`` subtracts the calibration mean before normalising (measured slightly worse on
-        Spec-Bench with the embedded model, so off by default; see docs/profile.md).
+        Spec-Bench with the embedded model, so off by default; see docs/profile.md). ``pooling``:
+        how the embeddings were taken, recorded so that routing takes them the same way.
         """
         if not embeddings:
             raise ValueError("no domains to index")
@@ -150,7 +154,8 @@ class AnchorIndex:
                 rest = np.delete(x, j, axis=0)
                 c = kmeans_anchors(rest, min(per_domain, len(rest)), seed=seed * 1009 + i)
                 worst = max(worst, float(((c - x[j]) ** 2).sum(-1).min()))
-        return cls(np.concatenate(anchors), labels, mean, ood_threshold=max(worst * ood_margin, 1e-4), k=k)
+        return cls(np.concatenate(anchors), labels, mean, ood_threshold=max(worst * ood_margin, 1e-4), k=k,
+                   pooling=pooling)
 
     def search(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Squared L2 distances and anchor indices, ``[n, k]`` each, nearest first.
@@ -188,7 +193,8 @@ class AnchorIndex:
         directory = Path(directory)
         faiss.write_index(self.index, str(directory / "anchors.faiss"))
         np.save(directory / "embedding_mean.npy", self.mean)
-        meta = {"labels": self.labels, "ood_threshold": self.ood_threshold, "k": self.k, "dim": self.dim}
+        meta = {"labels": self.labels, "ood_threshold": self.ood_threshold, "k": self.k, "dim": self.dim,
+                "pooling": self.pooling.to_dict()}
         (directory / "anchors.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
     @classmethod
@@ -203,7 +209,8 @@ class AnchorIndex:
         try:
             meta = json.loads((directory / "anchors.json").read_text(encoding="utf-8"))
             labels, thr, k = list(meta["labels"]), float(meta["ood_threshold"]), int(meta["k"])
-        except (ValueError, KeyError, TypeError) as exc:
+            pooling = Pooling.from_dict(meta.get("pooling", {}))  # absent before issue 17: the final mean
+        except (ValueError, KeyError, TypeError, AdaptiveError) as exc:
             raise IndexFileError(f"{directory / 'anchors.json'}: unreadable ({exc})") from None
         try:
             mean = np.load(directory / "embedding_mean.npy", allow_pickle=False)
@@ -219,4 +226,4 @@ class AnchorIndex:
             raise IndexFileError(f"{directory / 'anchors.faiss'}: {index.ntotal} anchors but {len(labels)} labels")
         if mean.ndim != 1 or mean.shape[0] != index.d:
             raise IndexFileError(f"{directory / 'embedding_mean.npy'}: dimension does not match the index ({index.d})")
-        return cls(np.asarray(anchors), labels, mean, thr, k)
+        return cls(np.asarray(anchors), labels, mean, thr, k, pooling)

@@ -40,4 +40,4 @@ def decide(profile, vector, k: int | None = None) -> RouteDecision:
 def route_prompt(profile, engine, prompt, k: int | None = None) -> RouteDecision:
     """Encode ``prompt`` as calibration did (the profile's chat setting), embed it, and decide."""
     ids = engine.encode(prompt, chat=profile.runtime.chat)
-    return decide(profile, embed_prompt(engine.backbone, ids), k)
+    return decide(profile, embed_prompt(engine.backbone, ids, profile.index.pooling), k)

@@ -183,7 +183,7 @@ class AdaptiveRuntime:
         """Route without decoding (one prefill forward): the domain and its calibrated decision."""
         ids = self.engine.encode(prompt, chat=self.profile.runtime.chat)
         with self._lock:
-            vector = embed_prompt(self.engine.backbone, ids)
+            vector = embed_prompt(self.engine.backbone, ids, self.profile.index.pooling)
         return decide(self.profile, vector)
 
     def plan(self, policy: Policy, route: Route | None, prompt_ids: list[int]) -> RoutedPlan:
@@ -304,7 +304,7 @@ class AdaptiveRuntime:
         # One request at a time on the model. The lock is held while the caller iterates and released
         # when the generator finishes or is closed (or garbage-collected, if abandoned).
         with self._lock:
-            session = self.engine.start(ids, cfg, pool=True)
+            session = self.engine.start(ids, cfg, pool=self.profile.index.pooling)
             route = self.profile.index.route(pooled_to_numpy(session.pooled))
             plan = self.plan(pol, route, ids)
             # a draft model keeps its own KV cache: one drafter across requests reuses the common prefix

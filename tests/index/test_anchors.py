@@ -66,11 +66,20 @@ def test_build_and_route_synthetic_clusters():
 
 
 def test_index_round_trip(tmp_path):
+    import json
+
+    from adaptive.engine.config import Pooling
+
     emb, centres = _clusters()
-    idx = AnchorIndex.build(emb, per_domain=4, k=2, center=True)
+    idx = AnchorIndex.build(emb, per_domain=4, k=2, center=True, pooling=Pooling(10, "last"))
     idx.save(tmp_path)
     back = AnchorIndex.load(tmp_path)
     assert back.labels == idx.labels and back.k == 2 and back.ood_threshold == idx.ood_threshold
+    assert back.pooling == Pooling(10, "last")  # routing embeds prompts as calibration did
+    meta = json.loads((tmp_path / "anchors.json").read_text())
+    del meta["pooling"]  # an index written before issue 17: the final mean
+    (tmp_path / "anchors.json").write_text(json.dumps(meta))
+    assert AnchorIndex.load(tmp_path).pooling == Pooling()
     np.testing.assert_array_equal(back.mean, idx.mean)
     v = centres["math"] + 0.1
     assert back.route(v).to_dict() == idx.route(v).to_dict()

@@ -94,6 +94,13 @@ def test_result_records_the_routing_decision(runtime):
         assert r.decision == "pld" and r.skip is None and r.drafter_info["name"] == "pld"
     assert sum(r.draft_lengths.values()) >= 1
     assert r.draft_policy == "thompson" and "alpha" in r.bandit
+    # the prefill's embedding is the profile's pooling (the last position after 1 of 4 layers): the same
+    # route as embedding the prompt separately
+    from adaptive.engine.config import Pooling
+
+    assert runtime.profile.index.pooling == Pooling(1, "last")
+    routed = runtime.route(TINY_DOMAINS["code"][-1]).route
+    assert [n["domain"] for n in r.neighbours] == [dom for dom, _ in routed.neighbours]
     d = r.to_dict()
     assert d["route"]["neighbours"] and d["policy"] == "knn-ssd" and d["decision"] == r.decision
     assert d["applied"] == r.applied and d["bandit"] == r.bandit and d["drafter"]["name"] == r.decision
