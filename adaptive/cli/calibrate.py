@@ -141,8 +141,11 @@ def profile_show(directory, as_json):
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
                + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))))
+    pool = p.index.pooling
+    where = f"after {pool.layer} of {p.n_layers} layers" if pool.layer is not None else "after the last layer"
     click.echo(f"routing {len(p.index.labels)} anchors, k={p.index.k}, "
-               f"out-of-domain beyond {p.index.ood_threshold:.3f}")
+               f"out-of-domain beyond {p.index.ood_threshold:.3f}; prompts embedded by the "
+               f"{'mean over positions' if pool.mode == 'mean' else 'last position'} {where}")
     click.echo(f"search  {s.get('space')} space, {s.get('trials')} trials, seed {s.get('seed')}, "
                f"{s.get('seconds')} s\n")
     click.echo(summary_table(p))

@@ -78,7 +78,8 @@ def profile_json(profile: Profile) -> dict:
             "adaptive_version": profile.version, "model": to_json(profile.model), "settings": profile.settings,
             "runtime": to_json(profile.runtime), "cost_model": profile.cost_model.to_dict(),
             "routing": {"k": profile.index.k, "ood_threshold": profile.index.ood_threshold,
-                        "anchors": len(profile.index.labels), "dim": profile.index.dim},
+                        "anchors": len(profile.index.labels), "dim": profile.index.dim,
+                        "pooling": profile.index.pooling.to_dict()},
             "domains": {n: to_json(d) for n, d in sorted(profile.domains.items())},
             "global": to_json(profile.global_set),
             **({"distilled": {k: to_json(r) for k, r in profile.distilled.items()}} if profile.distilled else {})}

@@ -37,6 +37,7 @@ def test_calibrate_then_show_then_route(capsys, tiny_model_dir, domain_files, tm
     assert data["settings"]["trials"] == 3 and data["settings"]["vocab_sizes"] == [16, 32]
     text, _ = run_ok(capsys, "profile", "show", str(out_dir))
     assert "skip sets:" in text and "anchors" in text and f"schema {SCHEMA_VERSION}" in text
+    assert "embedded by the last position after 1 of 4 layers" in text  # a third of the tiny model's 4 layers
 
     # --data with --json: one object per line with the domain and the input's category
     data_file = tmp_path / "mixed.jsonl"
