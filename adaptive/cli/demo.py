@@ -115,13 +115,23 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     click.echo(results["routed"].text.strip() + "\n")
     where = "out-of-domain: global set" if decision.route.out_of_domain else f"domain {decision.route.domain}"
     skip_text = best.skip.to_text()
-    how = {"ssd": f" (skip {skip_text}, draft length {best.draft_len})",
-           "pld": f" (prompt lookup, draft length {profile.runtime.pld_draft_len}: it measured faster than the "
-                  f"best skip set {skip_text})",
+    if best.skip:
+        skip_note = f"best skip set {skip_text}"
+    elif best.bound is not None and not best.searched:
+        skip_note = (f"layer skipping cannot pay there: at most {best.bound:.2f}x against the statistical "
+                     f"drafters' {best.reference:.2f}x")
+    else:
+        skip_note = "no skip set above the acceptance floor"
+    chosen = [m for m in applied.measurements if m.drafter == decision.drafter and m.verdict == "faster"]
+    measured = (f"{applied.decision.speedup:.2f}x, interval {chosen[0].interval.to_text()}"
+                if chosen and chosen[0].interval else f"{applied.decision.speedup:.2f}x")
+    how = {"ssd": f" (skip {skip_text}, draft length {best.draft_len}; it measured fastest, {measured})",
+           "pld": f" (prompt lookup, draft length {profile.runtime.pld_draft_len}: it measured fastest, {measured}; "
+                  f"{skip_note})",
            "cascade": (" (the cascade: prompt lookup and the domain's bigram table"
                        + (f" after {applied.cascade.split} layer-skip position(s)" if applied.cascade.split else "")
-                       + f"; it measured fastest, {applied.decision.speedup:.2f}x at calibration)"),
-           "ar": f" (no drafter measured faster than plain decoding there; best skip set {skip_text})"}
+                       + f"; it measured fastest, {measured} at calibration; {skip_note})"),
+           "ar": f" (no drafter measured faster than plain decoding there; {skip_note})"}
     click.echo(f"routed to {where}; the profile decodes it with {decision.drafter}" + how.get(decision.drafter, ""))
     click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, "
                f"median of {repeats} interleaved runs")
