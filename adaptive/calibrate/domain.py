@@ -86,13 +86,12 @@ def search_seed(seed: int, name: str) -> int:
 
 @dataclass(frozen=True)
 class Statistical:
-    """What the domain's statistical drafters reach teacher-forced: prompt lookup alone (``lookup``)
-    and backed by the domain's bigram table (``bigram``, leave one out), with their estimated
-    speedups (:func:`~.cascade.replay_speedup`, at the cost model's verification costs);
-    ``verify``: forwards over 1, 2, ... tokens timed at the domain's ``context`` length, for the
-    cascade's plan."""
+    """What the domain's statistical drafters reach on its continuations: the bigram-backed
+    drafter's teacher-forced acceptance (``bigram``, leave one out; the cascade's plan and prior),
+    and the estimated speedups of prompt lookup alone and of the bigram-backed drafter
+    (:func:`~.cascade.replay_speedup`, at the cost model's verification costs); ``verify``: forwards
+    over 1, 2, ... tokens timed at the domain's ``context`` length, for the cascade's plan."""
 
-    lookup: StatisticalAcceptance
     bigram: StatisticalAcceptance
     lookup_speedup: float
     bigram_speedup: float
@@ -114,14 +113,13 @@ def statistical(worker: Worker, lm: LoadedModel, task: DomainTask) -> Statistica
     rec = checkpointed(worker.work.file("verify", task.name), compute)
     bar.close()
     verify = tuple(float(v) for v in rec["verify"])
-    lookup = statistical_acceptance(task.sequences, s.pld_draft_len, s.bigram_min_count, bigram=False)
     stats = statistical_acceptance(task.sequences, s.cascade_max_draft_len, s.bigram_min_count)
     # replayed at the cost model's verification costs, as the search's estimates are: with a given
     # cost model the reference, the bound and the search are deterministic
     model = task.costs.verify
     pld = replay_speedup(task.sequences, s.pld_draft_len, model, s.bigram_min_count, bigram=False)
     stat = replay_speedup(task.sequences, s.cascade_max_draft_len, model, s.bigram_min_count)
-    return Statistical(lookup, stats, round(pld, 4), round(stat, 4), verify, int(rec["context"]))
+    return Statistical(stats, round(pld, 4), round(stat, 4), verify, int(rec["context"]))
 
 
 def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, reference: float

@@ -39,8 +39,8 @@ def in_process(jobs: int, backend: str) -> bool:
 @dataclass
 class Worker:
     """What every task of one calibration shares: how to get the model, the settings, the work
-    directory (``out``: the profile being written), threads per worker, progress bars. ``lm`` (an
-    in-process model) is never sent to a worker process: one there loads ``spec``."""
+    directory (``out``: the profile being written), threads per worker, the caller's progress bar
+    (``bars``). ``lm`` (an in-process model) is never sent to a worker process: one there loads ``spec``."""
 
     spec: str
     device: str
@@ -48,7 +48,6 @@ class Worker:
     settings: CalibrationSettings
     out: str
     threads: int | None = None
-    progress: bool = True
     lm: LoadedModel | None = field(default=None, compare=False, repr=False)
     weights: str = "dense"
     bars: Progress | None = field(default=None, compare=False, repr=False)  # the caller's bar, in its process only

@@ -74,7 +74,7 @@ def model_spec(lm: LoadedModel) -> str:
 
 
 def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, jobs: int, backend: str, device: str,
-            dtype: str, progress: bool, weights: str = "dense") -> Worker:
+            dtype: str, weights: str = "dense") -> Worker:
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
     if isinstance(model, LoadedModel):
         try:
@@ -84,9 +84,9 @@ def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, 
                 raise
             spec = model.name  # recorded in the profile; never loaded
         dt = str(model.dtype).replace("torch.", "")
-        return Worker(spec, str(model.device), dt, settings, str(out), threads, progress, lm=model,
+        return Worker(spec, str(model.device), dt, settings, str(out), threads, lm=model,
                       weights=model.weights)
-    return Worker(model, device, dtype, settings, str(out), threads, progress,
+    return Worker(model, device, dtype, settings, str(out), threads,
                   lm=shared_model(model, device, dtype, weights) if in_process(jobs, backend) else None,
                   weights=weights)
 
@@ -136,7 +136,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     out = Path(out)
     check_writable(out)
     started = time.perf_counter()
-    worker = _worker(model, s, out, jobs, backend, device, dtype, progress, weights)
+    worker = _worker(model, s, out, jobs, backend, device, dtype, weights)
     lm = worker.lm or shared_model(worker.spec, worker.device, worker.dtype, worker.weights)
     encoded = check_prompt_lengths(lm, domains, s)  # before anything is written: a bad prompt leaves nothing behind
     log(f"calibrating {worker.spec} on {len(domains)} domains: "

@@ -46,12 +46,6 @@ class Candidate:
     estimated_draft_cost: float | None = None
     estimated_speedup: float | None = None
 
-    @classmethod
-    def of(cls, m: Measurement) -> Candidate:
-        """The candidate that ``m`` timed (to time it again)."""
-        return cls(m.drafter, m.draft_len, m.skip, m.cascade, m.draft_vocab, m.estimated_acceptance,
-                   m.estimated_draft_cost, m.estimated_speedup)
-
 
 @dataclass
 class _Tally:

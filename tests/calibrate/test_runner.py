@@ -11,7 +11,6 @@ from adaptive.calibrate.decision import decide
 from adaptive.calibrate.interval import verdict as _verdict
 from adaptive.calibrate.runner import CalibrationError, CalibrationSettings, calibrate, check_domains
 from adaptive.calibrate.settings import calibration_workdir
-from adaptive.calibrate.timing import Candidate
 from adaptive.calibrate.vocab import size_estimates
 from adaptive.costs import CostModel
 from adaptive.errors import ConfigError
@@ -384,8 +383,3 @@ def test_dask_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     prof = load_profile(tmp_path / "p")
     assert all(d.layer_skip.trials == 3 for d in prof.domains.values())
-
-
-def test_candidate_of_a_measurement_times_the_same_drafter():
-    m = Measurement("ssd", "vocab", 3, 1.1, skip="attn=1", draft_vocab=16, estimated_speedup=1.2)
-    assert Candidate.of(m) == Candidate("ssd", 3, skip="attn=1", draft_vocab=16, estimated_speedup=1.2)
