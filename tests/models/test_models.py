@@ -50,3 +50,74 @@ def test_spec_loads_the_model_again(tiny_model_dir):
     assert lm.spec == str(tiny_model_dir.resolve())
     assert load_model(lm.spec, device="cpu", dtype="float32").fingerprint() == lm.fingerprint()
     assert tiny_lm().spec is None  # built in memory: nothing to load it from
+
+
+# -- a model shipped in pieces (the 1.5B model's 22 data packages), with fake packages ------------------
+
+def _fake_parts(tmp_path, monkeypatch, blob: bytes, parts: int = 3):
+    """Install ``parts`` fake data packages holding ``blob`` in order, and a parted model over them."""
+    import hashlib
+    import sys
+
+    from adaptive import models
+
+    root = tmp_path / "site"
+    step = -(-len(blob) // parts)
+    for i in range(1, parts + 1):
+        pkg = root / f"fakepart{i}" / "data"
+        pkg.mkdir(parents=True)
+        (pkg.parent / "__init__.py").write_text("")
+        (pkg / f"part{i:02d}.bin").write_bytes(blob[(i - 1) * step: i * step])
+    monkeypatch.syspath_prepend(str(root))
+    for i in range(1, parts + 1):
+        sys.modules.pop(f"fakepart{i}", None)
+    spec = models.PartedGGUF("fakepart", "fake-part", parts, "fake.gguf", len(blob),
+                             hashlib.sha256(blob).hexdigest(), "fake")
+    monkeypatch.setitem(models._PARTED, "fake-model", spec)
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "cache"))
+    return root
+
+
+def test_parted_model_is_joined_once_and_checked(tmp_path, monkeypatch):
+    from adaptive import models
+
+    blob = bytes(range(256)) * 41 + b"end"
+    root = _fake_parts(tmp_path, monkeypatch, blob)
+    path = models._assembled_gguf("fake-model")
+    assert path.read_bytes() == blob and path.parent == tmp_path / "cache" / "gguf"
+    (root / "fakepart2" / "data" / "part02.bin").unlink()  # joined already: the pieces are not read again
+    assert models._assembled_gguf("fake-model") == path
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left
+
+
+def test_missing_or_altered_pieces_are_clear_errors_and_leave_nothing(tmp_path, monkeypatch):
+    import pytest
+
+    from adaptive import models
+    from adaptive.errors import ModelNotFoundError
+
+    blob = b"0123456789" * 100
+    root = _fake_parts(tmp_path, monkeypatch, blob)
+    (root / "fakepart3" / "data" / "part03.bin").unlink()
+    with pytest.raises(ModelNotFoundError, match=r"missing fake-part3: run `pip install 'adaptive\[fake\]'`"):
+        models._assembled_gguf("fake-model")
+    (root / "fakepart3" / "data" / "part03.bin").write_bytes(b"x" * 10)  # a truncated, altered piece
+    with pytest.raises(ModelNotFoundError, match="partial or altered install"):
+        models._assembled_gguf("fake-model")
+    cache = tmp_path / "cache" / "gguf"
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_the_second_model_is_a_known_name():
+    import pytest
+
+    from adaptive.errors import ModelNotFoundError
+    from adaptive.models import EMBEDDED_MODELS, _part_files
+
+    assert "qwen2.5-coder-1.5b" in EMBEDDED_MODELS
+    try:
+        files = _part_files("qwen2.5-coder-1.5b")
+    except ModelNotFoundError as exc:  # the extra is not installed (CI): the error says how
+        assert "pip install 'adaptive[qwen15]'" in str(exc)
+        pytest.skip("the qwen15 extra is not installed")
+    assert len(files) == 22 and sum(f.stat().st_size for f in files) == 1_117_320_768
