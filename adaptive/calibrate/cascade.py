@@ -24,6 +24,12 @@ def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
     return len(proposal) if i is None else i
 
 
+def leave_one_out_table(sequences: list[tuple[list[int], list[int]]], i: int, min_count: int) -> BigramTable:
+    """The bigram table of every ``(prompt, continuation)`` pair but the ``i``-th: what scores pair ``i``
+    without having seen it."""
+    return build_bigram_table([list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i], min_count)
+
+
 def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int, min_count: int = 2,
                            min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True,
                            table: BigramTable | None = None) -> StatisticalAcceptance:
@@ -45,8 +51,7 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
     for i, (prompt, cont) in enumerate(sequences):
         used = None
         if bigram:
-            used = table if table is not None else build_bigram_table(
-                [list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i], min_count)
+            used = table if table is not None else leave_one_out_table(sequences, i, min_count)
         for t in range(1, len(cont)):
             actual = cont[t:t + k]
             proposal = statistical_draft(list(prompt) + list(cont[:t]), k, used, min_prob=min_prob)[: len(actual)]
@@ -94,7 +99,7 @@ def replay_speedup(sequences: list[tuple[list[int], list[int]]], k: int, verify:
     for i, (prompt, cont) in enumerate(sequences):
         table = None
         if bigram:
-            table = build_bigram_table([list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i], min_count)
+            table = leave_one_out_table(sequences, i, min_count)
         context = list(prompt) + list(cont[:1])
         t = 1
         while t < len(cont):

@@ -32,7 +32,7 @@ import torch
 
 from adaptive.calibrate.bound import Bound, layer_skip_bound
 from adaptive.calibrate.cascade import choose_cascade, replay_speedup, statistical_acceptance
-from adaptive.calibrate.decision import decide
+from adaptive.calibrate.decision import ROLES, decide
 from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.search import (
     MatchnessScorer,
@@ -197,8 +197,7 @@ def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str
     done = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("key") == key)
     rc = RaceConfig(block_tokens=s.block_tokens, max_tokens=s.confirm_tokens, prompts=s.confirm_prompts,
                     min_blocks=s.min_blocks, margin=s.min_gain, level=s.interval_level, seed=s.seed)
-    max_blocks = s.confirm_prompts * -(-(s.confirm_tokens - 1) // s.block_tokens)
-    bar = worker.phase("race", task.name, max_blocks, sum(len(r["blocks"]) for r in done))
+    bar = worker.phase("race", task.name, s.race_blocks, sum(len(r["blocks"]) for r in done))
     out = race_candidates(lm, task.confirm_ids, candidates, rc, done=done, bigram=bigram, vocab=vocab,
                           on_prompt=lambda rec: append_json_line(path, {**rec, "key": key}),
                           on_block=lambda: bar.update(1))
@@ -264,7 +263,7 @@ def domain_record(task: DomainTask, decision: Decision, history: list[dict], bes
         layer_skip = SkipSearch(SkipSet(), 1, 0.0, 1.0, 0.0, len(history))
     if bound is not None:
         layer_skip = replace(layer_skip, bound=bound.speedup, reference=bound.reference)
-    measurements = tuple(timed[r] for r in ("candidate", "vocab", "lookup", "cascade") if r in timed)
+    measurements = tuple(timed[r] for r in ROLES if r in timed)
     return DomainRecord(
         name=GLOBAL_RECORD if task.name == GLOBAL else task.name, decision=decision, layer_skip=layer_skip,
         priors=priors, verify=st.verify, verify_context=st.context, cascade=plan, statistical=st.bigram,

@@ -26,7 +26,7 @@ def budgets(settings, prompt_tokens: Mapping[str, list[int]], tasks: list[str]) 
     for name, lengths in prompt_tokens.items():
         prefill = sum(n / PREFILL_TOKENS_PER_STEP for n in lengths)
         out[("prepare", name)] = prefill + s.continuation_tokens * len(lengths)
-    blocks = min(s.confirm_prompts * -(-(s.confirm_tokens - 1) // s.block_tokens), 2 * s.min_blocks)
+    blocks = min(s.race_blocks, 2 * s.min_blocks)
     for t in tasks:
         out[("verify", t)] = VERIFY_UNITS
         out[("search", t)] = s.trials * s.prompts_per_domain * s.continuation_tokens / PREFILL_TOKENS_PER_STEP

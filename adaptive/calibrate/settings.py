@@ -108,6 +108,12 @@ class CalibrationSettings:
                     confirm_prompts=4, confirm_tokens=48, min_blocks=4)
         return cls(**{**base, **overrides})
 
+    @property
+    def race_blocks(self) -> int:
+        """The most paired blocks a domain's race times: ``confirm_prompts`` prompts of
+        ``confirm_tokens - 1`` tokens after the prefill's first, in blocks of ``block_tokens``."""
+        return self.confirm_prompts * -(-(self.confirm_tokens - 1) // self.block_tokens)
+
     def pooling(self, n_layers: int) -> Pooling:
         """The routing embedding for a model of ``n_layers``: e.g. the last position after 10 of 30 layers."""
         return Pooling(max(1, min(n_layers, round(n_layers * self.pool_depth))), self.pool_mode)

@@ -273,21 +273,17 @@ class Backbone:
         if T > 1:
             banned = torch.ones(T, end, dtype=torch.bool, device=self.device).triu_(start + 1)
         h = F.embedding(ids, self.embed.weight)  # [T, hidden]
-        pools = {} if pool_layers else None
-
-        def take(n: int) -> None:
-            if n in pool_layers:
-                x = rms_norm(h, self.norm.weight, self.norm_eps).float()
-                pools[n] = torch.stack([x.mean(dim=0), x[-1]])
-
-        take(0)
+        pools = {} if pool_layers else None  # a decoding step asks for none: nothing below runs then
+        if pools is not None and 0 in pool_layers:
+            pools[0] = self._pool(h)
         for i, w in enumerate(self.weights):
             if not skip_attn[i]:
                 h = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, start, end, cos, sin,
                                         banned, read_only)
             if not skip_mlp[i]:
                 h = h + self._mlp(w, h)
-            take(i + 1)
+            if pools is not None and i + 1 in pool_layers:
+                pools[i + 1] = self._pool(h)
         residual = h if hidden else None
         if adapter is not None:
             h = adapter(h.unsqueeze(0))[0]
@@ -300,6 +296,12 @@ class Backbone:
         hs = h[-1:] if logits == "last" else h
         out = self.head(hs) if head is None else F.linear(hs, head)
         return ForwardOutput(out.float(), pooled, residual, pools)
+
+    def _pool(self, h: torch.Tensor) -> torch.Tensor:
+        """``[2, hidden]`` float32: the residual stream ``h`` (``[T, hidden]``) through the final norm,
+        its mean over positions and its last position."""
+        x = rms_norm(h, self.norm.weight, self.norm_eps).float()
+        return torch.stack([x.mean(dim=0), x[-1]])
 
     def pool_args(self, pooling) -> dict:
         """The :meth:`forward` arguments that compute ``pooling`` (a :class:`~adaptive.engine.config.Pooling`)."""
