@@ -291,9 +291,16 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
     """Load a local directory or a hub id from the local cache only: never a download."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=True)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a per-tensor bar on stderr would bury our own progress
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval(), tok
 
 

