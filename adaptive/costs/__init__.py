@@ -4,6 +4,7 @@ from adaptive.costs.measure import measure_costs, measure_draft_cost, measure_he
 from adaptive.costs.model import (
                                     STAT_DRAFT_COST,
                                     CostModel,
+                                    acceptance_needed,
                                     best_draft_length,
                                     best_split,
                                     cascade_expected_tokens,
@@ -15,6 +16,7 @@ from adaptive.costs.model import (
                                     verify_table,
 )
 
-__all__ = ["STAT_DRAFT_COST", "CostModel", "best_draft_length", "best_split", "cascade_expected_tokens",
-           "cascade_speedup", "expected_speedup", "expected_tokens_per_step", "extrapolate", "measure_costs",
-           "measure_draft_cost", "measure_head_costs", "measure_verify_costs", "reach", "verify_table"]
+__all__ = ["STAT_DRAFT_COST", "CostModel", "acceptance_needed", "best_draft_length", "best_split",
+           "cascade_expected_tokens", "cascade_speedup", "expected_speedup", "expected_tokens_per_step",
+           "extrapolate", "measure_costs", "measure_draft_cost", "measure_head_costs", "measure_verify_costs",
+           "reach", "verify_table"]

@@ -10,6 +10,7 @@ list for ``k = 0 .. max_len`` (:func:`verify_table`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -70,6 +71,25 @@ def best_draft_length(a: float, draft_cost: float, verify: Sequence[float], max_
         if v > best:
             best_k, best = k, v
     return best_k, best
+
+
+def acceptance_needed(speedup: float, draft_cost: float, verify: Sequence[float], max_len: int) -> float:
+    """The least per-token acceptance at which a draft of ``draft_cost`` reaches ``speedup`` at its best
+    length in ``1 .. max_len`` (:func:`best_draft_length`, whose speedup grows with acceptance);
+    ``nan`` when even acceptance 1 does not. The frontier a skip set must lie above.
+    Example: draft cost ``0.5``, verify ``(1, 1, 1.05)``, ``max_len = 2``: break-even (``speedup = 1``)
+    needs ``a = 0.5`` (k = 1: ``1.5 / 1.5``); cost ``1.2`` never breaks even (``2 / 2.2``): ``nan``.
+    """
+    def best(a: float) -> float:
+        return best_draft_length(a, draft_cost, verify, max_len, min_len=1)[1]
+
+    if best(1.0) < speedup:
+        return math.nan
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # bisection to ~1e-12
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if best(mid) < speedup else (lo, mid)
+    return hi
 
 
 def reach(a: float | Sequence[float], t: int) -> float:

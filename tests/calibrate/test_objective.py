@@ -1,7 +1,9 @@
+import math
+
 import pytest
 
 from adaptive.calibrate.objective import matchness
-from adaptive.costs import best_draft_length, expected_speedup, expected_tokens_per_step
+from adaptive.costs import acceptance_needed, best_draft_length, expected_speedup, expected_tokens_per_step
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
@@ -26,6 +28,18 @@ def test_expected_speedup_and_best_length():
     assert k == 2 and s == pytest.approx(2.44 / 2.0)
     # a draft as expensive as the target never pays
     assert best_draft_length(0.9, 1.0, flat, 8, min_len=1)[1] < 1.0
+
+
+def test_acceptance_needed_inverts_best_draft_length():
+    verify = (1.0, 1.0, 1.05)
+    assert acceptance_needed(1.0, 0.5, verify, 2) == pytest.approx(0.5)  # k = 1: 1.5 / 1.5
+    assert math.isnan(acceptance_needed(1.0, 1.2, verify, 2))  # 2 / 2.2 even at a = 1
+    for speedup, cost in [(1.0, 0.3), (1.2, 0.3), (1.3, 0.1)]:
+        a = acceptance_needed(speedup, cost, verify, 2)
+        assert best_draft_length(a, cost, verify, 2, min_len=1)[1] == pytest.approx(speedup, abs=1e-9)
+        assert best_draft_length(a - 1e-3, cost, verify, 2, min_len=1)[1] < speedup
+    # a cheaper draft needs less acceptance for the same speedup
+    assert acceptance_needed(1.1, 0.2, verify, 2) < acceptance_needed(1.1, 0.4, verify, 2)
 
 
 def test_matchness_full_model_is_one_and_skips_lower_it():
