@@ -24,6 +24,33 @@ def test_forward_matches_hf_full_and_incremental(family):
     assert last.shape == (1, model.config.vocab_size) and torch.allclose(last[0], ref[-1], atol=1e-5)
 
 
+def test_qwen2_attention_biases_and_tied_head_match_hf():
+    """Qwen2's q/k/v biases (zero at HF's init, so the test above cannot see them) and a head tied
+    to the embedding (as in Qwen2.5-1.5B) go through the fused projection and the head exactly."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                assert proj.bias is not None
+                proj.bias.normal_(0, 0.5)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 96, (1, 16))
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    bb = Backbone(model)
+    got = bb.forward(ids, bb.new_cache(24), 0, logits="all").logits
+    assert ref.abs().max() > 0.1 and torch.allclose(got, ref, atol=1e-5)
+    cache = bb.new_cache(24)
+    bb.forward(ids[:, :9], cache, 0, logits="none")
+    assert torch.allclose(bb.forward(ids[:, 9:], cache, 9, logits="all").logits, ref[9:], atol=1e-5)
+
+
 def test_stale_keys_beyond_length_are_overwritten():
     """A rejected draft leaves keys (from the layers it ran) beyond the valid length; the next
     full forward at those positions must give exactly what a clean cache gives."""
