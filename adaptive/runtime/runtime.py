@@ -151,6 +151,7 @@ class AdaptiveRuntime:
         self.reduced_vocab = reduced_vocab
         self.max_draft_len = profile.runtime.max_draft_len
         self.cascade_max_len = profile.runtime.cascade_max_draft_len
+        self.draft_len = max(self.max_draft_len, self.cascade_max_len)  # the longest draft any policy makes
         self._seed = seed
         self._window = window
         self._lock = threading.RLock()  # the model: one decode at a time (re-entrant: route() inside stream())
@@ -181,7 +182,7 @@ class AdaptiveRuntime:
 
     def route(self, prompt: str | Sequence[dict]) -> RouteDecision:
         """Route without decoding (one prefill forward): the domain and its calibrated decision."""
-        ids = self.engine.encode(prompt, chat=self.profile.runtime.chat)
+        ids = self.encode(prompt)
         with self._lock:
             vector = embed_prompt(self.engine.backbone, ids, self.profile.index.pooling)
         return decide(self.profile, vector)
@@ -290,17 +291,29 @@ class AdaptiveRuntime:
 
     # -- decoding ------------------------------------------------------------------------------
 
+    def encode(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
+        """The token ids :meth:`stream` decodes from: chat messages through the chat template; a string
+        through it too where the profile says so (``chat=False``: as raw text)."""
+        return self.engine.encode(prompt, chat=self.profile.runtime.chat if chat is None else chat)
+
+    def room(self, prompt_ids: Sequence[int]) -> int:
+        """The most new tokens a request with this prompt can ask for (the model's context less the
+        prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""
+        return self.engine.backbone.max_positions - len(prompt_ids) - self.draft_len - 1
+
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-               policy: str = "knn-ssd", confidence_threshold: float | None = None) -> Iterator[str | RuntimeResult]:
-        """Yield text deltas, then the final :class:`RuntimeResult`. ``policy``: one of ``POLICIES``."""
+               policy: str = "knn-ssd", confidence_threshold: float | None = None,
+               chat: bool | None = None) -> Iterator[str | RuntimeResult]:
+        """Yield text deltas, then the final :class:`RuntimeResult`. ``policy``: one of ``POLICIES``;
+        ``chat``: see :meth:`encode`."""
         pol = get_policy(policy)
         if isinstance(stop, str):
             stop = (stop,)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop=tuple(stop), draft_len=max(self.max_draft_len, self.cascade_max_len),
+                               seed=seed, stop=tuple(stop), draft_len=self.draft_len,
                                confidence_threshold=confidence_threshold)
-        ids = self.engine.encode(prompt, chat=self.profile.runtime.chat)
+        ids = self.encode(prompt, chat)
         # One request at a time on the model. The lock is held while the caller iterates and released
         # when the generator finishes or is closed (or garbage-collected, if abandoned).
         with self._lock:

@@ -11,7 +11,7 @@ from adaptive.drafters.cascade import CascadePlan
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
-from adaptive.errors import ConfigError
+from adaptive.errors import ConfigError, PromptTooLongError
 from adaptive.profile import Decision, Prior, Priors, ProfileError, VocabChoice, load_profile
 from adaptive.runtime import POLICIES, AdaptiveRuntime
 from adaptive.runtime.runtime import beta_prior
@@ -111,6 +111,21 @@ def test_stream_yields_the_text_then_the_result(runtime):
     *deltas, result = items
     assert all(isinstance(d, str) for d in deltas) and "".join(deltas) == result.text
     assert result.token_ids == _ar(runtime, TINY_DOMAINS["chat"][-1], 20)
+
+
+def test_raw_text_prompts_and_the_room_a_prompt_leaves(runtime):
+    prompt = TINY_DOMAINS["code"][-1]
+    raw_ids = runtime.encode(prompt, chat=False)
+    assert raw_ids == runtime.engine.encode(prompt, chat=False) != runtime.encode(prompt)  # default: the template
+    r = runtime.generate(prompt, max_new_tokens=12, chat=False)
+    assert r.stats.prompt_tokens == len(raw_ids)
+    ref = Engine(runtime.lm).generate(prompt, GenerationConfig(max_new_tokens=12), chat=False)
+    assert r.token_ids == ref.token_ids
+    room = runtime.room(raw_ids)
+    assert room == runtime.engine.backbone.max_positions - len(raw_ids) - runtime.draft_len - 1 > 0
+    assert runtime.generate(prompt, max_new_tokens=room, chat=False, policy="ar").stats.tokens >= 1  # fits
+    with pytest.raises(PromptTooLongError):
+        runtime.generate(prompt, max_new_tokens=room + 1, chat=False)
 
 
 def test_sampling_is_reproducible_with_a_seed_and_fixed_draft_lengths(runtime):
