@@ -18,7 +18,7 @@ LAYERS = [
     {"costs", "index"},
     {"profile"},
     {"calibrate", "runtime", "distill"},  # siblings: none imports another
-    {"bench"},
+    {"bench", "serve"},  # siblings
     {"cli"},
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}

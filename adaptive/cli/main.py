@@ -11,6 +11,7 @@ from adaptive.cli.calibrate import calibrate_cmd, profile_group, route_cmd
 from adaptive.cli.demo import demo_cmd
 from adaptive.cli.distill import distill_cmd
 from adaptive.cli.generate import decode_cmd, generate_cmd
+from adaptive.cli.serve import serve_cmd
 from adaptive.errors import AdaptiveError
 
 
@@ -24,10 +25,12 @@ def cli() -> None:
     adaptive decode PROMPT --drafter ssd ...       decode with a drafter you choose (no profile)
     adaptive calibrate --domains NAME=PATH ...     find the best drafter per domain: a profile
     adaptive generate PROMPT --profile DIR         decode through a profile (routed)
+    adaptive serve --profile DIR                   the same over OpenAI's HTTP API
     """
 
 
-for command in (demo_cmd, decode_cmd, calibrate_cmd, generate_cmd, route_cmd, profile_group, bench_cmd, distill_cmd):
+for command in (demo_cmd, decode_cmd, calibrate_cmd, generate_cmd, route_cmd, profile_group, bench_cmd, distill_cmd,
+                serve_cmd):
     cli.add_command(command)
 
 

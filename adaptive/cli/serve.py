@@ -1,0 +1,75 @@
+"""``adaptive serve --profile DIR``: the OpenAI-compatible HTTP server (:mod:`adaptive.serve`)."""
+
+from __future__ import annotations
+
+import click
+
+from adaptive.cli.common import command, device_option, dtype_option, info, model_option, weights_option
+from adaptive.errors import ConfigError
+from adaptive.models import DEFAULT_MODEL
+from adaptive.runtime import AdaptiveRuntime
+
+
+def _positive(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter("must be at least 1")
+    return value
+
+
+@command("serve", examples=(
+    "adaptive serve --profile my-profile",
+    "adaptive serve --profile my-profile --port 8001 --api-key \"$KEY\" --max-queue 16",
+    "curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\",
+    "    -d '{\"model\": \"smollm2-135m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+    "\"temperature\": 0}'",
+), hints={"--policy": "choose speculation per request: the body's \"speculation\" field (auto, off or a policy)"})
+@click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
+              help="Calibration profile (`adaptive calibrate`) that routes each request.")
+@model_option
+@dtype_option
+@weights_option
+@device_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
+@click.option("--max-queue", type=int, default=64, show_default=True, callback=_positive,
+              help="Requests that may wait for the model; more are refused with 429.")
+@click.option("--max-body", type=int, default=1 << 20, show_default=True, callback=_positive,
+              help="Largest request body in bytes; larger is refused with 413.")
+@click.option("--default-max-tokens", type=int, default=256, show_default=True, callback=_positive,
+              help="New tokens when a request gives no max_tokens (at most what the context leaves).")
+@click.option("--api-key", envvar="ADAPTIVE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (or set ADAPTIVE_API_KEY).")
+@click.option("--served-model-name", default=None, help="The model's name in /v1/models and requests "
+              "[default: the profile's model].")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish.")
+def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_queue, max_body, default_max_tokens,
+              api_key, served_model_name, drain_timeout):
+    """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
+
+    Each request is routed by the profile like `adaptive generate`; its body may choose speculation
+    with the extension field "speculation": "auto" (the profile's decision), "off" (plain decoding)
+    or a routing policy (knn-ssd, knn-skip, ssd-static, cascade, ...). Responses' usage carries an
+    "adaptive" object: the routed domain, the drafter, acceptance. Requests are decoded one at a
+    time, in arrival order. Needs the serve extra: pip install 'adaptive[serve]'.
+    """
+    try:
+        import uvicorn  # noqa: F401  (imported where it runs; checked here, before the model loads)
+
+        from adaptive.serve.app import create_app, serve
+    except ImportError as exc:
+        raise ConfigError(f"adaptive serve needs the serve extra ({exc.name} is missing): "
+                          "pip install 'adaptive[serve]'") from None
+    info(f"loading profile {profile_dir} ...")
+    rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
+                                      device=device, dtype=None if dtype == "auto" else dtype,
+                                      weights=None if weights == "auto" else weights)
+    app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_body=max_body,
+                     default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
+
+    def ready(server):
+        sock = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)
+        info(f"serving {app.state.model_name} on http://{sock[0]}:{sock[1]} (Ctrl-C or SIGTERM to stop)")
+
+    serve(app, host=host, port=port, drain_timeout=drain_timeout, on_ready=ready)
+    info("stopped")

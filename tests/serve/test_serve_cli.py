@@ -1,0 +1,76 @@
+"""`adaptive serve` as users run it: a process on a free port, drained by SIGTERM."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from adaptive.cli.main import main
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+
+def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tiny_profile):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the serve extra were not installed
+    monkeypatch.delitem(sys.modules, "adaptive.serve.app", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--profile", str(tiny_profile)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 1 and err.count("\n") == 0
+    assert "pip install 'adaptive[serve]'" in err and "uvicorn" in err
+
+
+def test_bad_options_are_usage_errors(capsys, tiny_profile):
+    for args in (["--max-queue", "0"], ["--port", "70000"], ["--policy", "ar"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--profile", str(tiny_profile), *args])
+        assert exc.value.code == 2, args
+    assert "speculation" in capsys.readouterr().err  # --policy's hint: speculation is per request
+
+
+def test_sigterm_lets_the_running_stream_finish_and_refuses_new_connections(tiny_profile, tiny_model_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", str(tiny_profile), "--model",
+         str(tiny_model_dir), "--dtype", "float32", "--port", "0", "--drain-timeout", "60"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port, lines = None, []
+        deadline = time.time() + 120
+        while port is None:
+            assert time.time() < deadline and proc.poll() is None, "".join(lines)
+            line = proc.stderr.readline()
+            lines.append(line)
+            m = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = {"messages": [{"role": "user", "content": "hello there friend"}], "max_tokens": 300,
+                "temperature": 0, "stream": True, "speculation": "off"}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        first = resp.readline()
+        assert first.startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)  # mid-stream
+        rest = resp.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")  # the in-flight request finished
+        events = [json.loads(x[6:]) for x in (first.decode() + rest).split("\n\n") if x.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert proc.wait(60) == 0
+        with pytest.raises(OSError):  # nothing listens any more
+            http.client.HTTPConnection("127.0.0.1", port, timeout=5).request("GET", "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
