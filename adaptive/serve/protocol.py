@@ -116,7 +116,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(v)
 
 
-def _int(body: dict, name: str, lo: int | None = None) -> int | None:
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -124,6 +124,8 @@ def _int(body: dict, name: str, lo: int | None = None) -> int | None:
         raise RequestError(f"'{name}' must be an integer", param=name)
     if lo is not None and v < lo:
         raise RequestError(f"'{name}' must be at least {lo}, not {v}", param=name)
+    if hi is not None and v > hi:
+        raise RequestError(f"'{name}' must be at most {hi}, not {v}", param=name)
     return v
 
 
@@ -226,7 +228,7 @@ def parse_request(kind: str, body, served_model: str) -> ServeRequest:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         stop=_stop(body.get("stop")),
-        seed=_int(body, "seed"),
+        seed=_int(body, "seed", lo=-(2**63), hi=2**63 - 1),  # what a torch.Generator takes
         stream=stream, include_usage=include_usage, speculation=spec, model=served_model,
     )
 

@@ -100,6 +100,9 @@ class Scheduler:
             ids = self.runtime.encode(list(req.prompt) if req.chat else req.prompt, chat=None if req.chat else False)
         except AdaptiveError as exc:
             raise RequestError(str(exc), param="messages" if req.chat else "prompt") from None
+        except Exception as exc:  # e.g. a chat template that refuses this sequence of roles
+            raise RequestError(f"the {'messages' if req.chat else 'prompt'} could not be encoded for this model "
+                               f"({type(exc).__name__}: {exc})", param="messages" if req.chat else "prompt") from None
         room = self.runtime.room(ids)
         if room < 1:
             raise RequestError(f"the prompt is {len(ids)} tokens, which leaves no room in the model's context "

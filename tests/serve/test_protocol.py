@@ -57,7 +57,7 @@ def test_a_completion_prompt_may_be_a_list_of_one():
     ({"temperature": 3}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"temperature": float("nan")}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
-    ({"seed": "1"}, "seed"), ({"stream": "yes"}, "stream"), ({"n": 2}, "n"),
+    ({"seed": "1"}, "seed"), ({"seed": 2**64}, "seed"), ({"stream": "yes"}, "stream"), ({"n": 2}, "n"),
     ({"speculation": "warp"}, "speculation"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -1,0 +1,192 @@
+"""The decoding worker on a scripted runtime: admission, queue limits, events, cancellation, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from adaptive.engine.loop import GenerationStats
+from adaptive.errors import ConfigError
+from adaptive.serve.protocol import RequestError, ServeRequest
+from adaptive.serve.scheduler import Admission, Event, Job, Scheduler
+
+CONTEXT = 100
+
+
+class ScriptedRuntime:
+    """Encodes a prompt as one id per character; streams ``pieces`` then a result. ``gate``: each
+    piece waits for it (so that a test can hold a request mid-decode)."""
+
+    def __init__(self, pieces=("a", "b", "c"), fail: Exception | None = None, encode_error: Exception | None = None):
+        self.pieces, self.fail, self.encode_error = pieces, fail, encode_error
+        self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT))
+        self.gate = threading.Semaphore(1000)
+        self.calls = []
+        self.closed = 0
+
+    def encode(self, prompt, chat=None):
+        if self.encode_error is not None:
+            raise self.encode_error
+        text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+        return list(range(len(text)))
+
+    def room(self, ids):
+        return CONTEXT - len(ids) - 9
+
+    def stream(self, prompt, **kw):
+        self.calls.append(kw)
+        try:
+            for p in self.pieces:
+                self.gate.acquire()
+                yield p
+            if self.fail is not None:
+                raise self.fail
+            stats = GenerationStats(tokens=len(self.pieces), steps=2, drafted=4, accepted=3, prompt_tokens=5,
+                                    total_time=1.0, prefill_time=0.2)
+            yield SimpleNamespace(stats=stats, domain="maths", decision="ssd", token_ids=[1, 2, 3],
+                                  finish_reason="length")
+        finally:
+            self.closed += 1
+
+
+def chat(text="hello", **kw):
+    return ServeRequest("chat", ({"role": "user", "content": text},), **kw)
+
+
+def run_job(scheduler, req, loop, cancel_after: int | None = None):
+    job = Job(req, scheduler.admit(req), loop)
+    scheduler.submit(job)
+
+    async def collect():
+        out = []
+        while True:
+            ev = await asyncio.wait_for(job.events.get(), 10)
+            out.append(ev)
+            if cancel_after is not None and len(out) == cancel_after:
+                job.cancel()
+                return out
+            if ev.kind != "delta":
+                return out
+
+    return job, loop.run_until_complete(collect())
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def test_admission_sizes_and_refusals():
+    s = Scheduler(ScriptedRuntime(), default_max_tokens=50)
+    try:
+        assert s.admit(chat("hello")) == Admission(5, 50)  # room 86: the server default
+        assert s.admit(chat("x" * 60)) == Admission(60, 31)  # room 31 < default
+        assert s.admit(chat("hello", max_tokens=86)).max_tokens == 86
+        with pytest.raises(RequestError) as e:
+            s.admit(chat("hello", max_tokens=87))
+        assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded" and "86" in str(e.value)
+        with pytest.raises(RequestError) as e:
+            s.admit(chat("x" * 91))
+        assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("error", [ConfigError("no chat template"), ValueError("template says no")])
+def test_prompts_that_cannot_be_encoded_are_400(error):
+    s = Scheduler(ScriptedRuntime(encode_error=error))
+    try:
+        with pytest.raises(RequestError) as e:
+            s.admit(chat())
+        assert e.value.status == 400 and e.value.param == "messages" and str(error) in str(e.value)
+    finally:
+        s.close()
+
+
+def test_deltas_then_the_result_and_metrics(loop):
+    rt = ScriptedRuntime()
+    s = Scheduler(rt)
+    try:
+        _, events = run_job(s, chat(max_tokens=7, temperature=0.0, seed=3, speculation="off"), loop)
+        assert [e.kind for e in events] == ["delta", "delta", "delta", "done"]
+        assert "".join(e.text for e in events) == "abc"
+        assert rt.calls[0] == {"max_new_tokens": 7, "temperature": 0.0, "top_p": 1.0, "stop": (), "seed": 3,
+                               "policy": "ar", "chat": None}
+        m = s.metrics
+        assert m.value("generated_tokens_total") == 3 and m.value("prompt_tokens_total") == 5
+        assert m.value("accepted_tokens_total", domain="maths", drafter="ssd") == 3
+        assert m.value("drafted_tokens_total", domain="maths", drafter="ssd") == 4
+    finally:
+        s.close()
+
+
+def test_a_completion_is_encoded_as_raw_text(loop):
+    rt = ScriptedRuntime()
+    s = Scheduler(rt)
+    try:
+        run_job(s, ServeRequest("completion", "def f():", max_tokens=3), loop)
+        assert rt.calls[0]["chat"] is False
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("fail,status", [(ConfigError("bad top_p"), 400), (RuntimeError("boom"), 500)])
+def test_decoding_errors_become_error_events(loop, fail, status):
+    s = Scheduler(ScriptedRuntime(fail=fail))
+    try:
+        _, events = run_job(s, chat(), loop)
+        assert events[-1].kind == "error" and events[-1].error.status == status
+        assert ("boom" not in str(events[-1].error)) if status == 500 else "bad top_p" in str(events[-1].error)
+    finally:
+        s.close()
+
+
+def test_cancelling_stops_the_decode_and_frees_the_worker(loop):
+    rt = ScriptedRuntime(pieces=tuple("abcdefgh"))
+    rt.gate = threading.Semaphore(2)  # two pieces, then the decode waits until the test has cancelled
+    s = Scheduler(rt)
+    try:
+        job, events = run_job(s, chat(), loop, cancel_after=2)
+        assert [e.kind for e in events] == ["delta", "delta"]
+        for _ in range(100):
+            rt.gate.release()
+        _, events = run_job(s, chat(), loop)  # the next request still runs to its end
+        assert events[-1].kind == "done"
+        assert rt.closed == 2  # the cancelled stream was closed, not left holding the model
+        assert s.metrics.value("cancelled_requests_total") == 1
+    finally:
+        s.close()
+
+
+def test_queue_limit_and_shutdown(loop):
+    rt = ScriptedRuntime()
+    rt.gate = threading.Semaphore(0)  # hold the first request mid-decode
+    s = Scheduler(rt, max_queue=1)
+    jobs = [Job(chat(), Admission(5, 3), loop) for _ in range(3)]
+    s.submit(jobs[0])
+    deadline = loop.time() + 10
+    while not s.busy:  # the worker has taken it: the queue is empty again
+        assert loop.time() < deadline
+        loop.run_until_complete(asyncio.sleep(0.01))
+    s.submit(jobs[1])  # waits
+    with pytest.raises(RequestError) as e:
+        s.submit(jobs[2])
+    assert e.value.status == 429 and e.value.code == "queue_full"
+    jobs[1].cancel()  # its client left while queued: skipped, never decoded
+    for _ in range(10):
+        rt.gate.release()
+    assert s.close(timeout=10)
+    assert len(rt.calls) == 1 and s.metrics.value("cancelled_requests_total") == 1
+    with pytest.raises(RequestError) as e:
+        s.submit(Job(chat(), Admission(5, 3), loop))
+    assert e.value.status == 503
+
+
+def test_events_are_validated():
+    with pytest.raises(ValueError):
+        Event("progress")
