@@ -19,9 +19,7 @@ def _positive(ctx, param, value):
 @command("serve", examples=(
     "adaptive serve --profile my-profile",
     "adaptive serve --profile my-profile --port 8001 --api-key \"$KEY\" --max-queue 16",
-    "curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\",
-    "    -d '{\"model\": \"smollm2-135m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
-    "\"temperature\": 0}'",
+    "adaptive serve --profile my-profile --host 0.0.0.0 --served-model-name assistant --drain-timeout 60",
 ), hints={"--policy": "choose speculation per request: the body's \"speculation\" field (auto, off or a policy)"})
 @click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
               help="Calibration profile (`adaptive calibrate`) that routes each request.")
@@ -52,6 +50,10 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_q
     or a routing policy (knn-ssd, knn-skip, ssd-static, cascade, ...). Responses' usage carries an
     "adaptive" object: the routed domain, the drafter, acceptance. Requests are decoded one at a
     time, in arrival order. Needs the serve extra: pip install 'adaptive[serve]'.
+
+    \b
+    curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}'
     """
     try:
         import uvicorn  # noqa: F401  (imported where it runs; checked here, before the model loads)

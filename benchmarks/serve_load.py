@@ -1,0 +1,191 @@
+"""Load a running `adaptive serve` with concurrent streaming clients: throughput, latency, errors.
+
+Each of ``--clients`` threads sends chat requests back to back for ``--seconds`` (or
+``--requests`` in all), streaming, greedy, ``--max-tokens`` each, prompts taken in turn from a
+Spec-Bench-format file; with ``--invalid F`` a fraction F of requests are malformed on purpose
+(bad JSON, wrong types, unknown fields, ``max_tokens`` 0 or beyond the context, an unknown model,
+an oversized body), each of which must get a 4xx. Reports requests by status, server errors (5xx,
+broken streams, a 4xx for a valid request or a 2xx for an invalid one), aggregate generated
+tokens/s, time to first token and per-request latency (median and 90th percentile), as JSON.
+
+    adaptive serve --profile /tmp/sb-prof &
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --data ../shared/data/spec_bench_dev.jsonl \\
+        --clients 4 --seconds 60 --invalid 0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import threading
+import time
+from urllib.parse import urlparse
+
+
+def prompts_from(path: str, skip: int) -> list[str]:
+    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    by_cat: dict[str, list[str]] = {}
+    for r in rows:
+        text = r["turns"][0] if "turns" in r else r["prompt"]
+        by_cat.setdefault(r.get("category", ""), []).append(text)
+    out = []
+    for texts in by_cat.values():
+        out += texts[skip:]
+    return out
+
+
+def invalid_bodies(model: str) -> list[tuple[str, bytes]]:
+    msg = [{"role": "user", "content": "hi"}]
+    bad = [
+        b"{not json",
+        json.dumps({"model": model, "messages": msg, "max_tokens": "many"}).encode(),
+        json.dumps({"model": model, "messages": msg, "max_tokens": 0}).encode(),
+        json.dumps({"model": model, "messages": msg, "max_tokens": 10**7}).encode(),
+        json.dumps({"model": model, "messages": []}).encode(),
+        json.dumps({"model": model, "messages": msg, "temperature": "hot"}).encode(),
+        json.dumps({"model": model, "messages": msg, "frobnicate": 1}).encode(),
+        json.dumps({"model": "no-such-model", "messages": msg}).encode(),
+        json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}).encode(),
+    ]
+    return [("invalid", b) for b in bad]
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.status: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.tokens = 0
+        self.ttft: list[float] = []
+        self.latency: list[float] = []
+
+    def add(self, key: str, error: str | None = None):
+        with self.lock:
+            self.status[key] = self.status.get(key, 0) + 1
+            if error:
+                self.errors.append(error)
+
+
+def one(host, port, headers, body: bytes, valid: bool, stats: Stats) -> None:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, headers)
+        r = conn.getresponse()
+        if not valid:
+            r.read()
+            ok = 400 <= r.status < 500
+            stats.add(f"invalid {r.status}", None if ok else f"invalid request answered {r.status}")
+            return
+        if r.status != 200:
+            stats.add(f"valid {r.status}", f"valid request answered {r.status}: {r.read()[:200]!r}")
+            return
+        first, tokens, done = None, 0, False
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                stats.add("valid stream error", f"error in stream: {chunk['error']}")
+                return
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+        if not done:
+            stats.add("valid broken stream", "stream ended without [DONE]")
+            return
+        with stats.lock:
+            stats.tokens += tokens
+            stats.latency.append(time.perf_counter() - t0)
+            if first is not None:
+                stats.ttft.append(first)
+        stats.add("valid 200")
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        stats.add("exception", f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left out (calibrated on)")
+    ap.add_argument("--clients", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--requests", type=int, default=0, help="stop after this many requests in all (0: by time)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--invalid", type=float, default=0.0, help="fraction of deliberately malformed requests")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    u = urlparse(args.url)
+    host, port = u.hostname, u.port or 80
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/v1/models", headers=headers)
+    model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    conn.close()
+    prompts = prompts_from(args.data, args.skip_first)
+    bad = invalid_bodies(model)
+    rng = random.Random(args.seed)
+    lock = threading.Lock()
+    counter = [0]
+    stats = Stats()
+    deadline = time.perf_counter() + args.seconds
+
+    def next_job():
+        with lock:
+            if args.requests and counter[0] >= args.requests:
+                return None
+            if not args.requests and time.perf_counter() >= deadline:
+                return None
+            i = counter[0]
+            counter[0] += 1
+            if rng.random() < args.invalid:
+                return rng.choice(bad)[1], False
+        body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        return json.dumps(body).encode(), True
+
+    def client():
+        while (job := next_job()) is not None:
+            one(host, port, headers, job[0], job[1], stats)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+
+    def pct(xs, q):
+        return round(statistics.quantiles(xs, n=10)[q - 1], 3) if len(xs) >= 2 else (round(xs[0], 3) if xs else None)
+
+    print(json.dumps({
+        "clients": args.clients, "wall_s": round(wall, 1), "requests": sum(stats.status.values()),
+        "by_status": dict(sorted(stats.status.items())), "server_errors": len(stats.errors),
+        "error_samples": stats.errors[:5], "generated_tokens": stats.tokens,
+        "tokens_per_s": round(stats.tokens / wall, 2),
+        "ttft_s": {"median": round(statistics.median(stats.ttft), 3) if stats.ttft else None,
+                   "p90": pct(stats.ttft, 9)},
+        "latency_s": {"median": round(statistics.median(stats.latency), 3) if stats.latency else None,
+                      "p90": pct(stats.latency, 9)},
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
