@@ -78,11 +78,16 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
     metrics = Metrics()
     scheduler = Scheduler(runtime, metrics, max_queue=max_queue, default_max_tokens=default_max_tokens)
 
-    def authorised(request: Request) -> bool:
-        if api_key is None:
-            return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+    def refused_key(request: Request) -> Response | None:
+        """The 401 for a request without the API key (``None`` when it may pass)."""
+        if api_key is None or hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                  f"Bearer {api_key}".encode()):
+            return None
+        return error_response(RequestError("missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                           status=401, type="authentication_error", code="invalid_api_key"))
+
+    too_large = RequestError(f"the request body is over the limit of {max_body} bytes", status=413,
+                             code="body_too_large")
 
     def finish(endpoint: str, response: Response) -> Response:
         metrics.inc("requests_total", endpoint=endpoint, status=str(response.status_code))
@@ -91,24 +96,20 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
     async def read_json(request: Request):
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > max_body):
-            raise RequestError(f"the request body is over the limit of {max_body} bytes", status=413,
-                               code="body_too_large")
+            raise too_large
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > max_body:
-                raise RequestError(f"the request body is over the limit of {max_body} bytes", status=413,
-                                   code="body_too_large")
+                raise too_large
         try:
             return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RequestError(f"the request body is not valid JSON ({exc})") from None
 
     async def completions(request: Request, kind: str, endpoint: str) -> Response:
-        if not authorised(request):
-            return finish(endpoint, error_response(RequestError(
-                "missing or wrong API key (send 'Authorization: Bearer KEY')", status=401,
-                type="authentication_error", code="invalid_api_key")))
+        if (refusal := refused_key(request)) is not None:
+            return finish(endpoint, refusal)
         try:
             req = parse_request(kind, await read_json(request), model_name)
             admission = await asyncio.to_thread(scheduler.admit, req)
@@ -186,9 +187,8 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
         return await completions(request, "completion", "completions")
 
     async def models(request: Request) -> Response:
-        if not authorised(request):
-            return error_response(RequestError("missing or wrong API key", status=401,
-                                               type="authentication_error", code="invalid_api_key"))
+        if (refusal := refused_key(request)) is not None:
+            return refusal
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": started, "owned_by": "adaptive"}]})
 
@@ -198,9 +198,8 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(request: Request) -> Response:
-        if not authorised(request):
-            return error_response(RequestError("missing or wrong API key", status=401,
-                                               type="authentication_error", code="invalid_api_key"))
+        if (refusal := refused_key(request)) is not None:
+            return refusal
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -104,6 +104,16 @@ class ServeRequest:
     def response_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
+    @property
+    def prompt_param(self) -> str:
+        """The body field that holds the prompt (what a refusal of the prompt names)."""
+        return "messages" if self.chat else "prompt"
+
+    def runtime_prompt(self) -> tuple[str | list[dict], bool | None]:
+        """``(prompt, chat)`` as :meth:`AdaptiveRuntime.encode` and ``stream`` take them: chat
+        messages through the template, a completion's prompt as raw text."""
+        return (list(self.prompt), None) if self.chat else (self.prompt, False)
+
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name)

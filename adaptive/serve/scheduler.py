@@ -96,18 +96,19 @@ class Scheduler:
 
     def admit(self, req: ServeRequest) -> Admission:
         """Tokenise ``req`` and size it; :class:`RequestError` if it cannot fit the model's context."""
+        param = req.prompt_param
         try:
-            ids = self.runtime.encode(list(req.prompt) if req.chat else req.prompt, chat=None if req.chat else False)
+            ids = self.runtime.encode(*req.runtime_prompt())
         except AdaptiveError as exc:
-            raise RequestError(str(exc), param="messages" if req.chat else "prompt") from None
+            raise RequestError(str(exc), param=param) from None
         except Exception as exc:  # e.g. a chat template that refuses this sequence of roles
-            raise RequestError(f"the {'messages' if req.chat else 'prompt'} could not be encoded for this model "
-                               f"({type(exc).__name__}: {exc})", param="messages" if req.chat else "prompt") from None
+            raise RequestError(f"the {param} could not be encoded for this model ({type(exc).__name__}: {exc})",
+                               param=param) from None
         room = self.runtime.room(ids)
         if room < 1:
             raise RequestError(f"the prompt is {len(ids)} tokens, which leaves no room in the model's context "
-                               f"of {self.runtime.engine.backbone.max_positions}", param="messages" if req.chat
-                               else "prompt", code="context_length_exceeded")
+                               f"of {self.runtime.engine.backbone.max_positions}", param=param,
+                               code="context_length_exceeded")
         if req.max_tokens is not None and req.max_tokens > room:
             raise RequestError(f"'max_tokens' is {req.max_tokens}, but the prompt ({len(ids)} tokens) leaves room "
                                f"for at most {room} in the model's context of "
@@ -180,9 +181,9 @@ class Scheduler:
         req, m = job.request, self.metrics
         m.set("running_requests", 1)
         first = True
-        gen = self.runtime.stream(list(req.prompt) if req.chat else req.prompt, max_new_tokens=job.admission.max_tokens,
-                                  temperature=req.temperature, top_p=req.top_p, stop=req.stop, seed=req.seed,
-                                  policy=req.policy, chat=None if req.chat else False)
+        prompt, chat = req.runtime_prompt()
+        gen = self.runtime.stream(prompt, max_new_tokens=job.admission.max_tokens, temperature=req.temperature,
+                                  top_p=req.top_p, stop=req.stop, seed=req.seed, policy=req.policy, chat=chat)
         try:
             for item in gen:
                 if job.cancelled.is_set():

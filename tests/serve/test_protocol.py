@@ -49,6 +49,8 @@ def test_a_completion_prompt_may_be_a_list_of_one():
     r = parse_request("completion", {"prompt": ["def f():"], "max_tokens": 3}, served_model="m")
     assert (r.kind, r.prompt, r.chat, r.model) == ("completion", "def f():", False, "m")
     assert r.response_id.startswith("cmpl-")
+    assert (r.prompt_param, r.runtime_prompt()) == ("prompt", ("def f():", False))  # raw text
+    assert (chat().prompt_param, chat().runtime_prompt()) == ("messages", (MSG, None))  # the template
 
 
 @pytest.mark.parametrize("fields,param", [
