@@ -16,6 +16,7 @@ transformers 5.x. Anything else is refused with :class:`UnsupportedModelError` a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,16 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of :meth:`Backbone.forward_batch`: token ids ``ids`` (``[T]``) fed at
+    positions ``start .. start + T - 1`` of that sequence's own ``cache``."""
+
+    ids: torch.Tensor
+    cache: KVCache
+    start: int
 
 
 @dataclass
@@ -329,27 +340,88 @@ class Backbone:
                    cos: torch.Tensor, sin: torch.Tensor, banned: torch.Tensor | None, read_only: bool = False):
         """One attention sublayer on ``x`` (``[T, hidden]``, normed): its output, ``[T, hidden]``.
 
-        Queries, keys and values come from one product with the fused weight; rotary embedding is
-        applied to queries and keys together; attention runs in the cache dtype over the cache's
-        positions ``0 .. end-1`` with grouped heads as a batch (``[n_kv_heads, group * T, head_dim]``).
+        Queries, keys and values come from one product with the fused weight (:meth:`_qkv`); then
+        :meth:`_attend` writes the keys and attends over the cache's positions ``0 .. end-1``.
         """
+        qkv = self._qkv(w, x, cache.k.dtype, cos, sin, rotate_keys=not read_only)
+        return w.o(self._attend(qkv, cache, i, start, end, banned, write=not read_only).to(x.dtype))
+
+    def _qkv(self, w: LayerWeights, x: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
+             rotate_keys: bool = True) -> torch.Tensor:
+        """``[T, n_heads + 2 * n_kv_heads, head_dim]`` in ``dtype``: the projected queries, keys and values
+        of ``x`` (``[T, hidden]``), rotary embedding applied to the queries (and the keys unless
+        ``rotate_keys=False``, when they will not be written) with ``cos``/``sin`` of each row's position."""
         T = x.shape[0]
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = w.qkv(x).to(cache.k.dtype).view(T, H + 2 * KV, D)
-        rot = H if read_only else H + KV  # rotate the queries, and the keys when they are written
+        qkv = w.qkv(x).to(dtype).view(T, H + 2 * KV, D)  # a fresh tensor: rotated in place below
+        rot = H + KV if rotate_keys else H
         qk = qkv[:, :rot]
-        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [T, rot, D]
-        if not read_only:
-            cache.k[i, :, start:end] = qk[:, H:].transpose(0, 1)
+        qkv[:, :rot] = qk * cos + qk.roll(D // 2, dims=-1) * sin
+        return qkv
+
+    def _attend(self, qkv: torch.Tensor, cache: KVCache, i: int, start: int, end: int,
+                banned: torch.Tensor | None, write: bool = True) -> torch.Tensor:
+        """One sequence's attention in layer ``i``: ``qkv`` (``[T, H + 2 * KV, D]``, from :meth:`_qkv`) at
+        positions ``start .. end-1``; its keys and values are written there first (``write``); queries
+        attend over ``0 .. end-1`` with grouped heads as a batch (``[KV, G * T, D]``). Returns
+        ``[T, H * D]`` in the cache dtype."""
+        T = qkv.shape[0]
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if write:
+            cache.k[i, :, start:end] = qkv[:, H:H + KV].transpose(0, 1)
             cache.v[i, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
         G = H // KV
-        q = qk[:, :H].reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
+        q = qkv[:, :H].reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
         scores = torch.bmm(q, cache.k[i, :, :end].transpose(1, 2)).mul_(self.scaling)  # [KV, G*T, end]
         if banned is not None:
             scores.view(KV, G, T, end).masked_fill_(banned, float("-inf"))
         out = torch.bmm(torch.softmax(scores, dim=-1), cache.v[i, :, :end])  # [KV, G*T, D]
-        out = out.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D).to(x.dtype)
-        return w.o(out)
+        return out.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """A full-model forward of several sequences at once; each segment's logits at every fed
+        position, ``[T_i, vocab]`` float32, in order.
+
+        Segment ``s`` feeds ``s.ids`` (``[T_i]``) at positions ``s.start .. s.start + T_i - 1`` of its
+        own ``s.cache`` (which must hold that sequence's keys for ``0 .. s.start - 1``), exactly as
+        :meth:`forward` would with ``logits="all"``; the linear layers and the LM head multiply all
+        segments' rows together (one product per weight for the whole batch: what makes verifying
+        several requests cheaper than one after another), attention runs per sequence over its own
+        cache. Ragged: segments may differ in length, start and cache size; nothing is padded.
+        Does not change any ``cache.length``.
+
+        Example: segments of 1 and 3 tokens at starts 7 and 20 -> logits ``[1, V]`` and ``[3, V]``.
+        """
+        if not segments:
+            return []
+        spans, cos, sin, row = [], [], [], 0
+        for s in segments:
+            T = int(s.ids.numel())
+            if T == 0:
+                raise ValueError("a segment of a batched forward has no tokens")
+            end = s.start + T
+            if end > s.cache.max_len:
+                raise PromptTooLongError(f"positions up to {end} exceed the cache of {s.cache.max_len}")
+            c, sn = self._rope(s.start, end)
+            cos.append(c)
+            sin.append(sn)
+            banned = (torch.ones(T, end, dtype=torch.bool, device=self.device).triu_(s.start + 1) if T > 1
+                      else None)
+            spans.append((row, row + T, end, banned))
+            row += T
+        cos_all, sin_all = torch.cat(cos), torch.cat(sin)
+        h = F.embedding(torch.cat([s.ids.reshape(-1) for s in segments]).to(self.device), self.embed.weight)
+        dtype = segments[0].cache.k.dtype
+        for i, w in enumerate(self.weights):
+            x = rms_norm(h, w.attn_norm, w.attn_eps)
+            qkv = self._qkv(w, x, dtype, cos_all, sin_all)
+            out = torch.cat([self._attend(qkv[a:b], s.cache, i, s.start, end, banned)
+                             for s, (a, b, end, banned) in zip(segments, spans)])
+            h = h + w.o(out.to(x.dtype))
+            h = h + self._mlp(w, h)
+        logits = self.head(rms_norm(h, self.norm.weight, self.norm_eps)).float()
+        return [logits[a:b] for a, b, _, _ in spans]
 
     @property
     def norm_eps(self) -> float:

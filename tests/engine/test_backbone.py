@@ -113,3 +113,43 @@ def test_layer_pools_match_the_pooled_embedding_and_the_hidden_state():
     last = rms_norm(out.hidden, bb.norm.weight, bb.norm_eps).float()[-1]
     torch.testing.assert_close(final[1], last)
     assert bb.forward(ids, bb.new_cache(5), 0, logits="none").layer_pools is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_forward_equals_one_sequence_at_a_time(family):
+    """Ragged segments (1, 3 and 2 tokens at different positions, each with its own cache) give the
+    logits and the cached keys that forward() gives each sequence alone."""
+    bb = Backbone(tiny_model(family))
+    V = bb.vocab_size
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, V, (n,)) for n in (7, 20, 12)]
+    fed = [torch.randint(0, V, (n,)) for n in (1, 3, 2)]
+    batched, alone = [], []
+    for p in prompts:
+        for caches in (batched, alone):
+            c = bb.new_cache(len(p) + 8 + len(caches))  # caches of different sizes
+            bb.forward(p, c, 0, logits="none")
+            caches.append(c)
+    from adaptive.engine.backbone import Segment
+
+    got = bb.forward_batch([Segment(f, c, len(p)) for f, c, p in zip(fed, batched, prompts)])
+    for f, c, p, g in zip(fed, alone, prompts, got):
+        ref = bb.forward(f, c, len(p), logits="all").logits
+        assert g.shape == ref.shape == (len(f), V)
+        assert torch.allclose(g, ref, atol=1e-5) and torch.equal(g.argmax(-1), ref.argmax(-1))
+    for b, a, p, f in zip(batched, alone, prompts, fed):
+        end = len(p) + len(f)
+        assert torch.allclose(b.k[:, :, :end], a.k[:, :, :end], atol=1e-5)  # a row multiplied with others may round differently
+        assert torch.allclose(b.v[:, :, :end], a.v[:, :, :end], atol=1e-5)
+        assert b.length == 0  # the caller owns the lengths
+
+
+def test_batched_forward_refuses_bad_segments():
+    from adaptive.engine.backbone import Segment
+
+    bb = Backbone(tiny_model("llama"))
+    assert bb.forward_batch([]) == []
+    with pytest.raises(ValueError, match="no tokens"):
+        bb.forward_batch([Segment(torch.tensor([], dtype=torch.long), bb.new_cache(4), 0)])
+    with pytest.raises(PromptTooLongError):
+        bb.forward_batch([Segment(torch.tensor([1, 2, 3]), bb.new_cache(4), 2)])
