@@ -123,18 +123,16 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
             return finish(endpoint, _EventStream(sse(request, job), media_type="text/event-stream",
                                                  headers={"Cache-Control": "no-cache"}))
         try:
-            text, result = [], None
-            async for event in events(request, job):
-                if event.kind == "delta":
-                    text.append(event.text)
-                elif event.kind == "error":
+            result = None
+            async for event in events(request, job):  # the deltas add up to the result's text
+                if event.kind == "error":
                     return finish(endpoint, error_response(event.error))
-                else:
+                if event.kind == "done":
                     result = event.result
             if result is None:  # the client left
                 return finish(endpoint, Response(status_code=499))
             usage = usage_body(admission.prompt_tokens, len(result.token_ids), extension(result))
-            body = completion_body(req, model_name, "".join(text), FINISH_REASONS[result.finish_reason], usage)
+            body = completion_body(req, model_name, result.text, FINISH_REASONS[result.finish_reason], usage)
             return finish(endpoint, JSONResponse(body))
         finally:
             job.cancel()
