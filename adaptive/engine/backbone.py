@@ -279,10 +279,7 @@ class Backbone:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
         skip_attn, skip_mlp = skip_masks or self._full
         cos, sin = self._rope(start, end)
-        # Query t (absolute start+t) may see keys 0..start+t: the banned ones, [T, end] (None for one token).
-        banned = None
-        if T > 1:
-            banned = torch.ones(T, end, dtype=torch.bool, device=self.device).triu_(start + 1)
+        banned = self._banned(T, start)
         h = F.embedding(ids, self.embed.weight)  # [T, hidden]
         pools = {} if pool_layers else None  # a decoding step asks for none: nothing below runs then
         if pools is not None and 0 in pool_layers:
@@ -346,6 +343,14 @@ class Backbone:
         qkv = self._qkv(w, x, cache.k.dtype, cos, sin, rotate_keys=not read_only)
         return w.o(self._attend(qkv, cache, i, start, end, banned, write=not read_only).to(x.dtype))
 
+    def _banned(self, T: int, start: int) -> torch.Tensor | None:
+        """The causal mask of ``T`` queries at positions ``start .. start+T-1`` over keys ``0 .. start+T-1``:
+        ``[T, start + T]``, True where query t (absolute ``start + t``) may not look; ``None`` for one
+        query, which may see every key. Example: ``T=2, start=1`` -> ``[[F, F, T], [F, F, F]]``."""
+        if T <= 1:
+            return None
+        return torch.ones(T, start + T, dtype=torch.bool, device=self.device).triu_(start + 1)
+
     def _qkv(self, w: LayerWeights, x: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
              rotate_keys: bool = True) -> torch.Tensor:
         """``[T, n_heads + 2 * n_kv_heads, head_dim]`` in ``dtype``: the projected queries, keys and values
@@ -406,9 +411,7 @@ class Backbone:
             c, sn = self._rope(s.start, end)
             cos.append(c)
             sin.append(sn)
-            banned = (torch.ones(T, end, dtype=torch.bool, device=self.device).triu_(s.start + 1) if T > 1
-                      else None)
-            spans.append((row, row + T, end, banned))
+            spans.append((row, row + T, end, self._banned(T, s.start)))
             row += T
         cos_all, sin_all = torch.cat(cos), torch.cat(sin)
         h = F.embedding(torch.cat([s.ids.reshape(-1) for s in segments]).to(self.device), self.embed.weight)
@@ -452,7 +455,7 @@ class Backbone:
         T = ids.shape[0]
         cache = self.new_cache(T)
         cos, sin = self._rope(0, T)
-        banned = torch.ones(T, T, dtype=torch.bool, device=self.device).triu_(1) if T > 1 else None
+        banned = self._banned(T, 0)
         out = torch.zeros(2, self.n_layers)
 
         def turn(a, b):

@@ -109,9 +109,15 @@ def new_generator(cfg: GenerationConfig, device: torch.device) -> torch.Generato
     return gen
 
 
+def cache_positions(n_prompt: int, max_new_tokens: int, draft_len: int) -> int:
+    """Positions a request's KV cache needs: the prompt, its new tokens and the longest draft beyond
+    them (verified with the pending token). Example: ``cache_positions(10, 5, 8) == 24``."""
+    return n_prompt + max_new_tokens + draft_len + 1
+
+
 def new_cache(backbone, n_prompt: int, cfg: GenerationConfig):
     """A KV cache with room for the prompt, ``cfg.max_new_tokens`` and the longest draft beyond them."""
-    return backbone.new_cache(n_prompt + cfg.max_new_tokens + cfg.draft_len + 1)
+    return backbone.new_cache(cache_positions(n_prompt, cfg.max_new_tokens, cfg.draft_len))
 
 
 def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, generator: torch.Generator | None,

@@ -33,6 +33,7 @@ from adaptive.drafters.model import build_draft_model
 from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine, GenerationResult
+from adaptive.engine.loop import cache_positions
 from adaptive.engine.protocol import DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
 from adaptive.index.anchors import Route
@@ -299,7 +300,7 @@ class AdaptiveRuntime:
     def room(self, prompt_ids: Sequence[int]) -> int:
         """The most new tokens a request with this prompt can ask for (the model's context less the
         prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""
-        return self.engine.backbone.max_positions - len(prompt_ids) - self.draft_len - 1
+        return self.engine.backbone.max_positions - cache_positions(len(prompt_ids), 0, self.draft_len)
 
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,

@@ -139,7 +139,8 @@ def test_batched_forward_equals_one_sequence_at_a_time(family):
         assert torch.allclose(g, ref, atol=1e-5) and torch.equal(g.argmax(-1), ref.argmax(-1))
     for b, a, p, f in zip(batched, alone, prompts, fed):
         end = len(p) + len(f)
-        assert torch.allclose(b.k[:, :, :end], a.k[:, :, :end], atol=1e-5)  # a row multiplied with others may round differently
+        # a row multiplied together with others may round differently in its last bits
+        assert torch.allclose(b.k[:, :, :end], a.k[:, :, :end], atol=1e-5)
         assert torch.allclose(b.v[:, :, :end], a.v[:, :, :end], atol=1e-5)
         assert b.length == 0  # the caller owns the lengths
 
