@@ -231,6 +231,17 @@ def load(model_spec: str, device: str, dtype: str, weights: str = "auto"):
     return load_model(model_spec, device=device, dtype=dtype, weights="dense" if weights == "auto" else weights)
 
 
+def load_runtime(profile_dir, model_spec: str, device: str, dtype: str, weights: str = "auto", **kwargs):
+    """The runtime of a profile, with the model, dtype and weights it names unless ``--model``/``--dtype``/
+    ``--weights`` say otherwise (``kwargs``: :class:`AdaptiveRuntime`'s own options)."""
+    from adaptive.runtime import AdaptiveRuntime
+
+    info(f"loading profile {profile_dir} ...")
+    return AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
+                                        device=device, dtype=None if dtype == "auto" else dtype,
+                                        weights=None if weights == "auto" else weights, **kwargs)
+
+
 def profile_model(profile, model_spec: str, dtype: str, weights: str = "auto") -> tuple[str, str, str]:
     """The model spec, dtype and weights to load for ``profile``: its own unless ``--model``/``--dtype``/
     ``--weights`` say otherwise."""

@@ -18,6 +18,7 @@ from adaptive.cli.common import (
     info,
     json_option,
     load,
+    load_runtime,
     model_option,
     sampling_config,
     sampling_options,
@@ -26,8 +27,6 @@ from adaptive.cli.common import (
 from adaptive.drafters.factory import DRAFTERS, LAYER_SKIP_DRAFTERS, DrafterSpec, build_drafter
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
-from adaptive.models import DEFAULT_MODEL
-from adaptive.runtime import AdaptiveRuntime
 from adaptive.runtime.policies import DISTILLED, POLICIES
 
 # the distilled drafters draft with parts `adaptive distill` trains and stores in a profile:
@@ -126,11 +125,8 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
     domain applied, the drafter and its draft lengths.
     """
     sampling_config(sampling)  # validated before the model loads
-    info(f"loading profile {profile_dir} ...")
-    rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
-                                      device=device, dtype=None if dtype == "auto" else dtype,
-                                      weights=None if weights == "auto" else weights,
-                                      reduced_vocab=not full_vocab, bandit=not fixed_draft_len)
+    rt = load_runtime(profile_dir, model_spec, device, dtype, weights, reduced_vocab=not full_vocab,
+                      bandit=not fixed_draft_len)
     items = rt.stream(prompt, policy=policy, **sampling)
     result = _print_stream(items, rt.lm, stream, as_json)
     if as_json:

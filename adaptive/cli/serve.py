@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import click
 
-from adaptive.cli.common import command, device_option, dtype_option, info, model_option, weights_option
+from adaptive.cli.common import (
+    command,
+    device_option,
+    dtype_option,
+    info,
+    load_runtime,
+    model_option,
+    weights_option,
+)
 from adaptive.errors import ConfigError
-from adaptive.models import DEFAULT_MODEL
-from adaptive.runtime import AdaptiveRuntime
-
-
-def _positive(ctx, param, value):
-    if value is not None and value < 1:
-        raise click.BadParameter("must be at least 1")
-    return value
 
 
 @command("serve", examples=(
@@ -29,11 +29,11 @@ def _positive(ctx, param, value):
 @device_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
-@click.option("--max-queue", type=int, default=64, show_default=True, callback=_positive,
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the model; more are refused with 429.")
-@click.option("--max-body", type=int, default=1 << 20, show_default=True, callback=_positive,
+@click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="Largest request body in bytes; larger is refused with 413.")
-@click.option("--default-max-tokens", type=int, default=256, show_default=True, callback=_positive,
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="New tokens when a request gives no max_tokens (at most what the context leaves).")
 @click.option("--api-key", envvar="ADAPTIVE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (or set ADAPTIVE_API_KEY).")
@@ -62,10 +62,7 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_q
     except ImportError as exc:
         raise ConfigError(f"adaptive serve needs the serve extra ({exc.name} is missing): "
                           "pip install 'adaptive[serve]'") from None
-    info(f"loading profile {profile_dir} ...")
-    rt = AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
-                                      device=device, dtype=None if dtype == "auto" else dtype,
-                                      weights=None if weights == "auto" else weights)
+    rt = load_runtime(profile_dir, model_spec, device, dtype, weights)
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_body=max_body,
                      default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
 
