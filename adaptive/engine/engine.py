@@ -2,7 +2,9 @@
 
 One request is :meth:`Engine.start` (encode is the caller's; the prefill, optionally pooling the
 prompt's embedding) then :meth:`Engine.decode` (the decode steps with a drafter, turned into text
-deltas and a :class:`GenerationResult`); :meth:`Engine.stream` does both. Text is detokenized
+deltas and a :class:`GenerationResult`); :meth:`Engine.stream` does both. Several requests decode
+together with :meth:`Engine.begin` (a :class:`Decoding` per started session) and :meth:`Engine.step`
+(one verification forward for all of them). Text is detokenized
 incrementally (:class:`TextDecoder`) and stop strings are looked for only where a new token can
 have completed one, so a long generation costs linear time.
 """
@@ -19,14 +21,15 @@ from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.loop import (
     Acceptor,
     GenerationStats,
+    Lane,
     Prefill,
-    decode_steps,
     default_acceptor,
     new_cache,
     new_generator,
     prefill,
+    step,
 )
-from adaptive.engine.protocol import DecodeState, Drafter, DraftLengthPolicy
+from adaptive.engine.protocol import DecodeState, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.errors import ConfigError
 
 Messages = Sequence[dict]
@@ -207,13 +210,47 @@ class Session:
         return self.prefill.pooled
 
 
+@dataclass(eq=False)
+class Decoding:
+    """A session being decoded (:meth:`Engine.begin`): the loop's :class:`~adaptive.engine.loop.Lane`
+    and the :class:`TextStream` turning its tokens into text. ``first``: the text delta of the
+    prefill's token. :meth:`Engine.step` advances it (with others), :meth:`result` ends it."""
+
+    session: Session
+    lane: Lane
+    out: TextStream
+    first: str = field(init=False)
+
+    def __post_init__(self):
+        self.first = self.out.push([self.session.prefill.first])
+
+    @property
+    def done(self) -> bool:
+        """EOS, a stop string or ``max_new_tokens`` ended it."""
+        return self.out.finish is not None or self.lane.done
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.lane.drafter
+
+    def result(self) -> GenerationResult:
+        """The :class:`GenerationResult` so far (the whole generation once :attr:`done`)."""
+        stats, drafter = self.session.stats, self.lane.drafter
+        stats.tokens = len(self.out.ids)
+        stats.total_time = time.perf_counter() - self.session.started
+        return GenerationResult(self.out.final_text(), self.out.ids, self.out.finish or "length", stats,
+                                drafter.name if drafter is not None else "ar",
+                                drafter.describe() if drafter is not None else {})
+
+
 class Engine:
     """Decodes prompts with a loaded model (:class:`adaptive.models.LoadedModel`).
 
     ``generate(prompt, config, drafter=...)`` returns a :class:`GenerationResult` (no drafter: plain
     decoding; drafters come from :func:`adaptive.drafters.factory.build_drafter`); ``stream(...)``
     yields text deltas and finally the result. ``start`` and ``decode`` are the two halves, for a
-    caller that decides what to draft with after the prefill (the runtime routes on ``pooled``).
+    caller that decides what to draft with after the prefill (the runtime routes on ``pooled``);
+    ``begin`` and ``step`` decode several started sessions together (a server's batch).
     """
 
     def __init__(self, lm):
@@ -267,35 +304,40 @@ class Engine:
         state = DecodeState(self.backbone, cache, list(prompt_ids) + [pre.first], cfg, gen)
         return Session(list(prompt_ids), cfg, state, pre, stats, t0)
 
+    def begin(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,
+              acceptor: Acceptor = default_acceptor) -> Decoding:
+        """A started session made ready to step (once per session): a :class:`Decoding`, whose
+        ``first`` delta is the prefill token's text. ``drafter`` drafts with ``policy`` choosing each
+        step's draft length (default: ``config.draft_len`` every step); no drafter decodes plainly."""
+        if session.decoded:
+            raise ConfigError("a session is decoded once; start another")
+        session.decoded = True
+        cfg = session.config
+        lane = Lane(session.state, drafter, policy or FixedDraftLength(cfg.draft_len), cfg, session.stats, acceptor)
+        return Decoding(session, lane, TextStream(self._decode_text, self.eos, cfg))
+
+    def step(self, decodings: Sequence[Decoding]) -> list[str]:
+        """One verification step of each unfinished decoding, all verified in one forward
+        (:func:`adaptive.engine.loop.step`); returns each one's text delta ('' for none yet)."""
+        if any(d.done for d in decodings):
+            raise ConfigError("a finished decoding cannot step")
+        chunks = step(self.backbone, [d.lane for d in decodings])
+        return [d.out.push(c) for d, c in zip(decodings, chunks)]
+
     def decode(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,
                acceptor: Acceptor = default_acceptor) -> Iterator[str | GenerationResult]:
         """Decode a started session: yield text deltas as tokens are accepted, then the :class:`GenerationResult`.
 
-        ``drafter`` drafts with ``policy`` choosing each step's draft length (default:
-        ``config.draft_len`` every step); no drafter decodes plainly.
+        :meth:`begin`, then :meth:`step` on this one decoding until it is done.
         """
-        if session.decoded:
-            raise ConfigError("a session is decoded once; start another")
-        session.decoded = True
-        cfg, stats = session.config, session.stats
-        out = TextStream(self._decode_text, self.eos, cfg)
-        delta = out.push([session.prefill.first])
-        if delta:
-            yield delta
-        if not out.finish:
-            steps = decode_steps(self.backbone, session.state, drafter, policy, cfg, stats, acceptor)
-            for chunk in steps:
-                delta = out.push(chunk)
-                if delta:
-                    yield delta
-                if out.finish:
-                    steps.close()
-                    break
-        stats.tokens = len(out.ids)
-        stats.total_time = time.perf_counter() - session.started
-        yield GenerationResult(out.final_text(), out.ids, out.finish or "length", stats,
-                               drafter.name if drafter is not None else "ar",
-                               drafter.describe() if drafter is not None else {})
+        d = self.begin(session, drafter, policy, acceptor)
+        if d.first:
+            yield d.first
+        while not d.done:
+            delta = self.step([d])[0]
+            if delta:
+                yield delta
+        yield d.result()
 
     def stream(
         self,

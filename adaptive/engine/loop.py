@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.protocol import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
@@ -146,6 +147,95 @@ def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, gener
     return Prefill(first, backbone.pooled(out, pooling) if pooling is not None else None, time.perf_counter() - t0)
 
 
+@dataclass(eq=False)
+class Lane:
+    """One sequence between verification steps: its :class:`DecodeState`, drafter (``None``: plain
+    steps), draft-length policy, config, statistics, acceptor and how many tokens it has produced
+    (the pending first token counts). :func:`step` advances one or several lanes together."""
+
+    state: DecodeState
+    drafter: Drafter | None
+    policy: DraftLengthPolicy
+    cfg: GenerationConfig
+    stats: GenerationStats
+    acceptor: Acceptor = default_acceptor
+    produced: int = 1
+
+    @property
+    def done(self) -> bool:
+        """``cfg.max_new_tokens`` tokens produced (EOS and stop strings are the caller's to watch)."""
+        return self.produced >= self.cfg.max_new_tokens
+
+    def propose(self) -> Draft:
+        """This step's draft (empty for a plain step), timed into ``stats.draft_time``."""
+        t0 = time.perf_counter()
+        remaining = self.cfg.max_new_tokens - self.produced
+        draft = None
+        if self.drafter is not None and remaining > 1:
+            choice = self.policy.choose(min(self.cfg.draft_len, remaining - 1))
+            if choice.length > 0:
+                draft = self.drafter.propose(self.state, choice)
+        if draft is None or len(draft) == 0:
+            draft = Draft(torch.empty(0, dtype=torch.long, device=self.state.backbone.device))
+        _sync(self.state.backbone.device)
+        self.stats.draft_time += time.perf_counter() - t0
+        return draft
+
+    def segment(self, draft: Draft) -> Segment:
+        """What the verification feeds: the pending token, then the draft (``[k + 1]`` ids), at its position."""
+        dev = self.state.backbone.device
+        ids = torch.cat([torch.tensor([self.state.tokens[-1]], device=dev), draft.tokens.to(dev)])
+        return Segment(ids, self.state.cache, self.state.position)
+
+    def accept(self, draft: Draft, p_logits: torch.Tensor) -> list[int]:
+        """Keep what the target's logits ``p_logits`` (``[k + 1, V]``) accept of ``draft``: the accepted
+        drafts and the target's own next token, which become the new tokens (the last one pending)."""
+        state, stats = self.state, self.stats
+        remaining = self.cfg.max_new_tokens - self.produced
+        n, nxt = self.acceptor(draft, p_logits, self.cfg, state.generator)
+        # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
+        # rejected drafts is this assignment: their stale keys are overwritten before being read.
+        state.cache.length += n + 1
+        k = len(draft)
+        stats.steps += 1
+        stats.drafted += k
+        stats.accepted += n
+        stats.rejections += n < k
+        stats.accept_hist[n] += 1
+        if self.drafter is not None and remaining > 1:
+            stats.draft_lengths[k] += 1  # 0 when the policy chose a plain step
+            if k:
+                self.policy.update(draft, n)
+        new = draft.tokens[:n].tolist() + [nxt]
+        state.tokens.extend(new)
+        self.produced += len(new)
+        return new
+
+
+def step(backbone, lanes: Sequence[Lane]) -> list[list[int]]:
+    """One verification step of each lane (none of them done); returns each lane's new tokens.
+
+    Every lane drafts (one after another), then one full-model forward verifies them all: a lone
+    lane through :meth:`~adaptive.engine.backbone.Backbone.forward`, several through
+    :meth:`~adaptive.engine.backbone.Backbone.forward_batch` (ragged: each its own cache, position
+    and draft length, so nothing is padded and nothing padded can be accepted). Then each lane
+    accepts from its own logits. The verification's time counts in every lane's ``verify_time``.
+    """
+    drafts = [lane.propose() for lane in lanes]
+    t0 = time.perf_counter()
+    segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
+    if len(segments) == 1:
+        s = segments[0]
+        logits = [backbone.forward(s.ids, s.cache, s.start, logits="all").logits]  # [k + 1, V]
+    else:
+        logits = backbone.forward_batch(segments)
+    new = [lane.accept(d, p) for lane, d, p in zip(lanes, drafts, logits)]
+    elapsed = time.perf_counter() - t0
+    for lane in lanes:
+        lane.stats.verify_time += elapsed
+    return new
+
+
 def decode_steps(
     backbone,
     state: DecodeState,
@@ -162,50 +252,13 @@ def decode_steps(
     until that many tokens have been produced or the caller stops iterating (EOS and stop strings
     are the caller's to watch). ``drafter`` drafts with ``policy`` choosing each step's
     :class:`DraftChoice` (default: ``cfg.draft_len`` every step); ``None`` decodes plainly. This
-    loop owns acceptance and KV rollback.
+    loop owns acceptance and KV rollback: :func:`step` on one :class:`Lane`.
     """
     cfg = cfg or state.config
-    stats = stats if stats is not None else GenerationStats()
-    policy = policy or FixedDraftLength(cfg.draft_len)
-    dev = backbone.device
-    cache, tokens, gen = state.cache, state.tokens, state.generator
-    produced = 1
-    while produced < cfg.max_new_tokens:
-        pos = cache.length  # position of the pending token tokens[-1]
-        remaining = cfg.max_new_tokens - produced
-        draft = None
-        t1 = time.perf_counter()
-        if drafter is not None and remaining > 1:
-            choice = policy.choose(min(cfg.draft_len, remaining - 1))
-            if choice.length > 0:
-                draft = drafter.propose(state, choice)
-        if draft is None or len(draft) == 0:
-            draft = Draft(torch.empty(0, dtype=torch.long, device=dev))
-        _sync(dev)
-        t2 = time.perf_counter()
-        verify_in = torch.cat([torch.tensor([tokens[-1]], device=dev), draft.tokens.to(dev)])  # [k + 1]
-        p_logits = backbone.forward(verify_in, cache, pos, logits="all").logits  # [k + 1, V]
-        n, nxt = acceptor(draft, p_logits, cfg, gen)
-        # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
-        # rejected drafts is this assignment: their stale keys are overwritten before being read.
-        cache.length = pos + n + 1
-        t3 = time.perf_counter()
-        k = len(draft)
-        stats.steps += 1
-        stats.drafted += k
-        stats.accepted += n
-        stats.rejections += n < k
-        stats.accept_hist[n] += 1
-        stats.draft_time += t2 - t1
-        stats.verify_time += t3 - t2
-        if drafter is not None and remaining > 1:
-            stats.draft_lengths[k] += 1  # 0 when the policy chose a plain step
-            if k:
-                policy.update(draft, n)
-        new = draft.tokens[:n].tolist() + [nxt]
-        tokens.extend(new)
-        produced += len(new)
-        yield new
+    lane = Lane(state, drafter, policy or FixedDraftLength(cfg.draft_len), cfg,
+                stats if stats is not None else GenerationStats(), acceptor)
+    while not lane.done:
+        yield step(backbone, [lane])[0]
 
 
 def decode(
