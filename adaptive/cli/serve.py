@@ -18,7 +18,7 @@ from adaptive.errors import ConfigError
 
 @command("serve", examples=(
     "adaptive serve --profile my-profile",
-    "adaptive serve --profile my-profile --port 8001 --api-key \"$KEY\" --max-queue 16",
+    "adaptive serve --profile my-profile --port 8001 --api-key \"$KEY\" --max-queue 16 --max-batch 4",
     "adaptive serve --profile my-profile --host 0.0.0.0 --served-model-name assistant --drain-timeout 60",
 ), hints={"--policy": "choose speculation per request: the body's \"speculation\" field (auto, off or a policy)"})
 @click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
@@ -29,6 +29,8 @@ from adaptive.errors import ConfigError
 @device_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests decoded together, verified in one forward per step (1: one at a time).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the model; more are refused with 429.")
 @click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
@@ -41,15 +43,16 @@ from adaptive.errors import ConfigError
               "[default: the profile's model].")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish.")
-def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_queue, max_body, default_max_tokens,
-              api_key, served_model_name, drain_timeout):
+def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_batch, max_queue, max_body,
+              default_max_tokens, api_key, served_model_name, drain_timeout):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
     with the extension field "speculation": "auto" (the profile's decision), "off" (plain decoding)
     or a routing policy (knn-ssd, knn-skip, ssd-static, cascade, ...). Responses' usage carries an
-    "adaptive" object: the routed domain, the drafter, acceptance. Requests are decoded one at a
-    time, in arrival order. Needs the serve extra: pip install 'adaptive[serve]'.
+    "adaptive" object: the routed domain, the drafter, acceptance. Up to --max-batch requests are
+    decoded together: each step drafts for each of them and verifies all in one forward; waiting
+    requests join as others finish. Needs the serve extra: pip install 'adaptive[serve]'.
 
     \b
     curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -63,8 +66,8 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_q
         raise ConfigError(f"adaptive serve needs the serve extra ({exc.name} is missing): "
                           "pip install 'adaptive[serve]'") from None
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights)
-    app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_body=max_body,
-                     default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
+    app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
+                     max_body=max_body, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
 
     def ready(server):
         sock = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)

@@ -2,7 +2,7 @@
 
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 from adaptive.runtime.policies import POLICIES, Policy, get_policy
-from adaptive.runtime.runtime import AdaptiveRuntime, RoutedPlan, RuntimeResult
+from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPlan, RuntimeResult
 
-__all__ = ["POLICIES", "AdaptiveRuntime", "Policy", "RoutedPlan", "RuntimeResult", "ThompsonCascade",
+__all__ = ["POLICIES", "AdaptiveRuntime", "Policy", "RoutedDecoding", "RoutedPlan", "RuntimeResult", "ThompsonCascade",
            "ThompsonDraftLength", "get_policy"]

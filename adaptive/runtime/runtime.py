@@ -32,7 +32,7 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.model import build_draft_model
 from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.engine import Engine, GenerationResult
+from adaptive.engine.engine import Decoding, Engine, GenerationResult
 from adaptive.engine.loop import cache_positions
 from adaptive.engine.protocol import DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
@@ -121,6 +121,33 @@ class RuntimeResult(GenerationResult):
         if self.bandit is not None:
             d["bandit"] = self.bandit
         return d
+
+
+@dataclass(eq=False)
+class RoutedDecoding:
+    """A request :meth:`AdaptiveRuntime.start` prefilled, routed and planned: its engine
+    :class:`~adaptive.engine.engine.Decoding` and :class:`RoutedPlan`. ``first``: the text of the
+    prefill's token; :meth:`AdaptiveRuntime.step` advances it; :meth:`result` ends it."""
+
+    decoding: Decoding
+    plan: RoutedPlan
+
+    @property
+    def first(self) -> str:
+        return self.decoding.first
+
+    @property
+    def done(self) -> bool:
+        return self.decoding.done
+
+    def result(self) -> RuntimeResult:
+        """The :class:`RuntimeResult` (with the bandit's state as it is now)."""
+        r, plan = self.decoding.result(), self.plan
+        length = plan.length_policy
+        bandit = length.state() if isinstance(length, (ThompsonDraftLength, ThompsonCascade)) else None
+        return RuntimeResult(r.text, r.token_ids, r.finish_reason, r.stats, r.drafter, r.drafter_info,
+                             policy=plan.policy, route=plan.route, applied=plan.applied, skip=plan.skip,
+                             draft_policy=plan.draft_policy, bandit=bandit)
 
 
 def _positions(prior) -> list[float]:
@@ -302,6 +329,43 @@ class AdaptiveRuntime:
         prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""
         return self.engine.backbone.max_positions - cache_positions(len(prompt_ids), 0, self.draft_len)
 
+    def config(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               stop: Sequence[str] | str = (), seed: int | None = None,
+               confidence_threshold: float | None = None) -> GenerationConfig:
+        """A request's :class:`GenerationConfig` (its draft length: the longest any policy makes)."""
+        return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                                draft_len=self.draft_len, confidence_threshold=confidence_threshold)
+
+    def start(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
+              policy: str = "knn-ssd", confidence_threshold: float | None = None,
+              chat: bool | None = None) -> RoutedDecoding:
+        """Prefill, route and plan one request (options as :meth:`stream`): a :class:`RoutedDecoding`
+        for :meth:`step`, which decodes it together with other started requests. Its drafter is its
+        own (a distilled draft model gets a KV cache per request)."""
+        pol = get_policy(policy)
+        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
+        ids = self.encode(prompt, chat)
+        with self._lock:
+            return self._start(ids, cfg, pol, shared_draft_model=False)
+
+    def _start(self, ids: list[int], cfg: GenerationConfig, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
+        session = self.engine.start(ids, cfg, pool=self.profile.index.pooling)
+        route = self.profile.index.route(pooled_to_numpy(session.pooled))
+        plan = self.plan(pol, route, ids)
+        if plan.drafter == "draft-model" and shared_draft_model:
+            drafter = self._draft_model  # its own KV cache, reused across one-at-a-time requests (common prefix)
+        else:
+            drafter = build_drafter(plan.spec, self.engine.backbone)
+        return RoutedDecoding(self.engine.begin(session, drafter, plan.length_policy), plan)
+
+    def step(self, decodings: Sequence[RoutedDecoding]) -> list[str]:
+        """One verification step of each started, unfinished request, verified together in one forward
+        (:meth:`Engine.step`); each one's text delta. Greedy outputs are those of decoding each alone."""
+        with self._lock:
+            return self.engine.step([d.decoding for d in decodings])
+
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
                policy: str = "knn-ssd", confidence_threshold: float | None = None,
@@ -309,33 +373,19 @@ class AdaptiveRuntime:
         """Yield text deltas, then the final :class:`RuntimeResult`. ``policy``: one of ``POLICIES``;
         ``chat``: see :meth:`encode`."""
         pol = get_policy(policy)
-        if isinstance(stop, str):
-            stop = (stop,)
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop=tuple(stop), draft_len=self.draft_len,
-                               confidence_threshold=confidence_threshold)
+        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
         ids = self.encode(prompt, chat)
         # One request at a time on the model. The lock is held while the caller iterates and released
         # when the generator finishes or is closed (or garbage-collected, if abandoned).
         with self._lock:
-            session = self.engine.start(ids, cfg, pool=self.profile.index.pooling)
-            route = self.profile.index.route(pooled_to_numpy(session.pooled))
-            plan = self.plan(pol, route, ids)
-            # a draft model keeps its own KV cache: one drafter across requests reuses the common prefix
-            drafter = self._draft_model if plan.drafter == "draft-model" else build_drafter(plan.spec,
-                                                                                            self.engine.backbone)
-            for item in self.engine.decode(session, drafter, plan.length_policy):
-                if isinstance(item, GenerationResult):
-                    yield self._result(item, plan)
-                else:
-                    yield item
-
-    def _result(self, r: GenerationResult, plan: RoutedPlan) -> RuntimeResult:
-        length = plan.length_policy
-        bandit = length.state() if isinstance(length, (ThompsonDraftLength, ThompsonCascade)) else None
-        return RuntimeResult(r.text, r.token_ids, r.finish_reason, r.stats, r.drafter, r.drafter_info,
-                             policy=plan.policy, route=plan.route, applied=plan.applied, skip=plan.skip,
-                             draft_policy=plan.draft_policy, bandit=bandit)
+            run = self._start(ids, cfg, pol, shared_draft_model=True)
+            if run.first:
+                yield run.first
+            while not run.done:
+                delta = self.step([run])[0]
+                if delta:
+                    yield delta
+            yield run.result()
 
     def generate(self, prompt: str | Sequence[dict], **kwargs) -> RuntimeResult:
         """Decode ``prompt`` (a string or chat messages); see :meth:`stream` for the options."""

@@ -67,16 +67,19 @@ class _EventStream(StreamingResponse):
 
 
 def create_app(runtime, *, served_model: str | None = None, api_key: str | None = None, max_queue: int = 64,
-               max_body: int = MAX_BODY, default_max_tokens: int = 256, drain_timeout: float = 30.0) -> Starlette:
+               max_batch: int = 8, max_body: int = MAX_BODY, default_max_tokens: int = 256,
+               drain_timeout: float = 30.0) -> Starlette:
     """The server's ASGI app over ``runtime`` (an :class:`~adaptive.runtime.AdaptiveRuntime`).
 
     ``served_model``: the name in ``/v1/models`` and the only ``model`` requests may name (default:
-    the profile's model name). The decoding worker starts now and is drained on the app's shutdown
-    (within ``drain_timeout`` seconds).
+    the profile's model name). ``max_batch``: requests decoded together (one verification forward
+    per step for all of them; 1: one at a time). The decoding worker starts now and is drained on
+    the app's shutdown (within ``drain_timeout`` seconds).
     """
     model_name = served_model or runtime.profile.model.name
     metrics = Metrics()
-    scheduler = Scheduler(runtime, metrics, max_queue=max_queue, default_max_tokens=default_max_tokens)
+    scheduler = Scheduler(runtime, metrics, max_queue=max_queue, default_max_tokens=default_max_tokens,
+                          max_batch=max_batch)
 
     def refused_key(request: Request) -> Response | None:
         """The 401 for a request without the API key (``None`` when it may pass)."""

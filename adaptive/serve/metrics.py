@@ -17,6 +17,7 @@ Series (all prefixed ``adaptive_``):
 ``running_requests``                   gauge      requests being decoded
 ``time_per_output_token_seconds``      summary    decode time per generated token (``_sum``, ``_count``)
 ``time_to_first_token_seconds``        summary    admission to first token (``_sum``, ``_count``)
+``batch_size``                         summary    requests verified together per decoding step
 =====================================  =========  ============================================
 
 A request routed out of domain counts under ``domain="none"``.
@@ -39,6 +40,7 @@ _HELP = {
     "running_requests": ("gauge", "Requests being decoded."),
     "time_per_output_token_seconds": ("summary", "Decode wall time per generated token."),
     "time_to_first_token_seconds": ("summary", "Admission to first generated token."),
+    "batch_size": ("summary", "Requests verified together per decoding step (_sum / _count: the mean)."),
 }
 
 
@@ -71,7 +73,7 @@ class Metrics:
             self._values[name][()] = value
 
     def observe(self, name: str, value: float, count: int = 1) -> None:
-        """A summary's observation: ``value`` seconds over ``count`` events (e.g. tokens)."""
+        """A summary's observation: ``value`` (seconds, or requests) over ``count`` events (e.g. tokens)."""
         self._check(name)
         with self._lock:
             self._values[name][(("_", "sum"),)] += value

@@ -1,15 +1,17 @@
-"""The worker that owns the model: a bounded queue of admitted requests, decoded one at a time.
+"""The worker that owns the model: a bounded queue of admitted requests, decoded together in a batch.
 
 Request handlers (asyncio) :meth:`Scheduler.admit` a :class:`~adaptive.serve.protocol.ServeRequest`
 (tokenise it, check it fits the context: a :class:`RequestError` before any response starts), then
-:meth:`Scheduler.submit` it as a :class:`Job` and read the job's :class:`Event` stream. One worker
-thread takes jobs in arrival order and runs :meth:`AdaptiveRuntime.stream` for each, posting text
-deltas and the final result back to the handler's event loop. A job whose client went away is
-cancelled: skipped if still queued, stopped at its next decoding step if running (its slot is free
-at once). :meth:`Scheduler.close` stops admitting and lets queued and running jobs finish.
+:meth:`Scheduler.submit` it as a :class:`Job` and read the job's :class:`Event` stream.
 
-Requests are decoded one at a time, like :class:`AdaptiveRuntime` itself: batching concurrent
-requests into one verification forward is not implemented yet (docs/api.md says so).
+One worker thread runs the batch, continuously: before each step it takes waiting jobs in arrival
+order while fewer than ``max_batch`` run, and starts each (:meth:`AdaptiveRuntime.start`: prefill,
+route, plan); then one :meth:`AdaptiveRuntime.step` drafts for every running request and verifies
+all of them in one forward; each job's text delta, and its result when it is done, go back to its
+handler's event loop. A finished job leaves the batch at once and a waiting one takes its place at
+the next step. A job whose client went away is cancelled: skipped if still queued, dropped from the
+batch before the next step if running. :meth:`Scheduler.close` stops admitting and lets queued and
+running jobs finish. ``max_batch=1`` decodes one request at a time.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    first_posted: bool = False  # the worker's: a text delta has been posted
 
     def post(self, event: Event) -> None:
         """Thread-safe: hand ``event`` to the handler (dropped if its loop has closed)."""
@@ -76,18 +79,21 @@ class Job:
 
 
 class Scheduler:
-    """Admission, a bounded FIFO queue (``max_queue`` waiting; more is a 429) and the decoding worker."""
+    """Admission, a bounded FIFO queue (``max_queue`` waiting; more is a 429) and the decoding worker,
+    which decodes up to ``max_batch`` requests together."""
 
-    def __init__(self, runtime, metrics: Metrics | None = None, max_queue: int = 64, default_max_tokens: int = 256):
-        if max_queue < 1 or default_max_tokens < 1:
-            raise ValueError("max_queue and default_max_tokens must be at least 1")
+    def __init__(self, runtime, metrics: Metrics | None = None, max_queue: int = 64, default_max_tokens: int = 256,
+                 max_batch: int = 8):
+        if max_queue < 1 or default_max_tokens < 1 or max_batch < 1:
+            raise ValueError("max_queue, default_max_tokens and max_batch must be at least 1")
         self.runtime = runtime
         self.metrics = metrics or Metrics()
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.default_max_tokens = default_max_tokens
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._closing = False
         self._worker = threading.Thread(target=self._work, name="adaptive-serve-worker", daemon=True)
         self._worker.start()
@@ -135,8 +141,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        """A request holds the model now."""
-        return self._running is not None
+        """A request is being decoded now."""
+        return bool(self._running)
 
     def close(self, timeout: float = 30.0) -> bool:
         """Stop admitting; wait up to ``timeout`` s for queued and running jobs. ``True`` if all finished
@@ -147,7 +153,7 @@ class Scheduler:
         self._worker.join(timeout)
         if self._worker.is_alive():
             with self._cond:
-                for job in [*self._queue, *([self._running] if self._running else [])]:
+                for job in [*self._queue, *self._running]:
                     job.cancel()
             self._worker.join(5.0)
             return False
@@ -155,57 +161,93 @@ class Scheduler:
 
     # -- worker side -----------------------------------------------------------------------------
 
-    def _next(self) -> Job | None:
+    def _admit(self, running: int) -> list[Job] | None:
+        """Jobs to start before the next step (waits while nothing runs or waits); ``None``: closed and idle."""
         with self._cond:
-            while not self._queue:
+            while not self._queue and not running:
                 if self._closing:
                     return None
                 self._cond.wait()
-            job = self._queue.popleft()
+            new = []
+            while self._queue and running + len(new) < self.max_batch:
+                new.append(self._queue.popleft())
             self.metrics.set("queue_depth", len(self._queue))
-            self._running = job
-            return job
+            return new
 
     def _work(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                if job.cancelled.is_set():
-                    self.metrics.inc("cancelled_requests_total")
-                else:
-                    self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
+        batch: list[tuple[Job, object]] = []  # (job, its RoutedDecoding), in admission order
+        while (new := self._admit(len(batch))) is not None:
+            with self._cond:
+                self._running = [job for job, _ in batch] + new
+            for job in new:
+                started = self._start(job)
+                if started is not None:
+                    batch.append((job, started))
+            batch = [(job, run) for job, run in batch if not self._dropped(job)]
+            with self._cond:
+                self._running = [job for job, _ in batch]
+            self.metrics.set("running_requests", len(batch))
+            if batch:
+                batch = self._step(batch)
+        with self._cond:
+            self._running = []
+        self.metrics.set("running_requests", 0)
 
-    def _run(self, job: Job) -> None:
-        req, m = job.request, self.metrics
-        m.set("running_requests", 1)
-        first = True
+    def _dropped(self, job: Job) -> bool:
+        """The job's client went away (counted once)."""
+        if job.cancelled.is_set():
+            self.metrics.inc("cancelled_requests_total")
+            return True
+        return False
+
+    def _start(self, job: Job):
+        """Prefill, route and plan ``job`` (its first delta posted): its RoutedDecoding while it has more
+        to decode, ``None`` when it is already finished, cancelled or failed."""
+        if self._dropped(job):
+            return None
+        req = job.request
         prompt, chat = req.runtime_prompt()
-        gen = self.runtime.stream(prompt, max_new_tokens=job.admission.max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, stop=req.stop, seed=req.seed, policy=req.policy, chat=chat)
         try:
-            for item in gen:
-                if job.cancelled.is_set():
-                    m.inc("cancelled_requests_total")
-                    break
-                if isinstance(item, str):
-                    if first:
-                        m.observe("time_to_first_token_seconds", time.perf_counter() - job.submitted)
-                        first = False
-                    job.post(Event("delta", text=item))
-                else:
-                    self._account(item)
-                    job.post(Event("done", result=item))
-        except AdaptiveError as exc:  # what the request asked for cannot be decoded
-            job.post(Event("error", error=RequestError(str(exc))))
-        except Exception as exc:  # a bug: the client gets a 500-style error, the log the traceback
-            log.exception("decoding request %s failed", req.id)
-            job.post(Event("error", error=RequestError(f"internal error ({type(exc).__name__})", status=500,
-                                                       type="server_error")))
-        finally:
-            gen.close()  # releases the runtime's model lock at once when the job was cancelled
-            m.set("running_requests", 0)
+            run = self.runtime.start(prompt, max_new_tokens=job.admission.max_tokens, temperature=req.temperature,
+                                     top_p=req.top_p, stop=req.stop, seed=req.seed, policy=req.policy, chat=chat)
+        except Exception as exc:  # noqa: BLE001 - becomes the job's error event
+            self._fail([job], exc)
+            return None
+        self._deliver(job, run, run.first)
+        return None if run.done else run
+
+    def _step(self, batch: list[tuple[Job, object]]) -> list[tuple[Job, object]]:
+        """One step of every running job; the jobs still running after it."""
+        self.metrics.observe("batch_size", len(batch))
+        try:
+            deltas = self.runtime.step([run for _, run in batch])
+        except Exception as exc:  # noqa: BLE001 - every job in the failed step gets the error
+            self._fail([job for job, _ in batch], exc)
+            return []
+        for (job, run), delta in zip(batch, deltas):
+            self._deliver(job, run, delta)
+        return [(job, run) for job, run in batch if not run.done]
+
+    def _deliver(self, job: Job, run, delta: str) -> None:
+        """Post ``delta`` (the first non-empty one also times the first token), then the result when done."""
+        if delta:
+            if not job.first_posted:
+                job.first_posted = True
+                self.metrics.observe("time_to_first_token_seconds", time.perf_counter() - job.submitted)
+            job.post(Event("delta", text=delta))
+        if run.done:
+            result = run.result()
+            self._account(result)
+            job.post(Event("done", result=result))
+
+    def _fail(self, jobs: list[Job], exc: Exception) -> None:
+        if isinstance(exc, AdaptiveError):  # what the request asked for cannot be decoded
+            error = RequestError(str(exc))
+        else:  # a bug: the client gets a 500-style error, the log the traceback
+            log.error("decoding requests %s failed", ", ".join(j.request.id for j in jobs), exc_info=exc)
+            error = RequestError(f"internal error ({type(exc).__name__})", status=500, type="server_error")
+        for job in jobs:
+            job.post(Event("error", error=error))
 
     def _account(self, result) -> None:
         s, m = result.stats, self.metrics

@@ -189,6 +189,23 @@ def test_concurrent_requests_match_single_threaded_output(runtime):
     assert len(runtime.bandit_state()) <= 4 * (len(TINY_DOMAINS) + 1)
 
 
+def test_started_requests_step_together_and_equal_plain_decoding(runtime):
+    """start/step: requests routed to different drafters (layer skipping, the cascade, plain) share
+    each verification forward; every greedy output is the plain one, every result routed."""
+    jobs = [(p, pol) for p in PROMPTS for pol in ("knn-ssd", "cascade", "ar")]
+    runs = [runtime.start(p, max_new_tokens=20, policy=pol) for p, pol in jobs]
+    assert {r.plan.drafter for r in runs} >= {"ssd", "cascade", "ar"}
+    texts = [r.first for r in runs]
+    while not all(r.done for r in runs):
+        live = [i for i, r in enumerate(runs) if not r.done]
+        for i, delta in zip(live, runtime.step([runs[i] for i in live])):
+            texts[i] += delta
+    for (prompt, pol), run, text in zip(jobs, runs, texts):
+        r = run.result()
+        assert r.token_ids == _ar(runtime, prompt, 20), (prompt, pol)
+        assert r.text == text and r.policy == pol and r.decision == run.plan.drafter
+
+
 def test_prompt_lookup_domains_are_lossless(runtime):
     # every domain (and the global set) decoded with prompt lookup
     p = with_domains(runtime.profile, "pld")

@@ -106,14 +106,32 @@ def test_sampling_with_a_seed_repeats_without_speculation(client, runtime):
     assert a == b and any(o != a for o in others)  # the seed, and only it, fixes the sample
 
 
-def test_concurrent_clients_get_their_own_lossless_outputs(client, runtime):
-    def ask(prompt):
-        return client.chat.completions.create(model=model_name(runtime), messages=[{"role": "user", "content": prompt}],
-                                              max_tokens=12, temperature=0).choices[0].message.content
+def test_concurrent_clients_are_batched_and_get_their_own_lossless_outputs(runtime):
+    """Eight clients at once, streaming and not, speculating or not: decoded in shared steps (the
+    mean batch is above one), every greedy output equal to plain decoding of its prompt alone."""
+    s = Server(create_app(runtime, max_queue=16, max_batch=8))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(ask, PROMPTS))
-    assert got == [plain(runtime, p, 12) for p in PROMPTS]
+        def ask(i):
+            prompt, stream = PROMPTS[i % len(PROMPTS)], i % 2 == 1
+            kw = dict(model=model_name(runtime), messages=[{"role": "user", "content": prompt}],
+                      max_tokens=10 + 3 * i, temperature=0,
+                      extra_body={"speculation": ("auto", "off", "cascade")[i % 3]})
+            if not stream:
+                return client.chat.completions.create(**kw).choices[0].message.content
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(ask, range(8)))
+        assert got == [plain(runtime, PROMPTS[i % len(PROMPTS)], 10 + 3 * i) for i in range(8)]
+        _, text = raw(s, "GET", "/metrics")
+        steps = {k: float(v) for k, v in (line.split() for line in text.splitlines()
+                                          if line.startswith("adaptive_batch_size_"))}
+        assert steps["adaptive_batch_size_sum"] > steps["adaptive_batch_size_count"] > 0  # mean batch > 1
+    finally:
+        s.stop()
 
 
 def test_models_health_and_metrics(client, server, runtime):
@@ -198,8 +216,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_model(server, runtime, client
 
 
 def test_a_full_queue_is_429(runtime):
-    """Only one request decodes at a time: with max_queue 1, a third concurrent request is refused."""
-    s = Server(create_app(runtime, max_queue=1))
+    """One request decoding (max_batch 1) and one waiting (max_queue 1): a third concurrent one is refused."""
+    s = Server(create_app(runtime, max_queue=1, max_batch=1))
     try:
         body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 400,
                            "temperature": 0}).encode()

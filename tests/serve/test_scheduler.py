@@ -16,16 +16,35 @@ from adaptive.serve.scheduler import Admission, Event, Job, Scheduler
 CONTEXT = 100
 
 
+class ScriptedRun:
+    """A started request: ``pieces[0]`` is its first delta, each step gives the next piece."""
+
+    def __init__(self, rt, pieces):
+        self.rt, self.pieces, self.i = rt, pieces, 1
+        rt.gate.acquire()
+        self.first = pieces[0]
+
+    @property
+    def done(self):
+        return self.i >= len(self.pieces)
+
+    def result(self):
+        stats = GenerationStats(tokens=len(self.pieces), steps=2, drafted=4, accepted=3, prompt_tokens=5,
+                                total_time=1.0, prefill_time=0.2)
+        return SimpleNamespace(stats=stats, domain="maths", decision="ssd", token_ids=[1, 2, 3], finish_reason="length")
+
+
 class ScriptedRuntime:
-    """Encodes a prompt as one id per character; streams ``pieces`` then a result. ``gate``: each
-    piece waits for it (so that a test can hold a request mid-decode)."""
+    """Encodes a prompt as one id per character; a request's deltas are ``pieces`` (the first at its
+    start, one per step), then its result; ``fail`` is raised by the step that would end it. ``gate``:
+    each piece waits for it (so that a test can hold a request mid-decode). ``batches``: the sizes of
+    the steps run."""
 
     def __init__(self, pieces=("a", "b", "c"), fail: Exception | None = None, encode_error: Exception | None = None):
         self.pieces, self.fail, self.encode_error = pieces, fail, encode_error
         self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT))
         self.gate = threading.Semaphore(1000)
-        self.calls = []
-        self.closed = 0
+        self.calls, self.runs, self.batches = [], [], []
 
     def encode(self, prompt, chat=None):
         if self.encode_error is not None:
@@ -36,20 +55,22 @@ class ScriptedRuntime:
     def room(self, ids):
         return CONTEXT - len(ids) - 9
 
-    def stream(self, prompt, **kw):
+    def start(self, prompt, **kw):
         self.calls.append(kw)
-        try:
-            for p in self.pieces:
-                self.gate.acquire()
-                yield p
-            if self.fail is not None:
+        self.runs.append(ScriptedRun(self, self.pieces))
+        return self.runs[-1]
+
+    def step(self, runs):
+        assert runs and not any(r.done for r in runs)
+        self.batches.append(len(runs))
+        out = []
+        for r in runs:
+            self.gate.acquire()
+            if self.fail is not None and r.i == len(r.pieces) - 1:
                 raise self.fail
-            stats = GenerationStats(tokens=len(self.pieces), steps=2, drafted=4, accepted=3, prompt_tokens=5,
-                                    total_time=1.0, prefill_time=0.2)
-            yield SimpleNamespace(stats=stats, domain="maths", decision="ssd", token_ids=[1, 2, 3],
-                                  finish_reason="length")
-        finally:
-            self.closed += 1
+            out.append(r.pieces[r.i])
+            r.i += 1
+        return out
 
 
 def chat(text="hello", **kw):
@@ -156,8 +177,8 @@ def test_cancelling_stops_the_decode_and_frees_the_worker(loop):
         for _ in range(100):
             rt.gate.release()
         _, events = run_job(s, chat(), loop)  # the next request still runs to its end
-        assert events[-1].kind == "done"
-        assert rt.closed == 2  # the cancelled stream was closed, not left holding the model
+        assert events[-1].kind == "done" and "".join(e.text for e in events) == "abcdefgh"
+        assert not rt.runs[0].done  # the cancelled request left the batch: never decoded to its end
         assert s.metrics.value("cancelled_requests_total") == 1
     finally:
         s.close()
@@ -166,7 +187,7 @@ def test_cancelling_stops_the_decode_and_frees_the_worker(loop):
 def test_queue_limit_and_shutdown(loop):
     rt = ScriptedRuntime()
     rt.gate = threading.Semaphore(0)  # hold the first request mid-decode
-    s = Scheduler(rt, max_queue=1)
+    s = Scheduler(rt, max_queue=1, max_batch=1)
     jobs = [Job(chat(), Admission(5, 3), loop) for _ in range(3)]
     s.submit(jobs[0])
     deadline = loop.time() + 10
@@ -190,3 +211,31 @@ def test_queue_limit_and_shutdown(loop):
 def test_events_are_validated():
     with pytest.raises(ValueError):
         Event("progress")
+
+
+def test_concurrent_jobs_share_steps_up_to_max_batch(loop):
+    rt = ScriptedRuntime(pieces=tuple("abcde"))
+    rt.gate = threading.Semaphore(0)  # the jobs queue up before any decodes
+    s = Scheduler(rt, max_batch=2)
+    try:
+        jobs = [Job(chat(), Admission(5, 5), loop) for _ in range(3)]
+        for job in jobs:
+            s.submit(job)
+        for _ in range(1000):
+            rt.gate.release()
+
+        async def collect(job):
+            out = []
+            while not out or out[-1].kind == "delta":
+                out.append(await asyncio.wait_for(job.events.get(), 10))
+            return out
+
+        async def collect_all():
+            return await asyncio.gather(*(collect(j) for j in jobs))
+
+        results = loop.run_until_complete(collect_all())
+        assert all(["".join(e.text for e in ev), ev[-1].kind] == ["abcde", "done"] for ev in results)
+        assert max(rt.batches) == 2 and sum(rt.batches) == 3 * 4  # never more than two; each job stepped 4 times
+        assert s.metrics.value("generated_tokens_total") == 15
+    finally:
+        s.close()
