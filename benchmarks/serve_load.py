@@ -7,6 +7,9 @@ Spec-Bench-format file; with ``--invalid F`` a fraction F of requests are malfor
 an oversized body), each of which must get a 4xx. Reports requests by status, server errors (5xx,
 broken streams, a 4xx for a valid request or a 2xx for an invalid one), aggregate generated
 tokens/s, time to first token and per-request latency (median and 90th percentile), as JSON.
+Request ``i`` asks about prompt ``i`` (in turn), so runs with the same ``--requests`` ask the same
+questions; ``--record FILE`` writes each valid request's prompt index and streamed text (JSON lines)
+for comparing outputs across server settings (``benchmarks/serve_batch.py`` does).
 
     adaptive serve --profile /tmp/sb-prof &
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --data ../shared/data/spec_bench_dev.jsonl \\
@@ -61,6 +64,7 @@ class Stats:
         self.tokens = 0
         self.ttft: list[float] = []
         self.latency: list[float] = []
+        self.texts: list[tuple[int, str]] = []  # (prompt index, streamed text) of each valid request
 
     def add(self, key: str, error: str | None = None):
         with self.lock:
@@ -69,7 +73,7 @@ class Stats:
                 self.errors.append(error)
 
 
-def one(host, port, headers, body: bytes, valid: bool, stats: Stats) -> None:
+def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int = -1) -> None:
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=600)
     try:
@@ -83,7 +87,7 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats) -> None:
         if r.status != 200:
             stats.add(f"valid {r.status}", f"valid request answered {r.status}: {r.read()[:200]!r}")
             return
-        first, tokens, done = None, 0, False
+        first, tokens, done, pieces = None, 0, False, []
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: "):
@@ -95,8 +99,11 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats) -> None:
             if "error" in chunk:
                 stats.add("valid stream error", f"error in stream: {chunk['error']}")
                 return
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - t0
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                pieces.append(content)
+                if first is None:
+                    first = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
         if not done:
@@ -105,6 +112,7 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats) -> None:
         with stats.lock:
             stats.tokens += tokens
             stats.latency.append(time.perf_counter() - t0)
+            stats.texts.append((index, "".join(pieces)))
             if first is not None:
                 stats.ttft.append(first)
         stats.add("valid 200")
@@ -126,6 +134,7 @@ def main() -> None:
     ap.add_argument("--invalid", type=float, default=0.0, help="fraction of deliberately malformed requests")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record", default=None, help="write each valid request's prompt index and text here (JSON lines)")
     args = ap.parse_args()
 
     u = urlparse(args.url)
@@ -154,15 +163,16 @@ def main() -> None:
             i = counter[0]
             counter[0] += 1
             if rng.random() < args.invalid:
-                return rng.choice(bad)[1], False
+                return rng.choice(bad)[1], False, i
         body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
                 "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
-        return json.dumps(body).encode(), True
+        return json.dumps(body).encode(), True, i % len(prompts)
 
     def client():
         while (job := next_job()) is not None:
-            one(host, port, headers, job[0], job[1], stats)
+            body, valid, index = job
+            one(host, port, headers, body, valid, stats, index)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(args.clients)]
@@ -171,6 +181,10 @@ def main() -> None:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if args.record:
+        with open(args.record, "w", encoding="utf-8") as f:
+            for index, text in sorted(stats.texts):
+                f.write(json.dumps({"prompt": index, "text": text}) + "\n")
 
     def pct(xs, q):
         return round(statistics.quantiles(xs, n=10)[q - 1], 3) if len(xs) >= 2 else (round(xs[0], 3) if xs else None)

@@ -24,6 +24,26 @@ def test_forward_matches_hf_full_and_incremental(family):
     assert last.shape == (1, model.config.vocab_size) and torch.allclose(last[0], ref[-1], atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_long_forwards_attend_in_blocks_and_match_hf(family):
+    """More than ATTN_BLOCK queries attend block by block: a 300-token prefill from position 0 and a
+    200-token chunk after 100 cached positions give HF's logits."""
+    from adaptive.engine.backbone import ATTN_BLOCK
+
+    model = tiny_model(family)
+    ids = torch.randint(0, model.config.vocab_size, (1, 300))
+    assert ids.shape[1] > 2 * ATTN_BLOCK
+    with torch.no_grad():
+        ref = model(ids).logits[0]
+    bb = Backbone(model)
+    full = bb.forward(ids, bb.new_cache(400), 0, logits="all").logits  # room beyond the prompt, as decoding has
+    assert torch.allclose(full, ref, atol=1e-4)
+    cache = bb.new_cache(400)
+    bb.forward(ids[:, :100], cache, 0, logits="none")
+    rest = bb.forward(ids[:, 100:], cache, 100, logits="all").logits
+    assert torch.allclose(rest, ref[100:], atol=1e-4)
+
+
 def test_qwen2_attention_biases_and_tied_head_match_hf():
     """Qwen2's q/k/v biases (zero at HF's init, so the test above cannot see them) and a head tied
     to the embedding (as in Qwen2.5-1.5B) go through the fused projection and the head exactly."""

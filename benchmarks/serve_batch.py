@@ -1,0 +1,162 @@
+"""Batched against one-at-a-time serving: aggregate throughput, latency and output equality by client count.
+
+For each repeat, and in it for each ``--max-batch`` value in turn (interleaved, so that drift hits
+all settings alike), starts ``adaptive serve --profile DIR --max-batch B`` on a free port, then for
+each ``--clients`` N runs ``benchmarks/serve_load.py`` (N streaming greedy clients sending
+``--requests`` requests in all, the same held-out Spec-Bench prompts in the same order each time,
+texts recorded), and stops the server with SIGTERM. One model process at a time.
+
+Reports, as JSON (and a Markdown table with ``--md``): per (B, N) the median over repeats of
+aggregate tokens/s, TTFT and latency, the throughput against ``max_batch 1`` at the same N (the
+one-at-a-time server) and against ``max_batch 1`` with one client, and how many streamed texts
+differ from the one-at-a-time single-client text of the same prompt (greedy: every one should be
+equal; in bf16 a batched verification may part from it only at a near-tie, which
+``adaptive bench``'s audit explains).
+
+    python benchmarks/serve_batch.py --profile /tmp/s135-prof --data ../shared/data/spec_bench_dev.jsonl \\
+        --batches 1 8 --clients 1 2 4 8 --requests 32 --repeats 2 --out /tmp/serve-batch.json --md /tmp/sb.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, batch: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
+           "--max-batch", str(batch), "--max-queue", "256"]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start in 10 minutes")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def load(args, url: str, clients: int, record: str) -> dict:
+    cmd = [sys.executable, str(HERE / "serve_load.py"), "--url", url, "--data", args.data, "--clients", str(clients),
+           "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+           "--skip-first", str(args.skip_first), "--record", record]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def texts(record: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in open(record, encoding="utf-8"):
+        row = json.loads(line)
+        out.setdefault(row["prompt"], []).append(row["text"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left out (calibrated on)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args()
+    if 1 not in args.batches:
+        raise SystemExit("--batches must include 1 (the one-at-a-time reference)")
+
+    runs: dict[tuple[int, int], list[dict]] = {}
+    outputs: dict[tuple[int, int], list[dict[int, list[str]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for batch in args.batches:
+                proc, url = start_server(args, batch)
+                try:
+                    for clients in args.clients:
+                        record = os.path.join(tmp, f"r{rep}-b{batch}-c{clients}.jsonl")
+                        r = load(args, url, clients, record)
+                        runs.setdefault((batch, clients), []).append(r)
+                        outputs.setdefault((batch, clients), []).append(texts(record))
+                        print(f"repeat {rep + 1} max_batch {batch} clients {clients}: {r['tokens_per_s']} tok/s, "
+                              f"{r['server_errors']} errors", file=sys.stderr, flush=True)
+                finally:
+                    stop_server(proc)
+
+    ref_key = (1, min(args.clients))
+    reference = {i: ts[0] for i, ts in outputs[ref_key][0].items()}
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    ratio = lambda a, b: round(a / b, 2) if a is not None and b else None  # noqa: E731
+    rows = []
+    for (batch, clients), rs in sorted(runs.items()):
+        tps = med([r["tokens_per_s"] for r in rs])
+        differ = sum(t != reference.get(i) for o in outputs[(batch, clients)] for i, ts in o.items() for t in ts)
+        total = sum(len(ts) for o in outputs[(batch, clients)] for ts in o.values())
+        rows.append({
+            "max_batch": batch, "clients": clients, "tokens_per_s": tps,
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in rs],
+            "vs_one_at_a_time_same_clients": ratio(tps, med([r["tokens_per_s"] for r in runs[(1, clients)]])),
+            "vs_one_at_a_time_one_client": ratio(tps, med([r["tokens_per_s"] for r in runs[ref_key]])),
+            "ttft_median_s": med([r["ttft_s"]["median"] for r in rs if r["ttft_s"]["median"] is not None]),
+            "latency_median_s": med([r["latency_s"]["median"] for r in rs if r["latency_s"]["median"] is not None]),
+            "latency_p90_s": med([r["latency_s"]["p90"] for r in rs if r["latency_s"]["p90"] is not None]),
+            "server_errors": sum(r["server_errors"] for r in rs),
+            "texts": total, "texts_differing_from_one_at_a_time": differ,
+        })
+    report = {"profile": args.profile, "requests": args.requests, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "rows": rows}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.md:
+        lines = ["| max batch | clients | tokens/s (median) | vs one at a time, same clients | vs 1 client, 1 at a "
+                 "time | TTFT median | latency median / p90 | texts differing |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['max_batch']} | {r['clients']} | {r['tokens_per_s']} | "
+                         f"{r['vs_one_at_a_time_same_clients']}x | {r['vs_one_at_a_time_one_client']}x | "
+                         f"{r['ttft_median_s']} s | {r['latency_median_s']} / {r['latency_p90_s']} s | "
+                         f"{r['texts_differing_from_one_at_a_time']} of {r['texts']} |")
+        Path(args.md).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
