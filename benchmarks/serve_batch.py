@@ -74,7 +74,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 def load(args, url: str, clients: int, record: str) -> dict:
     cmd = [sys.executable, str(HERE / "serve_load.py"), "--url", url, "--data", args.data, "--clients", str(clients),
            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-           "--skip-first", str(args.skip_first), "--record", record]
+           "--skip-first", str(args.skip_first), "--record", record] + \
+        (["--categories", *args.categories] if args.categories else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--profile", required=True)
     ap.add_argument("--model", default=None)
     ap.add_argument("--data", required=True)
+    ap.add_argument("--categories", nargs="+", default=None, help="only these groups (default: all)")
     ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left out (calibrated on)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -141,7 +143,8 @@ def main() -> None:
             "server_errors": sum(r["server_errors"] for r in rs),
             "texts": total, "texts_differing_from_one_at_a_time": differ,
         })
-    report = {"profile": args.profile, "requests": args.requests, "max_tokens": args.max_tokens,
+    report = {"profile": args.profile, "categories": args.categories or "all", "requests": args.requests,
+              "max_tokens": args.max_tokens,
               "repeats": args.repeats, "rows": rows}
     print(json.dumps(report, indent=1))
     if args.out:

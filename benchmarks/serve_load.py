@@ -7,7 +7,8 @@ Spec-Bench-format file; with ``--invalid F`` a fraction F of requests are malfor
 an oversized body), each of which must get a 4xx. Reports requests by status, server errors (5xx,
 broken streams, a 4xx for a valid request or a 2xx for an invalid one), aggregate generated
 tokens/s, time to first token and per-request latency (median and 90th percentile), as JSON.
-Request ``i`` asks about prompt ``i`` (in turn), so runs with the same ``--requests`` ask the same
+Prompts are the held-out ones of each group (``--skip-first``), taken round robin over the groups;
+request ``i`` asks about prompt ``i`` (in turn), so runs with the same ``--requests`` ask the same
 questions; ``--record FILE`` writes each valid request's prompt index and streamed text (JSON lines)
 for comparing outputs across server settings (``benchmarks/serve_batch.py`` does).
 
@@ -28,16 +29,19 @@ import time
 from urllib.parse import urlparse
 
 
-def prompts_from(path: str, skip: int) -> list[str]:
+def prompts_from(path: str, skip: int, categories: list[str] | None = None) -> list[str]:
+    """The held-out prompts (all but the first ``skip`` of each group; only ``categories`` if given),
+    round robin over the groups."""
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
     by_cat: dict[str, list[str]] = {}
     for r in rows:
+        if categories and r.get("category", "") not in categories:
+            continue
         text = r["turns"][0] if "turns" in r else r["prompt"]
         by_cat.setdefault(r.get("category", ""), []).append(text)
-    out = []
-    for texts in by_cat.values():
-        out += texts[skip:]
-    return out
+    groups = [texts[skip:] for texts in by_cat.values() if len(texts) > skip]
+    # round robin over the groups, so that any number of requests asks about every group alike
+    return [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
 
 
 def invalid_bodies(model: str) -> list[tuple[str, bytes]]:
@@ -127,6 +131,7 @@ def main() -> None:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--data", required=True)
     ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left out (calibrated on)")
+    ap.add_argument("--categories", nargs="+", default=None, help="only these groups (default: all)")
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--requests", type=int, default=0, help="stop after this many requests in all (0: by time)")
@@ -146,7 +151,7 @@ def main() -> None:
     conn.request("GET", "/v1/models", headers=headers)
     model = json.loads(conn.getresponse().read())["data"][0]["id"]
     conn.close()
-    prompts = prompts_from(args.data, args.skip_first)
+    prompts = prompts_from(args.data, args.skip_first, args.categories)
     bad = invalid_bodies(model)
     rng = random.Random(args.seed)
     lock = threading.Lock()
