@@ -229,10 +229,6 @@ class Decoding:
         """EOS, a stop string or ``max_new_tokens`` ended it."""
         return self.out.finish is not None or self.lane.done
 
-    @property
-    def drafter(self) -> Drafter | None:
-        return self.lane.drafter
-
     def result(self) -> GenerationResult:
         """The :class:`GenerationResult` so far (the whole generation once :attr:`done`)."""
         stats, drafter = self.session.stats, self.lane.drafter
