@@ -16,11 +16,11 @@ import json
 import time
 from pathlib import Path
 
-from adaptive.calibrate.cascade import statistical_acceptance
 from adaptive.calibrate.sources import read_prompt_rows
 from adaptive.drafters.ngram import build_bigram_table
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
+from adaptive.measure.statistical import statistical_acceptance
 from adaptive.models import DEFAULT_MODEL, load_model
 
 

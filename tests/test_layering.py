@@ -17,6 +17,7 @@ LAYERS = [
     {"drafters"},
     {"costs", "index"},
     {"profile"},
+    {"measure"},
     {"calibrate", "runtime", "distill"},  # siblings: none imports another
     {"bench", "serve"},  # siblings
     {"cli"},

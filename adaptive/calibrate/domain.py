@@ -31,8 +31,6 @@ import numpy as np
 import torch
 
 from adaptive.calibrate.bound import Bound, layer_skip_bound
-from adaptive.calibrate.cascade import choose_cascade, replay_speedup, statistical_acceptance
-from adaptive.calibrate.decision import ROLES, decide
 from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.search import (
     MatchnessScorer,
@@ -44,12 +42,14 @@ from adaptive.calibrate.search import (
     trial_record,
 )
 from adaptive.calibrate.settings import GLOBAL, CalibrationSettings
-from adaptive.calibrate.timing import Candidate, RaceConfig, race_candidates
 from adaptive.calibrate.vocab import choose_vocab
 from adaptive.costs import STAT_DRAFT_COST, CostModel, measure_verify_costs
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import BigramTable, build_bigram_table
 from adaptive.engine.skip import SkipSet
+from adaptive.measure.decision import ROLES, decide
+from adaptive.measure.statistical import choose_cascade, replay_speedup, statistical_acceptance
+from adaptive.measure.timing import Candidate, RaceConfig, race_candidates
 from adaptive.models import LoadedModel
 from adaptive.profile import GLOBAL as GLOBAL_RECORD
 from adaptive.profile import (

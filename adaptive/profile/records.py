@@ -62,7 +62,7 @@ class Priors:
 
 @record
 class Interval:
-    """A bootstrap interval of a timed speedup (:mod:`adaptive.calibrate.interval`): ``low`` to ``high``
+    """A bootstrap interval of a timed speedup (:mod:`adaptive.measure.interval`): ``low`` to ``high``
     at ``level`` (two-sided), over ``blocks`` paired blocks of plain and speculative decoding."""
 
     low: float
@@ -140,7 +140,7 @@ class SkipSearch:
 @record
 class StatisticalAcceptance:
     """Teacher-forced acceptance of the statistical drafter on a domain's continuations
-    (:func:`adaptive.calibrate.cascade.statistical_acceptance`)."""
+    (:func:`adaptive.measure.statistical.statistical_acceptance`)."""
 
     token_acceptance: float
     position_acceptance: tuple[float, ...]

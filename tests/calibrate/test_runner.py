@@ -6,14 +6,15 @@ import os
 
 import pytest
 
-from adaptive.calibrate import domain, timing, vocab
-from adaptive.calibrate.decision import decide
-from adaptive.calibrate.interval import verdict as _verdict
+from adaptive.calibrate import domain, vocab
 from adaptive.calibrate.runner import CalibrationError, CalibrationSettings, calibrate, check_domains
 from adaptive.calibrate.settings import calibration_workdir
 from adaptive.calibrate.vocab import size_estimates
 from adaptive.costs import CostModel
 from adaptive.errors import ConfigError
+from adaptive.measure import timing
+from adaptive.measure.decision import decide
+from adaptive.measure.interval import verdict as _verdict
 from adaptive.models import load_model
 from adaptive.profile import Decision, Interval, Measurement, ProfileError, load_profile
 from adaptive.workdir import slug

@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptive.calibrate.cascade import accepted_prefix, choose_cascade, statistical_acceptance
+from adaptive.measure.statistical import accepted_prefix, choose_cascade, statistical_acceptance
 
 
 def test_accepted_prefix():
@@ -44,7 +44,7 @@ def test_choose_cascade_docstring_cases():
 
 
 def test_replay_speedup_docstring_example():
-    from adaptive.calibrate.cascade import replay_speedup
+    from adaptive.measure.statistical import replay_speedup
 
     got = replay_speedup([([1, 2, 3, 4], [7, 1, 2, 3, 9])], 3, (1.0, 1.0, 1.0, 1.0), bigram=False)
     assert got == pytest.approx(4 / 2.015)
@@ -53,7 +53,7 @@ def test_replay_speedup_docstring_example():
 def test_replay_counts_a_copied_span_once():
     """A long copy is one step in decoding: the replay's tokens per step follow that, where a mean over
     positions counts the span once per position it covers."""
-    from adaptive.calibrate.cascade import replay_speedup, statistical_acceptance
+    from adaptive.measure.statistical import replay_speedup, statistical_acceptance
 
     span = list(range(10, 22))
     seqs = [([5] + span + [6], [5] + span + [8, 9, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39])]

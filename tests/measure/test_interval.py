@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptive.calibrate.interval import FASTER, NOT_FASTER, OPEN, Race, bootstrap_speedup, verdict
+from adaptive.measure.interval import FASTER, NOT_FASTER, OPEN, Race, bootstrap_speedup, verdict
 from adaptive.profile import Interval
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from adaptive.calibrate.timing import Candidate, RaceConfig, race_candidates, time_prompt
 from adaptive.drafters.cascade import CascadePlan
+from adaptive.measure.timing import Candidate, RaceConfig, race_candidates, time_prompt
 from tests.conftest import tiny_lm
 
 PROMPT = [5, 9, 12, 5, 9, 12, 5, 9, 30, 31]
@@ -51,7 +51,7 @@ def test_time_prompt_stops_after_an_eos_block_and_when_nothing_is_active(lm):
 
 
 def test_race_candidates_replays_a_checkpoint_without_timing(lm, monkeypatch):
-    from adaptive.calibrate import timing
+    from adaptive.measure import timing
 
     rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02)
     lines = []

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from adaptive.calibrate.interval import Race
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import BigramTable
@@ -25,6 +25,7 @@ from adaptive.engine.engine import eos_ids
 from adaptive.engine.loop import GenerationStats, decode_steps, prefill
 from adaptive.engine.protocol import DecodeState
 from adaptive.engine.skip import SkipSet
+from adaptive.measure.interval import Race
 from adaptive.models import LoadedModel
 from adaptive.profile import Interval, Measurement
 from adaptive.records import record
@@ -102,7 +103,8 @@ def _block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter) -> tup
 
 def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candidate], active: Callable[[], list[str]],
                 on_block: Callable[[float, dict[str, float]], None], *, block_tokens: int, max_tokens: int,
-                eos: set[int], bigram=None, vocab=None) -> dict[str, dict]:
+                eos: set[int], bigram=None, vocab=None,
+                guard: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, dict]:
     """Time ``ar`` and the still ``active()`` candidates block by block on one prompt.
 
     The prompt is prefilled once. Each block of ``block_tokens`` tokens is decoded from the same
@@ -110,11 +112,14 @@ def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candid
     the next block continues from; ``on_block(ar_seconds, {name: seconds})`` gets each block's
     times. Stops after ``max_tokens`` tokens, after the block that produced an EOS, or when no
     candidate is active. Returns each candidate's decoding tally over this prompt (:class:`_Tally` fields).
+    ``guard()`` is entered around the prefill and around each block (its candidates and ``ar``
+    together, so that their times are paired): the runtime's model lock, when a live server shares the model.
     """
     bb = lm.backbone
     longest = max((c.draft_len for c in candidates.values()), default=1)
     cache = bb.new_cache(len(prompt) + max_tokens + longest + 1)
-    first = prefill(bb, prompt, cache, GenerationConfig(max_new_tokens=max_tokens), None).first
+    with guard():
+        first = prefill(bb, prompt, cache, GenerationConfig(max_new_tokens=max_tokens), None).first
     tokens = list(prompt) + [first]
     drafters = {name: candidate_drafter(lm, c, bigram, vocab, prompt) for name, c in candidates.items()}
     tally = {name: _Tally() for name in candidates}
@@ -126,13 +131,14 @@ def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candid
         names = names[block % len(names):] + names[: block % len(names)]
         seconds = {}
         outs = {}
-        for name in names:
-            seconds[name], outs[name], st = _block(bb, cache, tokens, n, candidates[name].draft_len, drafters[name])
-            tally[name].add(dict(tokens=n, seconds=seconds[name], drafted=st.drafted, accepted=st.accepted,
-                                 rejections=st.rejections, steps=st.steps, blocks=1))
-            cache.length = pos
-            del tokens[length:]
-        ar_seconds, ar_out, _ = _block(bb, cache, tokens, n, 1, None)  # last: the next block continues from ar
+        with guard():
+            for name in names:
+                seconds[name], outs[name], st = _block(bb, cache, tokens, n, candidates[name].draft_len, drafters[name])
+                tally[name].add(dict(tokens=n, seconds=seconds[name], drafted=st.drafted, accepted=st.accepted,
+                                     rejections=st.rejections, steps=st.steps, blocks=1))
+                cache.length = pos
+                del tokens[length:]
+            ar_seconds, ar_out, _ = _block(bb, cache, tokens, n, 1, None)  # last: the next block continues from ar
         for name in names:
             tally[name].add(dict(ar_seconds=ar_seconds, same=int(outs[name] == ar_out)))
         on_block(ar_seconds, seconds)
@@ -177,13 +183,15 @@ class RaceConfig:
 
 def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate], rc: RaceConfig, *,
                     done: Sequence[dict] = (), on_prompt: Callable[[dict], None] | None = None, bigram=None,
-                    vocab=None, on_block: Callable[[], None] | None = None) -> dict[str, Measurement]:
+                    vocab=None, on_block: Callable[[], None] | None = None,
+                    guard: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, Measurement]:
     """Race ``candidates`` (``{role: Candidate}``) against ``ar`` on ``prompt_ids`` (:func:`time_prompt`
     per prompt, :class:`~.interval.Race` deciding when a candidate has been timed enough).
 
     ``done``: the records of prompts already timed (a checkpoint), replayed into the race;
     ``on_prompt`` receives each newly timed prompt's record (``{"blocks": [[ar, {name: s}], ...],
     "tally": {name: {...}}}``). Returns each candidate's :class:`Measurement`, its role being its name.
+    ``guard``: see :func:`time_prompt`.
     """
     race = Race(list(candidates), rc.margin, rc.level, rc.min_blocks, seed=rc.seed)
     totals = {name: _Tally() for name in candidates}
@@ -209,7 +217,7 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
                 on_block()
 
         tally = time_prompt(lm, p, candidates, lambda: race.active, block, block_tokens=rc.block_tokens,
-                            max_tokens=rc.max_tokens, eos=eos, bigram=bigram, vocab=vocab)
+                            max_tokens=rc.max_tokens, eos=eos, bigram=bigram, vocab=vocab, guard=guard)
         rec = {"blocks": blocks, "tally": tally}
         for name, t in tally.items():
             totals[name].add(t)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from adaptive.calibrate.interval import FASTER
+from adaptive.measure.interval import FASTER
 from adaptive.profile import Decision, Measurement
 
 ROLES = ("candidate", "vocab", "lookup", "cascade")  # the raced drafters, in tie-break order
