@@ -44,7 +44,7 @@ def free_port() -> int:
 def start_server(args, batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
-           "--max-batch", str(batch), "--max-queue", "256"]
+           "--max-batch", str(batch), "--max-queue", "256", "--no-online"]  # batching alone, as measured
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -162,4 +162,32 @@ def tiny_profile(tiny_model_dir, tmp_path_factory):
     cheap = CostModel((0.15,) * 4, (0.1,) * 4, 0.0, (1.0,) * 5)
     calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(acceptance_floor=0.0, time_gate=0.0),
               dtype="float32", progress=False, cost_model=cheap)
+    _SHARED_PROFILES.append(out)
     return out
+
+
+# Runtimes learn online and save an overlay beside their profile (PROFILE.online). The session's
+# shared tiny profile must not carry one test's learning into another's runtime: its overlay is
+# removed around every module and every test (module-scoped runtimes are built after the first).
+_SHARED_PROFILES: list = []
+
+
+def _remove_shared_overlays():
+    from adaptive.profile.overlay import overlay_path, remove_overlay
+
+    for p in _SHARED_PROFILES:
+        remove_overlay(overlay_path(p))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_overlay_per_module():
+    _remove_shared_overlays()
+    yield
+    _remove_shared_overlays()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_overlay_per_test():
+    _remove_shared_overlays()
+    yield
+    _remove_shared_overlays()

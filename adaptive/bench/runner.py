@@ -158,8 +158,10 @@ class _Methods:
         for m in (BENCH_METHODS[name] for name in methods):
             key = (m.bandit, m.reduced_vocab)
             if m.needs_profile and key not in self.runtimes:
+                # online learning off: a repeated prompt would otherwise be drafted from its own
+                # earlier output, and the figures measure the calibrated profile
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
-                                                     reduced_vocab=m.reduced_vocab)
+                                                     reduced_vocab=m.reduced_vocab, online=False)
 
     def same_weights(self, method: str) -> bool:
         """Whether ``method`` decodes with our engine's weights (llama.cpp never does; Hugging Face's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from adaptive.calibrate.runner import BACKENDS, CalibrationSettings, calibrate
@@ -28,6 +30,7 @@ from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt
 from adaptive.profile import SCHEMA_VERSION, load_profile, profile_json
+from adaptive.profile.overlay import load_overlay, overlay_path, profile_digest, remove_overlay
 
 SUMMARY_COLUMNS = {  # header -> (summary_rows() key, decimals or None)
     "domain": ("domain", None), "prompts": ("prompts", None), "bound": ("bound", 2), "ref": ("reference", 2),
@@ -127,12 +130,19 @@ def profile_group():
     "adaptive profile show my-profile --json | jq '.domains.code.decision'",
 ))
 @click.argument("directory", type=click.Path())
+@click.option("--online-path", type=click.Path(dir_okay=False), default=None,
+              help="The online overlay to show [default: DIRECTORY.online].")
 @json_option
-def profile_show(directory, as_json):
-    """Print a profile: model, costs, routing, and per domain its decision, skip set and measurements."""
+def profile_show(directory, online_path, as_json):
+    """Print a profile: model, costs, routing, and per domain its decision, skip set and measurements;
+    then what serving learned online (the overlay beside it), if anything."""
     p = load_profile(directory)
+    ov_path = Path(online_path) if online_path else overlay_path(p.path)
+    ov = load_overlay(ov_path)
+    stale = ov is not None and ov.profile != profile_digest(p.path)
+    online = None if ov is None else {"path": str(ov_path), "stale": stale, **ov.summary()}
     if as_json:
-        echo_json({"profile": str(p.path), **profile_json(p)})
+        echo_json({"profile": str(p.path), **profile_json(p), "online": online})
         return
     m, c, s = p.model, p.cost_model, p.settings
     click.echo(f"profile {p.path} (schema {SCHEMA_VERSION}, adaptive {p.version}, created {p.created})")
@@ -158,6 +168,37 @@ def profile_show(directory, as_json):
         click.echo(f"\ndistilled {kind} ({what}; {cfg.get('divergence')}, {cfg.get('data_source')}, {cfg.get('steps')} "
                    f"steps): held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, sampling acceptance "
                    f"{b['sampling']:.3f} -> {a['sampling']:.3f}, draft cost {d.draft_cost:.2f} of a step")
+    click.echo("")
+    if online is None:
+        click.echo(f"online  nothing learned yet ({ov_path} does not exist)")
+        return
+    click.echo(f"online  {ov_path}: generation {online['generation']}, saved {online['saved']}, "
+               f"{online['requests']} requests learned from"
+               + (" (STALE: made for an earlier calibration of this profile; it is not applied)" if stale else ""))
+    for name, t in online["tables"].items():
+        click.echo(f"  table {name}: {t['pairs']} pairs from {t['tokens']:.0f} accepted tokens")
+    click.echo(f"  bandits saved: {len(online['bandits'])}; out-of-domain requests buffered: {online['buffered']}")
+    for d in online["learned"]:
+        click.echo(f"  learned domain {d['name']}: {d['members']} requests, {d['anchors']} anchors, "
+                   f"decision {d['decision']} at {d['speedup']:.2f}x (measured {d['created']})")
+
+
+@profile_group.command("reset-online", cls=Command, examples=(
+    "adaptive profile reset-online my-profile",
+    "adaptive profile reset-online my-profile --online-path /var/lib/adaptive/my-profile.online",
+))
+@click.argument("directory", type=click.Path())
+@click.option("--online-path", type=click.Path(dir_okay=False), default=None,
+              help="The online overlay to remove [default: DIRECTORY.online].")
+def profile_reset_online(directory, online_path):
+    """Forget what serving learned: remove the profile's online overlay (the profile is untouched).
+    Stop servers using it first, or they save it again."""
+    p = load_profile(directory)
+    path = Path(online_path) if online_path else overlay_path(p.path)
+    if remove_overlay(path):
+        info(f"removed {path}")
+    else:
+        info(f"nothing to remove: {path} does not exist")
 
 
 @command("route", examples=(

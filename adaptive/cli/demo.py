@@ -73,7 +73,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
         profile = calibrate(lm, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
                             progress=not quiet, log=lambda m: click.echo(m, err=True))
     engine = Engine(lm)
-    runtime = AdaptiveRuntime(profile, lm)
+    runtime = AdaptiveRuntime(profile, lm, online=False)  # timed with repeats: nothing learned from them
     prompt = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
     decision = runtime.route(prompt)
     applied = profile.domain(decision.route.domain)

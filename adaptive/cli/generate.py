@@ -113,11 +113,13 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
 @dtype_option
 @weights_option
 @device_option
+@click.option("--online/--no-online", default=True, show_default=True,
+              help="Use what `adaptive serve` learned (PROFILE.online: tables, bandits, learned domains); "
+                   "generate itself saves nothing.")
 @stream_option
 @json_option
-def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model_spec, dtype, weights, device, stream,
-                 as_json,
-                 **sampling):
+def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, online, model_spec, dtype, weights, device,
+                 stream, as_json, **sampling):
     """Decode PROMPT through a profile (the runtime) and print the text.
 
     The prompt is routed to its domain (or out-of-domain: the global record), which says what
@@ -125,8 +127,10 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, model
     domain applied, the drafter and its draft lengths.
     """
     sampling_config(sampling)  # validated before the model loads
+    from adaptive.runtime.online import OnlineSettings
+
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, reduced_vocab=not full_vocab,
-                      bandit=not fixed_draft_len)
+                      bandit=not fixed_draft_len, online=OnlineSettings(enabled=online, persist=False))
     items = rt.stream(prompt, policy=policy, **sampling)
     result = _print_stream(items, rt.lm, stream, as_json)
     if as_json:

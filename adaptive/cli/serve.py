@@ -43,8 +43,12 @@ from adaptive.errors import ConfigError
               "[default: the profile's model].")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish.")
+@click.option("--online/--no-online", default=True, show_default=True,
+              help="Learn from the traffic served (bigram tables, bandits, new domains), saved beside the profile.")
+@click.option("--online-path", type=click.Path(dir_okay=False), default=None,
+              help="The online overlay file [default: PROFILE.online beside the profile].")
 def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_batch, max_queue, max_body,
-              default_max_tokens, api_key, served_model_name, drain_timeout):
+              default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -52,7 +56,10 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_b
     or a routing policy (knn-ssd, knn-skip, ssd-static, cascade, ...). Responses' usage carries an
     "adaptive" object: the routed domain, the drafter, acceptance. Up to --max-batch requests are
     decoded together: each step drafts for each of them and verifies all in one forward; waiting
-    requests join as others finish. Needs the serve extra: pip install 'adaptive[serve]'.
+    requests join as others finish. Online learning (on by default) updates each domain's bigram
+    table and bandits from the accepted output, discovers new domains among out-of-domain requests
+    and saves it all to PROFILE.online (see `adaptive profile show`, `adaptive profile reset-online`).
+    Needs the serve extra: pip install 'adaptive[serve]'.
 
     \b
     curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -65,7 +72,10 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_b
     except ImportError as exc:
         raise ConfigError(f"adaptive serve needs the serve extra ({exc.name} is missing): "
                           "pip install 'adaptive[serve]'") from None
-    rt = load_runtime(profile_dir, model_spec, device, dtype, weights)
+    from adaptive.runtime.online import OnlineSettings
+
+    rt = load_runtime(profile_dir, model_spec, device, dtype, weights,
+                      online=OnlineSettings(enabled=online, path=online_path))
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
                      max_body=max_body, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
 

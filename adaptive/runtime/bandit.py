@@ -50,6 +50,16 @@ class BetaPosterior:
     def state(self) -> dict:
         return {"alpha": round(self.alpha, 3), "beta": round(self.beta, 3), "mean_acceptance": round(self.mean, 4)}
 
+    def counts(self) -> list[float]:
+        """``[alpha, beta]``: what :meth:`restore` takes back (an overlay saves it)."""
+        return [self.alpha, self.beta]
+
+    def restore(self, counts) -> None:
+        alpha, beta = (float(x) for x in counts)
+        if min(alpha, beta) <= 0:
+            raise ValueError(f"saved Beta counts must be positive, got {alpha}, {beta}")
+        self.alpha, self.beta = alpha, beta
+
 
 def _chain_observation(drafted: int, accepted: int) -> tuple[int, int]:
     """Successes and failures of one verification under the until-first-rejection model."""
@@ -112,6 +122,18 @@ class ThompsonDraftLength(DraftLengthPolicy):
     def state(self) -> dict:
         with self._lock:
             return {**self.posterior.state(), "chosen": dict(sorted(self.chosen.items()))}
+
+    def posteriors(self) -> dict:
+        """What the bandit learned, as :meth:`restore` takes it back (saved in the online overlay)."""
+        with self._lock:
+            return {"kind": "length", "acceptance": self.posterior.counts()}
+
+    def restore(self, saved: dict) -> None:
+        """Continue from :meth:`posteriors` (a bandit of another kind: ``ValueError``)."""
+        if saved.get("kind") != "length":
+            raise ValueError(f"not a draft-length bandit's state: {saved.get('kind')!r}")
+        with self._lock:
+            self.posterior.restore(saved["acceptance"])
 
 
 class ThompsonCascade(DraftLengthPolicy):
@@ -187,3 +209,20 @@ class ThompsonCascade(DraftLengthPolicy):
                     "statistical": [round(b.mean, 4) for b in self.tail],
                     "forwards_per_token": round(self.forwards_per_token, 3),
                     "chosen": dict(sorted(self.chosen.items()))}
+
+    def posteriors(self) -> dict:
+        """What the bandit learned, as :meth:`restore` takes it back (saved in the online overlay)."""
+        with self._lock:
+            return {"kind": "cascade", "layer_skip": self.layer_skip.counts(),
+                    "tail": [b.counts() for b in self.tail], "forwards": self._forwards,
+                    "layer_skip_tokens": self._layer_skip_tokens}
+
+    def restore(self, saved: dict) -> None:
+        """Continue from :meth:`posteriors` (another kind, or another number of tail positions: ``ValueError``)."""
+        if saved.get("kind") != "cascade" or len(saved["tail"]) != len(self.tail):
+            raise ValueError("not this cascade bandit's state (kind or tail length differs)")
+        with self._lock:
+            self.layer_skip.restore(saved["layer_skip"])
+            for b, c in zip(self.tail, saved["tail"]):
+                b.restore(c)
+            self._forwards, self._layer_skip_tokens = int(saved["forwards"]), int(saved["layer_skip_tokens"])

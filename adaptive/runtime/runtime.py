@@ -42,6 +42,7 @@ from adaptive.index.router import RouteDecision, decide
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
+from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings, TurnLock
 from adaptive.runtime.policies import Policy, get_policy
 
 THOMPSON = "thompson"
@@ -88,6 +89,7 @@ class RuntimeResult(GenerationResult):
     skip: str | None = None
     draft_policy: str = ""
     bandit: dict | None = None
+    online: dict | None = None
 
     @property
     def domain(self) -> str | None:
@@ -120,6 +122,8 @@ class RuntimeResult(GenerationResult):
             d["skip"] = SkipSet.from_text(self.skip).to_dict()
         if self.bandit is not None:
             d["bandit"] = self.bandit
+        if self.online is not None:
+            d["online"] = self.online
         return d
 
 
@@ -131,6 +135,8 @@ class RoutedDecoding:
 
     decoding: Decoding
     plan: RoutedPlan
+    observation: Observation | None = None  # what the online learner learns from once it is done
+    observed: bool = False
 
     @property
     def first(self) -> str:
@@ -145,9 +151,11 @@ class RoutedDecoding:
         r, plan = self.decoding.result(), self.plan
         length = plan.length_policy
         bandit = length.state() if isinstance(length, (ThompsonDraftLength, ThompsonCascade)) else None
+        obs = self.observation
+        online = {"flagged": obs.flagged, "learned_domain": obs.learned} if obs is not None else None
         return RuntimeResult(r.text, r.token_ids, r.finish_reason, r.stats, r.drafter, r.drafter_info,
                              policy=plan.policy, route=plan.route, applied=plan.applied, skip=plan.skip,
-                             draft_policy=plan.draft_policy, bandit=bandit)
+                             draft_policy=plan.draft_policy, bandit=bandit, online=online)
 
 
 def _positions(prior) -> list[float]:
@@ -165,11 +173,15 @@ class AdaptiveRuntime:
     drafts the fixed draft length calibration found (for a distilled drafter: the one its measured
     acceptance and cost give, at least 1) instead of Thompson sampling. ``reduced_vocab=False``
     keeps the full LM head for layer-skip drafts in every domain (by default a domain drafts over
-    its reduced vocabulary where calibration measured that faster).
+    its reduced vocabulary where calibration measured that faster). ``online`` (on by default):
+    learn from the traffic served (:mod:`adaptive.runtime.online`: live bigram tables, saved bandit
+    posteriors, new domains discovered among out-of-domain requests), saved to an overlay beside the
+    profile; ``False`` turns it off, an :class:`OnlineSettings` tunes it. Call :meth:`close` when done
+    (it saves what was learned).
     """
 
     def __init__(self, profile: Profile, lm: LoadedModel, *, bandit: bool = True, seed: int | None = 0,
-                 window: float = 500.0, reduced_vocab: bool = True):
+                 window: float = 500.0, reduced_vocab: bool = True, online: bool | OnlineSettings = True):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
         self.profile = profile
@@ -182,12 +194,14 @@ class AdaptiveRuntime:
         self.draft_len = max(self.max_draft_len, self.cascade_max_len)  # the longest draft any policy makes
         self._seed = seed
         self._window = window
-        self._lock = threading.RLock()  # the model: one decode at a time (re-entrant: route() inside stream())
+        self._lock = TurnLock()  # the model: one decode at a time, in arrival order (re-entrant)
         self._state_lock = threading.Lock()  # what is built on first use, below
         self._bandits: dict[str, DraftLengthPolicy] = {}  # "policy:domain" -> its Thompson sampler
         self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> (ids, LM-head rows)
         self._exit_block: ExitBlock | None = None  # the distilled early-exit block, in the model's dtype
         self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
+        settings = OnlineSettings.coerce(online)
+        self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits) if settings.enabled else None
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | LoadedModel | None = None, device: str = "auto",
@@ -209,16 +223,29 @@ class AdaptiveRuntime:
     # -- routing and planning ------------------------------------------------------------------
 
     def route(self, prompt: str | Sequence[dict]) -> RouteDecision:
-        """Route without decoding (one prefill forward): the domain and its calibrated decision."""
+        """Route without decoding (one prefill forward): the domain and its decision (a learned
+        domain's when the calibrated index says out-of-domain and online learning found one near)."""
         ids = self.encode(prompt)
         with self._lock:
             vector = embed_prompt(self.engine.backbone, ids, self.profile.index.pooling)
-        return decide(self.profile, vector)
+        if self.online is None:
+            return decide(self.profile, vector)
+        route, _ = self.online.route(vector)
+        dp = self._record(route.domain)
+        return RouteDecision(route, dp.name, dp.decision.drafter, dp.decision.draft_len, dp.layer_skip.skip.to_text())
+
+    def _record(self, name: str | None) -> DomainRecord:
+        """A domain's record (a learned domain's too); ``None``: the global record."""
+        return self.online.record(name) if self.online is not None else self.profile.domain(name)
+
+    def _live_bandits(self) -> dict:
+        with self._state_lock:
+            return dict(self._bandits)
 
     def plan(self, policy: Policy, route: Route | None, prompt_ids: list[int]) -> RoutedPlan:
         """What decodes a request routed to ``route`` under ``policy`` (``prompt_ids`` join a reduced
         draft head). Takes the state lock once; creates the domain's bandit on first use."""
-        dp = self.profile.domain(route.domain if policy.routed and route is not None else None)
+        dp = self._record(route.domain if policy.routed and route is not None else None)
         kind = policy.drafter or dp.decision.drafter
         if kind == "ssd" and not dp.layer_skip.skip:
             kind = "ar"  # no skip set to draft with
@@ -249,6 +276,8 @@ class AdaptiveRuntime:
                     length = self._bandits[key] = ThompsonDraftLength(
                         cost, dp.verify_table(self.max_draft_len), self.max_draft_len, beta_prior(prior),
                         window=self._window, seed=self._next_seed())
+                    if self.online is not None:
+                        self.online.restore_bandit(key, length)
                 draft_policy = THOMPSON
             else:
                 length, draft_policy = FixedDraftLength(fixed), f"fixed {fixed}"
@@ -261,7 +290,8 @@ class AdaptiveRuntime:
         cc = dp.cascade
         use_skip = cc.max_split > 0 and bool(dp.layer_skip.skip)
         skip = dp.layer_skip.skip if use_skip else None
-        spec = DrafterSpec("cascade", skip=skip, cascade=cc, bigram=dp.bigram,
+        bigram = self.online.table(dp.name) if self.online is not None else dp.bigram
+        spec = DrafterSpec("cascade", skip=skip, cascade=cc, bigram=bigram,
                            head=self._head(dp, prompt_ids) if use_skip else None)
         if not self.bandit:
             fixed = min(cc.draft_len, self.cascade_max_len)
@@ -275,6 +305,8 @@ class AdaptiveRuntime:
                     self.cascade_max_len, cc.max_split if use_skip else 0, beta_prior(dp.priors.layer_skip.acceptance),
                     [beta_prior(a) for a in _positions(stat)], stat_cost=stat.draft_cost, window=self._window,
                     seed=self._next_seed())
+                if self.online is not None:
+                    self.online.restore_bandit(key, length)
             draft_policy = THOMPSON
         return RoutedPlan(route, dp.name, policy.name, "cascade", spec, draft_policy,
                           skip.to_text() if skip is not None else None, length)
@@ -352,19 +384,40 @@ class AdaptiveRuntime:
 
     def _start(self, ids: list[int], cfg: GenerationConfig, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
         session = self.engine.start(ids, cfg, pool=self.profile.index.pooling)
-        route = self.profile.index.route(pooled_to_numpy(session.pooled))
+        vector = pooled_to_numpy(session.pooled)
+        obs = None
+        if self.online is not None:
+            route, flagged = self.online.route(vector)
+            obs = Observation(vector, ids, (), "", flagged, learned=flagged and not route.out_of_domain)
+        else:
+            route = self.profile.index.route(vector)
         plan = self.plan(pol, route, ids)
+        if obs is not None:
+            obs.applied = plan.applied
         if plan.drafter == "draft-model" and shared_draft_model:
             drafter = self._draft_model  # its own KV cache, reused across one-at-a-time requests (common prefix)
         else:
             drafter = build_drafter(plan.spec, self.engine.backbone)
-        return RoutedDecoding(self.engine.begin(session, drafter, plan.length_policy), plan)
+        run = RoutedDecoding(self.engine.begin(session, drafter, plan.length_policy), plan, obs)
+        self._observe(run)  # done at the prefill already (its one token was EOS, or one was asked for)
+        return run
 
     def step(self, decodings: Sequence[RoutedDecoding]) -> list[str]:
         """One verification step of each started, unfinished request, verified together in one forward
         (:meth:`Engine.step`); each one's text delta. Greedy outputs are those of decoding each alone."""
         with self._lock:
-            return self.engine.step([d.decoding for d in decodings])
+            deltas = self.engine.step([d.decoding for d in decodings])
+        for d in decodings:
+            self._observe(d)
+        return deltas
+
+    def _observe(self, d: RoutedDecoding) -> None:
+        """Hand a finished request's output to the online learner (once)."""
+        if d.observation is None or d.observed or not d.done:
+            return
+        d.observed = True
+        d.observation.output = list(d.decoding.out.ids)
+        self.online.observe(d.observation)
 
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
@@ -393,6 +446,11 @@ class AdaptiveRuntime:
         for item in self.stream(prompt, **kwargs):
             result = item
         return result
+
+    def close(self) -> None:
+        """Stop a running online measurement and save what was learned (a no-op when online is off)."""
+        if self.online is not None:
+            self.online.close()
 
     def bandit_state(self) -> dict:
         """Each ``"policy:domain"`` bandit's posterior and choices so far (does not wait for a running decode)."""

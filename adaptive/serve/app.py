@@ -198,6 +198,12 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def online_endpoint(request: Request) -> Response:
+        if (refusal := refused_key(request)) is not None:
+            return refusal
+        learner = getattr(runtime, "online", None)
+        return JSONResponse({"enabled": False} if learner is None else {"enabled": True, **learner.state()})
+
     async def metrics_endpoint(request: Request) -> Response:
         if (refusal := refused_key(request)) is not None:
             return refusal
@@ -219,6 +225,8 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
         drained = await asyncio.to_thread(scheduler.close, drain_timeout)
         if not drained:
             log.warning("requests still decoding after %.0f s were cancelled", drain_timeout)
+        if hasattr(runtime, "close"):
+            await asyncio.to_thread(runtime.close)  # saves what online learning learned
 
     started = int(time.time())
     app = Starlette(routes=[
@@ -227,6 +235,7 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/adaptive/online", online_endpoint, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.model_name = scheduler, metrics, model_name
     return app

@@ -106,3 +106,39 @@ def test_route_refuses_a_profile_of_another_model(capsys, tiny_profile, tmp_path
     code, _, err = run(capsys, "route", "--profile", str(tiny_profile), "--model", str(other), "hi",
                        "--dtype", "float32")
     assert code == 1 and "calibrated for" in err
+
+
+def test_profile_show_and_reset_online(capsys, tiny_profile, tiny_model_dir, tmp_path):
+    """What serving learned is shown beside the profile, `generate` uses it without saving, and
+    `reset-online` removes it; a damaged overlay is a one-line error."""
+    import shutil
+
+    from adaptive.models import load_model
+    from adaptive.profile.overlay import overlay_path
+    from adaptive.runtime import AdaptiveRuntime
+
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    text, _ = run_ok(capsys, "profile", "show", str(prof))
+    assert f"nothing learned yet ({prof}.online does not exist)" in text
+    rt = AdaptiveRuntime.from_profile(prof, model=load_model(str(tiny_model_dir), dtype="float32"))
+    rt.generate(TINY_DOMAINS["code"][0], max_new_tokens=8)
+    rt.close()
+    before = overlay_path(prof).read_bytes()
+    text, _ = run_ok(capsys, "profile", "show", str(prof))
+    assert f"online  {prof}.online: generation 1" in text and "1 requests learned from" in text
+    assert "accepted tokens" in text
+    data = json.loads(run_ok(capsys, "profile", "show", str(prof), "--json")[0])
+    assert data["online"]["requests"] == 1 and data["online"]["stale"] is False
+    out, _ = run_ok(capsys, "generate", "hello", "--profile", str(prof), "--model", str(tiny_model_dir),
+                    "--dtype", "float32", "--max-new-tokens", "4", "--json")
+    assert "online" in json.loads(out)
+    assert overlay_path(prof).read_bytes() == before  # generate saves nothing
+    _, err = run_ok(capsys, "profile", "reset-online", str(prof))
+    assert f"removed {prof}.online" in err and not overlay_path(prof).exists()
+    _, err = run_ok(capsys, "profile", "reset-online", str(prof))
+    assert "nothing to remove" in err
+    overlay_path(prof).write_bytes(before[:-5])
+    code, _, err = run(capsys, "profile", "show", str(prof))
+    assert code == 1 and "does not match its checksum" in err and "Traceback" not in err
+    assert (prof / "profile.json").is_file()  # the profile itself is untouched

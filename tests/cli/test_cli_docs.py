@@ -32,7 +32,8 @@ def _section(name: str) -> str:
 def test_every_option_is_documented(name):
     cmd = _commands()[name]
     text = _section(name)
-    options = {o for p in cmd.params if isinstance(p, click.Option) for o in p.opts if o.startswith("--")}
+    options = {o for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)
+               if o.startswith("--")}
     missing = sorted(o for o in options if not re.search(rf"`{re.escape(o)}[ `\\|=]", text))
     assert not missing, f"adaptive {name}: options missing from docs/cli.md: {missing}"
     documented = set(re.findall(r"`(--[a-z][a-z0-9-]*)", text))

@@ -232,15 +232,17 @@ def test_cascade_uses_the_domains_table_and_split(runtime):
     """Each domain's cascade drafts with its own bigram table; a profile split puts layer-skip tokens
     first; greedy output stays that of plain decoding; the two-level bandit learns per level."""
     p = with_domains(runtime.profile, cascade=CascadePlan(split=1, draft_len=4, max_split=2))
-    for bandit in (False, True):
-        rt = AdaptiveRuntime(p, runtime.lm, bandit=bandit)
+    for bandit, online in ((False, False), (True, False), (True, True)):
+        rt = AdaptiveRuntime(p, runtime.lm, bandit=bandit, online=online)
         moved = []
         for prompt in PROMPTS[:3]:
             r = rt.generate(prompt, max_new_tokens=24, policy="cascade")
             assert r.token_ids == _ar(runtime, prompt), (bandit, prompt)
             if r.domain is not None:
                 d = r.drafter_info
-                assert d["statistical"]["bigram_entries"] == len(p.domains[r.domain].bigram)
+                entries, calibrated = d["statistical"]["bigram_entries"], len(p.domains[r.domain].bigram)
+                # online, the table is the calibrated one plus what earlier requests taught it
+                assert entries == calibrated if not online else entries >= calibrated
                 assert r.skip == p.domains[r.domain].layer_skip.skip.to_text()
                 if not bandit:
                     assert d["split"] == 1 and r.stats.drafted > 0
@@ -263,7 +265,7 @@ def test_cascade_with_a_profile_made_before_cascades(runtime):
     """A profile without cascade settings or tables: the cascade is prompt lookup alone, still lossless."""
     # what calibration records where it measured no cascade: prompt lookup alone, no table
     p = with_domains(runtime.profile, cascade=CascadePlan(split=0, draft_len=8, max_split=0), bigram=None)
-    rt = AdaptiveRuntime(p, runtime.lm, bandit=False)
+    rt = AdaptiveRuntime(p, runtime.lm, bandit=False, online=False)  # online, a table would be learned
     r = rt.generate("ab ab ab ab ab ab", max_new_tokens=16, policy="cascade")
     assert r.drafter_info["split"] == 0 and "bigram_entries" not in r.drafter_info["statistical"] and r.skip is None
     assert r.token_ids == _ar(runtime, "ab ab ab ab ab ab", 16) and r.stats.drafted > 0

@@ -144,6 +144,16 @@ def test_models_health_and_metrics(client, server, runtime):
     assert "adaptive_time_per_output_token_seconds_count" in text
 
 
+def test_online_learning_state_endpoint(client, server, runtime):
+    status, before = raw(server, "GET", "/v1/adaptive/online")
+    assert status == 200 and before["enabled"] is True and before["persist"] is True
+    client.chat.completions.create(model=model_name(runtime), messages=[{"role": "user", "content": PROMPTS[1]}],
+                                   max_tokens=8, temperature=0)
+    _, after = raw(server, "GET", "/v1/adaptive/online")
+    assert after["requests"] == before["requests"] + 1 and after["tables"]
+    assert raw(server, "GET", "/v1/adaptive/online", headers={"Authorization": "Bearer nope"})[0] == 401
+
+
 # -- refusals: OpenAI-style 4xx, never a 500 ---------------------------------------------------------
 
 @pytest.mark.parametrize("body,status,param", [

@@ -70,6 +70,9 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_connections(tiny
         assert proc.wait(60) == 0
         with pytest.raises(OSError):  # nothing listens any more
             http.client.HTTPConnection("127.0.0.1", port, timeout=5).request("GET", "/health")
+        from adaptive.profile.overlay import load_overlay, overlay_path
+
+        assert load_overlay(overlay_path(tiny_profile)).requests == 1  # online learning saved at shutdown
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,546 @@
+"""Online adaptation: the runtime learns from the traffic it serves (issue 20).
+
+Three things are learned, all from what the target model itself accepted, so drafts follow it:
+
+1. **Statistical tables.** Each record's bigram table (a calibrated domain, ``global``, or a learned
+   domain) is a :class:`~adaptive.drafters.live.LiveBigramTable`: calibration's table plus the pairs
+   of every finished request's output routed to that record (bounded: halved past ``max_pairs``).
+2. **Bandits.** The draft-length bandits already update on every verification; their posteriors
+   are now saved and restored, so a restarted server starts where the last one stopped.
+3. **New domains.** A request the calibrated index flags out-of-domain is kept (its embedding,
+   prompt and output ids) in a bounded buffer. Once ``min_cluster`` are pending, :func:`find_cluster`
+   looks for a coherent group (FAISS k-means, then the calibration's leave-one-out test: at least
+   ``coherence`` of the members lie within the out-of-domain threshold of anchors fitted without
+   them). A group becomes a proposed domain; a background thread measures it as calibration
+   measures a domain (:func:`measure_domain`: the statistical drafters' teacher-forced acceptance on
+   the members' outputs, then prompt lookup and the cascade raced against ``ar`` in paired blocks
+   with bootstrap intervals, and the pure decision). Until that finishes its requests use the global
+   record; after, they route to it (its anchors are searched when the calibrated index says
+   out-of-domain). The race takes the model lock one block at a time (a :class:`TurnLock`: serving
+   steps and race blocks alternate in arrival order), so serving waits at most one block.
+
+What was learned is saved beside the profile (:mod:`adaptive.profile.overlay`) every ``save_every``
+requests, when a domain is learned and on :meth:`OnlineLearner.close`; the calibrated profile is
+never written. Everything here only changes what is *drafted*: verification still decides every
+token, so outputs stay those of plain decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from adaptive.costs import STAT_DRAFT_COST
+from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable
+from adaptive.engine.skip import SkipSet
+from adaptive.errors import AdaptiveError
+from adaptive.index.anchors import AnchorIndex, Route, kmeans_anchors
+from adaptive.measure.decision import decide
+from adaptive.measure.statistical import choose_cascade, statistical_acceptance
+from adaptive.measure.timing import Candidate, RaceConfig, race_candidates
+from adaptive.profile import GLOBAL, DomainRecord, Prior, Priors, Profile, SkipSearch
+from adaptive.profile.overlay import (
+    BufferedRequest,
+    LearnedDomain,
+    OnlineOverlay,
+    OverlayError,
+    PairCounts,
+    load_overlay,
+    overlay_path,
+    profile_digest,
+    save_overlay,
+)
+
+log = logging.getLogger("adaptive.online")
+
+LEARNED_PREFIX = "learned-"
+
+
+class TurnLock:
+    """A re-entrant lock granted in arrival order.
+
+    ``threading.RLock`` lets a thread that releases and at once re-acquires (a server's decoding
+    loop) win again and again over a waiting one; here a waiting thread (the background
+    measurement) gets the next turn. Used as the runtime's model lock.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._queue: deque[int] = deque()
+
+    def acquire(self) -> bool:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            self._queue.append(me)
+            while self._owner is not None or self._queue[0] != me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._owner, self._depth = me, 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("release of a TurnLock this thread does not hold")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass(frozen=True)
+class OnlineSettings:
+    """How the runtime learns from traffic (see the module doc). ``enabled=False``: nothing is
+    learned, loaded or saved. ``path``: the overlay file (``None``: ``PROFILE.online`` beside the
+    profile). ``persist=False``: load the overlay if there is one, learn in memory, never write.
+    ``save_every``: requests between saves. ``prior_weight``, ``max_pairs``: the live tables'.
+    ``buffer_size``: out-of-domain requests kept. ``min_cluster``: pending requests that may form a
+    domain; ``coherence``: the share of them that must pass the leave-one-out test. ``discover=False``:
+    tables and bandits only. ``background=False``: measure a proposed domain in the observing thread
+    (tests). ``measure_prompts``: members a new domain is raced on."""
+
+    enabled: bool = True
+    path: str | Path | None = None
+    persist: bool = True
+    save_every: int = 16
+    prior_weight: float = DEFAULT_PRIOR_WEIGHT
+    max_pairs: int = DEFAULT_MAX_PAIRS
+    buffer_size: int = 64
+    min_cluster: int = 8
+    coherence: float = 0.75
+    discover: bool = True
+    background: bool = True
+    measure_prompts: int = 6
+
+    def __post_init__(self):
+        if self.save_every < 1 or self.buffer_size < 1 or self.max_pairs < 1 or self.measure_prompts < 1:
+            raise ValueError("save_every, buffer_size, max_pairs and measure_prompts must be >= 1")
+        if not 2 <= self.min_cluster <= self.buffer_size:
+            raise ValueError(f"min_cluster must be in 2 .. buffer_size ({self.buffer_size}), got {self.min_cluster}")
+        if not 0.0 < self.coherence <= 1.0 or self.prior_weight < 0:
+            raise ValueError("coherence must be in (0, 1] and prior_weight >= 0")
+
+    @classmethod
+    def coerce(cls, online: bool | OnlineSettings | None) -> OnlineSettings:
+        if isinstance(online, OnlineSettings):
+            return online
+        return cls(enabled=bool(online) if online is not None else True)
+
+
+def find_cluster(x: np.ndarray, threshold: float, min_size: int, per_domain: int, coherence: float,
+                 seed: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
+    """A coherent group among ``x`` (``[n, d]`` unit vectors, as the index transforms them):
+    ``(member indices, anchors [m, d])`` or ``None``.
+
+    For ``c = 1 .. n // min_size``, FAISS k-means splits ``x`` into ``c`` clusters. In each cluster
+    (largest first) the *core* is the members within ``threshold`` (squared L2: the index's
+    out-of-domain threshold) of another member. A core of at least ``min_size`` members passes
+    when at least ``coherence`` of them lie within ``threshold`` of anchors fitted *without* them
+    (the calibration's leave-one-out test: requests like these would route to the new domain rather
+    than be flagged again). Its anchors: at most ``per_domain`` k-means centroids of the core.
+
+    Example: 8 copies of one direction plus small noise, ``threshold`` above the noise: one
+    cluster, all 8 in its core, each within the threshold of anchors fitted on the other 7: all 8
+    with their anchors. Eight unrelated directions: no member is near another: ``None``. The 8
+    among 5 unrelated ones: the 5 fall outside the core; the 8 again.
+    """
+    import faiss
+
+    n = x.shape[0]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    for c in range(1, n // min_size + 1):
+        if c == 1:
+            assign = np.zeros(n, dtype=np.int64)
+        else:
+            km = faiss.Kmeans(x.shape[1], c, niter=20, seed=seed + c, verbose=False, min_points_per_centroid=1)
+            km.train(x)
+            assign = km.index.search(x, 1)[1][:, 0]
+        sizes = np.bincount(assign, minlength=c)
+        for j in np.argsort(-sizes, kind="stable"):
+            if sizes[j] < min_size:
+                break
+            idx = np.flatnonzero(assign == j)
+            d2 = ((x[idx, None, :] - x[None, idx, :]) ** 2).sum(-1)
+            np.fill_diagonal(d2, np.inf)
+            idx = idx[d2.min(axis=1) <= threshold]
+            if len(idx) < min_size:
+                continue
+            core = x[idx]
+            within = 0
+            for i in range(len(idx)):
+                anchors = kmeans_anchors(np.delete(core, i, axis=0), per_domain, seed=seed)
+                within += float(((anchors - core[i]) ** 2).sum(-1).min()) <= threshold
+            if within >= coherence * len(idx):
+                return idx, kmeans_anchors(core, per_domain, seed=seed)
+    return None
+
+
+def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[int], list[int]]],
+                   prompts: int, guard: Callable = None, anchors: int = 0) -> DomainRecord:
+    """A learned domain's record, measured as calibration measures one (:mod:`adaptive.calibrate.domain`)
+    but without a skip-set search (layer skipping is searched offline only): the bigram-backed
+    drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
+    gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
+    ``prompts`` member prompts (``guard``: the model lock, one block at a time); the decision is the
+    same pure function of the race. Verification costs: the global record's."""
+    s = profile.settings
+    glob = profile.global_set
+    max_len = profile.runtime.cascade_max_draft_len
+    min_count = int(s.get("bigram_min_count", 2))
+    stat = statistical_acceptance(sequences, max_len, min_count)
+    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0,
+                          float(s.get("cascade_lenience", 1.0)))
+    table = LiveBigramTable(None, min_count=min_count)
+    for p, out in sequences:
+        table.observe(list(p[-1:]) + list(out))
+    candidates = {"lookup": Candidate("pld", profile.runtime.pld_draft_len), "cascade": Candidate(
+        "cascade", plan.draft_len, cascade=plan)}
+    rc = RaceConfig(block_tokens=int(s.get("block_tokens", 16)), max_tokens=int(s.get("confirm_tokens", 64)),
+                    prompts=prompts, min_blocks=int(s.get("min_blocks", 6)), margin=float(s.get("min_gain", 0.02)),
+                    level=float(s.get("interval_level", 0.9)), seed=int(s.get("seed", 0)))
+    kwargs = {"guard": guard} if guard is not None else {}
+    timed = race_candidates(lm, [list(p) for p, _ in sequences], candidates, rc, bigram=table.snapshot(), **kwargs)
+    decision = decide(timed, float(s.get("acceptance_floor", 0.2)))
+    lookup = timed.get("lookup")
+    priors = Priors(layer_skip=Prior(0.0, 1.0),
+                    lookup=Prior(lookup.token_acceptance if lookup else 0.0, STAT_DRAFT_COST),
+                    statistical=Prior(stat.token_acceptance, STAT_DRAFT_COST, stat.position_acceptance))
+    return DomainRecord(name=name, decision=decision, layer_skip=SkipSearch(SkipSet(), 1), priors=priors,
+                        verify=glob.verify, verify_context=glob.verify_context, cascade=plan, statistical=stat,
+                        measurements=tuple(timed.values()), prompts=len(sequences), anchors=anchors)
+
+
+class _Stopped(Exception):
+    """The learner was closed while a measurement ran."""
+
+
+@dataclass
+class Observation:
+    """One finished request as the learner sees it: the raw pooled ``vector`` ``[d]``, ``prompt`` and
+    ``output`` token ids, the record it was decoded with (``applied``) and whether the calibrated
+    index flagged it out-of-domain (``flagged``; a request routed to a learned domain was flagged too)."""
+
+    vector: np.ndarray
+    prompt: Sequence[int]
+    output: Sequence[int]
+    applied: str
+    flagged: bool
+    learned: bool = False
+
+
+@dataclass
+class _Pending:
+    name: str
+    anchors: np.ndarray
+    members: list[BufferedRequest]
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class OnlineLearner:
+    """The runtime's online state (see the module doc). ``lm``: the loaded model (a new domain is
+    raced on it); ``guard``: the runtime's model lock; ``bandits``: a callable giving the runtime's
+    live bandits (``{"policy:domain": bandit}``) to save. Thread-safe."""
+
+    def __init__(self, profile: Profile, lm, settings: OnlineSettings, guard, bandits: Callable[[], dict]):
+        self.profile = profile
+        self.lm = lm
+        self.settings = settings
+        self._guard = guard
+        self._bandits = bandits
+        self._lock = threading.Lock()  # the tables' counts, the buffer, the learned domains
+        self._save_lock = threading.Lock()  # one save at a time (the serving and the measuring threads both save)
+        self._stop = threading.Event()
+        self.path = Path(settings.path) if settings.path is not None else (
+            overlay_path(profile.path) if profile.path is not None else None)
+        self.persist = settings.persist and self.path is not None and profile.path is not None
+        self._digest = profile_digest(profile.path) if profile.path is not None else ""
+        self._min_count = float(profile.settings.get("bigram_min_count", 2))
+        self._per_domain = int(profile.settings.get("anchors_per_domain", 10))
+        self.tables: dict[str, LiveBigramTable] = {}
+        self.learned: dict[str, LearnedDomain] = {}
+        self._learned_index: AnchorIndex | None = None
+        self.buffer: deque[BufferedRequest] = deque(maxlen=settings.buffer_size)
+        self._pending: _Pending | None = None
+        self.saved_bandits: dict[str, dict] = {}
+        self.requests = 0
+        self.generation = 0
+        self._since_save = 0
+        self.update_seconds = 0.0  # time spent in observe() (tables, buffer, discovery; not measuring)
+        self.saves = 0
+        self.errors: list[str] = []
+        if self.path is not None and self.path.exists():
+            self._load()
+
+    # -- loading and saving ------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            ov = load_overlay(self.path)
+        except OverlayError:
+            raise
+        if ov is None:
+            return
+        if self._digest and ov.profile != self._digest:
+            log.warning("%s: belongs to another calibration of the profile; starting afresh (the next save "
+                        "replaces it)", self.path)
+            return
+        self.generation, self.requests = ov.generation, ov.requests
+        for d in ov.learned:
+            self.learned[d.name] = d
+        self._rebuild_index()
+        for name, c in ov.counts.items():
+            if name in self.profile.domains or name == GLOBAL or name in self.learned:
+                self.table(name).load(c.prev, c.succ, c.count)
+        self.buffer.extend(ov.buffer)
+        self.saved_bandits = dict(ov.bandits)
+
+    def snapshot(self) -> OnlineOverlay:
+        """What :meth:`save` writes: the learner's state now (the live bandits' posteriors included)."""
+        bandits = dict(self.saved_bandits)
+        for key, b in self._bandits().items():
+            if hasattr(b, "posteriors"):
+                bandits[key] = b.posteriors()
+        with self._lock:
+            counts = {n: PairCounts(*t.counts()) for n, t in self.tables.items() if t.pairs}
+            return OnlineOverlay(self._digest, self.generation + 1, time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 self.requests, counts, bandits, tuple(self.buffer),
+                                 tuple(self.learned.values()))
+
+    def save(self) -> Path | None:
+        """Write the overlay now (atomically); ``None`` when this learner does not persist."""
+        if not self.persist:
+            return None
+        with self._save_lock:
+            ov = self.snapshot()
+            save_overlay(ov, self.path)
+            with self._lock:
+                self.generation = ov.generation
+                self._since_save = 0
+                self.saves += 1
+        return self.path
+
+    # -- routing and tables ------------------------------------------------------------------
+
+    def _rebuild_index(self) -> None:
+        """The learned domains' anchors in an index like the calibrated one (same threshold, pooling, mean)."""
+        idx = self.profile.index
+        if not self.learned:
+            self._learned_index = None
+            return
+        names = sorted(self.learned)
+        anchors = np.concatenate([self.learned[n].anchors for n in names])
+        labels = [n for n in names for _ in range(self.learned[n].anchors.shape[0])]
+        self._learned_index = AnchorIndex(anchors, labels, idx.mean, idx.ood_threshold, idx.k, idx.pooling)
+
+    def route(self, vector: np.ndarray) -> tuple[Route, bool]:
+        """``(route, flagged)``: the calibrated index's route, or, when it says out-of-domain and a
+        learned domain's anchors are within the threshold, the route to that learned domain.
+        ``flagged``: the calibrated index said out-of-domain."""
+        route = self.profile.index.route(vector)
+        if not route.out_of_domain:
+            return route, False
+        learned = self._learned_index
+        if learned is not None:
+            r = learned.route(vector)
+            if not r.out_of_domain:
+                return r, True
+        return route, True
+
+    def record(self, name: str | None) -> DomainRecord:
+        """A domain's record: a learned domain's, else the profile's (``None``: the global record)."""
+        d = self.learned.get(name) if name is not None else None
+        return d.record if d is not None else self.profile.domain(name)
+
+    def table(self, name: str) -> LiveBigramTable:
+        """The live bigram table of record ``name`` (created from the record's calibrated table)."""
+        t = self.tables.get(name)
+        if t is None:
+            with self._lock:
+                t = self.tables.get(name)
+                if t is None:
+                    base = None if name in self.learned else self.profile.domain(
+                        None if name == GLOBAL else name).bigram
+                    t = self.tables[name] = LiveBigramTable(base, self.settings.prior_weight, self._min_count,
+                                                            self.settings.max_pairs)
+        return t
+
+    def restore_bandit(self, key: str, bandit) -> None:
+        """Continue ``bandit`` from its saved posteriors, if the overlay has them (a mismatch is ignored)."""
+        saved = self.saved_bandits.get(key)
+        if saved is not None and hasattr(bandit, "restore"):
+            try:
+                bandit.restore(saved)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("saved bandit %s not restored (%s)", key, exc)
+
+    # -- learning ------------------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> None:
+        """Learn from one finished request; may save, and may start measuring a new domain."""
+        t0 = time.perf_counter()
+        tokens = list(obs.prompt[-1:]) + list(obs.output)
+        table = self.table(obs.applied)
+        start = None
+        with self._lock:  # a save's snapshot reads the counts from another thread
+            table.observe(tokens)
+            self.requests += 1
+            self._since_save += 1
+            if obs.flagged and not obs.learned and self.settings.discover:
+                self.buffer.append(BufferedRequest(np.asarray(obs.vector, dtype=np.float32).copy(),
+                                                   tuple(int(t) for t in obs.prompt),
+                                                   tuple(int(t) for t in obs.output)))
+                start = self._propose()
+            due = self._since_save >= self.settings.save_every
+        self.update_seconds += time.perf_counter() - t0
+        if start is not None:
+            self._start_measuring(start)
+        elif due:
+            self._save_quietly()
+
+    def _propose(self) -> _Pending | None:
+        """A new domain from the buffer, if a coherent group is there (caller holds the lock)."""
+        if self._pending is not None or len(self.buffer) < self.settings.min_cluster:
+            return None
+        entries = list(self.buffer)
+        x = self.profile.index.transform(np.stack([b.vector for b in entries]))
+        found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster, self._per_domain,
+                             self.settings.coherence, seed=len(self.learned))
+        if found is None:
+            return None
+        idx, anchors = found
+        chosen = set(idx.tolist())
+        members = [entries[i] for i in sorted(chosen)]
+        self.buffer.clear()
+        self.buffer.extend(e for i, e in enumerate(entries) if i not in chosen)
+        n = len(self.learned) + 1
+        while f"{LEARNED_PREFIX}{n}" in self.learned or f"{LEARNED_PREFIX}{n}" in self.profile.domains:
+            n += 1
+        self._pending = _Pending(f"{LEARNED_PREFIX}{n}", anchors, members)
+        return self._pending
+
+    def _start_measuring(self, pending: _Pending) -> None:
+        if self.settings.background:
+            pending.thread = threading.Thread(target=self._measure, args=(pending,), name="adaptive-online-measure",
+                                              daemon=True)
+            pending.thread.start()
+        else:
+            self._measure(pending)
+
+    def _race_guard(self):
+        if self._stop.is_set():
+            raise _Stopped
+        return self._guard
+
+    def _measure(self, pending: _Pending) -> None:
+        """Measure a proposed domain; on success it routes from now on and the overlay is saved.
+        On failure or :meth:`close` its members go back to the buffer."""
+        try:
+            seqs = [(list(m.prompt), list(m.output)) for m in pending.members]
+            prompts = min(self.settings.measure_prompts, len(seqs))
+            rec = measure_domain(self.lm, self.profile, pending.name, seqs, prompts, guard=self._race_guard,
+                                 anchors=int(pending.anchors.shape[0]))
+        except _Stopped:
+            with self._lock:
+                self.buffer.extendleft(reversed(pending.members))
+                self._pending = None
+            return
+        except (AdaptiveError, ValueError, RuntimeError) as exc:  # a failed measurement must not stop serving
+            log.warning("measuring %s failed: %s", pending.name, exc)
+            with self._lock:
+                self.errors.append(f"{pending.name}: {type(exc).__name__}: {exc}")
+                self.buffer.extendleft(reversed(pending.members))
+                self._pending = None
+            return
+        domain = LearnedDomain(pending.name, pending.anchors, rec, len(pending.members),
+                               time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        table = LiveBigramTable(None, self.settings.prior_weight, self._min_count, self.settings.max_pairs)
+        for p, out in seqs:
+            table.observe(list(p[-1:]) + list(out))
+        with self._lock:
+            self.learned[domain.name] = domain
+            self.tables[domain.name] = table
+            self._rebuild_index()
+            self._pending = None
+            self._absorb(domain.name, table)
+        log.info("learned domain %s from %d requests: %s at %.2fx", domain.name, domain.members,
+                 rec.decision.drafter, rec.decision.speedup)
+        self._save_quietly()
+
+    def _absorb(self, name: str, table: LiveBigramTable) -> None:
+        """Buffered requests that now route to the learned domain ``name`` (flagged while it was being
+        measured) join it: their outputs feed its table, and they leave the buffer, so they cannot
+        form a second domain of the same traffic (caller holds the lock)."""
+        keep = []
+        for b in self.buffer:
+            r = self._learned_index.route(b.vector)
+            if not r.out_of_domain and r.domain == name:
+                table.observe(list(b.prompt[-1:]) + list(b.output))
+            else:
+                keep.append(b)
+        self.buffer.clear()
+        self.buffer.extend(keep)
+
+    def _save_quietly(self) -> None:
+        """:meth:`save`, logging (not raising) a failure: serving goes on, the state stays in memory."""
+        try:
+            self.save()
+        except OSError as exc:
+            log.warning("could not save the online overlay %s: %s", self.path, exc)
+            self.errors.append(f"save: {exc}")
+
+    # -- control -------------------------------------------------------------------------------
+
+    @property
+    def measuring(self) -> str | None:
+        """The name of the domain being measured, if any."""
+        p = self._pending
+        return p.name if p is not None else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a running measurement to finish; ``False`` on timeout."""
+        p = self._pending
+        t = p.thread if p is not None else None
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+    def close(self) -> None:
+        """Stop a running measurement (its members return to the buffer) and save."""
+        self._stop.set()
+        p = self._pending
+        if p is not None and p.thread is not None:
+            p.thread.join()
+        self._stop.clear()  # a runtime used after close() may measure again
+        self._save_quietly()
+
+    def state(self) -> dict:
+        """A summary for ``/v1/adaptive/online`` and logs."""
+        with self._lock:
+            return {"requests": self.requests, "generation": self.generation, "saves": self.saves,
+                    "path": str(self.path) if self.path else None, "persist": self.persist,
+                    "buffered": len(self.buffer), "measuring": self.measuring,
+                    "tables": {n: {"entries": len(t), "pairs": t.pairs, "observed": round(t.observed, 1)}
+                               for n, t in sorted(self.tables.items())},
+                    "learned": {n: {"members": d.members, "decision": d.record.decision.drafter,
+                                    "speedup": d.record.decision.speedup} for n, d in sorted(self.learned.items())},
+                    "update_ms_per_request": round(1e3 * self.update_seconds / self.requests, 3)
+                    if self.requests else 0.0, "errors": list(self.errors[-5:])}
+

@@ -1,0 +1,223 @@
+"""Online adaptation (issue 20): clustering, the turn lock, and a runtime learning from scripted traffic."""
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from adaptive.engine.config import GenerationConfig
+from adaptive.engine.engine import Engine
+from adaptive.index.anchors import AnchorIndex
+from adaptive.profile import load_profile
+from adaptive.profile.overlay import OverlayError, load_overlay, overlay_path, save_overlay
+from adaptive.runtime import AdaptiveRuntime, OnlineSettings
+from adaptive.runtime.online import Observation, TurnLock, find_cluster
+from tests.conftest import TINY_DOMAINS
+from tests.runtime.test_runtime import with_domains
+
+
+def unit(x):
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def test_find_cluster_takes_a_coherent_group_and_refuses_scatter():
+    rng = np.random.default_rng(0)
+    centre = unit(rng.normal(size=16))
+    group = unit(centre + 0.03 * rng.normal(size=(8, 16)))  # pairs ~0.03 apart (squared), below 0.05
+    scatter = unit(rng.normal(size=(8, 16)))
+    found = find_cluster(group, threshold=0.05, min_size=8, per_domain=4, coherence=0.75)
+    assert found is not None and sorted(found[0].tolist()) == list(range(8)) and found[1].shape == (4, 16)
+    assert find_cluster(scatter, threshold=0.05, min_size=8, per_domain=4, coherence=0.75) is None
+    mixed = np.concatenate([scatter[:5], group])  # the group among unrelated requests
+    idx, anchors = find_cluster(mixed, threshold=0.05, min_size=8, per_domain=4, coherence=0.75)
+    assert sorted(idx.tolist()) == list(range(5, 13))
+    assert np.allclose(np.linalg.norm(anchors, axis=1), 1.0, atol=1e-5)
+
+
+def test_turn_lock_is_reentrant_and_takes_turns():
+    lock = TurnLock()
+    with lock, lock:  # re-entrant
+        pass
+    order, stop = [], threading.Event()
+
+    def greedy():  # re-acquires at once after each release, like a decoding loop
+        while not stop.is_set():
+            with lock:
+                order.append("loop")
+                time.sleep(0.002)
+
+    t = threading.Thread(target=greedy)
+    t.start()
+    time.sleep(0.01)
+    got = []
+    for _ in range(5):
+        with lock:
+            got.append(len(order))
+    stop.set()
+    t.join()
+    assert len(got) == 5 and got[-1] - got[0] <= 8  # a waiting thread gets every other turn, roughly
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError):
+        OnlineSettings(min_cluster=1)
+    with pytest.raises(ValueError):
+        OnlineSettings(min_cluster=10, buffer_size=4)
+    with pytest.raises(ValueError):
+        OnlineSettings(coherence=0)
+    assert OnlineSettings.coerce(False).enabled is False and OnlineSettings.coerce(None).enabled
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    from adaptive.models import load_model
+
+    return load_model(str(tiny_model_dir), dtype="float32")
+
+
+def cascades(tiny_profile):
+    return with_domains(load_profile(tiny_profile), "cascade")
+
+
+def _ar(lm, prompt, n=24):
+    return Engine(lm).generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
+
+
+OOD = [f"zq xv zq xv zq xv zq xv number {i}" for i in range(8)]
+
+
+def scripted_profile(profile, lm):
+    """``profile`` routing by an index whose anchors are the math prompts' own embeddings, threshold
+    0.3: math is in-domain (distance 0), the scripted out-of-domain prompts ``OOD`` lie about 1 from
+    it (flagged) and within 0.01 of each other (a coherent group), as measured on the tiny model."""
+    from adaptive.index.embedding import embed_prompt
+
+    engine = Engine(lm)
+    idx = profile.index
+    vecs = np.stack([embed_prompt(lm.backbone, engine.encode(q), idx.pooling) for q in TINY_DOMAINS["math"]])
+    p = dataclasses.replace(profile)
+    p.index = AnchorIndex(idx.transform(vecs), ["math"] * len(vecs), idx.mean, 0.3, idx.k, idx.pooling)
+    return p
+
+
+def test_runtime_learns_tables_bandits_and_a_new_domain_losslessly(tiny_profile, lm, tmp_path):
+    """Scripted traffic: in-domain requests, then out-of-domain ones: every greedy output equals plain
+    decoding before, during and after adaptation; the tables learn; the out-of-domain requests form
+    a learned domain, measured against ar; later ones route to it; a new runtime reloads all of it."""
+    p = scripted_profile(cascades(tiny_profile), lm)
+    settings = OnlineSettings(path=tmp_path / "t.online", background=False, min_cluster=4, save_every=3,
+                              measure_prompts=2)
+    rt = AdaptiveRuntime(p, lm, seed=0, online=settings)
+    traffic = TINY_DOMAINS["math"][:3] + OOD[:6]
+    results = []
+    for prompt in traffic:
+        r = rt.generate(prompt, max_new_tokens=16)
+        assert r.token_ids == _ar(lm, prompt, 16), prompt
+        results.append(r)
+    assert [r.online["flagged"] for r in results] == [False] * 3 + [True] * 6
+    assert [r.applied for r in results[:3]] == ["math"] * 3 and [r.applied for r in results[3:7]] == ["global"] * 4
+    learner = rt.online
+    assert learner.requests == len(traffic) and learner.tables["math"].observed > 0
+    assert list(learner.learned) == ["learned-1"], (learner.state(), learner.errors)
+    rec = learner.learned["learned-1"].record
+    assert {m.role for m in rec.measurements} == {"lookup", "cascade"} and rec.prompts == 4
+    assert rec.decision.drafter in ("ar", "pld", "cascade")
+    # after the fourth flagged request the domain was measured (inline here); the next route to it
+    assert [r.applied for r in results[7:]] == ["learned-1"] * 2 and all(r.online["learned_domain"]
+                                                                         for r in results[7:])
+    assert len(learner.buffer) == 0 and learner.saves >= 1
+    again = rt.generate(OOD[6], max_new_tokens=16)  # after adaptation: still lossless
+    assert again.token_ids == _ar(lm, OOD[6], 16) and again.applied == "learned-1"
+    bandits = {k: b.posteriors() for k, b in rt._live_bandits().items()}
+    assert "knn-ssd:learned-1" in bandits or rec.decision.drafter == "ar"
+    rt.close()
+    ov = load_overlay(settings.path)
+    assert ov.requests == len(traffic) + 1 and [d.name for d in ov.learned] == ["learned-1"]
+    assert ov.bandits == bandits
+    # a new runtime starts where this one stopped
+    rt2 = AdaptiveRuntime(p, lm, seed=0, online=dataclasses.replace(settings, persist=False))
+    assert set(rt2.online.learned) == {"learned-1"} and rt2.online.saved_bandits == bandits
+    np.testing.assert_array_equal(rt2.online.tables["math"].counts()[2], learner.tables["math"].counts()[2])
+    r2 = rt2.generate(OOD[7], max_new_tokens=16)
+    assert r2.applied == "learned-1" and r2.token_ids == _ar(lm, OOD[7], 16)
+    for key, b in rt2._live_bandits().items():  # restored, then updated by the one request
+        assert key in bandits and b.posteriors()["kind"] == bandits[key]["kind"]
+
+
+def test_background_measurement_takes_turns_with_serving(tiny_profile, lm, tmp_path):
+    """The default: the new domain is raced in a thread while requests keep being served; outputs
+    stay plain decoding's, and the domain is learned once the thread finishes."""
+    p = scripted_profile(cascades(tiny_profile), lm)
+    rt = AdaptiveRuntime(p, lm, seed=0, online=OnlineSettings(path=tmp_path / "b.online", min_cluster=4,
+                                                               measure_prompts=2))
+    for prompt in OOD[:4]:
+        rt.generate(prompt, max_new_tokens=12)
+    assert rt.online.measuring == "learned-1" or rt.online.learned
+    for prompt in [*TINY_DOMAINS["math"][:2], *OOD[4:6]]:  # served while it measures
+        assert rt.generate(prompt, max_new_tokens=12).token_ids == _ar(lm, prompt, 12)
+    assert rt.online.wait(timeout=120)
+    assert list(rt.online.learned) == ["learned-1"] and rt.online.measuring is None
+    assert not rt.online.buffer  # those flagged while it was measured joined it (or routed to it)
+    assert rt.generate(OOD[7], max_new_tokens=12).applied == "learned-1"
+    rt.close()
+    assert load_overlay(tmp_path / "b.online").learned[0].name == "learned-1"
+
+
+def test_close_stops_a_measurement_and_keeps_its_requests(tiny_profile, lm, tmp_path):
+    p = scripted_profile(cascades(tiny_profile), lm)
+    rt = AdaptiveRuntime(p, lm, seed=0, online=OnlineSettings(path=tmp_path / "c.online", min_cluster=4,
+                                                               measure_prompts=2))
+    with rt._lock:  # the measurement cannot take a turn while we hold the model
+        for prompt in OOD[:4]:
+            rt.generate(prompt, max_new_tokens=8)
+        assert rt.online.measuring == "learned-1"
+        rt.online._stop.set()
+    rt.close()
+    ov = load_overlay(tmp_path / "c.online")
+    assert not ov.learned and len(ov.buffer) == 4  # back in the buffer, saved
+
+
+def test_online_off_learns_and_writes_nothing(tiny_profile, lm):
+    p = cascades(tiny_profile)
+    rt = AdaptiveRuntime(p, lm, online=False)
+    r = rt.generate(TINY_DOMAINS["math"][0], max_new_tokens=8)
+    assert rt.online is None and r.online is None and "online" not in r.to_dict()
+    rt.close()
+    assert not overlay_path(tiny_profile).exists()
+
+
+def test_default_overlay_is_beside_the_profile_and_saved_on_close(tiny_profile, lm):
+    rt = AdaptiveRuntime(cascades(tiny_profile), lm)
+    r = rt.generate(TINY_DOMAINS["code"][0], max_new_tokens=8)
+    assert r.online is not None and r.to_dict()["online"] == r.online
+    rt.close()
+    ov = load_overlay(overlay_path(tiny_profile))
+    assert ov.requests == 1 and sum(c.count.sum() for c in ov.counts.values()) >= 1
+
+
+def test_a_bad_or_stale_overlay(tiny_profile, lm, tmp_path, caplog):
+    path = tmp_path / "bad.online"
+    path.write_bytes(b"garbage")
+    with pytest.raises(OverlayError, match="not an adaptive online overlay"):
+        AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path))
+    # another calibration's overlay: ignored (with a warning), replaced on the next save
+    rt = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=tmp_path / "a.online"))
+    rt.generate(TINY_DOMAINS["math"][0], max_new_tokens=4)
+    ov = rt.online.snapshot()
+    save_overlay(dataclasses.replace(ov, profile="0" * 64), path)
+    rt2 = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path))
+    assert rt2.online.requests == 0 and "another calibration" in caplog.text
+
+
+def test_observe_counts_the_output_with_the_prompt_s_last_token(tiny_profile, lm):
+    rt = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(persist=False, discover=False))
+    vec = np.zeros(rt.profile.index.dim, np.float32)
+    rt.online.observe(Observation(vec, [5, 6], [7, 8, 7, 8], "math", flagged=True))
+    t = rt.online.tables["math"]
+    assert t.counts()[0].tolist() == [6, 7, 8] and t.observed == 4
+    assert not rt.online.buffer  # discover=False: nothing buffered
+    assert rt.online.state()["tables"]["math"]["pairs"] == 3
