@@ -152,9 +152,11 @@ def profile_show(directory, online_path, as_json):
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
                + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))))
     pool = p.index.pooling
+    radii = (", ".join(f"{d} {t:.3f}" for d, t in sorted(p.index.ood_thresholds.items())) if p.index.ood_thresholds
+             else f"{p.index.ood_threshold:.3f}")
     where = f"after {pool.layer} of {p.n_layers} layers" if pool.layer is not None else "after the last layer"
     click.echo(f"routing {len(p.index.labels)} anchors, k={p.index.k}, "
-               f"out-of-domain beyond {p.index.ood_threshold:.3f}; prompts embedded by the "
+               f"out-of-domain beyond {radii}; prompts embedded by the "
                f"{'mean over positions' if pool.mode == 'mean' else 'last position'} {where}")
     click.echo(f"search  {s.get('space')} space, {s.get('trials')} trials, seed {s.get('seed')}, "
                f"{s.get('seconds')} s\n")

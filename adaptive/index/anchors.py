@@ -6,9 +6,13 @@ Routing policy (KNN-SSD's, made explicit):
    centred on the calibration mean first), as the anchors were;
 2. the ``k`` nearest anchors are found (exact L2 search, ``faiss.IndexFlatL2``);
 3. each neighbour votes for its domain with weight ``1 / (distance + eps)`` (:func:`vote`);
-4. if even the nearest anchor is farther than ``ood_threshold`` (learnt at calibration: a margin
-   over the leave-one-out distances of the calibration prompts to their nearest anchor), the
-   request is out-of-domain and the runtime uses the global skip set.
+4. if even the nearest anchor is farther than its domain's radius (``ood_thresholds``, learnt at
+   calibration: a margin over the largest leave-one-out distance of that domain's calibration
+   prompts to its anchors), the request is out-of-domain and the runtime uses the global record.
+   A radius per domain, because domains differ in spread: on Spec-Bench a diverse group
+   (MT-bench) reaches 3-4x the leave-one-out distance of a tight one (QA), and one threshold for
+   all let a left-out group hide near the tight ones (docs/results.md). Indexes saved before
+   per-domain radii use the single ``ood_threshold`` (the largest radius) for every domain.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ class AnchorIndex:
     FILES = ("anchors.faiss", "anchors.json", "embedding_mean.npy")
 
     def __init__(self, anchors: np.ndarray, labels: list[str], mean: np.ndarray, ood_threshold: float, k: int = 5,
-                 pooling: Pooling | None = None):
+                 pooling: Pooling | None = None, ood_thresholds: dict[str, float] | None = None):
         import faiss
 
         if anchors.ndim != 2 or anchors.shape[0] != len(labels) or anchors.shape[0] == 0:
@@ -108,6 +112,10 @@ class AnchorIndex:
         self.labels = list(labels)
         self.mean = mean.astype(np.float32)
         self.ood_threshold = float(ood_threshold)
+        self.ood_thresholds = {str(d): float(t) for d, t in (ood_thresholds or {}).items()}
+        unknown = set(self.ood_thresholds) - set(self.labels)
+        if unknown:
+            raise ValueError(f"out-of-domain radii for domains without anchors: {sorted(unknown)}")
         self.k = int(k)
         self.pooling = pooling or Pooling()  # how the prompts' embeddings were taken (route with the same)
         self.index = faiss.IndexFlatL2(self.anchors.shape[1])
@@ -121,6 +129,10 @@ class AnchorIndex:
     def domains(self) -> list[str]:
         return sorted(set(self.labels))
 
+    def threshold(self, domain: str) -> float:
+        """The out-of-domain radius of ``domain`` (squared L2): its own, else the index's single threshold."""
+        return self.ood_thresholds.get(domain, self.ood_threshold)
+
     def transform(self, vectors: np.ndarray) -> np.ndarray:
         """Raw pooled embeddings ``[d]`` or ``[n, d]`` -> unit-length ``[n, d]`` (minus ``mean`` first)."""
         x = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
@@ -133,9 +145,10 @@ class AnchorIndex:
               ood_margin: float = 1.25, center: bool = False, pooling: Pooling | None = None) -> AnchorIndex:
         """Cluster each domain's raw embeddings (``{domain: [n, d]}``) into at most ``per_domain`` anchors.
 
-        The out-of-domain threshold is ``ood_margin`` times the largest leave-one-out distance:
-        for each calibration prompt, its distance to the nearest anchor of its own domain
-        clustered *without* it (a prompt is always close to anchors fitted on itself).
+        Each domain's out-of-domain radius is ``ood_margin`` times the largest leave-one-out
+        distance of its prompts: for each calibration prompt, its distance to the nearest anchor of
+        its own domain clustered *without* it (a prompt is always close to anchors fitted on
+        itself); ``ood_threshold`` is the largest radius (a domain of one prompt gets it).
         ``center`` subtracts the calibration mean before normalising (measured slightly worse on
         Spec-Bench with the embedded model, so off by default; see docs/profile.md). ``pooling``:
         how the embeddings were taken, recorded so that routing takes them the same way.
@@ -144,7 +157,7 @@ class AnchorIndex:
             raise ValueError("no domains to index")
         dim = next(iter(embeddings.values())).shape[1]
         mean = (np.concatenate(list(embeddings.values())).mean(axis=0) if center else np.zeros(dim)).astype(np.float32)
-        anchors, labels, worst = [], [], 0.0
+        anchors, labels, worst = [], [], {}
         for i, (name, raw) in enumerate(sorted(embeddings.items())):
             x = _unit(np.asarray(raw, dtype=np.float32) - mean)
             cent = kmeans_anchors(x, per_domain, seed=seed * 1009 + i)
@@ -153,9 +166,10 @@ class AnchorIndex:
             for j in range(len(x)) if len(x) > 1 else ():
                 rest = np.delete(x, j, axis=0)
                 c = kmeans_anchors(rest, min(per_domain, len(rest)), seed=seed * 1009 + i)
-                worst = max(worst, float(((c - x[j]) ** 2).sum(-1).min()))
-        return cls(np.concatenate(anchors), labels, mean, ood_threshold=max(worst * ood_margin, 1e-4), k=k,
-                   pooling=pooling)
+                worst[name] = max(worst.get(name, 0.0), float(((c - x[j]) ** 2).sum(-1).min()))
+        radii = {name: max(w * ood_margin, 1e-4) for name, w in worst.items()}
+        return cls(np.concatenate(anchors), labels, mean, ood_threshold=max(radii.values(), default=1e-4), k=k,
+                   pooling=pooling, ood_thresholds=radii)
 
     def search(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Squared L2 distances and anchor indices, ``[n, k]`` each, nearest first.
@@ -182,7 +196,7 @@ class AnchorIndex:
         labs = [self.labels[j] for j in idx[0]]
         ds = [float(x) for x in dist[0]]
         winner, scores = vote(labs, ds)
-        ood = ds[0] > self.ood_threshold
+        ood = ds[0] > self.threshold(labs[0])
         return Route(None if ood else winner, labs[0], tuple(zip(labs, ds)), scores, ood)
 
     # -- persistence ---------------------------------------------------------------------------
@@ -194,7 +208,7 @@ class AnchorIndex:
         faiss.write_index(self.index, str(directory / "anchors.faiss"))
         np.save(directory / "embedding_mean.npy", self.mean)
         meta = {"labels": self.labels, "ood_threshold": self.ood_threshold, "k": self.k, "dim": self.dim,
-                "pooling": self.pooling.to_dict()}
+                "pooling": self.pooling.to_dict(), "ood_thresholds": self.ood_thresholds}
         (directory / "anchors.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
     @classmethod
@@ -210,6 +224,7 @@ class AnchorIndex:
             meta = json.loads((directory / "anchors.json").read_text(encoding="utf-8"))
             labels, thr, k = list(meta["labels"]), float(meta["ood_threshold"]), int(meta["k"])
             pooling = Pooling.from_dict(meta.get("pooling", {}))  # absent before issue 17: the final mean
+            radii = {str(d): float(t) for d, t in meta.get("ood_thresholds", {}).items()}  # absent before issue 20
         except (ValueError, KeyError, TypeError, AdaptiveError) as exc:
             raise IndexFileError(f"{directory / 'anchors.json'}: unreadable ({exc})") from None
         try:
@@ -226,4 +241,7 @@ class AnchorIndex:
             raise IndexFileError(f"{directory / 'anchors.faiss'}: {index.ntotal} anchors but {len(labels)} labels")
         if mean.ndim != 1 or mean.shape[0] != index.d:
             raise IndexFileError(f"{directory / 'embedding_mean.npy'}: dimension does not match the index ({index.d})")
-        return cls(np.asarray(anchors), labels, mean, thr, k, pooling)
+        try:
+            return cls(np.asarray(anchors), labels, mean, thr, k, pooling, radii)
+        except ValueError as exc:
+            raise IndexFileError(f"{directory / 'anchors.json'}: {exc}") from None

@@ -78,6 +78,7 @@ def profile_json(profile: Profile) -> dict:
             "adaptive_version": profile.version, "model": to_json(profile.model), "settings": profile.settings,
             "runtime": to_json(profile.runtime), "cost_model": profile.cost_model.to_dict(),
             "routing": {"k": profile.index.k, "ood_threshold": profile.index.ood_threshold,
+                        "ood_thresholds": {d: round(t, 6) for d, t in sorted(profile.index.ood_thresholds.items())},
                         "anchors": len(profile.index.labels), "dim": profile.index.dim,
                         "pooling": profile.index.pooling.to_dict()},
             "domains": {n: to_json(d) for n, d in sorted(profile.domains.items())},
