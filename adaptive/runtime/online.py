@@ -50,7 +50,6 @@ from adaptive.profile.overlay import (
     BufferedRequest,
     LearnedDomain,
     OnlineOverlay,
-    OverlayError,
     PairCounts,
     load_overlay,
     overlay_path,
@@ -109,7 +108,8 @@ class TurnLock:
 class OnlineSettings:
     """How the runtime learns from traffic (see the module doc). ``enabled=False``: nothing is
     learned, loaded or saved. ``path``: the overlay file (``None``: ``PROFILE.online`` beside the
-    profile). ``persist=False``: load the overlay if there is one, learn in memory, never write.
+    profile; a profile never saved to disk learns in memory only). ``persist=False``: load the
+    overlay if there is one, learn in memory, never write.
     ``save_every``: requests between saves. ``prior_weight``, ``max_pairs``: the live tables'.
     ``buffer_size``: out-of-domain requests kept. ``min_cluster``: pending requests that may form a
     domain; ``coherence``: the share of them that must pass the leave-one-out test. ``discover=False``:
@@ -231,7 +231,7 @@ class _Stopped(Exception):
     """The learner was closed while a measurement ran."""
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Observation:
     """One finished request as the learner sees it: the raw pooled ``vector`` ``[d]``, ``prompt`` and
     ``output`` token ids, the record it was decoded with (``applied``) and whether the calibrated
@@ -291,10 +291,7 @@ class OnlineLearner:
     # -- loading and saving ------------------------------------------------------------------
 
     def _load(self) -> None:
-        try:
-            ov = load_overlay(self.path)
-        except OverlayError:
-            raise
+        ov = load_overlay(self.path)  # a damaged one: OverlayError, and the runtime does not start
         if ov is None:
             return
         if self._digest and ov.profile != self._digest:

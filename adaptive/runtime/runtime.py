@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -385,15 +385,14 @@ class AdaptiveRuntime:
     def _start(self, ids: list[int], cfg: GenerationConfig, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
         session = self.engine.start(ids, cfg, pool=self.profile.index.pooling)
         vector = pooled_to_numpy(session.pooled)
-        obs = None
+        flagged = None
         if self.online is not None:
             route, flagged = self.online.route(vector)
-            obs = Observation(vector, ids, (), "", flagged, learned=flagged and not route.out_of_domain)
         else:
             route = self.profile.index.route(vector)
         plan = self.plan(pol, route, ids)
-        if obs is not None:
-            obs.applied = plan.applied
+        obs = None if flagged is None else Observation(vector, tuple(ids), (), plan.applied, flagged,
+                                                       learned=flagged and not route.out_of_domain)
         if plan.drafter == "draft-model" and shared_draft_model:
             drafter = self._draft_model  # its own KV cache, reused across one-at-a-time requests (common prefix)
         else:
@@ -416,8 +415,7 @@ class AdaptiveRuntime:
         if d.observation is None or d.observed or not d.done:
             return
         d.observed = True
-        d.observation.output = list(d.decoding.out.ids)
-        self.online.observe(d.observation)
+        self.online.observe(replace(d.observation, output=tuple(d.decoding.out.ids)))
 
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,

@@ -65,6 +65,35 @@ def test_build_and_route_synthetic_clusters():
     assert r.out_of_domain and r.domain is None and r.nearest_domain in centres
 
 
+def test_each_domain_has_its_own_radius():
+    """A tight domain and a spread one: each radius is the margin over its own leave-one-out
+    distances, so a request just beyond the tight domain is out-of-domain although it lies well
+    within the spread domain's radius (a single threshold, the largest, would let it in)."""
+    rng = np.random.default_rng(0)
+    tight_c, spread_c = np.eye(16)[0], np.eye(16)[1]
+    emb = {"tight": tight_c + 0.01 * rng.normal(size=(12, 16)), "spread": spread_c + 0.3 * rng.normal(size=(12, 16))}
+    idx = AnchorIndex.build(emb, per_domain=4, k=3)
+    r_tight, r_spread = idx.threshold("tight"), idx.threshold("spread")
+    assert r_tight < r_spread == idx.ood_threshold and set(idx.ood_thresholds) == {"tight", "spread"}
+    assert idx.threshold("unknown") == idx.ood_threshold
+    near = tight_c + 0.01 * rng.normal(size=16)
+    assert idx.route(near).domain == "tight"
+    # a point whose nearest anchor is a tight one, beyond the tight radius but within the spread one
+    x = idx.transform(tight_c)[0]
+    off = np.eye(16)[5]
+    for t in np.linspace(0.0, 1.0, 200):
+        v = x + t * off
+        d = float(idx.search(v, 1)[0][0, 0])
+        if r_tight < d < r_spread:
+            break
+    else:
+        pytest.fail("no point between the two radii")
+    r = idx.route(v)
+    assert r.nearest_domain == "tight" and r.out_of_domain and r.domain is None
+    with pytest.raises(ValueError, match="without anchors"):
+        AnchorIndex(idx.anchors, idx.labels, idx.mean, 1.0, ood_thresholds={"nope": 1.0})
+
+
 def test_index_round_trip(tmp_path):
     import json
 
@@ -75,11 +104,14 @@ def test_index_round_trip(tmp_path):
     idx.save(tmp_path)
     back = AnchorIndex.load(tmp_path)
     assert back.labels == idx.labels and back.k == 2 and back.ood_threshold == idx.ood_threshold
+    assert back.ood_thresholds == idx.ood_thresholds and len(back.ood_thresholds) == 3
     assert back.pooling == Pooling(10, "last")  # routing embeds prompts as calibration did
     meta = json.loads((tmp_path / "anchors.json").read_text())
     del meta["pooling"]  # an index written before issue 17: the final mean
+    del meta["ood_thresholds"]  # before issue 20: one threshold for every domain
     (tmp_path / "anchors.json").write_text(json.dumps(meta))
-    assert AnchorIndex.load(tmp_path).pooling == Pooling()
+    old = AnchorIndex.load(tmp_path)
+    assert old.pooling == Pooling() and old.ood_thresholds == {} and old.threshold("math") == idx.ood_threshold
     np.testing.assert_array_equal(back.mean, idx.mean)
     v = centres["math"] + 0.1
     assert back.route(v).to_dict() == idx.route(v).to_dict()
