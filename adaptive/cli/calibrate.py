@@ -125,19 +125,28 @@ def profile_group():
     """Inspect calibration profiles."""
 
 
+online_path_option = click.option(
+    "--online-path", type=click.Path(dir_okay=False), default=None,
+    help="The online overlay (what serving learned) [default: DIRECTORY.online, beside the profile].")
+
+
+def profile_and_overlay(directory, online_path):
+    """The profile at ``directory`` and where its online overlay is (``--online-path`` or beside it)."""
+    p = load_profile(directory)
+    return p, Path(online_path) if online_path else overlay_path(p.path)
+
+
 @profile_group.command("show", cls=Command, examples=(
     "adaptive profile show my-profile",
     "adaptive profile show my-profile --json | jq '.domains.code.decision'",
 ))
 @click.argument("directory", type=click.Path())
-@click.option("--online-path", type=click.Path(dir_okay=False), default=None,
-              help="The online overlay to show [default: DIRECTORY.online].")
+@online_path_option
 @json_option
 def profile_show(directory, online_path, as_json):
     """Print a profile: model, costs, routing, and per domain its decision, skip set and measurements;
     then what serving learned online (the overlay beside it), if anything."""
-    p = load_profile(directory)
-    ov_path = Path(online_path) if online_path else overlay_path(p.path)
+    p, ov_path = profile_and_overlay(directory, online_path)
     ov = load_overlay(ov_path)
     stale = ov is not None and ov.profile != profile_digest(p.path)
     online = None if ov is None else {"path": str(ov_path), "stale": stale, **ov.summary()}
@@ -190,13 +199,11 @@ def profile_show(directory, online_path, as_json):
     "adaptive profile reset-online my-profile --online-path /var/lib/adaptive/my-profile.online",
 ))
 @click.argument("directory", type=click.Path())
-@click.option("--online-path", type=click.Path(dir_okay=False), default=None,
-              help="The online overlay to remove [default: DIRECTORY.online].")
+@online_path_option
 def profile_reset_online(directory, online_path):
     """Forget what serving learned: remove the profile's online overlay (the profile is untouched).
     Stop servers using it first, or they save it again."""
-    p = load_profile(directory)
-    path = Path(online_path) if online_path else overlay_path(p.path)
+    _, path = profile_and_overlay(directory, online_path)
     if remove_overlay(path):
         info(f"removed {path}")
     else:
