@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
 from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
 from adaptive.drafters.layerskip import LayerSkipDrafter
+from adaptive.drafters.live import LiveBigramTable
 from adaptive.drafters.model import ModelDrafter
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, NgramDrafter
 from adaptive.drafters.vocab import DraftHead
@@ -41,7 +42,7 @@ class DrafterSpec:
     kind: str
     skip: SkipSet | None = None
     cascade: CascadePlan | None = None
-    bigram: BigramTable | None = None
+    bigram: BigramTable | LiveBigramTable | None = None  # live: calibration's table learning online
     head: DraftHead | None = None
     exit_layer: int | None = None
     exit_block: ExitBlock | None = None

@@ -156,12 +156,14 @@ def statistical_draft(context: Sequence[int], k: int, table: BigramTable | None 
 class NgramDrafter(Drafter):
     """Statistical drafts (a point mass on each proposed token; ``q`` is ``None``).
 
-    Without a bigram table this is prompt lookup (``pld``); with one, :func:`statistical_draft`.
+    Without a bigram table this is prompt lookup (``pld``); with one (a :class:`BigramTable`, or
+    anything with its ``get`` and ``len``, such as :class:`~adaptive.drafters.live.LiveBigramTable`),
+    :func:`statistical_draft`.
     """
 
     name = "pld"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, bigram: BigramTable | None = None,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, bigram=None,
                  min_prob: float = DEFAULT_BIGRAM_MIN_PROB):
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
