@@ -278,6 +278,7 @@ class OnlineLearner:
         self._learned_index: AnchorIndex | None = None
         self.buffer: deque[BufferedRequest] = deque(maxlen=settings.buffer_size)
         self._pending: _Pending | None = None
+        self._since_attempt = 0  # requests buffered since the last clustering attempt
         self.saved_bandits: dict[str, dict] = {}
         self.requests = 0
         self.generation = 0
@@ -403,6 +404,7 @@ class OnlineLearner:
                 self.buffer.append(BufferedRequest(np.asarray(obs.vector, dtype=np.float32).copy(),
                                                    tuple(int(t) for t in obs.prompt),
                                                    tuple(int(t) for t in obs.output)))
+                self._since_attempt += 1
                 start = self._propose()
             due = self._since_save >= self.settings.save_every
         self.update_seconds += time.perf_counter() - t0
@@ -412,9 +414,13 @@ class OnlineLearner:
             self._save_quietly()
 
     def _propose(self) -> _Pending | None:
-        """A new domain from the buffer, if a coherent group is there (caller holds the lock)."""
-        if self._pending is not None or len(self.buffer) < self.settings.min_cluster:
+        """A new domain from the buffer, if a coherent group is there (caller holds the lock). Tried
+        once ``min_cluster`` requests are pending, then after every ``min_cluster // 2`` more (a full
+        buffer of unrelated requests takes about 0.1 s to search, so not at every request)."""
+        if (self._pending is not None or len(self.buffer) < self.settings.min_cluster
+                or self._since_attempt < max(1, self.settings.min_cluster // 2)):
             return None
+        self._since_attempt = 0
         entries = list(self.buffer)
         x = self.profile.index.transform(np.stack([b.vector for b in entries]))
         found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster, self._per_domain,

@@ -221,3 +221,18 @@ def test_observe_counts_the_output_with_the_prompt_s_last_token(tiny_profile, lm
     assert t.counts()[0].tolist() == [6, 7, 8] and t.observed == 4
     assert not rt.online.buffer  # discover=False: nothing buffered
     assert rt.online.state()["tables"]["math"]["pairs"] == 3
+
+
+def test_clustering_is_tried_every_half_cluster_of_new_requests(tiny_profile, lm, monkeypatch):
+    """Unrelated out-of-domain requests do not pay a clustering search each: it runs once
+    ``min_cluster`` are pending, then after every ``min_cluster // 2`` more."""
+    from adaptive.runtime import online as online_mod
+
+    calls = []
+    monkeypatch.setattr(online_mod, "find_cluster", lambda *a, **k: calls.append(len(a[0])))
+    rt = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(persist=False, min_cluster=4))
+    rng = np.random.default_rng(0)
+    for _ in range(9):
+        vec = rng.normal(size=rt.profile.index.dim).astype(np.float32)
+        rt.online.observe(Observation(vec, (1, 2), (3, 4), "global", flagged=True))
+    assert calls == [4, 6, 8]
