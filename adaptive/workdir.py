@@ -54,6 +54,20 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that a rename into it survives a crash (a no-op where that is refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_json(path: Path, obj) -> None:
     """:func:`atomic_write` of ``obj`` as indented JSON."""
     atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import numpy as np
 from adaptive.errors import AdaptiveError
 from adaptive.profile.records import DomainRecord
 from adaptive.records import from_json, to_json
-from adaptive.workdir import atomic_write
+from adaptive.workdir import atomic_write, fsync_dir
 
 OVERLAY_FORMAT = "adaptive-online"
 OVERLAY_VERSION = 1
@@ -198,14 +197,7 @@ def save_overlay(ov: OnlineOverlay, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, encode_overlay(ov))
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    fsync_dir(path.parent)
     return path
 
 

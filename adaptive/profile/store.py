@@ -42,6 +42,7 @@ from adaptive.profile.records import (
     RuntimeSettings,
 )
 from adaptive.records import from_json, to_json
+from adaptive.workdir import fsync_dir
 
 SCHEMA_VERSION = 2  # 2: typed records (adaptive.profile.records); 1: before them, not readable (recalibrate)
 FORMAT = "adaptive-profile"
@@ -57,19 +58,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def profile_json(profile: Profile) -> dict:
@@ -126,12 +114,12 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         for name in names:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}-{int(time.time() * 1e6)}"
             os.rename(out, old)
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         if old is not None and not out.exists():
             os.rename(old, out)  # put the previous profile back
