@@ -33,8 +33,14 @@ class RouteDecision:
 def decide(profile, vector, k: int | None = None) -> RouteDecision:
     """Route a raw pooled embedding ``[hidden]`` with ``profile`` (a :class:`adaptive.profile.Profile`)."""
     route = profile.index.route(vector, k)
-    dp = profile.domain(route.domain)
-    return RouteDecision(route, dp.name, dp.decision.drafter, dp.decision.draft_len, dp.layer_skip.skip.to_text())
+    return decision_of(route, profile.domain(route.domain))
+
+
+def decision_of(route: Route, record) -> RouteDecision:
+    """The :class:`RouteDecision` of ``route`` applying ``record`` (a profile's ``DomainRecord``, or a
+    domain the runtime learned online)."""
+    return RouteDecision(route, record.name, record.decision.drafter, record.decision.draft_len,
+                         record.layer_skip.skip.to_text())
 
 
 def route_prompt(profile, engine, prompt, k: int | None = None) -> RouteDecision:

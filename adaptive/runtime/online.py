@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,14 +193,22 @@ def find_cluster(x: np.ndarray, threshold: float, min_size: int, per_domain: int
     return None
 
 
+def accepted_text(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
+    """The tokens a finished request teaches a table: the prompt's last token, then the output (the
+    pair across the boundary is the model's too). Example: ``([5, 6], [7, 8])`` -> ``[6, 7, 8]``."""
+    return [int(t) for t in prompt[-1:]] + [int(t) for t in output]
+
+
 def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[int], list[int]]],
-                   prompts: int, guard: Callable = None, anchors: int = 0) -> DomainRecord:
+                   prompts: int, table: LiveBigramTable, guard: Callable = nullcontext,
+                   anchors: int = 0) -> DomainRecord:
     """A learned domain's record, measured as calibration measures one (:mod:`adaptive.calibrate.domain`)
     but without a skip-set search (layer skipping is searched offline only): the bigram-backed
     drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
     gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
-    ``prompts`` member prompts (``guard``: the model lock, one block at a time); the decision is the
-    same pure function of the race. Verification costs: the global record's."""
+    ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
+    members' outputs; ``guard``: the model lock, one block at a time); the decision is the same pure
+    function of the race. Verification costs: the global record's."""
     s = profile.settings
     glob = profile.global_set
     max_len = profile.runtime.cascade_max_draft_len
@@ -207,16 +216,13 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     stat = statistical_acceptance(sequences, max_len, min_count)
     plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0,
                           float(s.get("cascade_lenience", 1.0)))
-    table = LiveBigramTable(None, min_count=min_count)
-    for p, out in sequences:
-        table.observe(list(p[-1:]) + list(out))
     candidates = {"lookup": Candidate("pld", profile.runtime.pld_draft_len), "cascade": Candidate(
         "cascade", plan.draft_len, cascade=plan)}
     rc = RaceConfig(block_tokens=int(s.get("block_tokens", 16)), max_tokens=int(s.get("confirm_tokens", 64)),
                     prompts=prompts, min_blocks=int(s.get("min_blocks", 6)), margin=float(s.get("min_gain", 0.02)),
                     level=float(s.get("interval_level", 0.9)), seed=int(s.get("seed", 0)))
-    kwargs = {"guard": guard} if guard is not None else {}
-    timed = race_candidates(lm, [list(p) for p, _ in sequences], candidates, rc, bigram=table.snapshot(), **kwargs)
+    timed = race_candidates(lm, [list(p) for p, _ in sequences], candidates, rc, bigram=table.snapshot(),
+                            guard=guard)
     decision = decide(timed, float(s.get("acceptance_floor", 0.2)))
     lookup = timed.get("lookup")
     priors = Priors(layer_skip=Prior(0.0, 1.0),
@@ -393,7 +399,7 @@ class OnlineLearner:
     def observe(self, obs: Observation) -> None:
         """Learn from one finished request; may save, and may start measuring a new domain."""
         t0 = time.perf_counter()
-        tokens = list(obs.prompt[-1:]) + list(obs.output)
+        tokens = accepted_text(obs.prompt, obs.output)
         table = self.table(obs.applied)
         start = None
         with self._lock:  # a save's snapshot reads the counts from another thread
@@ -454,10 +460,13 @@ class OnlineLearner:
     def _measure(self, pending: _Pending) -> None:
         """Measure a proposed domain; on success it routes from now on and the overlay is saved.
         On failure or :meth:`close` its members go back to the buffer."""
+        table = LiveBigramTable(None, self.settings.prior_weight, self._min_count, self.settings.max_pairs)
+        for m in pending.members:
+            table.observe(accepted_text(m.prompt, m.output))
         try:
             seqs = [(list(m.prompt), list(m.output)) for m in pending.members]
             prompts = min(self.settings.measure_prompts, len(seqs))
-            rec = measure_domain(self.lm, self.profile, pending.name, seqs, prompts, guard=self._race_guard,
+            rec = measure_domain(self.lm, self.profile, pending.name, seqs, prompts, table, guard=self._race_guard,
                                  anchors=int(pending.anchors.shape[0]))
         except _Stopped:
             with self._lock:
@@ -473,9 +482,6 @@ class OnlineLearner:
             return
         domain = LearnedDomain(pending.name, pending.anchors, rec, len(pending.members),
                                time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        table = LiveBigramTable(None, self.settings.prior_weight, self._min_count, self.settings.max_pairs)
-        for p, out in seqs:
-            table.observe(list(p[-1:]) + list(out))
         with self._lock:
             self.learned[domain.name] = domain
             self.tables[domain.name] = table
@@ -494,7 +500,7 @@ class OnlineLearner:
         for b in self.buffer:
             r = self._learned_index.route(b.vector)
             if not r.out_of_domain and r.domain == name:
-                table.observe(list(b.prompt[-1:]) + list(b.output))
+                table.observe(accepted_text(b.prompt, b.output))
             else:
                 keep.append(b)
         self.buffer.clear()

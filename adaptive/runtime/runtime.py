@@ -38,7 +38,7 @@ from adaptive.engine.protocol import DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
-from adaptive.index.router import RouteDecision, decide
+from adaptive.index.router import RouteDecision, decide, decision_of
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
@@ -231,8 +231,7 @@ class AdaptiveRuntime:
         if self.online is None:
             return decide(self.profile, vector)
         route, _ = self.online.route(vector)
-        dp = self._record(route.domain)
-        return RouteDecision(route, dp.name, dp.decision.drafter, dp.decision.draft_len, dp.layer_skip.skip.to_text())
+        return decision_of(route, self._record(route.domain))
 
     def _record(self, name: str | None) -> DomainRecord:
         """A domain's record (a learned domain's too); ``None``: the global record."""
