@@ -69,10 +69,6 @@ class LiveBigramTable:
         """``(successor, probability)`` of ``token``, or ``None`` (as :meth:`BigramTable.get`)."""
         return self._map.get(int(token))
 
-    def max_token(self) -> int:
-        ids = [max(a, s) for a, (s, _) in self._map.items()]
-        return max(ids, default=-1)
-
     def observe(self, tokens: Sequence[int]) -> int:
         """Count the adjacent pairs of ``tokens`` (accepted output, with the token before it); their number."""
         toks = [int(t) for t in tokens]
