@@ -1,9 +1,10 @@
 """``run_bench()``: every method on every prompt, interleaved prompt by prompt, then the report.
 
 :data:`BENCH_METHODS` is the one table of benchmarked methods, built from the other lists: the
-Hugging Face and llama.cpp baselines, the engine's own ``ar`` (the reference) and ``pld``, every routing policy
-of :data:`~adaptive.runtime.policies.POLICIES`, and their ``-fixed`` (bandit off) and
-``-full-vocab`` (full LM head) variants where they apply.
+Hugging Face and llama.cpp baselines (llama-cpp-python and llama.cpp's own ``llama-server``), the
+engine's own ``ar`` (the reference) and ``pld``, every routing policy of
+:data:`~adaptive.runtime.policies.POLICIES`, and their ``-fixed`` (bandit off) and ``-full-vocab``
+(full LM head) variants where they apply.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from adaptive.bench.data import BenchPrompt
+from adaptive.bench.llama_server import SPEC_TYPES, STATEFUL_SPEC_TYPES, LlamaServer
 from adaptive.bench.llamacpp import LlamaCpp, gguf_path
 from adaptive.bench.report import summarize
 from adaptive.drafters.factory import DrafterSpec, build_drafter
@@ -37,7 +39,8 @@ WITHOUT_BANDIT = ("ssd-static",)  # policies benchmarked with calibration's fixe
 class BenchMethod:
     """One benchmarked method. ``runs_on``: ``"engine"`` (our loop with ``drafter``: ``ar`` or ``pld``,
     no profile), ``"hf"`` (transformers ``generate``), ``"llamacpp"`` (llama-cpp-python on the model's
-    GGUF file; ``drafter`` ``pld`` for its prompt lookup) or ``"runtime"`` (an :class:`AdaptiveRuntime`
+    GGUF file; ``drafter`` ``pld`` for its prompt lookup), ``"llama-server"`` (llama.cpp's C++ server on
+    that file; ``drafter`` its ``--spec-type``, ``ar`` for none) or ``"runtime"`` (an :class:`AdaptiveRuntime`
     with ``policy``, ``bandit`` on or off and the reduced vocabulary or not; needs a profile)."""
 
     name: str
@@ -69,6 +72,13 @@ def _bench_methods() -> dict[str, BenchMethod]:
                     "same prompt tokens and threads", "llamacpp"),
         BenchMethod("llama.cpp-pld", "llama-cpp-python's prompt lookup decoding (LlamaPromptLookupDecoding, "
                     "10 tokens)", "llamacpp", drafter="pld"),
+        BenchMethod("llama-server", "llama.cpp's own C++ llama-server (benchmarks/build_llama_server.sh) on the same "
+                    "GGUF file (its own quantized weights), greedy, same prompt tokens and threads, no prompt cache",
+                    "llama-server"),
+        *(BenchMethod(f"llama-server-{kind}", f"llama-server --spec-type {kind}: {what}"
+                      + (" (server restarted before each prompt: its n-gram state outlives a request)"
+                         if kind in STATEFUL_SPEC_TYPES else ""), "llama-server", drafter=kind)
+          for kind, what in SPEC_TYPES.items()),
         BenchMethod("pld", f"our loop with prompt-lookup drafts (n-gram 3..1), fixed draft length {PLD_DRAFT_LEN}",
                     "engine", drafter="pld"),
     ]
@@ -154,6 +164,16 @@ class _Methods:
                 self.llamacpp[name] = LlamaCpp(gguf_path(lm), torch.get_num_threads(),
                                                min(4096, lm.backbone.max_positions),
                                                prompt_lookup=BENCH_METHODS[name].drafter == "pld")
+        self.servers: dict[str, LlamaServer] = {}  # one llama-server process per method
+        try:
+            for m in (BENCH_METHODS[name] for name in methods):
+                if m.runs_on == "llama-server":
+                    self.servers[m.name] = LlamaServer(gguf_path(lm), torch.get_num_threads(),
+                                                       min(4096, lm.backbone.max_positions),
+                                                       spec_type=None if m.drafter == "ar" else m.drafter)
+        except BaseException:
+            self.close()
+            raise
         self.runtimes: dict[tuple[bool, bool], AdaptiveRuntime] = {}  # (bandit, reduced_vocab) -> runtime
         for m in (BENCH_METHODS[name] for name in methods):
             key = (m.bandit, m.reduced_vocab)
@@ -163,11 +183,16 @@ class _Methods:
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
                                                      reduced_vocab=m.reduced_vocab, online=False)
 
+    def close(self) -> None:
+        """Stop the llama-server processes."""
+        for server in self.servers.values():
+            server.close()
+
     def same_weights(self, method: str) -> bool:
         """Whether ``method`` decodes with our engine's weights (llama.cpp never does; Hugging Face's
         ``generate`` does unless the engine quantized them)."""
         runs_on = BENCH_METHODS[method].runs_on
-        return runs_on != "llamacpp" and not (runs_on == "hf" and self.lm.weights != "dense")
+        return runs_on not in ("llamacpp", "llama-server") and not (runs_on == "hf" and self.lm.weights != "dense")
 
     def ids(self, messages) -> list[int]:
         chat = self.profile.runtime.chat if self.profile is not None else None
@@ -182,6 +207,13 @@ class _Methods:
             out, dt = self.llamacpp[method].generate(self.ids(messages), n, self.engine.eos)
             return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
                     "drafted": None, "accepted": None, "info": {}}
+        if m.runs_on == "llama-server":
+            server = self.servers[method]
+            out, dt = server.generate(self.ids(messages), n, self.engine.eos)
+            drafted = None if m.drafter == "ar" else server.last_timings.get("draft_n", 0)
+            accepted = None if m.drafter == "ar" else server.last_timings.get("draft_n_accepted", 0)
+            return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
+                    "drafted": drafted, "accepted": accepted, "info": {}}
         if m.runs_on == "engine":
             cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
             drafter = build_drafter(DrafterSpec(m.drafter), self.lm.backbone)
@@ -249,54 +281,58 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
     if settings.threads:
         torch.set_num_threads(settings.threads)
     runner = _Methods(lm, profile, settings, methods)
-    first = [{"role": "user", "content": prompts[0].turns[0]}]
-    for _ in range(settings.warmup):  # warm-up: every method once, not measured
-        for m in methods:
-            runner.run(m, first)
-    items = [(p, t) for p in prompts for t in range(len(p.turns))]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    try:
+        first = [{"role": "user", "content": prompts[0].turns[0]}]
+        for _ in range(settings.warmup):  # warm-up: every method once, not measured
+            for m in methods:
+                runner.run(m, first)
+        items = [(p, t) for p in prompts for t in range(len(p.turns))]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(items) * len(methods), desc="bench", unit="run")
-    runs: list[dict] = []
-    replies: dict[tuple[str, int], str] = {}
-    t_start = time.perf_counter()
-    for p, t in items:
-        messages = []
-        for j in range(t):
-            messages += [{"role": "user", "content": p.turns[j]}, {"role": "assistant", "content": replies[(p.id, j)]}]
-        messages.append({"role": "user", "content": p.turns[t]})
-        item_id = p.id if len(p.turns) == 1 else f"{p.id}/turn{t + 1}"
-        ref = None
-        ids = runner.ids(messages)
-        for m in methods:  # interleaved: every method on this prompt before the next prompt
-            out = runner.run(m, messages)
-            rec = {"id": item_id, "group": p.group, "category": p.category, "method": m,
-                   "prompt_tokens": len(ids), "new_tokens": len(out["token_ids"]),
-                   "tokens_per_s": round(out["tokens_per_s"], 4), "steps": out["steps"],
-                   "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
-                   **out["info"]}
-            if m == "ar":
-                ref = out["token_ids"]
-                replies[(p.id, t)] = runner.engine.text(ref)
-                rec["identical"] = True
-            elif not runner.same_weights(m):  # other numbers: agreement with ar, never a lossless check
-                rec["identical"] = None
-                rec["agreement"] = common_prefix(ref, out["token_ids"])
-            else:
-                a = audit_divergence(lm.backbone, ids, ref, out["token_ids"])
-                rec["identical"] = a.identical
-                rec["violation"] = bool(a.violation)
-                if not a.identical:
-                    rec["divergence"] = a.to_dict()
-            runs.append(rec)
-            if on_run is not None:
-                on_run(rec)
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar = tqdm(total=len(items) * len(methods), desc="bench", unit="run")
+        runs: list[dict] = []
+        replies: dict[tuple[str, int], str] = {}
+        t_start = time.perf_counter()
+        for p, t in items:
+            messages = []
+            for j in range(t):
+                messages += [{"role": "user", "content": p.turns[j]},
+                             {"role": "assistant", "content": replies[(p.id, j)]}]
+            messages.append({"role": "user", "content": p.turns[t]})
+            item_id = p.id if len(p.turns) == 1 else f"{p.id}/turn{t + 1}"
+            ref = None
+            ids = runner.ids(messages)
+            for m in methods:  # interleaved: every method on this prompt before the next prompt
+                out = runner.run(m, messages)
+                rec = {"id": item_id, "group": p.group, "category": p.category, "method": m,
+                       "prompt_tokens": len(ids), "new_tokens": len(out["token_ids"]),
+                       "tokens_per_s": round(out["tokens_per_s"], 4), "steps": out["steps"],
+                       "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
+                       **out["info"]}
+                if m == "ar":
+                    ref = out["token_ids"]
+                    replies[(p.id, t)] = runner.engine.text(ref)
+                    rec["identical"] = True
+                elif not runner.same_weights(m):  # other numbers: agreement with ar, never a lossless check
+                    rec["identical"] = None
+                    rec["agreement"] = common_prefix(ref, out["token_ids"])
+                else:
+                    a = audit_divergence(lm.backbone, ids, ref, out["token_ids"])
+                    rec["identical"] = a.identical
+                    rec["violation"] = bool(a.violation)
+                    if not a.identical:
+                        rec["divergence"] = a.to_dict()
+                runs.append(rec)
+                if on_run is not None:
+                    on_run(rec)
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+    finally:
+        runner.close()  # the llama-server processes
     summary = summarize(runs, methods)
     return {
         "machine": machine_info(lm.device),
