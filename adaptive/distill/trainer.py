@@ -36,7 +36,7 @@ from adaptive.distill.data import DATA_SOURCES, TrainSequence, continue_ids
 from adaptive.distill.divergences import DIVERGENCES, divergence, greedy_agreement, sampling_acceptance
 from adaptive.distill.students import Dataset, ExitStudent, ModelStudent, TargetHead
 from adaptive.drafters.model import check_same_tokenizer
-from adaptive.engine.engine import Engine, eos_ids
+from adaptive.engine.engine import Engine
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.limits import check_room
 from adaptive.profile import DistilledRecord, load_profile, save_profile
@@ -363,7 +363,7 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
     profile.check_model(lm.fingerprint())
     kind, student = make_student(lm, cfg, draft_lm)
     train_p, eval_p = encode_prompts(lm, domains, cfg, profile.runtime.chat)
-    eos = set(eos_ids(lm.model, lm.tokenizer))
+    eos = set(lm.eos_ids())
     work = WorkDir(Path(str(profile_dir) + f".distill-{kind}.work"), "distillation", DistillError)
     state = {"format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "kind": kind, "model": lm.fingerprint().to_dict(),
              "student": _digest(student.meta()), "data": _digest([[n, p] for n, p in train_p + eval_p])}

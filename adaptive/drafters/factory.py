@@ -73,6 +73,11 @@ def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
     n_layers = backbone.n_layers
     if spec.kind == "ar":
         return None
+    needs_layers = spec.kind in ("ssd", "early-exit") or (spec.kind == "cascade" and bool(spec.skip))
+    if needs_layers and not backbone.layer_skip:
+        what = "a cascade with a layer-skip level" if spec.kind == "cascade" else f"drafter {spec.kind!r}"
+        raise ConfigError(f"{what} skips the target's own layers, which the {backbone.engine} engine cannot: "
+                          "use --engine torch")
     if spec.kind == "pld":
         return NgramDrafter()
     if spec.kind == "ssd":

@@ -140,7 +140,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Backbone:
-    """Functional forward over a Hugging Face decoder with per-call sublayer skipping."""
+    """Functional forward over a Hugging Face decoder with per-call sublayer skipping (the ``torch``
+    engine; :class:`~adaptive.engine.llamacpp.LlamaCppBackbone` is the other one)."""
+
+    engine = "torch"
+    layer_skip = True  # sublayers can be skipped: layer-skip, early-exit and reduced-head drafters run here
 
     def __init__(self, model, weights: str = "dense"):
         cfg = model.config
@@ -322,6 +326,10 @@ class Backbone:
         if layer == self.n_layers and pooling.mode == "mean":
             return {"pool": True}
         return {"pool_layers": (layer,)}
+
+    def routing_pooling(self, pooling):
+        """The pooling this engine computes for ``pooling``: any of them, as asked."""
+        return pooling
 
     def pooled(self, out: ForwardOutput, pooling) -> torch.Tensor:
         """``[hidden]`` float32: ``pooling``'s embedding from a forward run with :meth:`pool_args`."""

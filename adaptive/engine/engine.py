@@ -56,8 +56,10 @@ class GenerationResult:
 
 
 def eos_ids(model, tokenizer) -> set[int]:
+    """The EOS ids a Hugging Face ``model`` (its generation config and config; ``None``: none) and its
+    ``tokenizer`` name."""
     ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
         val = getattr(src, "eos_token_id", None) if src is not None else None
         if isinstance(val, int):
             ids.add(val)
@@ -253,7 +255,7 @@ class Engine:
         self.lm = lm
         self.backbone = lm.backbone
         self.tokenizer = lm.tokenizer
-        self.eos = eos_ids(lm.model, lm.tokenizer)
+        self.eos = lm.eos_ids()
 
     def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: a string or chat messages (``[{"role": ..., "content": ...}]``).

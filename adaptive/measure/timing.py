@@ -21,7 +21,6 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import BigramTable
 from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.engine import eos_ids
 from adaptive.engine.loop import GenerationStats, decode_steps, prefill
 from adaptive.engine.protocol import DecodeState
 from adaptive.engine.skip import SkipSet
@@ -204,7 +203,7 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
 
     for rec in done:
         replay(rec)
-    eos = eos_ids(lm.model, lm.tokenizer)
+    eos = lm.eos_ids()
     for p in prompt_ids[len(done): rc.prompts]:
         if not race.active:
             break

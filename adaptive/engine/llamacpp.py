@@ -1,0 +1,378 @@
+"""The one module that touches llama-cpp-python: an engine backbone over llama.cpp's own CPU kernels.
+
+:class:`LlamaCppBackbone` answers the same calls as :class:`~adaptive.engine.backbone.Backbone` that
+the decoding loop, the statistical drafters, calibration's race and the server make (``forward``,
+``forward_batch``, ``new_cache``, the pooled prompt embedding), over one ``llama_context`` of the
+GGUF file, with the file's own quantized weights: no float copy of the model is ever built.
+
+* A verification is one ``llama_decode`` of the pending token and the draft with logits at every
+  fed position; several sequences' segments go into one ``llama_batch`` (a sequence id each).
+* The KV cache is llama.cpp's, one sequence id per :class:`LlamaCache`. Its ``length`` is the
+  engine's (positions holding accepted tokens); rolling back is setting it, as with the torch
+  cache: the next forward at ``start`` first drops the sequence's positions from ``start`` on
+  (``llama_memory_seq_rm``), because llama.cpp, unlike a cache written by position, would
+  otherwise attend to a stale cell and a new one at the same position.
+* Threads are set explicitly (llama.cpp's own default is 4, too many on a 2-core machine).
+* The routing embedding is the final-normed hidden state at the prompt's last position
+  (``Pooling(mode="last")``): the prompt's last token is decoded alone with llama.cpp's embedding
+  output on. Intermediate layers are not exposed by llama.cpp's public API for every architecture,
+  so the layer-depth poolings of the torch backbone are refused here (:meth:`pool_args`).
+
+What it cannot do: skip sublayers, swap the LM head, exit early or return hidden states; those stay
+with the torch backbone (``layer_skip = False`` says so to the drafter factory and calibration).
+Tested with llama-cpp-python 0.3.36 (the ``llamacpp`` extra pins ``>=0.3.36,<0.4``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaptive.engine.backbone import ForwardOutput, Segment
+from adaptive.errors import ConfigError, ModelNotFoundError, PromptTooLongError
+
+ENGINE = "llama.cpp"
+INSTALL = "pip install 'adaptive[llamacpp]' (llama-cpp-python; pip builds llama.cpp from source: ~5-10 min on 2 cores)"
+DEFAULT_CONTEXT = 8192  # positions per sequence, at most the model's training context
+DEFAULT_SEQUENCES = 16  # sequences (KV caches) alive at once: a server's batch, calibration's race, spares
+N_BATCH = 2048  # tokens per llama_decode call (a longer prefill is fed in chunks), as llama-server
+N_UBATCH = 512
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (found, not imported)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _lib():
+    if not available():
+        raise ConfigError(f"the llama.cpp engine needs llama-cpp-python: {INSTALL}")
+    import llama_cpp
+
+    return llama_cpp
+
+
+_INIT_LOCK = threading.Lock()
+_LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer
+
+
+def _init_backend(lib) -> None:
+    """``llama_backend_init`` once, with llama.cpp's own logging silenced (errors surface as ours)."""
+    global _LOG_CALLBACK
+    with _INIT_LOCK:
+        if _LOG_CALLBACK is None:
+            _LOG_CALLBACK = lib.llama_log_callback(lambda level, text, user_data: None)
+            lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+            lib.llama_backend_init()
+
+
+@dataclass(eq=False)
+class LlamaCache:
+    """One sequence of the backbone's llama.cpp context: its id ``seq``, room for ``max_len``
+    positions, ``length`` positions holding accepted tokens (the engine's, as
+    :class:`~adaptive.engine.backbone.KVCache`'s), ``written``: positions llama.cpp holds for it
+    (``>= length`` after a verification; the rest is dropped by the next forward)."""
+
+    seq: int
+    max_len: int
+    length: int = 0
+    written: int = 0
+    _release: object = field(default=None, repr=False)
+
+
+class LlamaCppBackbone:
+    """The engine's backbone over a GGUF file run by llama.cpp (see the module docstring).
+
+    ``threads``: llama.cpp's threads for decoding and prefill (default: the CPUs this process may
+    use). ``context``: positions per sequence (default: the model's training context, at most
+    :data:`DEFAULT_CONTEXT`); the KV cache holds ``context`` cells shared by all live sequences
+    (llama.cpp's unified cache). ``sequences``: the most caches alive at once.
+    """
+
+    engine = ENGINE
+    layer_skip = False  # sublayers cannot be skipped: layer-skip and early-exit drafters need the torch engine
+
+    def __init__(self, gguf: str | Path, threads: int | None = None, context: int | None = None,
+                 sequences: int = DEFAULT_SEQUENCES):
+        lib = _lib()
+        path = Path(gguf)
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} does not exist")
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
+        if sequences < 1:
+            raise ConfigError(f"sequences must be >= 1, got {sequences}")
+        _init_backend(lib)
+        self._lib = lib
+        self.path = path
+        self.threads = threads or default_threads()
+        mparams = lib.llama_model_default_params()
+        model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise ModelNotFoundError(f"llama.cpp cannot load {path} (not a GGUF model it supports)")
+        self._model = model
+        self.n_layers = int(lib.llama_model_n_layer(model))
+        self.hidden_size = int(lib.llama_model_n_embd(model))
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self.vocab))
+        train = int(lib.llama_model_n_ctx_train(model)) or DEFAULT_CONTEXT
+        self.max_positions = int(context) if context else min(train, DEFAULT_CONTEXT)
+        if self.max_positions < 16:
+            raise ConfigError(f"context must be at least 16 positions, got {self.max_positions}")
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.max_positions
+        cparams.n_batch = N_BATCH
+        cparams.n_ubatch = N_UBATCH
+        cparams.n_seq_max = sequences
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.embeddings = False
+        cparams.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
+        cparams.kv_unified = True  # every sequence may use the whole context
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise ConfigError(f"llama.cpp could not create a context of {self.max_positions} positions for {path}")
+        self._ctx = ctx
+        self._mem = lib.llama_get_memory(ctx)
+        self._batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        self._free_seqs = list(range(sequences - 1, -1, -1))
+        self.sequences = sequences
+        self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
+        self._closer = weakref.finalize(self, _free_native, lib, model, ctx, self._batch)
+        self.eos = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self.vocab, t))
+
+    # -- what the engine reads ------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the logits handed out (the weights are the GGUF file's own)."""
+        return torch.float32
+
+    @property
+    def numerics(self) -> torch.dtype:
+        """Quantized kernels over float32 activations, whose rounding differs with the batch shape
+        (a verification of several tokens against one-token steps): the audit's bf16-like tolerance."""
+        return torch.bfloat16
+
+    def describe(self) -> dict:
+        """What llama.cpp read of the model: its architecture and shape (the fingerprint's config)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf))
+        return {"architecture": buf.value.decode() if n > 0 else "unknown", "n_layers": self.n_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "n_params": int(self._lib.llama_model_n_params(self._model))}
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context now (also done when the backbone is collected)."""
+        self._closer()
+
+    # -- caches ---------------------------------------------------------------------------------
+
+    def new_cache(self, max_len: int) -> LlamaCache:
+        """A sequence for ``max_len`` positions; :class:`PromptTooLongError` beyond the context, and
+        :class:`ConfigError` when ``sequences`` caches are already alive."""
+        if max_len > self.max_positions:
+            raise PromptTooLongError(
+                f"prompt plus new tokens need {max_len} positions but the llama.cpp context is {self.max_positions}")
+        with self._lock:
+            if not self._free_seqs:
+                gc.collect()  # caches of finished requests that a reference cycle still holds
+            if not self._free_seqs:
+                raise ConfigError(f"all {self.sequences} llama.cpp sequences are in use: "
+                                  "finish a request first, or load the model with more sequences")
+            seq = self._free_seqs.pop()
+            self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        cache = LlamaCache(seq, max_len)
+        cache._release = weakref.finalize(cache, self._release, seq)
+        return cache
+
+    def _release(self, seq: int) -> None:
+        if not self._closer.alive:
+            return
+        with self._lock:
+            self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._free_seqs.append(seq)
+
+    # -- forwards -------------------------------------------------------------------------------
+
+    def forward(self, input_ids, cache: LlamaCache, start: int, skip_masks=None, logits: str = "last",
+                pool: bool = False, head=None, read_only: bool = False, adapter=None, hidden: bool = False,
+                pool_layers: tuple[int, ...] = (), pool_last: bool = False) -> ForwardOutput:
+        """Run tokens ``input_ids`` (``[T]``) at positions ``start .. start+T-1`` of ``cache``'s sequence.
+
+        ``logits``: ``"last"``, ``"all"`` or ``"none"``; ``pool_last``: also return the final-normed
+        hidden state at the last position as ``pooled`` (``[hidden]``, float32; :meth:`pool_args`).
+        The torch backbone's other options (sublayer skipping, another head, early-exit adapters,
+        hidden states, read-only forwards, layer pools) are refused with :class:`ConfigError`.
+        Does not change ``cache.length``.
+        """
+        with self._lock:
+            return self._forward(input_ids, cache, start, logits, pool_last, skip_masks is not None or head is not None
+                                 or read_only or adapter is not None or hidden or pool or bool(pool_layers))
+
+    def _forward(self, input_ids, cache: LlamaCache, start: int, logits: str, pool_last: bool,
+                 torch_only: bool) -> ForwardOutput:
+        if torch_only:
+            raise ConfigError("the llama.cpp engine runs the whole model only (no skipped sublayers, other heads, "
+                              "exits, hidden states or layer pools): use --engine torch for that")
+        ids = _ids(input_ids)
+        T = len(ids)
+        if T == 0:
+            raise ValueError("a forward needs at least one token")
+        if start + T > cache.max_len:
+            raise PromptTooLongError(f"positions up to {start + T} exceed the cache of {cache.max_len}")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        self._rewind(cache, start)
+        body = ids[:-1] if pool_last else ids  # with pool_last the last token is decoded alone, below
+        rows = []
+        for a in range(0, len(body), N_BATCH):
+            chunk = body[a:a + N_BATCH]
+            last = a + N_BATCH >= len(body) and not pool_last
+            flags = True if logits == "all" else ("last" if logits == "last" and last else False)
+            cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
+            r, _ = self._decode([(chunk, cache.seq, start + a, flags)])
+            if r is not None:
+                rows.append(r)
+        pooled = None
+        if pool_last:
+            cache.written = start + T
+            r, pooled = self._decode([([ids[-1]], cache.seq, start + T - 1, True)], embeddings=True)
+            if logits != "none":
+                rows.append(r)
+        return ForwardOutput(torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None), pooled)
+
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Several sequences' forwards in one ``llama_decode``: each segment's logits at every fed
+        position (``[T_i, vocab]`` float32), in order; ragged, nothing padded. As
+        :meth:`~adaptive.engine.backbone.Backbone.forward_batch` (each segment its own cache and start)."""
+        if not segments:
+            return []
+        with self._lock:
+            return self._forward_batch(segments)
+
+    def _forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        parts, total = [], 0
+        for s in segments:
+            ids = _ids(s.ids)
+            if not ids:
+                raise ValueError("a segment of a batched forward has no tokens")
+            if s.start + len(ids) > s.cache.max_len:
+                raise PromptTooLongError(f"positions up to {s.start + len(ids)} exceed the cache of {s.cache.max_len}")
+            self._rewind(s.cache, s.start)
+            s.cache.written = s.start + len(ids)
+            parts.append((ids, s.cache.seq, s.start, True))
+            total += len(ids)
+        if total > N_BATCH:
+            raise ValueError(f"a batched forward of {total} tokens exceeds llama.cpp's batch of {N_BATCH}")
+        rows = self._decode(parts)[0]
+        out, row = [], 0
+        for ids, *_ in parts:
+            out.append(rows[row:row + len(ids)])
+            row += len(ids)
+        return out
+
+    def _rewind(self, cache: LlamaCache, start: int) -> None:
+        """Drop the sequence's positions from ``start`` on (rejected drafts, a rewound race block)."""
+        if start > cache.written:
+            raise ValueError(f"a forward at position {start} of a sequence that holds {cache.written} positions")
+        if cache.written > start:
+            self._lib.llama_memory_seq_rm(self._mem, cache.seq, start, -1)
+            cache.written = start
+
+    def _decode(self, parts, embeddings: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One ``llama_decode`` of ``parts`` (``(ids, seq, start, logits)``, ``logits`` True for every
+        row, ``"last"`` for the last, False for none); returns the logits rows (``[n, V]``, a copy: the
+        next decode overwrites llama.cpp's buffer) and, with ``embeddings``, the last row's hidden state."""
+        lib, b = self._lib, self._batch
+        n = 0
+        for ids, seq, start, flags in parts:
+            T = len(ids)
+            for j in range(T):
+                b.token[n + j] = ids[j]
+                b.pos[n + j] = start + j
+                b.n_seq_id[n + j] = 1
+                b.seq_id[n + j][0] = seq
+                b.logits[n + j] = flags is True or (flags == "last" and j == T - 1)
+            n += T
+        b.n_tokens = n
+        n_out = sum(len(ids) if flags is True else int(flags == "last") for ids, _, _, flags in parts)
+        if embeddings:
+            lib.llama_set_embeddings(self._ctx, True)
+        try:
+            rc = lib.llama_decode(self._ctx, b)
+        finally:
+            if embeddings:
+                lib.llama_set_embeddings(self._ctx, False)
+        if rc != 0:
+            what = "its KV cache is full (all live sequences share the context)" if rc == 1 else f"error {rc}"
+            raise PromptTooLongError(f"llama.cpp could not decode {n} tokens: {what}") if rc == 1 else \
+                RuntimeError(f"llama.cpp could not decode {n} tokens: {what}")
+        rows = None
+        if n_out:
+            ptr = lib.llama_get_logits(self._ctx)
+            rows = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
+        hidden = None
+        if embeddings:
+            ptr = lib.llama_get_embeddings_ith(self._ctx, -1)
+            hidden = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.hidden_size,)).copy())
+        return rows, hidden
+
+    # -- the prompt embedding (routing) ---------------------------------------------------------
+
+    def pool_args(self, pooling) -> dict:
+        """The :meth:`forward` arguments that compute ``pooling``: only the final layer's last position
+        (``Pooling(mode="last")``, or its layer given as ``n_layers``) on this engine."""
+        layer = self.n_layers if pooling.layer is None else pooling.layer
+        if layer != self.n_layers or pooling.mode != "last":
+            raise ConfigError(f"the llama.cpp engine pools the final layer's last position only, not "
+                              f"{pooling.mode} after {layer} of {self.n_layers} layers: calibrate with this engine "
+                              "(it records that pooling) or use --engine torch")
+        return {"pool_last": True}
+
+    def pooled(self, out: ForwardOutput, pooling) -> torch.Tensor:
+        """``[hidden]`` float32: the embedding a forward with :meth:`pool_args` computed."""
+        return out.pooled
+
+    def routing_pooling(self, pooling):
+        """The pooling this engine computes in place of ``pooling`` (the final layer's last position)."""
+        return type(pooling)(None, "last")
+
+    def sublayer_influence(self, input_ids, from_position: int = 0):
+        raise ConfigError("sublayer influence needs the torch engine (llama.cpp runs the whole model)")
+
+
+def _ids(x) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(t) for t in x.reshape(-1).tolist()]
+    return [int(t) for t in x]
+
+
+def _free_native(lib, model, ctx, batch) -> None:
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)

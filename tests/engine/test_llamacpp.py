@@ -1,0 +1,162 @@
+"""The llama.cpp engine (:mod:`adaptive.engine.llamacpp`) on a tiny random GGUF written in-process.
+
+The GGUF holds the tiny torch Llama's own weights (float32), so the two engines can be compared on
+the same model; llama.cpp keeps its KV cache in float16, hence the tolerances. Greedy equality of
+speculative decoding is checked against the same engine's plain decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from adaptive.drafters.factory import DrafterSpec, build_drafter  # noqa: E402
+from adaptive.engine.backbone import Segment  # noqa: E402
+from adaptive.engine.config import GenerationConfig, Pooling  # noqa: E402
+from adaptive.engine.engine import Engine  # noqa: E402
+from adaptive.engine.llamacpp import LlamaCppBackbone  # noqa: E402
+from adaptive.engine.loop import GenerationStats, decode  # noqa: E402
+from adaptive.engine.skip import SkipSet  # noqa: E402
+from adaptive.errors import ConfigError, PromptTooLongError  # noqa: E402
+from adaptive.models import LoadedModel  # noqa: E402
+
+PROMPT = [5, 9, 14, 22, 9, 14, 22, 31, 7, 9, 14, 22, 40, 12]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_gguf):
+    """``(llama.cpp backbone, torch backbone)`` of the same tiny model."""
+    path, lm = tiny_gguf
+    return LlamaCppBackbone(path, threads=2, context=256, sequences=4), lm.backbone
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-2) -> bool:
+    return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+def test_logits_and_embedding_match_the_torch_engine_on_the_same_weights(pair):
+    cpp, pt = pair
+    ids = torch.tensor(PROMPT)
+    ours = cpp.forward(ids, cpp.new_cache(32), 0, logits="all").logits
+    ref = pt.forward(ids, pt.new_cache(32), 0, logits="all").logits
+    assert ours.shape == ref.shape == (len(PROMPT), pt.vocab_size)
+    assert close(ours, ref)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    pooling = cpp.routing_pooling(Pooling(2, "mean"))
+    assert pooling == Pooling(None, "last")
+    out = cpp.forward(ids, cpp.new_cache(32), 0, logits="last", **cpp.pool_args(pooling))
+    ref = pt.forward(ids, pt.new_cache(32), 0, logits="last", **pt.pool_args(Pooling(pt.n_layers, "last")))
+    assert close(cpp.pooled(out, pooling), pt.pooled(ref, Pooling(pt.n_layers, "last")))
+    assert close(out.logits, ref.logits)
+
+
+def test_a_verification_gives_the_rows_of_one_token_steps(pair):
+    cpp, _ = pair
+    cache = cpp.new_cache(32)
+    cpp.forward(torch.tensor(PROMPT[:8]), cache, 0, logits="none")
+    rows = cpp.forward(torch.tensor(PROMPT[8:13]), cache, 8, logits="all").logits  # [5, V]
+    steps = cpp.new_cache(32)
+    cpp.forward(torch.tensor(PROMPT[:8]), steps, 0, logits="none")
+    one = torch.cat([cpp.forward(torch.tensor([t]), steps, 8 + j, logits="last").logits
+                     for j, t in enumerate(PROMPT[8:13])])
+    assert rows.shape == one.shape == (5, cpp.vocab_size)
+    assert close(rows, one, 1e-3)
+    assert torch.equal(rows.argmax(-1), one.argmax(-1))
+
+
+def test_rolling_back_is_setting_the_length(pair):
+    """A rejected draft's positions never reach a later forward: after writing 3 drafts and rolling
+    back by assignment, a new token at the same position sees exactly a fresh cache's context."""
+    cpp, _ = pair
+    cache = cpp.new_cache(32)
+    cpp.forward(torch.tensor(PROMPT[:6]), cache, 0, logits="none")
+    cache.length = 6
+    cpp.forward(torch.tensor([40, 41, 42]), cache, 6, logits="all")  # drafts, all rejected
+    cache.length = 6
+    after = cpp.forward(torch.tensor([7, 8]), cache, 6, logits="all").logits
+    fresh = cpp.new_cache(32)
+    cpp.forward(torch.tensor(PROMPT[:6]), fresh, 0, logits="none")
+    assert torch.equal(after, cpp.forward(torch.tensor([7, 8]), fresh, 6, logits="all").logits)
+    with pytest.raises(ValueError, match="holds 8 positions"):
+        cpp.forward(torch.tensor([7]), cache, 9, logits="last")  # a gap: position 8 was never written
+
+
+def test_several_sequences_verify_in_one_decode(pair):
+    cpp, _ = pair
+    caches = [cpp.new_cache(32), cpp.new_cache(32)]
+    cpp.forward(torch.tensor(PROMPT[:7]), caches[0], 0, logits="none")
+    cpp.forward(torch.tensor(PROMPT[3:13]), caches[1], 0, logits="none")
+    batched = cpp.forward_batch([Segment(torch.tensor([3]), caches[0], 7),
+                                 Segment(torch.tensor([4, 5, 6]), caches[1], 10)])
+    assert [b.shape[0] for b in batched] == [1, 3]
+    alone = []
+    for ids, start, prompt in (([3], 7, PROMPT[:7]), ([4, 5, 6], 10, PROMPT[3:13])):
+        c = cpp.new_cache(32)
+        cpp.forward(torch.tensor(prompt), c, 0, logits="none")
+        alone.append(cpp.forward(torch.tensor(ids), c, start, logits="all").logits)
+    for b, a in zip(batched, alone):
+        assert close(b, a, 1e-3)
+        assert torch.equal(b.argmax(-1), a.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["pld", "cascade"])
+def test_greedy_speculative_decoding_equals_plain_decoding(pair, kind):
+    cpp, _ = pair
+    cfg = GenerationConfig(max_new_tokens=40, draft_len=6)
+    plain = [t for chunk in decode(cpp, PROMPT, cfg) for t in chunk]
+    stats = GenerationStats()
+    drafter = build_drafter(DrafterSpec(kind), cpp)
+    spec = [t for chunk in decode(cpp, PROMPT, cfg, drafter=drafter, stats=stats) for t in chunk]
+    assert spec == plain
+    assert stats.accepted > 0 and stats.steps < len(plain) - 1  # drafts were verified and kept
+
+
+def test_sequences_are_given_back_and_running_out_is_a_clear_error(tiny_gguf):
+    cpp = LlamaCppBackbone(tiny_gguf[0], threads=1, context=64, sequences=2)
+    a, b = cpp.new_cache(16), cpp.new_cache(16)
+    with pytest.raises(ConfigError, match="all 2 llama.cpp sequences are in use"):
+        cpp.new_cache(16)
+    seq = a.seq
+    del a
+    c = cpp.new_cache(16)
+    assert c.seq == seq and c.written == 0
+    assert cpp.forward(torch.tensor(PROMPT[:4]), c, 0).logits.shape == (1, cpp.vocab_size)
+    del b, c
+    cpp.close()
+
+
+def test_what_only_the_torch_engine_can_do_is_refused_clearly(pair):
+    cpp, _ = pair
+    cache = cpp.new_cache(32)
+    skip = SkipSet.from_text("attn=1")
+    with pytest.raises(ConfigError, match="--engine torch"):
+        cpp.forward(torch.tensor([1, 2]), cache, 0, skip_masks=skip.masks(cpp.n_layers))
+    with pytest.raises(ConfigError, match="final layer's last position"):
+        cpp.pool_args(Pooling(1, "last"))
+    for spec in (DrafterSpec("ssd", skip=skip), DrafterSpec("cascade", skip=skip)):
+        with pytest.raises(ConfigError, match="use --engine torch"):
+            build_drafter(spec, cpp)
+    with pytest.raises(PromptTooLongError, match="llama.cpp context is 256"):
+        cpp.new_cache(300)
+    with pytest.raises(PromptTooLongError, match="exceed the cache of 32"):
+        cpp.forward(torch.arange(40), cache, 0)
+
+
+def test_the_engine_decodes_text_on_llama_cpp(tiny_gguf):
+    from tests.conftest import char_tokenizer
+
+    lm = LoadedModel(None, char_tokenizer(), "tiny-gguf", str(tiny_gguf[0]), torch.device("cpu"), torch.float32,
+                     engine="llama.cpp", threads=1)
+    assert lm.n_layers == tiny_gguf[1].n_layers and 2 in lm.eos_ids()
+    fp = lm.fingerprint()
+    assert fp.engine == "llama.cpp" and fp.model_type == "llama" and not fp.same_model(tiny_gguf[1].fingerprint())
+    engine = Engine(lm)
+    cfg = GenerationConfig(max_new_tokens=24)
+    plain = engine.generate("abc abc abc abc", cfg)
+    spec = engine.generate("abc abc abc abc", cfg, drafter=build_drafter(DrafterSpec("pld"), lm.backbone))
+    assert plain.token_ids == spec.token_ids and plain.text == spec.text
+    assert len(plain.token_ids) == 24 or plain.finish_reason == "eos"
+    with pytest.raises(ConfigError, match="has no torch model"):
+        LoadedModel(None, char_tokenizer(), "t", "x.gguf", torch.device("cpu"), torch.float32)
