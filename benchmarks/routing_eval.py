@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", type=Path, default=None)
     args = ap.parse_args()
     profile = load_profile(args.profile)
-    lm = load_model(profile.model.spec or DEFAULT_MODEL, dtype=profile.model.dtype or "auto")
+    lm = load_model(profile.model.spec or DEFAULT_MODEL, dtype=profile.model.dtype or "auto",
+                    engine=profile.model.engine)
     profile.check_model(lm.fingerprint())
     engine = Engine(lm)
     ok, total, ood = Counter(), Counter(), Counter()

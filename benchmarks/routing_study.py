@@ -42,7 +42,7 @@ def features(path: Path, cache: Path, layers: list[int]) -> tuple[dict[str, np.n
     from adaptive.engine.engine import Engine
     from adaptive.models import load_model
 
-    lm = load_model("smollm2-135m")
+    lm = load_model("smollm2-135m", engine="torch")  # layer pools: the torch engine
     engine, bb = Engine(lm), lm.backbone
     out: dict[str, list] = defaultdict(list)
     t0 = time.perf_counter()

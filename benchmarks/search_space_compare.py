@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
-    lm = load_model("smollm2-135m")
+    lm = load_model("smollm2-135m", engine="torch")  # layer skipping: the torch engine
     engine, bb = Engine(lm), lm.backbone
     seqs, influence = [], torch.zeros(2, bb.n_layers)
     for row in read_prompt_rows(args.domain)[: args.prompts]:

@@ -159,16 +159,22 @@ class _Methods:
         self.engine = Engine(lm)
         self.profile = profile
         self.llamacpp: dict[str, LlamaCpp] = {}
+        torch_only = [name for name in methods if BENCH_METHODS[name].runs_on == "hf"]
+        if torch_only and lm.model is None:
+            raise ConfigError(f"method(s) {', '.join(torch_only)} run Hugging Face's generate on the torch model: "
+                              f"load it with --engine torch (it is on the {lm.engine} engine)")
+        # every engine and peer on the same threads: our llama.cpp engine's own, else torch's
+        threads = lm.backbone.threads if lm.model is None else torch.get_num_threads()
         for name in methods:  # loaded up front: a missing extra or GGUF file fails before any run
             if BENCH_METHODS[name].runs_on == "llamacpp":
-                self.llamacpp[name] = LlamaCpp(gguf_path(lm), torch.get_num_threads(),
+                self.llamacpp[name] = LlamaCpp(gguf_path(lm), threads,
                                                min(4096, lm.backbone.max_positions),
                                                prompt_lookup=BENCH_METHODS[name].drafter == "pld")
         self.servers: dict[str, LlamaServer] = {}  # one llama-server process per method
         try:
             for m in (BENCH_METHODS[name] for name in methods):
                 if m.runs_on == "llama-server":
-                    self.servers[m.name] = LlamaServer(gguf_path(lm), torch.get_num_threads(),
+                    self.servers[m.name] = LlamaServer(gguf_path(lm), threads,
                                                        min(4096, lm.backbone.max_positions),
                                                        spec_type=None if m.drafter == "ar" else m.drafter)
         except BaseException:
@@ -336,10 +342,11 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
     summary = summarize(runs, methods)
     return {
         "machine": machine_info(lm.device),
-        "model": {"name": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "weights": lm.weights,
-                  "n_layers": lm.n_layers},
+        "model": {"name": lm.name, "engine": lm.engine, "weights": lm.weights, "n_layers": lm.n_layers,
+                  "dtype": str(lm.dtype).replace("torch.", "") if lm.model is not None else "gguf"},
         "settings": {"max_new_tokens": settings.max_new_tokens, "warmup": settings.warmup,
-                     "threads": torch.get_num_threads(), "prompts": len(items),
+                     "threads": torch.get_num_threads() if lm.model is not None else lm.backbone.threads,
+                     "prompts": len(items),
                      "profile": str(profile.path) if profile is not None else None, "greedy": True,
                      "seconds": round(time.perf_counter() - t_start, 1)},
         "methods": {m: DESCRIPTIONS[m] for m in methods},

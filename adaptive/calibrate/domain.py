@@ -125,8 +125,11 @@ def statistical(worker: Worker, lm: LoadedModel, task: DomainTask) -> Statistica
 def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, reference: float
                      ) -> tuple[list[dict], Bound | None]:
     """The search's trial history (resumed from the checkpoint's complete trials) and, in the ranked
-    space, the bound that decided whether to search beyond its scored corners."""
+    space, the bound that decided whether to search beyond its scored corners; no trials on an
+    engine that cannot skip layers."""
     s = worker.settings
+    if not lm.backbone.layer_skip:  # the engine runs the whole model only: nothing to search
+        return [], None
     space = make_space(s.space, lm.backbone.n_layers, task.influence)
     path = worker.work.file("trials", task.name, "jsonl")
     history = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("trial") == i)

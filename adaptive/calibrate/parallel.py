@@ -18,16 +18,17 @@ from adaptive.errors import ConfigError
 from adaptive.models import LoadedModel, load_model
 from adaptive.workdir import WorkDir
 
-_MODELS: dict[tuple[str, str, str, str], LoadedModel] = {}  # per worker process: loaded once, reused by its tasks
+_MODELS: dict[tuple, LoadedModel] = {}  # per worker process: loaded once, reused by its tasks
 _MODELS_LOCK = threading.Lock()
 
 
-def shared_model(spec: str, device: str, dtype: str, weights: str = "dense") -> LoadedModel:
+def shared_model(spec: str, device: str, dtype: str, weights: str = "dense", engine: str = "auto",
+                 threads: int | None = None) -> LoadedModel:
     """Load ``spec`` once per process (the tasks of a pool's worker reuse it)."""
-    key = (str(spec), str(device), str(dtype), weights)
+    key = (str(spec), str(device), str(dtype), weights, engine, threads)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            _MODELS[key] = load_model(spec, device=device, dtype=dtype, weights=weights)
+            _MODELS[key] = load_model(spec, device=device, dtype=dtype, weights=weights, engine=engine, threads=threads)
         return _MODELS[key]
 
 
@@ -50,6 +51,7 @@ class Worker:
     threads: int | None = None
     lm: LoadedModel | None = field(default=None, compare=False, repr=False)
     weights: str = "dense"
+    engine: str = "auto"  # adaptive.models.ENGINES; a worker process loads the model on the caller's engine
     bars: Progress | None = field(default=None, compare=False, repr=False)  # the caller's bar, in its process only
 
     def __getstate__(self):
@@ -62,7 +64,8 @@ class Worker:
     def model(self) -> LoadedModel:
         if self.threads:
             torch.set_num_threads(self.threads)
-        return self.lm if self.lm is not None else shared_model(self.spec, self.device, self.dtype, self.weights)
+        return self.lm if self.lm is not None else shared_model(self.spec, self.device, self.dtype, self.weights,
+                                                                 self.engine, self.threads)
 
     @property
     def work(self) -> WorkDir:

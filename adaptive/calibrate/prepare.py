@@ -56,7 +56,7 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     engine = Engine(lm)
     bb = lm.backbone
     cfg = GenerationConfig(max_new_tokens=s.continuation_tokens)
-    pooling = s.pooling(bb.n_layers)
+    pooling = bb.routing_pooling(s.pooling(bb.n_layers))
     ids, embs, seqs = [], [], []
     influence = torch.zeros(2, bb.n_layers)
     bar = worker.phase("prepare", name, len(prompts))
@@ -64,8 +64,10 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
         p = engine.encode(prompt, chat=s.chat)
         session = engine.start(p, cfg, pool=pooling)  # the prefill's embedding, as the runtime routes on
         cont = list(engine.decode(session))[-1].token_ids  # greedy, through the first EOS
-        tail = (p + cont)[-(len(cont) + 64):]
-        influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device), from_position=len(tail) - len(cont))
+        if bb.layer_skip:  # what the skip-set search ranks sublayers by (none is searched on llama.cpp)
+            tail = (p + cont)[-(len(cont) + 64):]
+            influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device),
+                                               from_position=len(tail) - len(cont))
         ids.append(p)
         embs.append(pooled_to_numpy(session.pooled))
         seqs.append((p, cont))

@@ -38,6 +38,7 @@ from adaptive.calibrate.settings import (
     domains_digest,
 )
 from adaptive.costs import CostModel, measure_costs
+from adaptive.engine.config import Pooling
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.models import LoadedModel, ModelFingerprint
@@ -74,7 +75,7 @@ def model_spec(lm: LoadedModel) -> str:
 
 
 def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, jobs: int, backend: str, device: str,
-            dtype: str, weights: str = "dense") -> Worker:
+            dtype: str, weights: str = "dense", engine: str = "auto") -> Worker:
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
     if isinstance(model, LoadedModel):
         try:
@@ -85,10 +86,10 @@ def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, 
             spec = model.name  # recorded in the profile; never loaded
         dt = str(model.dtype).replace("torch.", "")
         return Worker(spec, str(model.device), dt, settings, str(out), threads, lm=model,
-                      weights=model.weights)
-    return Worker(model, device, dtype, settings, str(out), threads,
-                  lm=shared_model(model, device, dtype, weights) if in_process(jobs, backend) else None,
-                  weights=weights)
+                      weights=model.weights, engine=model.engine)
+    lm = shared_model(model, device, dtype, weights, engine) if in_process(jobs, backend) else None
+    return Worker(model, device, dtype, settings, str(out), threads, lm=lm, weights=weights,
+                  engine=lm.engine if lm is not None else engine)
 
 
 def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostModel,
@@ -122,12 +123,14 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
               settings: CalibrationSettings | None = None, *, jobs: int = 1, backend: str = "loky",
               scheduler: str | None = None, resume: bool = False, device: str = "auto", dtype: str = "auto",
               progress: bool = True, log: Callable[[str], None] = lambda msg: None,
-              cost_model: CostModel | None = None, weights: str = "dense") -> Profile:
+              cost_model: CostModel | None = None, weights: str = "dense", engine: str = "auto") -> Profile:
     """Calibrate ``model`` on ``domains`` (``{name: [prompt, ...]}``) and write the profile to ``out``.
 
     ``model``: a spec for :func:`adaptive.models.load_model` (with ``device``, ``dtype`` and ``weights``), or an
     already loaded model, used as is by tasks in this process (``jobs == 1`` or the threading
-    backend); worker processes load it again from its source in its dtype.
+    backend); worker processes load it again from its source in its dtype, on its engine (``engine``:
+    ``auto``, ``torch`` or ``llama.cpp``, :func:`adaptive.models.resolve_engine`). On llama.cpp, which
+    cannot skip layers, no skip set is searched and only the statistical drafters are raced.
     ``cost_model`` replaces the timed measurement (e.g. another profile's, for a reproducible search:
     with it and the same seed, the bound and the search are deterministic; the race is timed).
     """
@@ -136,13 +139,14 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     out = Path(out)
     check_writable(out)
     started = time.perf_counter()
-    worker = _worker(model, s, out, jobs, backend, device, dtype, weights)
-    lm = worker.lm or shared_model(worker.spec, worker.device, worker.dtype, worker.weights)
+    worker = _worker(model, s, out, jobs, backend, device, dtype, weights, engine)
+    lm = worker.lm or shared_model(worker.spec, worker.device, worker.dtype, worker.weights, worker.engine)
+    worker.engine = lm.engine
     encoded = check_prompt_lengths(lm, domains, s)  # before anything is written: a bad prompt leaves nothing behind
     log(f"calibrating {worker.spec} on {len(domains)} domains: "
         f"{', '.join(sorted(domains))}")
-    fingerprint = replace(lm.fingerprint(), spec=worker.spec, dtype=str(lm.dtype).replace("torch.", ""),
-                          weights=lm.weights)
+    fingerprint = replace(lm.fingerprint(), spec=worker.spec, weights=lm.weights,
+                          dtype=str(lm.dtype).replace("torch.", "") if lm.model is not None else "")
     state = {"format": CHECKPOINT_FORMAT, "settings": s.to_dict(), "model": fingerprint.to_dict(),
              "domains": domains_digest(domains),
              "costs": cost_model.to_dict() if cost_model is not None else "measured"}
@@ -156,7 +160,9 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             costs = cost_model if cost_model is not None else CostModel.from_dict(
                 checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
             worker.bars.finish("costs", "")
-            records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log, lm.backbone.n_layers)
+            pooling = lm.backbone.routing_pooling(s.pooling(lm.n_layers))
+            records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log, pooling,
+                                         lm.backbone.layer_skip)
         finally:
             worker.bars.close()
             worker.bars = None
@@ -173,7 +179,8 @@ def _measure_costs(lm: LoadedModel, s: CalibrationSettings, log: Callable[[str],
 
 
 def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel, jobs: int, backend: str,
-                scheduler: str | None, log: Callable[[str], None], n_layers: int) -> tuple[list, AnchorIndex]:
+                scheduler: str | None, log: Callable[[str], None], pooling: Pooling,
+                layer_skip: bool) -> tuple[list, AnchorIndex]:
     """Phases 2 to 4: the domains' records (name order, then the global one) and the anchor index."""
     s = worker.settings
     names = sorted(domains)
@@ -183,8 +190,11 @@ def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel,
     for n in names:  # done in worker processes, or resumed: the bar catches up
         worker.bars.finish("prepare", n)
     index = AnchorIndex.build({n: prep[n].embeddings for n in names}, per_domain=s.anchors_per_domain, seed=s.seed,
-                              k=s.route_k, pooling=s.pooling(n_layers))
-    log(f"bounding and searching skip sets (up to {s.trials} trials each), racing drafters against ar ...")
+                              k=s.route_k, pooling=pooling)
+    if layer_skip:
+        log(f"bounding and searching skip sets (up to {s.trials} trials each), racing drafters against ar ...")
+    else:
+        log(f"racing the statistical drafters against ar on the {worker.engine} engine (no layer skipping there) ...")
     tasks = _domain_tasks(prep, index, costs, s)
     records = run_parallel(calibrate_domain, [(worker, t) for t in tasks], jobs, backend, scheduler)
     for t in tasks:

@@ -15,6 +15,7 @@ from adaptive.cli.common import (
     command,
     device_option,
     dtype_option,
+    engine_option,
     info,
     load,
     model_option,
@@ -48,9 +49,11 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @click.option("--all-turns", is_flag=True, help="Every turn, each after the earlier turns and ar's replies.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unmeasured runs of every method first.")
-@click.option("--threads", type=int, default=None, help="torch threads (default: torch's).")
+@click.option("--threads", type=int, default=None,
+              help="threads of every engine: torch's and llama.cpp's (default: torch's; llama.cpp: the CPUs).")
 @dtype_option
 @weights_option
+@engine_option
 @device_option
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default="report.json", show_default=True)
 @click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None,
@@ -58,7 +61,7 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
 @quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
-              max_new_tokens, warmup, threads, dtype, weights, device, out_json, out_md, out_png, quiet):
+              max_new_tokens, warmup, threads, dtype, weights, engine, device, out_json, out_md, out_png, quiet):
     """Measure speedup, acceptance and equality with ar per group, for each method."""
     method_list = ["ar", *(m for m in methods if m != "ar")]  # ar first: the reference
     settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads)
@@ -72,8 +75,8 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
             profile.distilled_drafter(DISTILLED_KIND[m])
     spec = model_spec
     if profile is not None:
-        spec, dtype, weights = profile_model(profile, model_spec, dtype, weights)
-    lm = load(spec, device, dtype, weights)
+        spec, dtype, weights, engine = profile_model(profile, model_spec, dtype, weights, engine)
+    lm = load(spec, device, dtype, weights, engine, threads)
     report = run_bench(lm, prompts, method_list, settings, profile, progress=not quiet)
     report["settings"].update(data=str(data_file), per_category=per_category, skip_first=skip_first,
                               group_mt_bench=not no_group_mt_bench, all_turns=all_turns)

@@ -18,6 +18,7 @@ from adaptive.cli.common import (
     domain_prompts,
     dtype_option,
     echo_json,
+    engine_option,
     info,
     json_option,
     load,
@@ -90,17 +91,19 @@ def summary_table(profile) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @dtype_option
 @weights_option
+@engine_option
 @device_option
 @quiet_option
 @json_option
 def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, anchors_per_domain, trials, space,
-                  jobs, backend, scheduler, vocab_sizes, resume, seed, dtype, weights, device, quiet,
+                  jobs, backend, scheduler, vocab_sizes, resume, seed, dtype, weights, engine, device, quiet,
                   as_json):
     """Find the best drafter per domain and write a profile directory.
 
     Per domain: a Bayesian search of the best skip set, then prompt lookup, the cascade and a
     reduced draft vocabulary, all timed against plain decoding; the fastest is the domain's
-    decision (see `adaptive profile show`).
+    decision (see `adaptive profile show`). On the llama.cpp engine (no layer skipping) only
+    prompt lookup and the cascade are raced, and the profile serves on that engine only.
     """
     over = {k: v for k, v in dict(prompts_per_domain=prompts_per_domain, anchors_per_domain=anchors_per_domain,
                                   trials=trials, vocab_sizes=vocab_sizes).items() if v is not None}
@@ -112,7 +115,7 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     domains = domain_prompts(domain_args, "--domains")
     profile = calibrate(model_spec, domains, out_dir, settings, jobs=jobs, backend=backend, scheduler=scheduler,
                         resume=resume, device=device, dtype=dtype, progress=not quiet, log=info,
-                        weights="dense" if weights == "auto" else weights)
+                        weights="dense" if weights == "auto" else weights, engine=engine)
     if as_json:
         echo_json({"profile": str(profile.path), **profile_json(profile)})
         return
@@ -155,7 +158,8 @@ def profile_show(directory, online_path, as_json):
         return
     m, c, s = p.model, p.cost_model, p.settings
     click.echo(f"profile {p.path} (schema {SCHEMA_VERSION}, adaptive {p.version}, created {p.created})")
-    click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.dtype}, {m.weights} weights; "
+    click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.engine} engine, {m.dtype or 'GGUF'}, "
+               f"{m.weights} weights; "
                f"config {m.config_hash}, weights {m.weights_hash})")
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
@@ -223,15 +227,16 @@ def profile_reset_online(directory, online_path):
               help="Neighbours that vote (default: the profile's).")
 @model_option
 @dtype_option
+@engine_option
 @device_option
 @json_option
-def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, device, as_json):
+def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, engine, device, as_json):
     """Show the domain a prompt is routed to, what decodes it there, and the nearest anchors."""
     if (prompt is None) == (data_file is None):
         raise click.UsageError("give either PROMPT or --data FILE")
     p = load_profile(profile_dir)
-    spec, dt, weights = profile_model(p, model_spec, dtype)
-    lm = load(spec, device, dt, weights)
+    spec, dt, weights, eng = profile_model(p, model_spec, dtype, engine=engine)
+    lm = load(spec, device, dt, weights, eng)
     p.check_model(lm.fingerprint())
     engine = Engine(lm)
     rows = read_prompt_rows(data_file) if data_file else [{"prompt": prompt}]

@@ -12,7 +12,7 @@ import click
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.quant import WEIGHT_MODES
 from adaptive.engine.skip import SkipSetError, parse_layer_list
-from adaptive.models import DEFAULT_MODEL, EMBEDDED_MODELS, load_model
+from adaptive.models import DEFAULT_MODEL, EMBEDDED_MODELS, ENGINES, load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -185,6 +185,11 @@ weights_option = click.option(
     "--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
     help="How the engine stores the linear layers: dense (--dtype's), int8 or int4 weight-only quantization (CPU; "
          "fewer bytes read per step). auto: dense, or with a profile the profile's.")
+engine_option = click.option(
+    "--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
+    help="torch: our backbone (layer skipping, early exit, CUDA); llama.cpp: llama.cpp's kernels on the GGUF file "
+         "itself (faster on a CPU; statistical drafters only). auto: llama.cpp for a GGUF model on the CPU when "
+         "llama-cpp-python is installed and neither --dtype nor --weights is set; with a profile, its engine.")
 device_option = click.option("--device", type=Device(), default="auto", show_default=True,
                              help="auto: CUDA when present, else the CPU; cuda:N picks a GPU.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -226,25 +231,33 @@ def info(message: str) -> None:
     click.echo(message, err=True)
 
 
-def load(model_spec: str, device: str, dtype: str, weights: str = "auto"):
-    info(f"loading {model_spec} ...")
-    return load_model(model_spec, device=device, dtype=dtype, weights="dense" if weights == "auto" else weights)
+def load(model_spec: str, device: str, dtype: str, weights: str = "auto", engine: str = "auto",
+         threads: int | None = None):
+    lm = load_model(model_spec, device=device, dtype=dtype, weights="dense" if weights == "auto" else weights,
+                    engine=engine, threads=threads)
+    info(f"loaded {model_spec} on the {lm.engine} engine")
+    return lm
 
 
-def load_runtime(profile_dir, model_spec: str, device: str, dtype: str, weights: str = "auto", **kwargs):
-    """The runtime of a profile, with the model, dtype and weights it names unless ``--model``/``--dtype``/
-    ``--weights`` say otherwise (``kwargs``: :class:`AdaptiveRuntime`'s own options)."""
+def load_runtime(profile_dir, model_spec: str, device: str, dtype: str, weights: str = "auto", engine: str = "auto",
+                 **kwargs):
+    """The runtime of a profile, with the model, dtype, weights and engine it names unless ``--model``/
+    ``--dtype``/``--weights``/``--engine`` say otherwise (``kwargs``: :class:`AdaptiveRuntime`'s own options)."""
     from adaptive.runtime import AdaptiveRuntime
 
     info(f"loading profile {profile_dir} ...")
     return AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
                                         device=device, dtype=None if dtype == "auto" else dtype,
-                                        weights=None if weights == "auto" else weights, **kwargs)
+                                        weights=None if weights == "auto" else weights,
+                                        engine=None if engine == "auto" else engine, **kwargs)
 
 
-def profile_model(profile, model_spec: str, dtype: str, weights: str = "auto") -> tuple[str, str, str]:
-    """The model spec, dtype and weights to load for ``profile``: its own unless ``--model``/``--dtype``/
-    ``--weights`` say otherwise."""
+def profile_model(profile, model_spec: str, dtype: str, weights: str = "auto",
+                  engine: str = "auto") -> tuple[str, str, str, str]:
+    """The model spec, dtype, weights and engine to load for ``profile``: its own unless ``--model``/
+    ``--dtype``/``--weights``/``--engine`` say otherwise (on llama.cpp the dtype is the GGUF file's: ``auto``)."""
     spec = (profile.model.spec or DEFAULT_MODEL) if model_spec == DEFAULT_MODEL else model_spec
-    return (spec, (profile.model.dtype or "auto") if dtype == "auto" else dtype,
-            profile.model.weights if weights == "auto" else weights)
+    eng = profile.model.engine if engine == "auto" else engine
+    dt = (profile.model.dtype or "auto") if dtype == "auto" else dtype
+    return spec, "auto" if eng != "torch" and dtype == "auto" else dt, \
+        profile.model.weights if weights == "auto" else weights, eng

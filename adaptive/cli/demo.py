@@ -22,6 +22,7 @@ from adaptive.cli.common import (
     device_option,
     dtype_option,
     echo_json,
+    engine_option,
     info,
     json_option,
     load,
@@ -53,12 +54,14 @@ DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first 
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs per method (median).")
 @dtype_option
+@engine_option
 @device_option
 @quiet_option
 @json_option
-def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtype, device, quiet, as_json):
+def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtype, engine, device, quiet,
+             as_json):
     """Calibrate on the built-in domains (quick), then route and decode a prompt and print the speedup."""
-    lm = load(model_spec, device, dtype)
+    lm = load(model_spec, device, dtype, engine=engine)
     profile = None
     if (Path(profile_dir) / "profile.json").exists() and not recalibrate:
         profile = load_profile(profile_dir)
@@ -98,7 +101,8 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
               for m in methods if m != "ar"}
     out = {
-        "model": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "profile": str(profile.path),
+        "model": lm.name, "engine": lm.engine, "dtype": str(lm.dtype).replace("torch.", "") if lm.model is not None
+        else "gguf", "profile": str(profile.path),
         "summary": profile.summary_rows(), "prompt": prompt, "route": decision.to_dict(),
         "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
         "speedup": {m: round(med[m] / med["ar"], 3) for m in methods if m != "ar"},
@@ -133,7 +137,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
                        + f"; it measured fastest, {measured} at calibration; {skip_note})"),
            "ar": f" (no drafter measured faster than plain decoding there; {skip_note})"}
     click.echo(f"routed to {where}; the profile decodes it with {decision.drafter}" + how.get(decision.drafter, ""))
-    click.echo(f"model {out['model']} ({out['dtype']}), {max_new_tokens} new tokens, "
+    click.echo(f"model {out['model']} ({out['engine']} engine, {out['dtype']}), {max_new_tokens} new tokens, "
                f"median of {repeats} interleaved runs")
     click.echo(f"  ar     : {med['ar']:.1f} tok/s")
     for m in methods:
@@ -142,7 +146,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
         a = audits[m]
         same = "identical to ar" if a.identical else (
             f"parts from ar at token {a.position}, margin {a.margin:.3f}: "
-            + ("LOSSLESS VIOLATION" if a.violation else "a near-tie within bf16 rounding"))
+            + ("LOSSLESS VIOLATION" if a.violation else "a near-tie within the engine's rounding"))
         label = "routed" if m == "routed" else "ssd*"
         click.echo(f"  {label:7s}: {med[m]:.1f} tok/s, speedup {med[m] / med['ar']:.2f}x, "
                    f"acceptance {results[m].stats.acceptance_rate:.2f}, {same}")

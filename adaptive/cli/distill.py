@@ -88,10 +88,13 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                         checkpoint_every=min(eval_every, 25), seed=seed)
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)
-    spec, dt, _ = profile_model(profile, model_spec, dtype)  # distillation trains on dense weights
-    lm = load(spec, device, dt)
+    spec, dt, _, engine = profile_model(profile, model_spec, dtype)  # distillation trains on dense weights
+    if engine != "torch":
+        raise click.UsageError(f"the profile was calibrated on the {engine} engine; distillation trains through the "
+                               "torch engine's layers: calibrate with --engine torch first")
+    lm = load(spec, device, dt, engine="torch")
     profile.check_model(lm.fingerprint())
-    draft_lm = None if drafter == EARLY_EXIT else load(drafter, device, "float32")
+    draft_lm = None if drafter == EARLY_EXIT else load(drafter, device, "float32", engine="torch")
     r = distill(lm, profile_dir, domains, cfg, draft_lm=draft_lm, resume=resume, progress=not quiet and not as_json,
                 plot=plot, log=(lambda m: None) if as_json else info)
     d = r.to_dict()

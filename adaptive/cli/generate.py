@@ -15,6 +15,7 @@ from adaptive.cli.common import (
     device_option,
     dtype_option,
     echo_json,
+    engine_option,
     info,
     json_option,
     load,
@@ -59,10 +60,11 @@ stream_option = click.option("--stream", is_flag=True, help="Print text as it is
 @click.option("--raw", is_flag=True, help="Encode the prompt as raw text, without the chat template.")
 @dtype_option
 @weights_option
+@engine_option
 @device_option
 @stream_option
 @json_option
-def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, weights, device, stream,
+def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, weights, engine, device, stream,
                as_json, **sampling):
     """Decode PROMPT with the drafter you choose (no profile) and print the text.
 
@@ -75,7 +77,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
         raise click.UsageError(f"--skip-attn/--skip-mlp are for --drafter {' or '.join(LAYER_SKIP_DRAFTERS)}, "
                                f"not {drafter}")
     spec = DrafterSpec(drafter, skip=skip or None)  # before the model loads: `ssd` without a skip set is an error
-    lm = load(model_spec, device, dtype, weights)
+    lm = load(model_spec, device, dtype, weights, engine)
     skip.validate_for(lm.n_layers)
     items = Engine(lm).stream(prompt, cfg, drafter=build_drafter(spec, lm.backbone), chat=False if raw else None)
     result = _print_stream(items, lm, stream, as_json)
@@ -112,13 +114,15 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
 @sampling_options
 @dtype_option
 @weights_option
+@engine_option
 @device_option
 @click.option("--online/--no-online", default=True, show_default=True,
               help="Use what `adaptive serve` learned (PROFILE.online: tables, bandits, learned domains); "
                    "generate itself saves nothing.")
 @stream_option
 @json_option
-def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, online, model_spec, dtype, weights, device,
+def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, online, model_spec, dtype, weights, engine,
+                 device,
                  stream, as_json, **sampling):
     """Decode PROMPT through a profile (the runtime) and print the text.
 
@@ -129,7 +133,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
     sampling_config(sampling)  # validated before the model loads
     from adaptive.runtime.online import OnlineSettings
 
-    rt = load_runtime(profile_dir, model_spec, device, dtype, weights, reduced_vocab=not full_vocab,
+    rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine, reduced_vocab=not full_vocab,
                       bandit=not fixed_draft_len, online=OnlineSettings(enabled=online, persist=False))
     items = rt.stream(prompt, policy=policy, **sampling)
     result = _print_stream(items, rt.lm, stream, as_json)
@@ -148,7 +152,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
 
 def _print_stream(items, lm, stream: bool, as_json: bool):
     """Print text deltas (``--stream``), then the text or the JSON object (the result's, with the
-    model's name and dtype); return the result."""
+    model's name, engine and dtype); return the result."""
     result = None
     for item in items:
         if isinstance(item, str):
@@ -157,7 +161,8 @@ def _print_stream(items, lm, stream: bool, as_json: bool):
         else:
             result = item
     if as_json:
-        echo_json({**result.to_dict(), "model": lm.name, "dtype": str(lm.dtype).replace("torch.", ""),
+        echo_json({**result.to_dict(), "model": lm.name, "engine": lm.engine,
+                   "dtype": str(lm.dtype).replace("torch.", "") if lm.model is not None else "gguf",
                    "weights": lm.weights})
     elif stream:
         click.echo()

@@ -8,6 +8,7 @@ from adaptive.cli.common import (
     command,
     device_option,
     dtype_option,
+    engine_option,
     info,
     load_runtime,
     model_option,
@@ -26,6 +27,7 @@ from adaptive.errors import ConfigError
 @model_option
 @dtype_option
 @weights_option
+@engine_option
 @device_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
@@ -47,7 +49,7 @@ from adaptive.errors import ConfigError
               help="Learn from the traffic served (bigram tables, bandits, new domains), saved beside the profile.")
 @click.option("--online-path", type=click.Path(dir_okay=False), default=None,
               help="The online overlay file [default: PROFILE.online beside the profile].")
-def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_batch, max_queue, max_body,
+def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, max_queue, max_body,
               default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
@@ -74,7 +76,7 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, device, host, port, max_b
                           "pip install 'adaptive[serve]'") from None
     from adaptive.runtime.online import OnlineSettings
 
-    rt = load_runtime(profile_dir, model_spec, device, dtype, weights,
+    rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
                       online=OnlineSettings(enabled=online, path=online_path))
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
                      max_body=max_body, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)

@@ -65,7 +65,10 @@ def _time(fn, repeats: int, sync) -> float:
 
 @torch.inference_mode()
 def measure_costs(backbone, context: int = 128, max_verify: int = 9, repeats: int = 15) -> CostModel:
-    """Time the forwards the cost model needs at ``context`` cached positions (median of ``repeats``)."""
+    """Time the forwards the cost model needs at ``context`` cached positions (median of ``repeats``).
+
+    On an engine that cannot skip sublayers (llama.cpp) only the full step and the verifications are
+    timed; the sublayer costs are 0 and every draft token of the whole model costs a full step."""
     L = backbone.n_layers
     sync, context, ids, cache = _timing_setup(backbone, context, max_verify)
     none = (False,) * L
@@ -78,6 +81,9 @@ def measure_costs(backbone, context: int = 128, max_verify: int = 9, repeats: in
     for _ in range(3):  # warm-up
         step(None)()
     full = _time(step(None), repeats, sync)
+    if not backbone.layer_skip:
+        verify = _verify_ratios(backbone, ids, cache, context, full, max_verify, max(5, repeats // 3), sync)
+        return CostModel((0.0,) * L, (0.0,) * L, 1.0, tuple(verify), step_ms=full * 1e3, context=context)
     no_attn = _time(step((every, none)), repeats, sync)
     no_mlp = _time(step((none, every)), repeats, sync)
     verify = _verify_ratios(backbone, ids, cache, context, full, max_verify, max(5, repeats // 3), sync)

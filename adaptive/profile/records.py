@@ -310,9 +310,14 @@ class Profile:
             ) from None
 
     def check_model(self, fingerprint: ModelFingerprint) -> None:
-        """Raise :class:`ProfileError` unless ``fingerprint`` is this profile's model."""
+        """Raise :class:`ProfileError` unless ``fingerprint`` is this profile's model, on its engine."""
+        where = f" ({self.path})" if self.path else ""
+        if self.model.engine != fingerprint.engine:
+            raise ProfileError(
+                f"the profile{where} was calibrated on the {self.model.engine} engine, not {fingerprint.engine}: "
+                f"its timings hold there only; load it with --engine {self.model.engine} or calibrate with "
+                f"--engine {fingerprint.engine}")
         if not self.model.same_model(fingerprint):
-            where = f" ({self.path})" if self.path else ""
             raise ProfileError(
                 f"the profile{where} was calibrated for {self.model.name!r} (weights {self.model.weights_hash}, "
                 f"config {self.model.config_hash}), not for the loaded model {fingerprint.name!r} (weights "

@@ -205,19 +205,23 @@ class AdaptiveRuntime:
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | LoadedModel | None = None, device: str = "auto",
-                     dtype: str | None = None, weights: str | None = None, **kwargs) -> AdaptiveRuntime:
+                     dtype: str | None = None, weights: str | None = None, engine: str | None = None,
+                     **kwargs) -> AdaptiveRuntime:
         """Load a profile and its model (the one it names unless ``model`` is a spec or a loaded model).
 
-        A model the profile was not calibrated for is a :class:`~adaptive.profile.ProfileError`.
-        ``dtype`` and ``weights`` default to the ones calibration used.
+        A model the profile was not calibrated for, or on another engine, is a
+        :class:`~adaptive.profile.ProfileError`. ``dtype``, ``weights`` and ``engine`` default to the
+        ones calibration used.
         """
         profile = load_profile(directory)
         if isinstance(model, LoadedModel):
             lm = model
         else:
             spec = model or profile.model.spec or profile.model.name
-            lm = load_model(spec, device=device, dtype=dtype or profile.model.dtype or "auto",
-                            weights=weights or profile.model.weights)
+            eng = engine or profile.model.engine
+            default_dtype = (profile.model.dtype or "auto") if eng == "torch" else "auto"
+            lm = load_model(spec, device=device, dtype=dtype or default_dtype,
+                            weights=weights or profile.model.weights, engine=eng)
         return cls(profile, lm, **kwargs)
 
     # -- routing and planning ------------------------------------------------------------------

@@ -21,6 +21,7 @@ from adaptive.engine.loop import GenerationStats, decode  # noqa: E402
 from adaptive.engine.skip import SkipSet  # noqa: E402
 from adaptive.errors import ConfigError, PromptTooLongError  # noqa: E402
 from adaptive.models import LoadedModel  # noqa: E402
+from tests.conftest import char_tokenizer  # noqa: E402
 
 PROMPT = [5, 9, 14, 22, 9, 14, 22, 31, 7, 9, 14, 22, 40, 12]
 
@@ -113,6 +114,34 @@ def test_greedy_speculative_decoding_equals_plain_decoding(pair, kind):
     assert stats.accepted > 0 and stats.steps < len(plain) - 1  # drafts were verified and kept
 
 
+def test_sessions_decoded_together_equal_each_alone(tiny_gguf):
+    """A server's batch on llama.cpp: sessions joining a running batch (one llama_decode per step for
+    all of them, ragged drafts) produce their lone greedy outputs."""
+    lm = LoadedModel(None, char_tokenizer(), "tiny-gguf", str(tiny_gguf[0]), torch.device("cpu"), torch.float32,
+                     engine="llama.cpp", threads=1)
+    eng = Engine(lm)
+    prompts = [PROMPT, PROMPT[3:] * 2, [9, 14, 22] * 5, PROMPT[:5]]
+    kinds = ["pld", "ar", "cascade", "pld"]
+    cfg = GenerationConfig(max_new_tokens=24, draft_len=5, ignore_eos=True)
+
+    def drafter(kind):
+        return None if kind == "ar" else build_drafter(DrafterSpec(kind), lm.backbone)
+
+    alone = [eng.generate(p, cfg, drafter=drafter(k)).token_ids for p, k in zip(prompts, kinds)]
+    running = {0: eng.begin(eng.start(prompts[0], cfg), drafter(kinds[0]))}
+    out, waiting, sizes = {}, [1, 2, 3], []
+    while running or waiting:
+        if waiting:  # one more joins every step
+            i = waiting.pop(0)
+            running[i] = eng.begin(eng.start(prompts[i], cfg), drafter(kinds[i]))
+        sizes.append(len(running))
+        eng.step(list(running.values()))
+        for i in [i for i, d in running.items() if d.done]:
+            out[i] = running.pop(i).result().token_ids
+    assert max(sizes) == 4
+    assert [out[i] for i in range(4)] == alone
+
+
 def test_sequences_are_given_back_and_running_out_is_a_clear_error(tiny_gguf):
     cpp = LlamaCppBackbone(tiny_gguf[0], threads=1, context=64, sequences=2)
     a, b = cpp.new_cache(16), cpp.new_cache(16)
@@ -145,8 +174,6 @@ def test_what_only_the_torch_engine_can_do_is_refused_clearly(pair):
 
 
 def test_the_engine_decodes_text_on_llama_cpp(tiny_gguf):
-    from tests.conftest import char_tokenizer
-
     lm = LoadedModel(None, char_tokenizer(), "tiny-gguf", str(tiny_gguf[0]), torch.device("cpu"), torch.float32,
                      engine="llama.cpp", threads=1)
     assert lm.n_layers == tiny_gguf[1].n_layers and 2 in lm.eos_ids()
