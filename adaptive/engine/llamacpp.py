@@ -12,11 +12,17 @@ GGUF file, with the file's own quantized weights: no float copy of the model is 
   cache: the next forward at ``start`` first drops the sequence's positions from ``start`` on
   (``llama_memory_seq_rm``), because llama.cpp, unlike a cache written by position, would
   otherwise attend to a stale cell and a new one at the same position.
-* Threads are set explicitly (llama.cpp's own default is 4, too many on a 2-core machine).
+* Threads are set explicitly (llama.cpp's own default is 4, too many on a 2-core machine) and run
+  in a thread pool attached to the context for its lifetime, as llama-server does (without one,
+  ggml starts its threads anew for every decode; llama-cpp-python does not bind the call).
 * The routing embedding is the final-normed hidden state at the prompt's last position
-  (``Pooling(mode="last")``): the prompt's last token is decoded alone with llama.cpp's embedding
-  output on. Intermediate layers are not exposed by llama.cpp's public API for every architecture,
-  so the layer-depth poolings of the torch backbone are refused here (:meth:`pool_args`).
+  (``Pooling(mode="last")``). The prompt is prefilled exactly as without it; then its last token is
+  decoded once more, alone and with llama.cpp's embedding output on, in a scratch sequence that
+  shares the prompt's cached cells (``llama_memory_seq_cp``, no copy) and is dropped after: routing
+  costs one token's step and changes nothing of the request's own numerics (a prefill shape that
+  differed from plain decoding's would make the outputs part at near-ties). Intermediate layers are
+  not exposed by llama.cpp's public API for every architecture, so the layer-depth poolings of the
+  torch backbone are refused here (:meth:`pool_args`).
 
 What it cannot do: skip sublayers, swap the LM head, exit early or return hidden states; those stay
 with the torch backbone (``layer_skip = False`` says so to the drafter factory and calibration).
@@ -72,6 +78,41 @@ def _lib():
 
 _INIT_LOCK = threading.Lock()
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer
+GGML_MAX_N_THREADS = 512
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    """ggml's ``struct ggml_threadpool_params`` (ggml.h), filled by ``ggml_threadpool_params_init``."""
+
+    _fields_ = [("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS), ("n_threads", ctypes.c_int),
+                ("prio", ctypes.c_int), ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+def _threadpool_api(lib):
+    """``(new, free, attach, detach)``: ggml's thread-pool calls and llama.cpp's attach/detach, from the
+    shared libraries llama-cpp-python ships (it binds none of them)."""
+    libdir = Path(lib.__file__).parent / "lib"
+    base = ctypes.CDLL(str(libdir / "libggml-base.so"))
+    cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"))
+    llama = ctypes.CDLL(str(libdir / "libllama.so"))
+    base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams), ctypes.c_int]
+    base.ggml_threadpool_params_init.restype = None
+    cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+    cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+    cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+    cpu.ggml_threadpool_free.restype = None
+    llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    llama.llama_attach_threadpool.restype = None
+    llama.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
+    llama.llama_detach_threadpool.restype = None
+
+    def new(n_threads: int):
+        params = _ThreadpoolParams()
+        base.ggml_threadpool_params_init(ctypes.byref(params), n_threads)
+        return cpu.ggml_threadpool_new(ctypes.byref(params))
+
+    return new, cpu.ggml_threadpool_free, llama.llama_attach_threadpool, llama.llama_detach_threadpool
 
 
 def _init_backend(lib) -> None:
@@ -141,7 +182,7 @@ class LlamaCppBackbone:
         cparams.n_ctx = self.max_positions
         cparams.n_batch = N_BATCH
         cparams.n_ubatch = N_UBATCH
-        cparams.n_seq_max = sequences
+        cparams.n_seq_max = sequences + 1  # and a scratch sequence for the routing embedding
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
         cparams.embeddings = False
@@ -155,10 +196,16 @@ class LlamaCppBackbone:
         self._ctx = ctx
         self._mem = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        new_pool, free_pool, attach, detach = _threadpool_api(lib)
+        pool = new_pool(self.threads)
+        if pool:
+            attach(ctx, pool, None)
         self._free_seqs = list(range(sequences - 1, -1, -1))
+        self._scratch = sequences  # the routing embedding's sequence (see the module docstring)
         self.sequences = sequences
         self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
-        self._closer = weakref.finalize(self, _free_native, lib, model, ctx, self._batch)
+        self._closer = weakref.finalize(self, _free_native, lib, model, ctx, self._batch,
+                                        (pool, free_pool, detach) if pool else None)
         self.eos = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self.vocab, t))
 
     # -- what the engine reads ------------------------------------------------------------------
@@ -248,23 +295,27 @@ class LlamaCppBackbone:
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
         self._rewind(cache, start)
-        body = ids[:-1] if pool_last else ids  # with pool_last the last token is decoded alone, below
         rows = []
-        for a in range(0, len(body), N_BATCH):
-            chunk = body[a:a + N_BATCH]
-            last = a + N_BATCH >= len(body) and not pool_last
+        for a in range(0, T, N_BATCH):
+            chunk = ids[a:a + N_BATCH]
+            last = a + N_BATCH >= T
             flags = True if logits == "all" else ("last" if logits == "last" and last else False)
             cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
             r, _ = self._decode([(chunk, cache.seq, start + a, flags)])
             if r is not None:
                 rows.append(r)
-        pooled = None
-        if pool_last:
-            cache.written = start + T
-            r, pooled = self._decode([([ids[-1]], cache.seq, start + T - 1, True)], embeddings=True)
-            if logits != "none":
-                rows.append(r)
+        pooled = self._last_hidden(cache, ids[-1], start + T - 1) if pool_last else None
         return ForwardOutput(torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None), pooled)
+
+    def _last_hidden(self, cache: LlamaCache, token: int, pos: int) -> torch.Tensor:
+        """``[hidden]``: the final-normed hidden state of ``token`` at ``pos`` over the sequence's cached
+        positions ``0 .. pos - 1``, decoded in the scratch sequence (sharing those cells), then dropped."""
+        lib = self._lib
+        lib.llama_memory_seq_cp(self._mem, cache.seq, self._scratch, 0, pos)
+        try:
+            return self._decode([([token], self._scratch, pos, True)], embeddings=True)[1]
+        finally:
+            lib.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
 
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Several sequences' forwards in one ``llama_decode``: each segment's logits at every fed
@@ -372,7 +423,12 @@ def _ids(x) -> list[int]:
     return [int(t) for t in x]
 
 
-def _free_native(lib, model, ctx, batch) -> None:
+def _free_native(lib, model, ctx, batch, pool) -> None:
     lib.llama_batch_free(batch)
+    if pool is not None:
+        threadpool, free_pool, detach = pool
+        detach(ctx)
     lib.llama_free(ctx)
+    if pool is not None:
+        free_pool(threadpool)
     lib.llama_model_free(model)

@@ -53,6 +53,19 @@ def test_logits_and_embedding_match_the_torch_engine_on_the_same_weights(pair):
     assert close(out.logits, ref.logits)
 
 
+def test_embedding_the_prompt_changes_nothing_of_its_decoding(pair):
+    """Routing's prefill equals plain decoding's bit for bit (the embedding comes from a scratch
+    sequence), so a routed request that decodes plainly gives exactly ``ar``'s tokens."""
+    cpp, _ = pair
+    ids = torch.tensor(PROMPT)
+    a, b = cpp.new_cache(32), cpp.new_cache(32)
+    plain = cpp.forward(ids, a, 0, logits="last").logits
+    routed = cpp.forward(ids, b, 0, logits="last", **cpp.pool_args(Pooling(None, "last")))
+    assert torch.equal(plain, routed.logits) and routed.pooled.shape == (cpp.hidden_size,)
+    nxt = torch.tensor([int(plain.argmax())])
+    assert torch.equal(cpp.forward(nxt, a, len(PROMPT)).logits, cpp.forward(nxt, b, len(PROMPT)).logits)
+
+
 def test_a_verification_gives_the_rows_of_one_token_steps(pair):
     cpp, _ = pair
     cache = cpp.new_cache(32)
