@@ -321,16 +321,26 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "adaptive-source.json").write_text(json.dumps({"gguf": str(gguf)}))
+
+    _write_dir(target, "config.json", write)
+
+
+def _write_dir(target: Path, marker: str, write) -> None:
+    """Fill a cache directory atomically: ``write(tmp)`` fills a temporary sibling, which is renamed to
+    ``target``; a concurrent writer that won the race (``target/marker`` exists) is fine."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -350,17 +360,7 @@ def _gguf_tokenizer(gguf: Path, name: str):
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except Exception as exc:  # transformers raises many types for unreadable GGUF files
             raise ModelNotFoundError(f"cannot read the tokenizer of GGUF file {gguf}: {exc}") from exc
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-        try:
-            tok.save_pretrained(tmp)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not (target / "tokenizer_config.json").is_file():  # not a concurrent save that won the race
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _write_dir(target, "tokenizer_config.json", tok.save_pretrained)
     return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
 
 

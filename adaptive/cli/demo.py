@@ -119,7 +119,9 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     click.echo(results["routed"].text.strip() + "\n")
     where = "out-of-domain: global set" if decision.route.out_of_domain else f"domain {decision.route.domain}"
     skip_text = best.skip.to_text()
-    if best.skip:
+    if not lm.backbone.layer_skip:
+        skip_note = f"the {lm.engine} engine runs the whole model: no layer skipping there"
+    elif best.skip:
         skip_note = f"best skip set {skip_text}"
     elif best.bound is not None and not best.searched:
         skip_note = (f"layer skipping cannot pay there: at most {best.bound:.2f}x against the statistical "

@@ -406,7 +406,10 @@ class OnlineLearner:
             table.observe(tokens)
             self.requests += 1
             self._since_save += 1
-            if obs.flagged and not obs.learned and self.settings.discover:
+            joined = self._joins_learned(obs) if obs.flagged and not obs.learned else None
+            if joined is not None:  # routed before a domain near it was learned: it joins that one
+                joined.observe(tokens)
+            elif obs.flagged and not obs.learned and self.settings.discover:
                 self.buffer.append(BufferedRequest(np.asarray(obs.vector, dtype=np.float32).copy(),
                                                    tuple(int(t) for t in obs.prompt),
                                                    tuple(int(t) for t in obs.output)))
@@ -491,6 +494,15 @@ class OnlineLearner:
         log.info("learned domain %s from %d requests: %s at %.2fx", domain.name, domain.members,
                  rec.decision.drafter, rec.decision.speedup)
         self._save_quietly()
+
+    def _joins_learned(self, obs: Observation) -> LiveBigramTable | None:
+        """The table of a domain learned after ``obs`` was routed out-of-domain, if it now routes there:
+        such a request was served while that domain was measured, and finished after :meth:`_absorb`
+        ran (caller holds the lock)."""
+        if self._learned_index is None:
+            return None
+        r = self._learned_index.route(np.asarray(obs.vector, dtype=np.float32))
+        return None if r.out_of_domain else self.tables.get(r.domain)
 
     def _absorb(self, name: str, table: LiveBigramTable) -> None:
         """Buffered requests that now route to the learned domain ``name`` (flagged while it was being

@@ -155,6 +155,19 @@ def test_sessions_decoded_together_equal_each_alone(tiny_gguf):
     assert [out[i] for i in range(4)] == alone
 
 
+def test_a_separate_draft_model_drafts_for_llama_cpp(pair, tiny_gguf):
+    """A draft model (a torch backbone of its own) proposes, llama.cpp verifies: greedy output equal to
+    llama.cpp's plain decoding. The draft here is the target's own weights on torch, so it is accepted."""
+    cpp, pt = pair
+    cfg = GenerationConfig(max_new_tokens=30, draft_len=4)
+    plain = [t for chunk in decode(cpp, PROMPT, cfg) for t in chunk]
+    stats = GenerationStats()
+    drafter = build_drafter(DrafterSpec("draft-model", draft_backbone=pt), cpp)
+    spec = [t for chunk in decode(cpp, PROMPT, cfg, drafter=drafter, stats=stats) for t in chunk]
+    assert spec == plain
+    assert stats.accepted > stats.drafted // 2
+
+
 def test_sequences_are_given_back_and_running_out_is_a_clear_error(tiny_gguf):
     cpp = LlamaCppBackbone(tiny_gguf[0], threads=1, context=64, sequences=2)
     a, b = cpp.new_cache(16), cpp.new_cache(16)
