@@ -379,10 +379,11 @@ class LlamaCppBackbone:
         finally:
             if embeddings:
                 lib.llama_set_embeddings(self._ctx, False)
+        if rc == 1:
+            raise PromptTooLongError(f"llama.cpp could not decode {n} tokens: its KV cache is full "
+                                     "(all live sequences share the context)")
         if rc != 0:
-            what = "its KV cache is full (all live sequences share the context)" if rc == 1 else f"error {rc}"
-            raise PromptTooLongError(f"llama.cpp could not decode {n} tokens: {what}") if rc == 1 else \
-                RuntimeError(f"llama.cpp could not decode {n} tokens: {what}")
+            raise RuntimeError(f"llama.cpp could not decode {n} tokens: error {rc}")
         rows = None
         if n_out:
             ptr = lib.llama_get_logits(self._ctx)
