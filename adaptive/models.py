@@ -180,6 +180,12 @@ class LoadedModel:
     def n_layers(self) -> int:
         return self.backbone.n_layers if self.model is None else self.model.config.num_hidden_layers
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as results show it: ``bfloat16``, ``float32``, ... on torch; ``gguf`` (the file's own
+        types) on llama.cpp."""
+        return str(self.dtype).replace("torch.", "") if self.model is not None else "gguf"
+
     def eos_ids(self) -> set[int]:
         """The ids that end a generation: the model's and tokenizer's EOS ids (on llama.cpp, every
         end-of-generation id of its vocabulary, as llama.cpp's own server stops on)."""

@@ -343,7 +343,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
     return {
         "machine": machine_info(lm.device),
         "model": {"name": lm.name, "engine": lm.engine, "weights": lm.weights, "n_layers": lm.n_layers,
-                  "dtype": str(lm.dtype).replace("torch.", "") if lm.model is not None else "gguf"},
+                  "dtype": lm.dtype_name},
         "settings": {"max_new_tokens": settings.max_new_tokens, "warmup": settings.warmup,
                      "threads": torch.get_num_threads() if lm.model is not None else lm.backbone.threads,
                      "prompts": len(items),

@@ -101,8 +101,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
               for m in methods if m != "ar"}
     out = {
-        "model": lm.name, "engine": lm.engine, "dtype": str(lm.dtype).replace("torch.", "") if lm.model is not None
-        else "gguf", "profile": str(profile.path),
+        "model": lm.name, "engine": lm.engine, "dtype": lm.dtype_name, "profile": str(profile.path),
         "summary": profile.summary_rows(), "prompt": prompt, "route": decision.to_dict(),
         "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
         "speedup": {m: round(med[m] / med["ar"], 3) for m in methods if m != "ar"},

@@ -162,7 +162,7 @@ def _print_stream(items, lm, stream: bool, as_json: bool):
             result = item
     if as_json:
         echo_json({**result.to_dict(), "model": lm.name, "engine": lm.engine,
-                   "dtype": str(lm.dtype).replace("torch.", "") if lm.model is not None else "gguf",
+                   "dtype": lm.dtype_name,
                    "weights": lm.weights})
     elif stream:
         click.echo()
