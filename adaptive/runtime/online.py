@@ -16,8 +16,10 @@ Three things are learned, all from what the target model itself accepted, so dra
    the members' outputs, then prompt lookup and the cascade raced against ``ar`` in paired blocks
    with bootstrap intervals, and the pure decision). Until that finishes its requests use the global
    record; after, they route to it (its anchors are searched when the calibrated index says
-   out-of-domain). The race takes the model lock one block at a time (a :class:`TurnLock`: serving
-   steps and race blocks alternate in arrival order), so serving waits at most one block.
+   out-of-domain). The race takes the model lock one block at a time through a
+   :class:`~adaptive.runtime.turns.ShareGuard`: at once while serving is idle, and under load only
+   while its own model time stays within ``share`` of the wall time (10% by default), so a
+   measurement costs a busy server about that share of its throughput.
 
 What was learned is saved beside the profile (:mod:`adaptive.profile.overlay`) every ``save_every``
 requests, when a domain is learned and on :meth:`OnlineLearner.close`; the calibrated profile is
@@ -57,52 +59,11 @@ from adaptive.profile.overlay import (
     profile_digest,
     save_overlay,
 )
+from adaptive.runtime.turns import ShareGuard
 
 log = logging.getLogger("adaptive.online")
 
 LEARNED_PREFIX = "learned-"
-
-
-class TurnLock:
-    """A re-entrant lock granted in arrival order.
-
-    ``threading.RLock`` lets a thread that releases and at once re-acquires (a server's decoding
-    loop) win again and again over a waiting one; here a waiting thread (the background
-    measurement) gets the next turn. Used as the runtime's model lock.
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None
-        self._depth = 0
-        self._queue: deque[int] = deque()
-
-    def acquire(self) -> bool:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return True
-            self._queue.append(me)
-            while self._owner is not None or self._queue[0] != me:
-                self._cond.wait()
-            self._queue.popleft()
-            self._owner, self._depth = me, 1
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("release of a TurnLock this thread does not hold")
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cond.notify_all()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 @dataclass(frozen=True)
@@ -115,7 +76,9 @@ class OnlineSettings:
     ``buffer_size``: out-of-domain requests kept. ``min_cluster``: pending requests that may form a
     domain; ``coherence``: the share of them that must pass the leave-one-out test. ``discover=False``:
     tables and bandits only. ``background=False``: measure a proposed domain in the observing thread
-    (tests). ``measure_prompts``: members a new domain is raced on."""
+    (tests). ``measure_prompts``: members a new domain is raced on. ``share``: the most of the
+    model's time a measurement takes while serving is busy; ``idle_s``: how long serving must have
+    left the model alone for a measurement to run freely (:class:`~adaptive.runtime.turns.ShareGuard`)."""
 
     enabled: bool = True
     path: str | Path | None = None
@@ -129,6 +92,8 @@ class OnlineSettings:
     discover: bool = True
     background: bool = True
     measure_prompts: int = 6
+    share: float = 0.1
+    idle_s: float = 0.2
 
     def __post_init__(self):
         if self.save_every < 1 or self.buffer_size < 1 or self.max_pairs < 1 or self.measure_prompts < 1:
@@ -137,6 +102,8 @@ class OnlineSettings:
             raise ValueError(f"min_cluster must be in 2 .. buffer_size ({self.buffer_size}), got {self.min_cluster}")
         if not 0.0 < self.coherence <= 1.0 or self.prior_weight < 0:
             raise ValueError("coherence must be in (0, 1] and prior_weight >= 0")
+        if not 0.0 < self.share <= 1.0 or self.idle_s < 0:
+            raise ValueError("share must be in (0, 1] and idle_s >= 0")
 
     @classmethod
     def coerce(cls, online: bool | OnlineSettings | None) -> OnlineSettings:
@@ -256,6 +223,7 @@ class _Pending:
     name: str
     anchors: np.ndarray
     members: list[BufferedRequest]
+    share: ShareGuard | None = field(default=None, repr=False)
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -290,6 +258,8 @@ class OnlineLearner:
         self.generation = 0
         self._since_save = 0
         self.update_seconds = 0.0  # time spent in observe() (tables, buffer, discovery; not measuring)
+        self.measure_seconds = 0.0  # model time taken by finished measurements' race blocks
+        self.measure_waits = 0  # race blocks that waited for their share while serving was busy
         self.saves = 0
         self.errors: list[str] = []
         if self.path is not None and self.path.exists():
@@ -455,10 +425,10 @@ class OnlineLearner:
         else:
             self._measure(pending)
 
-    def _race_guard(self):
+    def _race_guard(self, share: ShareGuard) -> ShareGuard:
         if self._stop.is_set():
             raise _Stopped
-        return self._guard
+        return share
 
     def _measure(self, pending: _Pending) -> None:
         """Measure a proposed domain; on success it routes from now on and the overlay is saved.
@@ -469,8 +439,14 @@ class OnlineLearner:
         try:
             seqs = [(list(m.prompt), list(m.output)) for m in pending.members]
             prompts = min(self.settings.measure_prompts, len(seqs))
-            rec = measure_domain(self.lm, self.profile, pending.name, seqs, prompts, table, guard=self._race_guard,
-                                 anchors=int(pending.anchors.shape[0]))
+            share = pending.share = ShareGuard(self._guard, self.settings.share, self.settings.idle_s)
+            try:
+                rec = measure_domain(self.lm, self.profile, pending.name, seqs, prompts, table,
+                                     guard=lambda: self._race_guard(share), anchors=int(pending.anchors.shape[0]))
+            finally:
+                with self._lock:
+                    self.measure_seconds += share.used_s
+                    self.measure_waits += share.waits
         except _Stopped:
             with self._lock:
                 self.buffer.extendleft(reversed(pending.members))
@@ -563,5 +539,14 @@ class OnlineLearner:
                     "learned": {n: {"members": d.members, "decision": d.record.decision.drafter,
                                     "speedup": d.record.decision.speedup} for n, d in sorted(self.learned.items())},
                     "update_ms_per_request": round(1e3 * self.update_seconds / self.requests, 3)
-                    if self.requests else 0.0, "errors": list(self.errors[-5:])}
+                    if self.requests else 0.0, **self.measure_cost(), "errors": list(self.errors[-5:])}
+
+    def measure_cost(self) -> dict:
+        """Model time the background races took (``measure_seconds``, the running one's so far) and
+        the blocks that waited for their share of a busy server (``measure_waits``)."""
+        p = self._pending
+        share = p.share if p is not None else None
+        running = (share.used_s, share.waits) if share is not None else (0.0, 0)
+        return {"measure_seconds": round(self.measure_seconds + running[0], 3),
+                "measure_waits": self.measure_waits + running[1]}
 

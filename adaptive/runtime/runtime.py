@@ -42,8 +42,9 @@ from adaptive.index.router import RouteDecision, decide, decision_of
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
-from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings, TurnLock
+from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
 from adaptive.runtime.policies import Policy, get_policy
+from adaptive.runtime.turns import TurnLock
 
 THOMPSON = "thompson"
 

@@ -1,8 +1,6 @@
 """Online adaptation (issue 20): clustering, the turn lock, and a runtime learning from scripted traffic."""
 
 import dataclasses
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from adaptive.index.anchors import AnchorIndex
 from adaptive.profile import load_profile
 from adaptive.profile.overlay import OverlayError, load_overlay, overlay_path, save_overlay
 from adaptive.runtime import AdaptiveRuntime, OnlineSettings
-from adaptive.runtime.online import Observation, TurnLock, find_cluster
+from adaptive.runtime.online import Observation, find_cluster
 from tests.conftest import TINY_DOMAINS
 from tests.runtime.test_runtime import with_domains
 
@@ -34,32 +32,6 @@ def test_find_cluster_takes_a_coherent_group_and_refuses_scatter():
     idx, anchors = find_cluster(mixed, threshold=0.05, min_size=8, per_domain=4, coherence=0.75)
     assert sorted(idx.tolist()) == list(range(5, 13))
     assert np.allclose(np.linalg.norm(anchors, axis=1), 1.0, atol=1e-5)
-
-
-def test_turn_lock_is_reentrant_and_takes_turns():
-    lock = TurnLock()
-    with lock, lock:  # re-entrant
-        pass
-    order, stop = [], threading.Event()
-
-    def greedy():  # re-acquires at once after each release, like a decoding loop
-        while not stop.is_set():
-            with lock:
-                order.append("loop")
-                time.sleep(0.002)
-
-    t = threading.Thread(target=greedy)
-    t.start()
-    time.sleep(0.01)
-    got = []
-    for _ in range(5):
-        with lock:
-            got.append(len(order))
-    stop.set()
-    t.join()
-    assert len(got) == 5 and got[-1] - got[0] <= 8  # a waiting thread gets every other turn, roughly
-    with pytest.raises(RuntimeError):
-        lock.release()
 
 
 def test_settings_are_validated():
