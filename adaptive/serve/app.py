@@ -31,16 +31,19 @@ import time
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from adaptive.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from adaptive.serve.metrics import Metrics
 from adaptive.serve.protocol import (
     FINISH_REASONS,
     RequestError,
     chunk_body,
     completion_body,
+    decode_body,
     extension,
+    internal_error,
     parse_request,
     usage_body,
 )
@@ -51,9 +54,16 @@ MAX_BODY = 1 << 20  # bytes: the default request-body limit (1 MiB)
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
+class _JSON(JSONResponse):
+    """JSON with non-ASCII characters escaped: every string encodes, whatever a refused request held."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: RequestError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    return _JSON(exc.body(), status_code=exc.status, headers=headers)
 
 
 class _EventStream(StreamingResponse):
@@ -105,10 +115,7 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
             body += part
             if len(body) > max_body:
                 raise too_large
-        try:
-            return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RequestError(f"the request body is not valid JSON ({exc})") from None
+        return decode_body(bytes(body))
 
     async def completions(request: Request, kind: str, endpoint: str) -> Response:
         if (refusal := refused_key(request)) is not None:
@@ -141,20 +148,28 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
             job.cancel()
 
     async def events(request: Request, job: Job):
-        """The job's events until ``done`` or ``error``; stops (cancelling the job) if the client leaves."""
+        """The job's events until ``done`` or ``error``; stops (cancelling the job) once the client is
+        gone, which is checked every ``POLL_S`` seconds whether events arrive or not."""
+        checked = time.monotonic()
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if event is None or time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     job.cancel()
                     return
+            if event is None:
                 continue
             yield event
             if event.kind != "delta":
                 return
 
     async def sse(request: Request, job: Job):
+        """The job's events as server-sent events; every stream that started ends with ``[DONE]``
+        (after an error event too)."""
         req = job.request
 
         def data(obj) -> str:
@@ -168,7 +183,6 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
                     first = False
                 elif event.kind == "error":
                     yield data(event.error.body())
-                    break
                 else:
                     r = event.result
                     if first:  # nothing was said: still open the assistant's message
@@ -177,9 +191,12 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
                     if req.include_usage:
                         usage = usage_body(job.admission.prompt_tokens, len(r.token_ids), extension(r))
                         yield data(chunk_body(req, model_name, None, usage=usage))
-                    yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - a bug after the stream started: say so, then end it
+            log.error("streaming request %s failed", req.id, exc_info=exc)
+            yield data(internal_error(exc).body())
         finally:
             job.cancel()
+        yield "data: [DONE]\n\n"
 
     async def chat_endpoint(request: Request) -> Response:
         return await completions(request, "chat", "chat_completions")
@@ -207,7 +224,12 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
     async def metrics_endpoint(request: Request) -> Response:
         if (refusal := refused_key(request)) is not None:
             return refusal
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        learner = getattr(runtime, "online", None)
+        if learner is not None:  # the background races' cost, as the learner counts it
+            cost = learner.measure_cost()
+            metrics.set("online_measure_seconds_total", cost["measure_seconds"])
+            metrics.set("online_measure_waits_total", cost["measure_waits"])
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = {404: f"no such endpoint: {request.url.path}",
@@ -216,8 +238,8 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
                                            code="not_found" if exc.status_code == 404 else None))
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(RequestError(f"internal error ({type(exc).__name__})", status=500, type="server_error"))
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(internal_error(exc))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -1,7 +1,10 @@
 """The server's counters, rendered in Prometheus' text exposition format (``GET /metrics``).
 
 Thread-safe: the request handlers and the decoding worker update them; :meth:`Metrics.render`
-reads a consistent snapshot. No client library: the format is a few lines of text.
+reads a consistent snapshot and hands it to ``prometheus-client`` as a custom collector, whose
+exposition writes the text (names, label escaping, number formats). The values live here rather
+than in the client's own metric objects because one of ours is not its shape: a summary observed
+in bulk (a request's decode time over its tokens, one observation per token).
 
 Series (all prefixed ``adaptive_``):
 
@@ -18,6 +21,8 @@ Series (all prefixed ``adaptive_``):
 ``time_per_output_token_seconds``      summary    decode time per generated token (``_sum``, ``_count``)
 ``time_to_first_token_seconds``        summary    admission to first token (``_sum``, ``_count``)
 ``batch_size``                         summary    requests verified together per decoding step
+``online_measure_seconds_total``       counter    model time the online learner's background races took
+``online_measure_waits_total``         counter    times a race block waited for serving to leave it room
 =====================================  =========  ============================================
 
 A request routed out of domain counts under ``domain="none"``.
@@ -27,6 +32,11 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # what GET /metrics answers with
 
 _HELP = {
     "requests_total": ("counter", "Finished HTTP requests by endpoint and status."),
@@ -41,18 +51,10 @@ _HELP = {
     "time_per_output_token_seconds": ("summary", "Decode wall time per generated token."),
     "time_to_first_token_seconds": ("summary", "Admission to first generated token."),
     "batch_size": ("summary", "Requests verified together per decoding step (_sum / _count: the mean)."),
+    "online_measure_seconds_total": ("counter", "Model time taken by the online learner's background races."),
+    "online_measure_waits_total": ("counter", "Times a background race block waited for serving to leave room."),
 }
-
-
-def _fmt(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
-
-
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
-    if not labels:
-        return ""
-    esc = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
-    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, esc)) + "}"
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
 class Metrics:
@@ -61,6 +63,8 @@ class Metrics:
     def __init__(self):
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self._check(name)
@@ -84,23 +88,29 @@ class Metrics:
             return self._values.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
 
     def render(self) -> str:
-        """Prometheus text format (version 0.0.4)."""
+        """Prometheus' text exposition format, written by ``prometheus-client``."""
+        return generate_latest(self._registry).decode("utf-8")
+
+    def collect(self):
+        """The metric families now (``prometheus-client``'s collector protocol)."""
         with self._lock:
             snapshot = {k: dict(v) for k, v in self._values.items()}
-        lines = []
         for name, (kind, text) in _HELP.items():
             full = f"adaptive_{name}"
-            lines += [f"# HELP {full} {text}", f"# TYPE {full} {kind}"]
             series = snapshot.get(name, {})
             if kind == "summary":
-                lines.append(f"{full}_sum {_fmt(series.get((('_', 'sum'),), 0.0))}")
-                lines.append(f"{full}_count {_fmt(series.get((('_', 'count'),), 0.0))}")
-            elif not series and kind == "gauge":
-                lines.append(f"{full} 0")
+                yield SummaryMetricFamily(full, text, count_value=series.get((("_", "count"),), 0.0),
+                                          sum_value=series.get((("_", "sum"),), 0.0))
+                continue
+            if kind == "counter":
+                full = full.removesuffix("_total")  # the client writes the suffix
+            keys = [k for k, _ in next(iter(series))] if series else []
+            family = _FAMILIES[kind](full, text, labels=keys)
             for labels, v in sorted(series.items()):
-                if kind != "summary":
-                    lines.append(f"{full}{_labels(labels)} {_fmt(v)}")
-        return "\n".join(lines) + "\n"
+                family.add_metric([v for _, v in labels], v)
+            if not series and kind == "gauge":
+                family.add_metric([], 0.0)
+            yield family
 
     @staticmethod
     def _check(name: str) -> None:

@@ -14,6 +14,12 @@ value (anything else is refused: we do not implement it): ``frequency_penalty`` 
 ``presence_penalty`` 0, ``logprobs`` false, ``echo`` false, ``best_of`` 1, ``logit_bias`` empty,
 ``tools`` / ``tool_choice`` absent. Any other field is a 400 naming it.
 
+The parser is total: :func:`decode_body` turns any byte string into a JSON value or a 400 (not
+UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`, an integer of more than
+:data:`MAX_INT_DIGITS` digits, a string that is not valid Unicode such as a lone surrogate), and
+:func:`parse_request` turns any JSON value into a :class:`ServeRequest` or a :class:`RequestError`
+(the randomized-body test in ``tests/serve/test_fuzz.py`` holds it to that).
+
 Worked example::
 
     >>> r = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
@@ -24,6 +30,7 @@ Worked example::
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -50,6 +57,8 @@ _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logpro
             "echo": (False,), "best_of": (1,), "logit_bias": ({}, None), "tools": (None, []),
             "tool_choice": (None, "none"), "top_logprobs": (None, 0), "suffix": (None, "")}
 _ROLES = ("system", "user", "assistant", "developer")
+MAX_DEPTH = 16  # nesting of arrays and objects in a request body (a chat request needs 4)
+MAX_INT_DIGITS = 40  # digits of an integer in a request body (a seed needs 19)
 
 
 class RequestError(AdaptiveError):
@@ -63,6 +72,65 @@ class RequestError(AdaptiveError):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def internal_error(exc: Exception) -> RequestError:
+    """The 500 a client sees for a bug: the exception's type only (the traceback goes to the log)."""
+    return RequestError(f"internal error ({type(exc).__name__})", status=500, type="server_error")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise RequestError(f"the request body holds an integer of more than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _check_value(value) -> None:
+    """Refuse what the body's JSON may hold but no request needs: deep nesting, unencodable strings
+    (a lone surrogate from a ``\\ud800`` escape). Iterative: a deep body cannot exhaust the stack."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError("the request body holds a string that is not valid Unicode "
+                                   "(an unpaired surrogate escape)") from None
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise RequestError(f"the request body is nested deeper than {MAX_DEPTH} levels")
+            items = v.items() if isinstance(v, dict) else ((None, x) for x in v)
+            for k, x in items:
+                if k is not None:
+                    todo.append((k, depth + 1))
+                todo.append((x, depth + 1))
+
+
+def decode_body(raw: bytes):
+    """A request body's JSON value, or a 400 :class:`RequestError` saying why it is not one.
+
+    >>> decode_body(b'{"max_tokens": 8}')
+    {'max_tokens': 8}
+    >>> decode_body(b"[" * 100 + b"]" * 100)
+    Traceback (most recent call last):
+    ...
+    adaptive.serve.protocol.RequestError: the request body is nested deeper than 16 levels
+    """
+    try:
+        value = json.loads(raw, parse_int=_bounded_int, parse_constant=_no_constant)
+    except RequestError:
+        raise
+    except RecursionError:  # the C parser's own bound, far beyond ours
+        raise RequestError(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(f"the request body is not valid JSON ({exc})") from None
+    _check_value(value)
+    return value
+
+
+def _no_constant(name: str):
+    raise RequestError(f"the request body holds {name}, which JSON does not allow")
 
 
 @dataclass(frozen=True)
@@ -119,7 +187,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
         raise RequestError(f"'{name}' must be a number", param=name)
     if not lo <= v <= hi:
         raise RequestError(f"'{name}' must be between {lo:g} and {hi:g}, not {v!r}", param=name)
@@ -205,6 +273,8 @@ def parse_request(kind: str, body, served_model: str) -> ServeRequest:
         if name in body and body[name] not in allowed:
             raise RequestError(f"'{name}' is not supported by this server (only {allowed[0]!r})", param=name)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("'model' must be a string", param="model")
     if model is not None and model != served_model:
         raise RequestError(f"the model {model!r} does not exist; this server serves {served_model!r}",
                            status=404, param="model", code="model_not_found")
@@ -224,7 +294,7 @@ def parse_request(kind: str, body, served_model: str) -> ServeRequest:
         prompt = _prompt(body["prompt"])
         max_tokens = _int(body, "max_tokens", lo=1)
     spec = body.get("speculation", "auto")
-    if spec not in SPECULATION:
+    if not isinstance(spec, str) or spec not in SPECULATION:
         raise RequestError(f"'speculation' must be one of {', '.join(SPECULATION)}", param="speculation")
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and set(opts) <= {"include_usage"}):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from adaptive.errors import AdaptiveError
 from adaptive.serve.metrics import Metrics
-from adaptive.serve.protocol import RequestError, ServeRequest
+from adaptive.serve.protocol import RequestError, ServeRequest, internal_error
 
 log = logging.getLogger("adaptive.serve")
 EVENT_KINDS = ("delta", "done", "error")
@@ -184,14 +184,16 @@ class Scheduler:
                 if started is not None:
                     batch.append((job, started))
             batch = [(job, run) for job, run in batch if not self._dropped(job)]
-            with self._cond:
-                self._running = [job for job, _ in batch]
-            self.metrics.set("running_requests", len(batch))
+            self._set_running(batch)
             if batch:
                 batch = self._step(batch)
+                self._set_running(batch)  # an idle server reads 0 as soon as its last request finished
+        self._set_running([])
+
+    def _set_running(self, batch: list[tuple[Job, object]]) -> None:
         with self._cond:
-            self._running = []
-        self.metrics.set("running_requests", 0)
+            self._running = [job for job, _ in batch]
+        self.metrics.set("running_requests", len(batch))
 
     def _dropped(self, job: Job) -> bool:
         """The job's client went away (counted once)."""
@@ -245,7 +247,7 @@ class Scheduler:
             error = RequestError(str(exc))
         else:  # a bug: the client gets a 500-style error, the log the traceback
             log.error("decoding requests %s failed", ", ".join(j.request.id for j in jobs), exc_info=exc)
-            error = RequestError(f"internal error ({type(exc).__name__})", status=500, type="server_error")
+            error = internal_error(exc)
         for job in jobs:
             job.post(Event("error", error=error))
 

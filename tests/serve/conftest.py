@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
+from adaptive.engine.loop import GenerationStats
 from adaptive.profile import load_profile
 from adaptive.runtime import AdaptiveRuntime
 from tests.runtime.test_runtime import with_domains
+
+CONTEXT = 100  # the scripted runtime's context, in tokens (one per character)
 
 
 class Server:
@@ -50,3 +54,61 @@ def plain(runtime, prompt, n: int, chat: bool = True) -> str:
     """Plain greedy decoding of ``prompt`` (the lossless reference), as text."""
     return Engine(runtime.lm).generate([{"role": "user", "content": prompt}] if chat else prompt,
                                        GenerationConfig(max_new_tokens=n), chat=None if chat else False).text
+
+
+class ScriptedRun:
+    """A started request: ``pieces[0]`` is its first delta, each step gives the next piece."""
+
+    def __init__(self, rt, pieces):
+        self.rt, self.pieces, self.i = rt, pieces, 1
+        rt.gate.acquire()
+        self.first = pieces[0]
+
+    @property
+    def done(self):
+        return self.i >= len(self.pieces)
+
+    def result(self):
+        stats = GenerationStats(tokens=len(self.pieces), steps=2, drafted=4, accepted=3, prompt_tokens=5,
+                                total_time=1.0, prefill_time=0.2)
+        return SimpleNamespace(stats=stats, domain="maths", decision="ssd", token_ids=[1, 2, 3], finish_reason="length",
+                               text="".join(self.pieces), applied="maths", policy="knn-ssd", skip="attn=1")
+
+
+class ScriptedRuntime:
+    """Encodes a prompt as one id per character; a request's deltas are ``pieces`` (the first at its
+    start, one per step), then its result; ``fail`` is raised by the step that would end it. ``gate``:
+    each piece waits for it (so that a test can hold a request mid-decode). ``batches``: the sizes of
+    the steps run."""
+
+    def __init__(self, pieces=("a", "b", "c"), fail: Exception | None = None, encode_error: Exception | None = None):
+        self.pieces, self.fail, self.encode_error = pieces, fail, encode_error
+        self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT))
+        self.gate = threading.Semaphore(1000)
+        self.calls, self.runs, self.batches = [], [], []
+
+    def encode(self, prompt, chat=None):
+        if self.encode_error is not None:
+            raise self.encode_error
+        text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+        return list(range(len(text)))
+
+    def room(self, ids):
+        return CONTEXT - len(ids) - 9
+
+    def start(self, prompt, **kw):
+        self.calls.append(kw)
+        self.runs.append(ScriptedRun(self, self.pieces))
+        return self.runs[-1]
+
+    def step(self, runs):
+        assert runs and not any(r.done for r in runs)
+        self.batches.append(len(runs))
+        out = []
+        for r in runs:
+            self.gate.acquire()
+            if self.fail is not None and r.i == len(r.pieces) - 1:
+                raise self.fail
+            out.append(r.pieces[r.i])
+            r.i += 1
+        return out

@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from adaptive.serve.metrics import Metrics
 
@@ -15,13 +16,16 @@ def test_render_counters_gauges_and_summaries():
     m.set("queue_depth", 3)
     m.observe("time_per_output_token_seconds", 0.5, count=10)
     text = m.render()
-    assert 'adaptive_requests_total{endpoint="chat_completions",status="200"} 2\n' in text
-    assert 'adaptive_drafted_tokens_total{domain="we\\"ird",drafter="ssd"} 12\n' in text
-    assert "adaptive_queue_depth 3\n" in text
-    assert "adaptive_running_requests 0\n" in text  # a gauge never set reads 0
-    assert "adaptive_time_per_output_token_seconds_sum 0.5\nadaptive_time_per_output_token_seconds_count 10\n" in text
+    assert 'adaptive_requests_total{endpoint="chat_completions",status="200"} 2.0\n' in text
+    assert 'adaptive_drafted_tokens_total{domain="we\\"ird",drafter="ssd"} 12.0\n' in text
+    assert "adaptive_queue_depth 3.0\n" in text
+    assert "adaptive_running_requests 0.0\n" in text  # a gauge never set reads 0
+    assert "adaptive_time_per_output_token_seconds_count 10.0\nadaptive_time_per_output_token_seconds_sum 0.5\n" in text
     assert "# TYPE adaptive_requests_total counter" in text
     assert m.value("requests_total", endpoint="chat_completions", status="200") == 2
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}  # the client's own parser reads it back
+    assert parsed["adaptive_requests"].type == "counter" and parsed["adaptive_batch_size"].type == "summary"
+    assert [s.value for s in parsed["adaptive_drafted_tokens"].samples] == [12.0]
 
 
 def test_unknown_metric_is_an_error():
