@@ -15,6 +15,7 @@ from adaptive.cli.common import (
     weights_option,
 )
 from adaptive.errors import ConfigError
+from adaptive.serve import DEFAULT_PREFILL_CHUNK
 
 
 @command("serve", examples=(
@@ -33,6 +34,9 @@ from adaptive.errors import ConfigError
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests decoded together, verified in one forward per step (1: one at a time).")
+@click.option("--prefill-chunk", type=click.IntRange(min=0), default=DEFAULT_PREFILL_CHUNK, show_default=True,
+              help="Prompt tokens prefilled between two decoding steps: a long prompt joins in chunks and the "
+              "running requests keep their pace (0: whole prompts).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the model; more are refused with 429.")
 @click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
@@ -49,8 +53,8 @@ from adaptive.errors import ConfigError
               help="Learn from the traffic served (bigram tables, bandits, new domains), saved beside the profile.")
 @click.option("--online-path", type=click.Path(dir_okay=False), default=None,
               help="The online overlay file [default: PROFILE.online beside the profile].")
-def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, max_queue, max_body,
-              default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
+def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
+              max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -58,9 +62,11 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     or a routing policy (knn-ssd, knn-skip, ssd-static, cascade, ...). Responses' usage carries an
     "adaptive" object: the routed domain, the drafter, acceptance. Up to --max-batch requests are
     decoded together: each step drafts for each of them and verifies all in one forward; waiting
-    requests join as others finish. Online learning (on by default) updates each domain's bigram
-    table and bandits from the accepted output, discovers new domains among out-of-domain requests
-    and saves it all to PROFILE.online (see `adaptive profile show`, `adaptive profile reset-online`).
+    requests join as others finish, their prompts prefilled --prefill-chunk tokens between steps.
+    Online learning (on by default) updates each domain's bigram table and bandits from the
+    accepted output, discovers new domains among out-of-domain requests (measured in the
+    background within a tenth of the model's time while serving is busy) and saves it all to
+    PROFILE.online (see `adaptive profile show`, `adaptive profile reset-online`).
     Needs the serve extra: pip install 'adaptive[serve]'.
 
     \b
@@ -79,7 +85,8 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
                       online=OnlineSettings(enabled=online, path=online_path))
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
-                     max_body=max_body, default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
+                     prefill_chunk=prefill_chunk, max_body=max_body, default_max_tokens=default_max_tokens,
+                     drain_timeout=drain_timeout)
 
     def ready(server):
         sock = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)

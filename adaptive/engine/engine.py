@@ -20,13 +20,13 @@ import torch
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.loop import (
     Acceptor,
+    ChunkedPrefill,
     GenerationStats,
     Lane,
     Prefill,
     default_acceptor,
     new_cache,
     new_generator,
-    prefill,
     step,
 )
 from adaptive.engine.protocol import DecodeState, Drafter, DraftLengthPolicy, FixedDraftLength
@@ -213,6 +213,29 @@ class Session:
 
 
 @dataclass(eq=False)
+class Prefilling:
+    """A request being prefilled a chunk at a time (:meth:`Engine.prefilling`)."""
+
+    task: ChunkedPrefill
+    started: float
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not prefilled yet."""
+        return self.task.remaining
+
+    def advance(self) -> Session | None:
+        """Prefill the next chunk; the :class:`Session` once the prompt is all in the cache."""
+        pre = self.task.advance()
+        if pre is None:
+            return None
+        t, cfg = self.task, self.task.cfg
+        stats = GenerationStats(prompt_tokens=len(t.prompt_ids), prefill_time=pre.time)
+        state = DecodeState(t.backbone, t.cache, list(t.prompt_ids) + [pre.first], cfg, t.generator)
+        return Session(list(t.prompt_ids), cfg, state, pre, stats, self.started)
+
+
+@dataclass(eq=False)
 class Decoding:
     """A session being decoded (:meth:`Engine.begin`): the loop's :class:`~adaptive.engine.loop.Lane`
     and the :class:`TextStream` turning its tokens into text. ``first``: the text delta of the
@@ -293,14 +316,20 @@ class Engine:
               pool: bool | Pooling = False) -> Session:
         """Prefill ``prompt_ids`` (with the prompt's embedding when ``pool``: ``True`` for the final mean,
         or a :class:`~adaptive.engine.config.Pooling`): a :class:`Session` to decode."""
+        session = self.prefilling(prompt_ids, config, pool).advance()
+        assert session is not None
+        return session
+
+    def prefilling(self, prompt_ids: list[int], config: GenerationConfig | None = None,
+                   pool: bool | Pooling = False, chunk: int = 0) -> Prefilling:
+        """:meth:`start` a chunk at a time: a :class:`Prefilling` whose :meth:`~Prefilling.advance`
+        prefills ``chunk`` more prompt tokens (``0``: all of them) and returns the :class:`Session`
+        after the last chunk (``None`` before). The cache is allocated now."""
         cfg = config or GenerationConfig()
         t0 = time.perf_counter()
         gen = new_generator(cfg, self.backbone.device)
         cache = new_cache(self.backbone, len(prompt_ids), cfg)
-        pre = prefill(self.backbone, prompt_ids, cache, cfg, gen, pool=pool)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids), prefill_time=pre.time)
-        state = DecodeState(self.backbone, cache, list(prompt_ids) + [pre.first], cfg, gen)
-        return Session(list(prompt_ids), cfg, state, pre, stats, t0)
+        return Prefilling(ChunkedPrefill(self.backbone, list(prompt_ids), cache, cfg, gen, pool, chunk), t0)
 
     def begin(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,
               acceptor: Acceptor = default_acceptor) -> Decoding:

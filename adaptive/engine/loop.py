@@ -127,24 +127,84 @@ def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, gener
 
     Afterwards ``cache.length == len(prompt_ids)`` and the first token is pending (not cached yet).
     ``pool``: also return the prompt's embedding, as :class:`Pooling` says (``True``: ``Pooling()``,
-    the final mean; :mod:`adaptive.index.embedding` computes the same).
+    the final mean; :mod:`adaptive.index.embedding` computes the same). One forward; a
+    :class:`ChunkedPrefill` feeds the same prompt a chunk at a time.
     """
-    if not prompt_ids:
-        raise ValueError("the prompt encodes to no tokens")
-    dev = backbone.device
-    t0 = time.perf_counter()
-    pooling = Pooling() if pool is True else (pool or None)
-    extra = backbone.pool_args(pooling) if pooling is not None else {}
-    out = backbone.forward(torch.tensor(prompt_ids, device=dev), cache, 0, logits="last", **extra)
-    cache.length = len(prompt_ids)
-    logits = out.logits[0]  # [V]
-    if cfg.greedy:
-        first = int(logits.argmax())
-    else:
-        first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
-                                      generator=generator))
-    _sync(dev)
-    return Prefill(first, backbone.pooled(out, pooling) if pooling is not None else None, time.perf_counter() - t0)
+    done = ChunkedPrefill(backbone, prompt_ids, cache, cfg, generator, pool).advance()
+    assert done is not None
+    return done
+
+
+@dataclass(eq=False)
+class ChunkedPrefill:
+    """A prefill fed ``chunk`` prompt tokens per :meth:`advance` (``0``: the whole prompt at once), so
+    that a server can run decoding steps of other requests between the chunks.
+
+    Chunks start at multiples of ``chunk`` from position 0 and write the cache by position, as one
+    forward would; only the last chunk computes logits. A ``mean`` pooling is the chunks' pooled
+    means weighted by their lengths (the mean over all positions); a ``last`` pooling comes from
+    the last chunk. Example: a 300-token prompt with ``chunk=128`` is three forwards (128, 128, 44
+    tokens); :meth:`advance` returns ``None`` twice, then the :class:`Prefill`.
+    """
+
+    backbone: object
+    prompt_ids: list[int]
+    cache: object
+    cfg: GenerationConfig
+    generator: torch.Generator | None
+    pool: bool | Pooling = False
+    chunk: int = 0
+    position: int = 0  # prompt tokens prefilled so far
+    elapsed: float = 0.0  # wall time of the forwards so far (s)
+    _pools: list = field(default_factory=list, repr=False)  # (tokens, [hidden]) per chunk that pooled
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if self.chunk < 0:
+            raise ValueError(f"chunk must be >= 0, got {self.chunk}")
+
+    @property
+    def pooling(self) -> Pooling | None:
+        return Pooling() if self.pool is True else (self.pool or None)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt_ids) - self.position
+
+    def advance(self) -> Prefill | None:
+        """Prefill the next chunk: ``None`` while prompt tokens remain, then the :class:`Prefill`."""
+        bb, pooling = self.backbone, self.pooling
+        t0 = time.perf_counter()
+        a, n = self.position, len(self.prompt_ids)
+        b = min(n, a + self.chunk) if self.chunk else n
+        last = b == n
+        extra = bb.pool_args(pooling) if pooling is not None and (last or pooling.mode == "mean") else {}
+        out = bb.forward(torch.tensor(self.prompt_ids[a:b], device=bb.device), self.cache, a,
+                         logits="last" if last else "none", **extra)
+        self.cache.length = self.position = b
+        if extra:
+            self._pools.append((b - a, bb.pooled(out, pooling)))
+        if not last:
+            _sync(bb.device)
+            self.elapsed += time.perf_counter() - t0
+            return None
+        logits, cfg = out.logits[0], self.cfg  # [V]
+        if cfg.greedy:
+            first = int(logits.argmax())
+        else:
+            first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
+                                          generator=self.generator))
+        _sync(bb.device)
+        self.elapsed += time.perf_counter() - t0
+        return Prefill(first, self._pooled(), self.elapsed)
+
+    def _pooled(self) -> torch.Tensor | None:
+        if not self._pools:
+            return None
+        if len(self._pools) == 1:
+            return self._pools[0][1]
+        return sum(k * v for k, v in self._pools) / sum(k for k, _ in self._pools)
 
 
 @dataclass(eq=False)

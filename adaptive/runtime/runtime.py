@@ -32,7 +32,7 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.model import build_draft_model
 from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.engine import Decoding, Engine, GenerationResult
+from adaptive.engine.engine import Decoding, Engine, GenerationResult, Prefilling, Session
 from adaptive.engine.loop import cache_positions
 from adaptive.engine.protocol import DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
@@ -157,6 +157,27 @@ class RoutedDecoding:
         return RuntimeResult(r.text, r.token_ids, r.finish_reason, r.stats, r.drafter, r.drafter_info,
                              policy=plan.policy, route=plan.route, applied=plan.applied, skip=plan.skip,
                              draft_policy=plan.draft_policy, bandit=bandit, online=online)
+
+
+@dataclass(eq=False)
+class RoutedPrefilling:
+    """A request :meth:`AdaptiveRuntime.prefilling` is prefilling a chunk at a time."""
+
+    runtime: AdaptiveRuntime
+    task: Prefilling
+    policy: Policy
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not prefilled yet."""
+        return self.task.remaining
+
+    def advance(self) -> RoutedDecoding | None:
+        """The next chunk (under the model lock); after the last, the routed :class:`RoutedDecoding`."""
+        rt = self.runtime
+        with rt._lock:
+            session = self.task.advance()
+            return None if session is None else rt._route(session, self.policy, shared_draft_model=False)
 
 
 def _positions(prior) -> list[float]:
@@ -386,8 +407,26 @@ class AdaptiveRuntime:
         with self._lock:
             return self._start(ids, cfg, pol, shared_draft_model=False)
 
+    def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                   top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
+                   policy: str = "knn-ssd", confidence_threshold: float | None = None,
+                   chunk: int = 0) -> RoutedPrefilling:
+        """:meth:`start` on encoded ``prompt_ids``, a chunk at a time: a :class:`RoutedPrefilling`
+        whose ``advance()`` prefills ``chunk`` more prompt tokens (``0``: all) under the model lock
+        and, after the last, routes and plans the request (a :class:`RoutedDecoding`). A server
+        steps its running requests between the chunks (:mod:`adaptive.serve.scheduler`)."""
+        pol = get_policy(policy)
+        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
+        with self._lock:
+            task = self.engine.prefilling(list(prompt_ids), cfg, pool=self.profile.index.pooling, chunk=chunk)
+        return RoutedPrefilling(self, task, pol)
+
     def _start(self, ids: list[int], cfg: GenerationConfig, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
-        session = self.engine.start(ids, cfg, pool=self.profile.index.pooling)
+        return self._route(self.engine.start(ids, cfg, pool=self.profile.index.pooling), pol, shared_draft_model)
+
+    def _route(self, session: Session, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
+        """Route a prefilled session, plan it and make it ready to step (caller holds the model lock)."""
+        ids = session.prompt_ids
         vector = pooled_to_numpy(session.pooled)
         flagged = None
         if self.online is not None:

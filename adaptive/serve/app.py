@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from adaptive.serve.metrics import Metrics
 from adaptive.serve.protocol import (
@@ -77,19 +78,21 @@ class _EventStream(StreamingResponse):
 
 
 def create_app(runtime, *, served_model: str | None = None, api_key: str | None = None, max_queue: int = 64,
-               max_batch: int = 8, max_body: int = MAX_BODY, default_max_tokens: int = 256,
+               max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_body: int = MAX_BODY,
+               default_max_tokens: int = 256,
                drain_timeout: float = 30.0) -> Starlette:
     """The server's ASGI app over ``runtime`` (an :class:`~adaptive.runtime.AdaptiveRuntime`).
 
     ``served_model``: the name in ``/v1/models`` and the only ``model`` requests may name (default:
     the profile's model name). ``max_batch``: requests decoded together (one verification forward
-    per step for all of them; 1: one at a time). The decoding worker starts now and is drained on
-    the app's shutdown (within ``drain_timeout`` seconds).
+    per step for all of them; 1: one at a time); ``prefill_chunk``: prompt tokens prefilled between
+    two decoding steps (0: whole prompts; :mod:`adaptive.serve.scheduler`). The decoding worker
+    starts now and is drained on the app's shutdown (within ``drain_timeout`` seconds).
     """
     model_name = served_model or runtime.profile.model.name
     metrics = Metrics()
     scheduler = Scheduler(runtime, metrics, max_queue=max_queue, default_max_tokens=default_max_tokens,
-                          max_batch=max_batch)
+                          max_batch=max_batch, prefill_chunk=prefill_chunk)
 
     def refused_key(request: Request) -> Response | None:
         """The 401 for a request without the API key (``None`` when it may pass)."""

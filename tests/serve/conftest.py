@@ -75,6 +75,23 @@ class ScriptedRun:
                                text="".join(self.pieces), applied="maths", policy="knn-ssd", skip="attn=1")
 
 
+class ScriptedPrefill:
+    """A prompt of ``n`` tokens prefilled ``chunk`` per advance (all at once for 0); then a ScriptedRun."""
+
+    def __init__(self, rt, n, chunk):
+        self.rt, self.remaining, self.chunk = rt, n, chunk
+
+    def advance(self):
+        step = min(self.remaining, self.chunk or self.remaining)
+        self.remaining -= step
+        self.rt.prefilled.append(step)
+        self.rt.timeline.append(f"prefill {step}")
+        if self.remaining:
+            return None
+        self.rt.runs.append(ScriptedRun(self.rt, self.rt.pieces))
+        return self.rt.runs[-1]
+
+
 class ScriptedRuntime:
     """Encodes a prompt as one id per character; a request's deltas are ``pieces`` (the first at its
     start, one per step), then its result; ``fail`` is raised by the step that would end it. ``gate``:
@@ -85,9 +102,11 @@ class ScriptedRuntime:
         self.pieces, self.fail, self.encode_error = pieces, fail, encode_error
         self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT))
         self.gate = threading.Semaphore(1000)
-        self.calls, self.runs, self.batches = [], [], []
+        self.calls, self.runs, self.batches, self.encoded, self.prefilled = [], [], [], [], []
+        self.timeline = []  # "prefill N" and "step B" in the order the worker ran them
 
     def encode(self, prompt, chat=None):
+        self.encoded.append(chat)
         if self.encode_error is not None:
             raise self.encode_error
         text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
@@ -96,14 +115,14 @@ class ScriptedRuntime:
     def room(self, ids):
         return CONTEXT - len(ids) - 9
 
-    def start(self, prompt, **kw):
+    def prefilling(self, prompt_ids, **kw):
         self.calls.append(kw)
-        self.runs.append(ScriptedRun(self, self.pieces))
-        return self.runs[-1]
+        return ScriptedPrefill(self, len(prompt_ids), kw["chunk"])
 
     def step(self, runs):
         assert runs and not any(r.done for r in runs)
         self.batches.append(len(runs))
+        self.timeline.append(f"step {len(runs)}")
         out = []
         for r in runs:
             self.gate.acquire()

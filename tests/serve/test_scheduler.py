@@ -45,8 +45,8 @@ def loop():
 def test_admission_sizes_and_refusals():
     s = Scheduler(ScriptedRuntime(), default_max_tokens=50)
     try:
-        assert s.admit(chat("hello")) == Admission(5, 50)  # room 86: the server default
-        assert s.admit(chat("x" * 60)) == Admission(60, 31)  # room 31 < default
+        assert s.admit(chat("hello")) == Admission(tuple(range(5)), 50)  # room 86: the server default
+        assert s.admit(chat("x" * 60)) == Admission(tuple(range(60)), 31)  # room 31 < default
         assert s.admit(chat("hello", max_tokens=86)).max_tokens == 86
         with pytest.raises(RequestError) as e:
             s.admit(chat("hello", max_tokens=87))
@@ -77,7 +77,8 @@ def test_deltas_then_the_result_and_metrics(loop):
         assert [e.kind for e in events] == ["delta", "delta", "delta", "done"]
         assert "".join(e.text for e in events) == "abc"
         assert rt.calls[0] == {"max_new_tokens": 7, "temperature": 0.0, "top_p": 1.0, "stop": (), "seed": 3,
-                               "policy": "ar", "chat": None}
+                               "policy": "ar", "chunk": 128}
+        assert rt.encoded == [None]  # encoded once, at admission, through the chat template
         m = s.metrics
         assert m.value("generated_tokens_total") == 3 and m.value("prompt_tokens_total") == 5
         assert m.value("accepted_tokens_total", domain="maths", drafter="ssd") == 3
@@ -91,7 +92,7 @@ def test_a_completion_is_encoded_as_raw_text(loop):
     s = Scheduler(rt)
     try:
         run_job(s, ServeRequest("completion", "def f():", max_tokens=3), loop)
-        assert rt.calls[0]["chat"] is False
+        assert rt.encoded == [False]
     finally:
         s.close()
 
@@ -128,7 +129,7 @@ def test_queue_limit_and_shutdown(loop):
     rt = ScriptedRuntime()
     rt.gate = threading.Semaphore(0)  # hold the first request mid-decode
     s = Scheduler(rt, max_queue=1, max_batch=1)
-    jobs = [Job(chat(), Admission(5, 3), loop) for _ in range(3)]
+    jobs = [Job(chat(), Admission(tuple(range(5)), 3), loop) for _ in range(3)]
     s.submit(jobs[0])
     deadline = loop.time() + 10
     while not s.busy:  # the worker has taken it: the queue is empty again
@@ -144,7 +145,7 @@ def test_queue_limit_and_shutdown(loop):
     assert s.close(timeout=10)
     assert len(rt.calls) == 1 and s.metrics.value("cancelled_requests_total") == 1
     with pytest.raises(RequestError) as e:
-        s.submit(Job(chat(), Admission(5, 3), loop))
+        s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
     assert e.value.status == 503
 
 
@@ -158,7 +159,7 @@ def test_concurrent_jobs_share_steps_up_to_max_batch(loop):
     rt.gate = threading.Semaphore(0)  # the jobs queue up before any decodes
     s = Scheduler(rt, max_batch=2)
     try:
-        jobs = [Job(chat(), Admission(5, 5), loop) for _ in range(3)]
+        jobs = [Job(chat(), Admission(tuple(range(5)), 5), loop) for _ in range(3)]
         for job in jobs:
             s.submit(job)
         for _ in range(1000):
@@ -179,3 +180,38 @@ def test_concurrent_jobs_share_steps_up_to_max_batch(loop):
         assert s.metrics.value("generated_tokens_total") == 15
     finally:
         s.close()
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_steps(loop):
+    """A 90-token prompt with chunks of 32 is three advances, and the running request steps between them."""
+    rt = ScriptedRuntime(pieces=tuple("abcdefgh"))
+    s = Scheduler(rt, prefill_chunk=32)
+    try:
+        run_job(s, chat("x" * 90, max_tokens=1), loop)
+        assert rt.prefilled == [32, 32, 26]
+        rt.prefilled.clear()
+        rt.timeline.clear()
+        rt.gate = threading.Semaphore(2)  # the short request starts, steps once, then waits for the test
+        runs = len(rt.runs)
+        first = Job(chat("short", max_tokens=8), s.admit(chat("short", max_tokens=8)), loop)
+        s.submit(first)
+        while len(rt.runs) == runs or rt.runs[-1].i < 2:
+            loop.run_until_complete(asyncio.sleep(0.01))
+        second = Job(chat("y" * 90, max_tokens=1), s.admit(chat("y" * 90, max_tokens=1)), loop)
+        s.submit(second)
+        for _ in range(100):
+            rt.gate.release()
+        loop.run_until_complete(asyncio.wait_for(collect(second), 10))
+        # the short request's steps ran while the long prompt was prefilled a chunk at a time
+        assert rt.prefilled == [5, 32, 32, 26]
+        chunks = [i for i, e in enumerate(rt.timeline) if e.startswith("prefill")][1:]
+        assert all("step 1" in rt.timeline[a:b] for a, b in zip(chunks, chunks[1:]))  # a step between chunks
+    finally:
+        s.close()
+
+
+async def collect(job):
+    events = []
+    while not events or events[-1].kind == "delta":
+        events.append(await job.events.get())
+    return events
