@@ -37,6 +37,9 @@ from adaptive.serve import DEFAULT_PREFILL_CHUNK
 @click.option("--prefill-chunk", type=click.IntRange(min=0), default=DEFAULT_PREFILL_CHUNK, show_default=True,
               help="Prompt tokens prefilled between two decoding steps: a long prompt joins in chunks and the "
               "running requests keep their pace (0: whole prompts).")
+@click.option("--goodput/--no-goodput", default=True, show_default=True,
+              help="Price a batch's drafts together: each step, the draft lengths that maximise the batch's expected "
+              "tokens per second on this engine's measured verification costs (off: each request as if alone).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the model; more are refused with 429.")
 @click.option("--max-body", type=click.IntRange(min=1), default=1 << 20, show_default=True,
@@ -54,7 +57,7 @@ from adaptive.serve import DEFAULT_PREFILL_CHUNK
 @click.option("--online-path", type=click.Path(dir_okay=False), default=None,
               help="The online overlay file [default: PROFILE.online beside the profile].")
 def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
-              max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
+              goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -62,7 +65,8 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     or a routing policy (knn-ssd, knn-skip, ssd-static, cascade, ...). Responses' usage carries an
     "adaptive" object: the routed domain, the drafter, acceptance. Up to --max-batch requests are
     decoded together: each step drafts for each of them and verifies all in one forward; waiting
-    requests join as others finish, their prompts prefilled --prefill-chunk tokens between steps.
+    requests join as others finish, their prompts prefilled --prefill-chunk tokens between steps;
+    the batch's draft lengths are priced together (--goodput).
     Online learning (on by default) updates each domain's bigram table and bandits from the
     accepted output, discovers new domains among out-of-domain requests (measured in the
     background within a tenth of the model's time while serving is busy) and saves it all to
@@ -83,7 +87,7 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     from adaptive.runtime.online import OnlineSettings
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
-                      online=OnlineSettings(enabled=online, path=online_path))
+                      online=OnlineSettings(enabled=online, path=online_path), goodput=goodput)
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
                      prefill_chunk=prefill_chunk, max_body=max_body, default_max_tokens=default_max_tokens,
                      drain_timeout=drain_timeout)

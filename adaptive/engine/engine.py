@@ -29,7 +29,7 @@ from adaptive.engine.loop import (
     new_generator,
     step,
 )
-from adaptive.engine.protocol import DecodeState, Drafter, DraftLengthPolicy, FixedDraftLength
+from adaptive.engine.protocol import DecodeState, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.errors import ConfigError
 
 Messages = Sequence[dict]
@@ -343,12 +343,13 @@ class Engine:
         lane = Lane(session.state, drafter, policy or FixedDraftLength(cfg.draft_len), cfg, session.stats, acceptor)
         return Decoding(session, lane, TextStream(self._decode_text, self.eos, cfg))
 
-    def step(self, decodings: Sequence[Decoding]) -> list[str]:
+    def step(self, decodings: Sequence[Decoding], choices: Sequence[DraftChoice | None] | None = None) -> list[str]:
         """One verification step of each unfinished decoding, all verified in one forward
-        (:func:`adaptive.engine.loop.step`); returns each one's text delta ('' for none yet)."""
+        (:func:`adaptive.engine.loop.step`; ``choices``: the batch's draft choices, see there);
+        returns each one's text delta ('' for none yet)."""
         if any(d.done for d in decodings):
             raise ConfigError("a finished decoding cannot step")
-        chunks = step(self.backbone, [d.lane for d in decodings])
+        chunks = step(self.backbone, [d.lane for d in decodings], choices)
         return [d.out.push(c) for d, c in zip(decodings, chunks)]
 
     def decode(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,

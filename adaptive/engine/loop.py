@@ -16,7 +16,7 @@ import torch
 
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig, Pooling
-from adaptive.engine.protocol import DecodeState, Draft, Drafter, DraftLengthPolicy, FixedDraftLength
+from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
 
 # (draft, p_logits [k+1, V], config, generator) -> (n_accepted, next_token)
@@ -226,13 +226,22 @@ class Lane:
         """``cfg.max_new_tokens`` tokens produced (EOS and stop strings are the caller's to watch)."""
         return self.produced >= self.cfg.max_new_tokens
 
-    def propose(self) -> Draft:
-        """This step's draft (empty for a plain step), timed into ``stats.draft_time``."""
-        t0 = time.perf_counter()
+    @property
+    def max_draft(self) -> int:
+        """The longest draft this step may make (0: none, no drafter or one token left to produce)."""
         remaining = self.cfg.max_new_tokens - self.produced
+        return min(self.cfg.draft_len, remaining - 1) if self.drafter is not None and remaining > 1 else 0
+
+    def propose(self, choice: DraftChoice | None = None) -> Draft:
+        """This step's draft (empty for a plain step), timed into ``stats.draft_time``. ``choice``:
+        the batch's choice for this lane (:func:`step`); ``None``: the lane's policy chooses."""
+        t0 = time.perf_counter()
         draft = None
-        if self.drafter is not None and remaining > 1:
-            choice = self.policy.choose(min(self.cfg.draft_len, remaining - 1))
+        if self.max_draft > 0:
+            if choice is None:
+                choice = self.policy.choose(self.max_draft)
+            elif choice.length > self.max_draft:
+                raise ValueError(f"a draft of {choice.length} exceeds this step's longest, {self.max_draft}")
             if choice.length > 0:
                 draft = self.drafter.propose(self.state, choice)
         if draft is None or len(draft) == 0:
@@ -272,8 +281,10 @@ class Lane:
         return new
 
 
-def step(backbone, lanes: Sequence[Lane]) -> list[list[int]]:
+def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] | None = None) -> list[list[int]]:
     """One verification step of each lane (none of them done); returns each lane's new tokens.
+    ``choices``: each lane's draft choice, made for the batch (``None`` for a lane, or for all: its
+    policy chooses).
 
     Every lane drafts (one after another), then one full-model forward verifies them all: a lone
     lane through :meth:`~adaptive.engine.backbone.Backbone.forward`, several through
@@ -281,7 +292,7 @@ def step(backbone, lanes: Sequence[Lane]) -> list[list[int]]:
     and draft length, so nothing is padded and nothing padded can be accepted). Then each lane
     accepts from its own logits. The verification's time counts in every lane's ``verify_time``.
     """
-    drafts = [lane.propose() for lane in lanes]
+    drafts = [lane.propose(c) for lane, c in zip(lanes, choices or [None] * len(lanes))]
     t0 = time.perf_counter()
     segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
     if len(segments) == 1:

@@ -11,6 +11,8 @@ Terms, defined once:
   verification forward overwrites them) but never changes ``cache.length``.
 * *choice*: what a :class:`DraftLengthPolicy` decides before each step (:class:`DraftChoice`):
   how many tokens to draft, and for a cascade how many of them its layer-skip level drafts.
+* *plan*: what a policy expects of drafting up to ``n`` tokens this step (:class:`DraftPlan`), so
+  that a server can choose the lengths of a whole batch together (:mod:`adaptive.costs.batch`).
 
 A drafter is built once per request (:func:`adaptive.drafters.factory.build_drafter`); a policy
 may outlive requests (the runtime keeps one bandit per domain), so a policy never holds a drafter:
@@ -62,6 +64,27 @@ class DraftChoice:
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """A policy's expectations for this step: ``gains[j]``, the probability that draft token
+    ``j + 1`` is accepted (a sample from what the policy believes); ``costs[j]``, its drafting cost
+    in one-token steps; ``split``: a cascade's layer-skip tokens at most (``None``: no cascade).
+
+    Example: one per-token acceptance ``a = 0.5`` and a free drafter: ``gains = (0.5, 0.25, 0.125)``."""
+
+    gains: tuple[float, ...]
+    costs: tuple[float, ...]
+    split: int | None = None
+
+    def __post_init__(self):
+        if len(self.gains) != len(self.costs):
+            raise ValueError(f"a draft plan needs one cost per gain ({len(self.gains)} != {len(self.costs)})")
+
+    def choice(self, k: int) -> DraftChoice:
+        """The choice of drafting ``k`` of the planned tokens."""
+        return DraftChoice(k, None if self.split is None else min(self.split, k))
+
+
+@dataclass(frozen=True)
 class Draft:
     """``tokens``: ``[k]`` proposed ids. ``q``: ``[k, V]`` the distributions they were sampled from,
     or ``None`` for a deterministic proposal (greedy drafting, n-gram lookup: a point mass).
@@ -100,6 +123,11 @@ class DraftLengthPolicy(ABC):
 
     def update(self, draft: Draft, accepted: int) -> None:  # noqa: B027 - optional hook, a no-op for policies that do not learn
         """Learn from one verification: ``accepted`` of ``draft``'s tokens were kept."""
+
+    def plan(self, max_len: int) -> DraftPlan | None:
+        """What drafting up to ``max_len`` tokens is expected to bring (for a batch's controller);
+        ``None`` (the default): the policy prices nothing and its own :meth:`choose` stands."""
+        return None
 
 
 class FixedDraftLength(DraftLengthPolicy):

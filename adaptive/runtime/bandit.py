@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 from adaptive.costs import best_draft_length, best_split
-from adaptive.engine.protocol import LAYER_SKIP, Draft, DraftChoice, DraftLengthPolicy
+from adaptive.engine.protocol import LAYER_SKIP, Draft, DraftChoice, DraftLengthPolicy, DraftPlan
 
 
 class BetaPosterior:
@@ -112,6 +112,16 @@ class ThompsonDraftLength(DraftLengthPolicy):
             self.chosen[k] = self.chosen.get(k, 0) + 1
         return DraftChoice(k)
 
+    def plan(self, max_len: int) -> DraftPlan | None:
+        """A Thompson sample of the acceptance, as the gains of ``1 .. max_len`` draft tokens (``None``
+        when a draft is compulsory: this policy must choose)."""
+        if not self.allow_zero:
+            return None
+        with self._lock:
+            a = self.posterior.sample(self._rng)
+        n = min(max_len, self.max_len)
+        return DraftPlan(tuple(a ** (j + 1) for j in range(n)), (self.draft_cost,) * n)
+
     def update(self, draft: Draft, accepted: int) -> None:
         if len(draft) == 0:
             return
@@ -189,6 +199,21 @@ class ThompsonCascade(DraftLengthPolicy):
             key = f"{h}+{k - h}"
             self.chosen[key] = self.chosen.get(key, 0) + 1
         return DraftChoice(k, h)
+
+    def plan(self, max_len: int) -> DraftPlan:
+        """Thompson samples of both levels: the split alone's best (:func:`~adaptive.costs.best_split`),
+        then the gains of ``1 .. max_len`` tokens drafted with it (layer-skip tokens first)."""
+        with self._lock:
+            a_l = self.layer_skip.sample(self._rng)
+            a_s = [b.sample(self._rng) for b in self.tail]
+            cost = self.layer_skip_cost * min(1.0, self.forwards_per_token)
+        n = min(max_len, self.max_len)
+        h, _ = best_split(a_l, a_s, cost, self.stat_cost, self.verify, n, self.max_split)
+        gains, p = [], 1.0
+        for j in range(n):
+            p *= a_l if j < h else a_s[min(j - h, len(a_s) - 1)]
+            gains.append(p)
+        return DraftPlan(tuple(gains), tuple(cost if j < h else self.stat_cost for j in range(n)), h)
 
     def update(self, draft: Draft, accepted: int) -> None:
         if len(draft) == 0:

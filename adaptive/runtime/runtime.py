@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from adaptive.costs import best_draft_length
+from adaptive.costs.batch import batch_draft_lengths
 from adaptive.drafters.early_exit import ExitBlock
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.model import build_draft_model
@@ -34,7 +35,7 @@ from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Decoding, Engine, GenerationResult, Prefilling, Session
 from adaptive.engine.loop import cache_positions
-from adaptive.engine.protocol import DraftLengthPolicy, FixedDraftLength
+from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
@@ -198,12 +199,15 @@ class AdaptiveRuntime:
     its reduced vocabulary where calibration measured that faster). ``online`` (on by default):
     learn from the traffic served (:mod:`adaptive.runtime.online`: live bigram tables, saved bandit
     posteriors, new domains discovered among out-of-domain requests), saved to an overlay beside the
-    profile; ``False`` turns it off, an :class:`OnlineSettings` tunes it. Call :meth:`close` when done
-    (it saves what was learned).
+    profile; ``False`` turns it off, an :class:`OnlineSettings` tunes it. ``goodput`` (on by default):
+    requests stepped together draft the lengths that maximise the batch's expected tokens per
+    second (:meth:`batch_choices`); ``False``: each request's bandit chooses as if alone. Call
+    :meth:`close` when done (it saves what was learned).
     """
 
     def __init__(self, profile: Profile, lm: LoadedModel, *, bandit: bool = True, seed: int | None = 0,
-                 window: float = 500.0, reduced_vocab: bool = True, online: bool | OnlineSettings = True):
+                 window: float = 500.0, reduced_vocab: bool = True, online: bool | OnlineSettings = True,
+                 goodput: bool = True):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
         self.profile = profile
@@ -211,6 +215,7 @@ class AdaptiveRuntime:
         self.engine = Engine(lm)
         self.bandit = bandit
         self.reduced_vocab = reduced_vocab
+        self.goodput = goodput
         self.max_draft_len = profile.runtime.max_draft_len
         self.cascade_max_len = profile.runtime.cascade_max_draft_len
         self.draft_len = max(self.max_draft_len, self.cascade_max_len)  # the longest draft any policy makes
@@ -446,12 +451,37 @@ class AdaptiveRuntime:
 
     def step(self, decodings: Sequence[RoutedDecoding]) -> list[str]:
         """One verification step of each started, unfinished request, verified together in one forward
-        (:meth:`Engine.step`); each one's text delta. Greedy outputs are those of decoding each alone."""
+        (:meth:`Engine.step`); each one's text delta. Greedy outputs are those of decoding each alone.
+        Several requests draft the lengths that goodput pricing gives the batch (:meth:`batch_choices`)."""
         with self._lock:
-            deltas = self.engine.step([d.decoding for d in decodings])
+            choices = self.batch_choices(decodings) if self.goodput and len(decodings) > 1 else None
+            deltas = self.engine.step([d.decoding for d in decodings], choices)
         for d in decodings:
             self._observe(d)
         return deltas
+
+    def batch_choices(self, decodings: Sequence[RoutedDecoding]) -> list[DraftChoice | None]:
+        """Each request's draft choice for one batched step: every policy that prices its drafts
+        (a Thompson bandit's :meth:`~adaptive.engine.protocol.DraftLengthPolicy.plan`) is given the
+        length that maximises the batch's expected tokens per unit time on this engine's measured
+        verification costs (the profile's global verify table, a forward over 1, 2, ... rows:
+        :func:`~adaptive.costs.batch.batch_draft_lengths`); ``None`` where the request's own policy
+        chooses (a fixed length) or it cannot draft (its row counts all the same)."""
+        priced, plans, fixed = [], [], 0
+        for i, d in enumerate(decodings):
+            lane = d.decoding.lane
+            plan = lane.policy.plan(lane.max_draft) if lane.max_draft > 0 else None
+            if plan is None:
+                fixed += 1
+            else:
+                priced.append(i)
+                plans.append(plan)
+        choices: list[DraftChoice | None] = [None] * len(decodings)
+        lengths = batch_draft_lengths([p.gains for p in plans], [p.costs for p in plans],
+                                      self.profile.global_set.verify, fixed_rows=fixed)
+        for i, plan, k in zip(priced, plans, lengths):
+            choices[i] = plan.choice(k)
+        return choices
 
     def _observe(self, d: RoutedDecoding) -> None:
         """Hand a finished request's output to the online learner (once)."""

@@ -168,3 +168,23 @@ def test_thompson_cascade_chooses_the_split():
                              stat_prior=[(400, 600), (900, 100), (900, 100), (900, 100), (900, 100)], seed=0)
     flat = ThompsonCascade(0.5, [1.0, 1.0, 1.02, 1.06, 1.1, 1.14], 5, 0, stat_prior=(400, 600), seed=0)
     assert rising.choose(5).length == 5 and flat.choose(5).length < 5
+
+
+def test_plans_price_what_the_bandit_believes():
+    b = ThompsonDraftLength(0.01, (1.0,) * 9, 8, prior=(90000.0, 10000.0), seed=1)  # acceptance ~0.9
+    plan = b.plan(4)
+    assert plan.split is None and plan.costs == (0.01,) * 4
+    assert plan.gains == pytest.approx((0.9, 0.81, 0.729, 0.6561), abs=0.01)
+    assert len(b.plan(20).gains) == 8  # at most the bandit's own longest draft
+    assert ThompsonDraftLength(0.01, (1.0,) * 9, 8, allow_zero=False).plan(4) is None  # it must choose itself
+
+
+def test_a_cascade_plans_its_split_then_its_tail():
+    b = ThompsonCascade(0.5, (1.0,) * 7, 6, 2, layer_skip_prior=(99000.0, 1000.0), stat_prior=(50000.0, 50000.0),
+                        stat_cost=0.005, seed=1)
+    plan = b.plan(6)
+    h = plan.split
+    assert 1 <= h <= 2 and plan.costs == (0.5,) * h + (0.005,) * (6 - h)
+    assert plan.gains[h - 1] == pytest.approx(0.99 ** h, abs=0.01)
+    assert plan.gains[h] == pytest.approx(0.99 ** h * 0.5, abs=0.01)  # the first statistical token
+    assert plan.choice(1).split == 1 and plan.choice(0).length == 0

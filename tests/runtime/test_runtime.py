@@ -323,3 +323,27 @@ def test_requests_do_not_change_drafters(runtime, policy):
     n1 = len(plan1.spec.head)
     plan2 = shared.plan(POLICIES[policy], route, ids2)
     assert len(plan1.spec.head) == n1 and plan1.spec.head is not plan2.spec.head
+
+
+@pytest.mark.parametrize("verify,drafts", [((1.0,) * 40, True), (tuple(1.0 + r for r in range(40)), False)])
+def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, drafts):
+    """Goodput pricing: where a forward's cost is flat in its rows the batch drafts; where every row
+    costs a whole step, no draft can pay and each request decodes plainly. Outputs stay plain greedy."""
+    p = with_domains(runtime.profile, lambda n: "pld" if n == "math" else "ssd")
+    p.global_set = dataclasses.replace(p.global_set, verify=verify)
+    rt = AdaptiveRuntime(p, runtime.lm, online=False)
+    jobs = [(q, pol) for q in PROMPTS[:3] for pol in ("knn-ssd", "ar")]
+    runs = [rt.start(q, max_new_tokens=16, policy=pol) for q, pol in jobs]
+    lengths = []
+    while not all(r.done for r in runs):
+        live = [r for r in runs if not r.done]
+        choices = rt.batch_choices(live)
+        for r, c in zip(live, choices):
+            lane = r.decoding.lane
+            assert (c is None) == (lane.max_draft == 0) and (c is None or c.length <= lane.max_draft)
+            if c is not None:
+                lengths.append(c.length)
+        rt.step(live)
+    assert lengths and (max(lengths) > 0) == drafts
+    for (q, _), r in zip(jobs, runs):
+        assert r.result().token_ids == _ar(runtime, q, 16)
