@@ -418,15 +418,16 @@ def load_model(
 ) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
-    ``device="auto"`` takes CUDA when present, else the CPU. ``dtype="auto"`` takes bf16 on CUDA and
+    ``device="auto"`` takes CUDA when present, else the CPU (the CPU always for ``int8``/``int4``
+    weights, whose kernels are PyTorch's CPU ones). ``dtype="auto"`` takes bf16 on CUDA and
     on CPUs that compute bf16 natively, float32 elsewhere. ``weights``: ``dense`` (the dtype's own),
     ``int8`` or ``int4`` weight-only quantization of the engine's linear layers (CPU; see
     :mod:`adaptive.engine.quant`). ``engine``: ``auto``, ``torch`` or ``llama.cpp``
     (:func:`resolve_engine`); ``threads``: llama.cpp's. Raises :class:`ModelNotFoundError` naming what
     was tried.
     """
-    dev = resolve_device(device)
-    check_weights(weights, dev)
+    dev = resolve_device("cpu" if str(device) == "auto" and weights != "dense" else device)
+    check_weights(weights, dev)  # int8/int4 asked for on CUDA explicitly: a clear error
     gguf: Path | None = None
     name = spec
     if spec in _EMBEDDED:

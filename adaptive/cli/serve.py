@@ -57,7 +57,8 @@ from adaptive.serve import DEFAULT_PREFILL_CHUNK
 @click.option("--online-path", type=click.Path(dir_okay=False), default=None,
               help="The online overlay file [default: PROFILE.online beside the profile].")
 def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
-              goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online, online_path):
+              goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online,
+              online_path):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation

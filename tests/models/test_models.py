@@ -151,3 +151,13 @@ def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_
         resolve_engine("llama.cpp", gguf, cpu, "auto", "dense")
     with pytest.raises(ConfigError, match="unknown engine"):
         load_model(str(tmp_path), engine="onnx")
+
+
+def test_quantized_weights_take_the_cpu_when_the_device_is_auto(tiny_model_dir, monkeypatch):
+    """On a machine with a GPU, ``device="auto"`` means CUDA, but int8/int4 weights run on PyTorch's CPU
+    kernels: auto takes the CPU for them (found on an H100 run), and CUDA asked for explicitly is an error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lm = load_model(str(tiny_model_dir), dtype="float32", weights="int4")
+    assert lm.device.type == "cpu" and lm.weights == "int4"
+    with pytest.raises(ConfigError, match="cpu|CPU"):
+        load_model(str(tiny_model_dir), device="cuda", dtype="float32", weights="int4")
