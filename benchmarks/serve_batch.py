@@ -1,20 +1,27 @@
-"""Batched against one-at-a-time serving: aggregate throughput, latency and output equality by client count.
+"""Batched against one-at-a-time serving, and against llama.cpp's own server: throughput, latency, outputs.
 
-For each repeat, and in it for each ``--max-batch`` value in turn (interleaved, so that drift hits
-all settings alike), starts ``adaptive serve --profile DIR --max-batch B`` on a free port, then for
-each ``--clients`` N runs ``benchmarks/serve_load.py`` (N streaming greedy clients sending
-``--requests`` requests in all, the same held-out Spec-Bench prompts in the same order each time,
-texts recorded), and stops the server with SIGTERM. One model process at a time.
+For each repeat, and in it for each server setting in turn (interleaved, so that drift hits all
+settings alike), starts the server on a free port, then for each ``--clients`` N runs
+``benchmarks/serve_load.py`` (N streaming greedy clients sending ``--requests`` requests in all, the
+same held-out Spec-Bench prompts in the same order each time, texts recorded), and stops it. One
+model process at a time. The settings: ``adaptive serve --profile DIR --max-batch B`` for each of
+``--batches`` (and for each ``--speculation`` value the requests carry: ``auto`` or ``off``); with
+``--llama-server``, llama.cpp's C++ ``llama-server`` on the same GGUF (``--gguf``) and threads,
+``-np`` the largest batch (continuous batching), plain and with each ``--llama-server-spec`` type
+(``benchmarks/build_llama_server.sh`` builds it).
 
-Reports, as JSON (and a Markdown table with ``--md``): per (B, N) the median over repeats of
-aggregate tokens/s, TTFT and latency, the throughput against ``max_batch 1`` at the same N (the
-one-at-a-time server) and against ``max_batch 1`` with one client, and how many streamed texts
-differ from the one-at-a-time single-client text of the same prompt (greedy: every one should be
-equal; in bf16 a batched verification may part from it only at a near-tie, which
-``adaptive bench``'s audit explains).
+Reports, as JSON (and a Markdown table with ``--md``): per (setting, N) the median over repeats of
+aggregate tokens/s, TTFT and latency, the throughput against ``adaptive --max-batch 1`` at the same
+N (the one-at-a-time server) and with one client, against plain ``llama-server`` at the same N, and
+how many streamed texts differ from the one-at-a-time single-client text of the same prompt
+(greedy: every one of ours should be equal; in bf16 a batched verification may part from it only
+at a near-tie, which ``adaptive bench``'s audit explains; llama-server applies the chat template
+itself and decodes with its own numerics, so its texts are agreement, not a lossless check).
 
-    python benchmarks/serve_batch.py --profile /tmp/s135-prof --data ../shared/data/spec_bench_dev.jsonl \\
+    python benchmarks/serve_batch.py --profile /tmp/s135-prof --data ../shared/data/spec_bench_dev.jsonl \
         --batches 1 8 --clients 1 2 4 8 --requests 32 --repeats 2 --out /tmp/serve-batch.json --md /tmp/sb.md
+    python benchmarks/serve_batch.py --profile /tmp/cpp-prof --data ../shared/data/spec_bench_dev.jsonl \
+        --batches 1 8 --clients 8 --llama-server --llama-server-spec ngram-mod --gguf SmolLM2.gguf
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ def free_port() -> int:
 def start_server(args, batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
-           "--max-batch", str(batch), "--max-queue", "256", "--no-online"]  # batching alone, as measured
+           "--max-batch", str(batch), "--max-queue", "256", "--no-online",  # batching alone, as measured
+           "--prefill-chunk", str(args.prefill_chunk)] + ([] if args.goodput else ["--no-goodput"])
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -71,11 +79,12 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def load(args, url: str, clients: int, record: str) -> dict:
+def load(args, url: str, clients: int, record: str, speculation: str | None = None) -> dict:
     cmd = [sys.executable, str(HERE / "serve_load.py"), "--url", url, "--data", args.data, "--clients", str(clients),
            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
            "--skip-first", str(args.skip_first), "--record", record] + \
-        (["--categories", *args.categories] if args.categories else [])
+        (["--categories", *args.categories] if args.categories else []) + \
+        (["--speculation", speculation] if speculation else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -102,41 +111,69 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--speculation", nargs="+", default=["auto"], choices=["auto", "off"],
+                    help="what adaptive serve's requests ask for (off: plain decoding, batched all the same)")
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="adaptive serve's --prefill-chunk")
+    ap.add_argument("--no-goodput", dest="goodput", action="store_false", help="adaptive serve --no-goodput")
+    ap.add_argument("--llama-server", action="store_true", help="also llama.cpp's llama-server, -np the largest batch")
+    ap.add_argument("--llama-server-spec", nargs="*", default=[], help="and with these --spec-type values")
+    ap.add_argument("--gguf", default=None, help="the GGUF file llama-server serves (the profile's model)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server's -t/-tb (ours: the engine's default)")
+    ap.add_argument("--slot-context", type=int, default=2048, help="llama-server's context per slot (-c: this x -np)")
     args = ap.parse_args()
     if 1 not in args.batches:
         raise SystemExit("--batches must include 1 (the one-at-a-time reference)")
+    if (args.llama_server or args.llama_server_spec) and not args.gguf:
+        raise SystemExit("--llama-server needs --gguf (the file the profile's model was loaded from)")
+    peers = ([None] if args.llama_server else []) + list(args.llama_server_spec)
+    slots = max(args.batches)
 
-    runs: dict[tuple[int, int], list[dict]] = {}
-    outputs: dict[tuple[int, int], list[dict[int, list[str]]]] = {}
+    runs: dict[tuple[str, int], list[dict]] = {}
+    outputs: dict[tuple[str, int], list[dict[int, list[str]]]] = {}
+
+    def measure(label: str, url: str, tmp: str, rep: int, speculation: str | None = None) -> None:
+        for clients in args.clients:
+            record = os.path.join(tmp, f"r{rep}-{label}-c{clients}.jsonl")
+            r = load(args, url, clients, record, speculation)
+            runs.setdefault((label, clients), []).append(r)
+            outputs.setdefault((label, clients), []).append(texts(record))
+            print(f"repeat {rep + 1} {label} clients {clients}: {r['tokens_per_s']} tok/s, "
+                  f"{r['server_errors']} errors", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for batch in args.batches:
                 proc, url = start_server(args, batch)
                 try:
-                    for clients in args.clients:
-                        record = os.path.join(tmp, f"r{rep}-b{batch}-c{clients}.jsonl")
-                        r = load(args, url, clients, record)
-                        runs.setdefault((batch, clients), []).append(r)
-                        outputs.setdefault((batch, clients), []).append(texts(record))
-                        print(f"repeat {rep + 1} max_batch {batch} clients {clients}: {r['tokens_per_s']} tok/s, "
-                              f"{r['server_errors']} errors", file=sys.stderr, flush=True)
+                    for spec in args.speculation:
+                        label = f"adaptive-b{batch}" + ("" if spec == "auto" else f"-spec-{spec}")
+                        measure(label, url, tmp, rep, None if spec == "auto" else spec)
                 finally:
                     stop_server(proc)
+            for spec_type in peers:
+                from adaptive.bench.llama_server import LlamaServer
 
-    ref_key = (1, min(args.clients))
+                label = f"llama-server-np{slots}" + (f"-{spec_type}" if spec_type else "")
+                with LlamaServer(Path(args.gguf), args.threads, args.slot_context * slots, spec_type,
+                                 slots=slots) as server:
+                    measure(label, server.url, tmp, rep)
+
+    ref_key = ("adaptive-b1", min(args.clients))
     reference = {i: ts[0] for i, ts in outputs[ref_key][0].items()}
     med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     ratio = lambda a, b: round(a / b, 2) if a is not None and b else None  # noqa: E731
+    tps_of = lambda key: med([r["tokens_per_s"] for r in runs.get(key, [])])  # noqa: E731
     rows = []
-    for (batch, clients), rs in sorted(runs.items()):
+    for (label, clients), rs in sorted(runs.items()):
         tps = med([r["tokens_per_s"] for r in rs])
-        differ = sum(t != reference.get(i) for o in outputs[(batch, clients)] for i, ts in o.items() for t in ts)
-        total = sum(len(ts) for o in outputs[(batch, clients)] for ts in o.values())
+        differ = sum(t != reference.get(i) for o in outputs[(label, clients)] for i, ts in o.items() for t in ts)
+        total = sum(len(ts) for o in outputs[(label, clients)] for ts in o.values())
         rows.append({
-            "max_batch": batch, "clients": clients, "tokens_per_s": tps,
+            "server": label, "clients": clients, "tokens_per_s": tps,
             "tokens_per_s_runs": [r["tokens_per_s"] for r in rs],
-            "vs_one_at_a_time_same_clients": ratio(tps, med([r["tokens_per_s"] for r in runs[(1, clients)]])),
-            "vs_one_at_a_time_one_client": ratio(tps, med([r["tokens_per_s"] for r in runs[ref_key]])),
+            "vs_one_at_a_time_same_clients": ratio(tps, tps_of(("adaptive-b1", clients))),
+            "vs_one_at_a_time_one_client": ratio(tps, tps_of(ref_key)),
+            "vs_llama_server_same_clients": ratio(tps, tps_of((f"llama-server-np{slots}", clients))),
             "ttft_median_s": med([r["ttft_s"]["median"] for r in rs if r["ttft_s"]["median"] is not None]),
             "latency_median_s": med([r["latency_s"]["median"] for r in rs if r["latency_s"]["median"] is not None]),
             "latency_p90_s": med([r["latency_s"]["p90"] for r in rs if r["latency_s"]["p90"] is not None]),
@@ -144,18 +181,19 @@ def main() -> None:
             "texts": total, "texts_differing_from_one_at_a_time": differ,
         })
     report = {"profile": args.profile, "categories": args.categories or "all", "requests": args.requests,
-              "max_tokens": args.max_tokens,
+              "max_tokens": args.max_tokens, "prefill_chunk": args.prefill_chunk, "goodput": args.goodput,
               "repeats": args.repeats, "rows": rows}
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     if args.md:
-        lines = ["| max batch | clients | tokens/s (median) | vs one at a time, same clients | vs 1 client, 1 at a "
-                 "time | TTFT median | latency median / p90 | texts differing |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = ["| server | clients | tokens/s (median) | vs one at a time, same clients | vs 1 client, 1 at a "
+                 "time | vs llama-server, same clients | TTFT median | latency median / p90 | texts differing |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['max_batch']} | {r['clients']} | {r['tokens_per_s']} | "
+            lines.append(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']} | "
                          f"{r['vs_one_at_a_time_same_clients']}x | {r['vs_one_at_a_time_one_client']}x | "
+                         f"{r['vs_llama_server_same_clients']}x | "
                          f"{r['ttft_median_s']} s | {r['latency_median_s']} / {r['latency_p90_s']} s | "
                          f"{r['texts_differing_from_one_at_a_time']} of {r['texts']} |")
         Path(args.md).write_text("\n".join(lines) + "\n")

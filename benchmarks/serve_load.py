@@ -110,6 +110,8 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int 
                     first = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            elif chunk.get("timings", {}).get("predicted_n"):  # llama-server's own count, when it sends no usage
+                tokens = chunk["timings"]["predicted_n"]
         if not done:
             stats.add("valid broken stream", "stream ended without [DONE]")
             return
@@ -140,6 +142,8 @@ def main() -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", default=None, help="write each valid request's prompt index and text here (JSON lines)")
+    ap.add_argument("--speculation", default=None,
+                    help="the body's 'speculation' field (adaptive serve's extension: auto, off or a policy)")
     args = ap.parse_args()
 
     u = urlparse(args.url)
@@ -172,6 +176,8 @@ def main() -> None:
         body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
                 "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if args.speculation:
+            body["speculation"] = args.speculation
         return json.dumps(body).encode(), True, i % len(prompts)
 
     def client():

@@ -52,8 +52,9 @@ STATEFUL_SPEC_TYPES = frozenset({"ngram-mod", "ngram-cache"})
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """How one ``llama-server`` process runs: the model, threads (``-t``/``-tb``), context (``-c``)
-    and the speculation type (``None``: plain decoding)."""
+    """How one ``llama-server`` process runs: the model, threads (``-t``/``-tb``), context (``-c``,
+    shared by the slots), the speculation type (``None``: plain decoding) and its slots (``-np``:
+    requests decoded together, continuous batching)."""
 
     gguf: Path
     threads: int
@@ -61,13 +62,15 @@ class ServerSettings:
     spec_type: str | None = None
     start_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
+    slots: int = 1
 
     def __post_init__(self):
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
             raise ConfigError(f"unknown llama-server speculation type {self.spec_type}; "
                               f"choose from {', '.join(SPEC_TYPES)}")
-        if self.threads < 1 or self.n_ctx < 1:
-            raise ConfigError(f"llama-server needs threads >= 1 and n_ctx >= 1, got {self.threads}, {self.n_ctx}")
+        if self.threads < 1 or self.n_ctx < 1 or self.slots < 1:
+            raise ConfigError(f"llama-server needs threads, n_ctx and slots >= 1, got {self.threads}, {self.n_ctx}, "
+                              f"{self.slots}")
 
 
 def cache_root() -> Path:
@@ -104,9 +107,9 @@ def free_port() -> int:
 
 
 def server_command(binary: Path, settings: ServerSettings, port: int) -> list[str]:
-    """The command line: one slot, no web UI, no prompt cache in RAM, loopback only."""
+    """The command line: the settings' slots, no web UI, no prompt cache in RAM, loopback only."""
     cmd = [str(binary), "-m", str(settings.gguf), "-t", str(settings.threads), "-tb", str(settings.threads),
-           "-np", "1", "-c", str(settings.n_ctx), "--host", HOST, "--port", str(port),
+           "-np", str(settings.slots), "-c", str(settings.n_ctx), "--host", HOST, "--port", str(port),
            "--no-webui", "--no-cache-prompt", "--cache-ram", "0"]
     if settings.spec_type is not None:
         cmd += ["--spec-type", settings.spec_type]
@@ -139,12 +142,14 @@ def generated_tokens(reply: dict, max_new_tokens: int, eos: set[int]) -> list[in
 class LlamaServer:
     """One ``llama-server`` process kept alive across prompts (restarted before each prompt for the
     :data:`STATEFUL_SPEC_TYPES`); use as a context manager or call :meth:`close` (also done at exit).
+    With ``slots`` > 1 it serves concurrent clients on its OpenAI-compatible endpoints at :attr:`url`
+    (``benchmarks/serve_batch.py`` drives it so).
     ``last_timings`` is the server's ``timings`` of the last request (``draft_n``/``draft_n_accepted``
     when it drafted)."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, spec_type: str | None = None,
-                 binary: Path | None = None):
-        self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type)
+                 binary: Path | None = None, slots: int = 1):
+        self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots)
         self.binary = binary if binary is not None else find_server()
         self.proc: subprocess.Popen | None = None
         self.port = 0
@@ -178,6 +183,10 @@ class LlamaServer:
             time.sleep(0.1)
         self.close()
         raise ConfigError(f"llama-server did not become healthy in {self.settings.start_timeout_s:.0f} s")
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
         """Greedy tokens after ``ids`` (up to and including an EOS) and the request's wall time in seconds."""
