@@ -5,7 +5,8 @@ settings alike), starts the server on a free port, then for each ``--clients`` N
 ``benchmarks/serve_load.py`` (N streaming greedy clients sending ``--requests`` requests in all, the
 same held-out Spec-Bench prompts in the same order each time, texts recorded), and stops it. One
 model process at a time. The settings: ``adaptive serve --profile DIR --max-batch B`` for each of
-``--batches`` (and for each ``--speculation`` value the requests carry: ``auto`` or ``off``); with
+``--batches`` (and for each ``--speculation`` value the requests carry: ``auto`` or ``off``; online
+learning off unless ``--online``, then what the learner did during each load is reported); with
 ``--llama-server``, llama.cpp's C++ ``llama-server`` on the same GGUF (``--gguf``) and threads,
 ``-np`` the largest batch (continuous batching), plain and with each ``--llama-server-spec`` type
 (``benchmarks/build_llama_server.sh`` builds it).
@@ -51,8 +52,12 @@ def free_port() -> int:
 def start_server(args, batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
-           "--max-batch", str(batch), "--max-queue", "256", "--no-online",  # batching alone, as measured
-           "--prefill-chunk", str(args.prefill_chunk)] + ([] if args.goodput else ["--no-goodput"])
+           "--max-batch", str(batch), "--max-queue", "256", "--prefill-chunk", str(args.prefill_chunk)] + \
+        ([] if args.goodput else ["--no-goodput"])
+    if getattr(args, "online", False):  # learning from this run only: a fresh overlay per server
+        cmd += ["--online", "--online-path", os.path.join(tempfile.mkdtemp(prefix="serve-batch-"), "overlay")]
+    else:
+        cmd += ["--no-online"]  # batching alone, as measured
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -115,6 +120,8 @@ def main() -> None:
                     help="what adaptive serve's requests ask for (off: plain decoding, batched all the same)")
     ap.add_argument("--prefill-chunk", type=int, default=128, help="adaptive serve's --prefill-chunk")
     ap.add_argument("--no-goodput", dest="goodput", action="store_false", help="adaptive serve --no-goodput")
+    ap.add_argument("--online", action="store_true",
+                    help="adaptive serve with online learning on (a fresh overlay each start; default: off)")
     ap.add_argument("--llama-server", action="store_true", help="also llama.cpp's llama-server, -np the largest batch")
     ap.add_argument("--llama-server-spec", nargs="*", default=[], help="and with these --spec-type values")
     ap.add_argument("--gguf", default=None, help="the GGUF file llama-server serves (the profile's model)")
@@ -135,6 +142,11 @@ def main() -> None:
         for clients in args.clients:
             record = os.path.join(tmp, f"r{rep}-{label}-c{clients}.jsonl")
             r = load(args, url, clients, record, speculation)
+            if label.startswith("adaptive") and args.online:  # what the learner did during this load
+                with urllib.request.urlopen(url + "/v1/adaptive/online", timeout=10) as reply:
+                    state = json.loads(reply.read())
+                r["online"] = {k: state.get(k) for k in ("requests", "buffered", "measuring", "learned",
+                                                         "measure_seconds", "measure_waits", "errors")}
             runs.setdefault((label, clients), []).append(r)
             outputs.setdefault((label, clients), []).append(texts(record))
             print(f"repeat {rep + 1} {label} clients {clients}: {r['tokens_per_s']} tok/s, "
@@ -178,6 +190,7 @@ def main() -> None:
             "latency_median_s": med([r["latency_s"]["median"] for r in rs if r["latency_s"]["median"] is not None]),
             "latency_p90_s": med([r["latency_s"]["p90"] for r in rs if r["latency_s"]["p90"] is not None]),
             "server_errors": sum(r["server_errors"] for r in rs),
+            "online": [r["online"] for r in rs if "online" in r] or None,
             "texts": total, "texts_differing_from_one_at_a_time": differ,
         })
     report = {"profile": args.profile, "categories": args.categories or "all", "requests": args.requests,

@@ -239,6 +239,16 @@ def load(model_spec: str, device: str, dtype: str, weights: str = "auto", engine
     return lm
 
 
+def model_given(model_spec: str) -> bool:
+    """``--model`` was given on the command line (its default, even typed out, is ``True`` too);
+    outside a click command: ``model_spec`` is not the default."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source("model_spec") if ctx is not None else None
+    if source is None:
+        return model_spec != DEFAULT_MODEL
+    return source is not click.core.ParameterSource.DEFAULT
+
+
 def load_runtime(profile_dir, model_spec: str, device: str, dtype: str, weights: str = "auto", engine: str = "auto",
                  **kwargs):
     """The runtime of a profile, with the model, dtype, weights and engine it names unless ``--model``/
@@ -246,7 +256,7 @@ def load_runtime(profile_dir, model_spec: str, device: str, dtype: str, weights:
     from adaptive.runtime import AdaptiveRuntime
 
     info(f"loading profile {profile_dir} ...")
-    return AdaptiveRuntime.from_profile(profile_dir, model=None if model_spec == DEFAULT_MODEL else model_spec,
+    return AdaptiveRuntime.from_profile(profile_dir, model=model_spec if model_given(model_spec) else None,
                                         device=device, dtype=None if dtype == "auto" else dtype,
                                         weights=None if weights == "auto" else weights,
                                         engine=None if engine == "auto" else engine, **kwargs)
@@ -256,7 +266,7 @@ def profile_model(profile, model_spec: str, dtype: str, weights: str = "auto",
                   engine: str = "auto") -> tuple[str, str, str, str]:
     """The model spec, dtype, weights and engine to load for ``profile``: its own unless ``--model``/
     ``--dtype``/``--weights``/``--engine`` say otherwise (on llama.cpp the dtype is the GGUF file's: ``auto``)."""
-    spec = (profile.model.spec or DEFAULT_MODEL) if model_spec == DEFAULT_MODEL else model_spec
+    spec = model_spec if model_given(model_spec) else (profile.model.spec or DEFAULT_MODEL)
     eng = profile.model.engine if engine == "auto" else engine
     dt = (profile.model.dtype or "auto") if dtype == "auto" else dtype
     return spec, "auto" if eng != "torch" and dtype == "auto" else dt, \

@@ -6,9 +6,10 @@ Request handlers (asyncio) :meth:`Scheduler.admit` a :class:`~adaptive.serve.pro
 
 One worker thread runs the batch, continuously. Before each step it takes waiting jobs in arrival
 order while fewer than ``max_batch`` run, and prefills them (:meth:`AdaptiveRuntime.prefilling`)
-``prefill_chunk`` prompt tokens in all per step, oldest first: a long prompt is admitted in chunks
-between decoding steps, so the running requests keep their pace and a short prompt arriving behind
-a long one waits at most one chunk (``0``: every prompt whole before the step). A request whose
+``prefill_chunk`` prompt tokens in all per step, the prompt with the fewest tokens left first: a
+long prompt is admitted in chunks between decoding steps, so the running requests keep their pace,
+and a short prompt arriving while a long one is prefilled waits for one chunk, not for the rest of
+it (``0``: every prompt whole before the step). A request whose
 prefill finished is routed and planned and joins the batch; then one :meth:`AdaptiveRuntime.step`
 drafts for every running request and verifies all of them in one forward; each job's text delta,
 and its result when it is done, go back to its handler's event loop. A finished job leaves the
@@ -235,11 +236,13 @@ class Scheduler:
             return None
 
     def _prefill(self, filling: list[tuple[Job, object]]) -> tuple[list[tuple[Job, object]], list[tuple[Job, object]]]:
-        """Prefill waiting prompts in arrival order, ``prefill_chunk`` tokens in all before the next
-        decoding step (every prompt whole when 0): ``(started, still prefilling)``. A request whose
-        prefill finished posts its first delta and is started unless already done."""
+        """Prefill waiting prompts, the fewest remaining tokens first (arrival order among equals),
+        ``prefill_chunk`` tokens in all before the next decoding step (every prompt whole when 0):
+        ``(started, still prefilling)``. A request whose prefill finished posts its first delta and is
+        started unless already done. Shortest first: a short prompt that arrives while a long one is
+        being prefilled waits for one chunk, not for the rest of the long prompt."""
         started, waiting, spent = [], [], 0
-        for job, task in filling:
+        for job, task in sorted(filling, key=lambda jt: jt[1].remaining):
             run = None
             while run is None and (not self.prefill_chunk or spent < self.prefill_chunk):
                 before = task.remaining

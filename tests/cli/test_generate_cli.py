@@ -121,3 +121,25 @@ def test_profile_options_belong_to_generate(capsys, tiny_model_dir, tiny_profile
     args = [str(tiny_profile) if a == "PROFILE" else a for a in args]
     code, _, err = run(capsys, command, "abc", "--model", str(tiny_model_dir), "--dtype", "float32", *args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_model_named_explicitly_is_not_ignored_with_a_profile(capsys, tiny_profile, monkeypatch, command):
+    """``--model NAME`` means that model even when NAME is the default's (it used to be taken as 'not
+    given', and the profile's own model was loaded instead); without ``--model``, the profile's."""
+    from adaptive.errors import ConfigError
+    from adaptive.models import DEFAULT_MODEL
+    from adaptive.runtime import AdaptiveRuntime
+
+    asked = []
+
+    def from_profile(cls, directory, model=None, **kw):
+        asked.append(model)
+        raise ConfigError("stopped here")
+
+    monkeypatch.setattr(AdaptiveRuntime, "from_profile", classmethod(from_profile))
+    tail = ["hi"] if command == "generate" else []
+    for extra in (["--model", DEFAULT_MODEL], []):
+        code, _, err = run(capsys, command, "--profile", str(tiny_profile), *extra, *tail)
+        assert code != 0 and "stopped here" in err
+    assert asked == [DEFAULT_MODEL, None]

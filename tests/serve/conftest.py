@@ -82,6 +82,8 @@ class ScriptedPrefill:
         self.rt, self.remaining, self.chunk = rt, n, chunk
 
     def advance(self):
+        self.rt.waits += 1  # the worker is in a prefill chunk (waiting for the gate, maybe)
+        self.rt.prefill_gate.acquire()
         step = min(self.remaining, self.chunk or self.remaining)
         self.remaining -= step
         self.rt.prefilled.append(step)
@@ -102,6 +104,8 @@ class ScriptedRuntime:
         self.pieces, self.fail, self.encode_error = pieces, fail, encode_error
         self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT))
         self.gate = threading.Semaphore(1000)
+        self.prefill_gate = threading.Semaphore(1000)  # each prefill chunk waits for it too
+        self.waits = 0
         self.calls, self.runs, self.batches, self.encoded, self.prefilled = [], [], [], [], []
         self.timeline = []  # "prefill N" and "step B" in the order the worker ran them
 

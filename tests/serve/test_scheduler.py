@@ -215,3 +215,25 @@ async def collect(job):
     while not events or events[-1].kind == "delta":
         events.append(await job.events.get())
     return events
+
+
+def test_a_short_prompt_is_prefilled_before_the_rest_of_a_long_one(loop):
+    """Shortest remaining first: a 10-token prompt that arrives while a 90-token one is being prefilled in
+    chunks of 32 is prefilled right after the chunk in progress, before the long prompt's last one."""
+    rt = ScriptedRuntime(pieces=("a", "b"))
+    rt.prefill_gate = threading.Semaphore(1)  # the long prompt's first chunk, then the worker waits in the second
+    s = Scheduler(rt, prefill_chunk=32, max_batch=4)
+    try:
+        long_job = Job(chat("x" * 90), s.admit(chat("x" * 90)), loop)
+        s.submit(long_job)
+        while rt.waits < 2:  # the worker is inside the long prompt's second chunk
+            loop.run_until_complete(asyncio.sleep(0.01))
+        short_job = Job(chat("y" * 10), s.admit(chat("y" * 10)), loop)
+        s.submit(short_job)
+        for _ in range(100):
+            rt.prefill_gate.release()
+        for job in (long_job, short_job):
+            loop.run_until_complete(asyncio.wait_for(collect(job), 10))
+        assert rt.prefilled == [32, 32, 10, 26]  # FIFO would have been 32, 32, 26, 10
+    finally:
+        s.close()
