@@ -128,8 +128,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama-server's -t/-tb (ours: the engine's default)")
     ap.add_argument("--slot-context", type=int, default=2048, help="llama-server's context per slot (-c: this x -np)")
     args = ap.parse_args()
-    if 1 not in args.batches:
-        raise SystemExit("--batches must include 1 (the one-at-a-time reference)")
     if (args.llama_server or args.llama_server_spec) and not args.gguf:
         raise SystemExit("--llama-server needs --gguf (the file the profile's model was loaded from)")
     peers = ([None] if args.llama_server else []) + list(args.llama_server_spec)
@@ -170,7 +168,8 @@ def main() -> None:
                                  slots=slots) as server:
                     measure(label, server.url, tmp, rep)
 
-    ref_key = ("adaptive-b1", min(args.clients))
+    # the reference texts: one at a time with the fewest clients (without --batches 1: the smallest batch)
+    ref_key = (f"adaptive-b{min(args.batches)}", min(args.clients))
     reference = {i: ts[0] for i, ts in outputs[ref_key][0].items()}
     med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     ratio = lambda a, b: round(a / b, 2) if a is not None and b else None  # noqa: E731

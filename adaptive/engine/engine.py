@@ -224,9 +224,9 @@ class Prefilling:
         """Prompt tokens not prefilled yet."""
         return self.task.remaining
 
-    def advance(self) -> Session | None:
-        """Prefill the next chunk; the :class:`Session` once the prompt is all in the cache."""
-        pre = self.task.advance()
+    def advance(self, tokens: int | None = None) -> Session | None:
+        """Prefill the next chunk (or ``tokens``); the :class:`Session` once the prompt is all in the cache."""
+        pre = self.task.advance(tokens)
         if pre is None:
             return None
         t, cfg = self.task, self.task.cfg

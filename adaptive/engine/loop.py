@@ -172,12 +172,14 @@ class ChunkedPrefill:
     def remaining(self) -> int:
         return len(self.prompt_ids) - self.position
 
-    def advance(self) -> Prefill | None:
-        """Prefill the next chunk: ``None`` while prompt tokens remain, then the :class:`Prefill`."""
+    def advance(self, tokens: int | None = None) -> Prefill | None:
+        """Prefill the next chunk (``tokens``: this many instead, e.g. all that remain, in one forward):
+        ``None`` while prompt tokens remain, then the :class:`Prefill`."""
         bb, pooling = self.backbone, self.pooling
         t0 = time.perf_counter()
         a, n = self.position, len(self.prompt_ids)
-        b = min(n, a + self.chunk) if self.chunk else n
+        size = self.chunk if tokens is None else tokens
+        b = min(n, a + size) if size else n
         last = b == n
         extra = bb.pool_args(pooling) if pooling is not None and (last or pooling.mode == "mean") else {}
         out = bb.forward(torch.tensor(self.prompt_ids[a:b], device=bb.device), self.cache, a,

@@ -173,11 +173,12 @@ class RoutedPrefilling:
         """Prompt tokens not prefilled yet."""
         return self.task.remaining
 
-    def advance(self) -> RoutedDecoding | None:
-        """The next chunk (under the model lock); after the last, the routed :class:`RoutedDecoding`."""
+    def advance(self, tokens: int | None = None) -> RoutedDecoding | None:
+        """The next chunk (or ``tokens``; under the model lock); after the last, the routed
+        :class:`RoutedDecoding`."""
         rt = self.runtime
         with rt._lock:
-            session = self.task.advance()
+            session = self.task.advance(tokens)
             return None if session is None else rt._route(session, self.policy, shared_draft_model=False)
 
 

@@ -9,8 +9,10 @@ order while fewer than ``max_batch`` run, and prefills them (:meth:`AdaptiveRunt
 ``prefill_chunk`` prompt tokens in all per step, the prompt with the fewest tokens left first: a
 long prompt is admitted in chunks between decoding steps, so the running requests keep their pace,
 and a short prompt arriving while a long one is prefilled waits for one chunk, not for the rest of
-it (``0``: every prompt whole before the step). A request whose
-prefill finished is routed and planned and joins the batch; then one :meth:`AdaptiveRuntime.step`
+it (``0``: every prompt whole before the step). While nothing decodes, prompts are prefilled whole:
+nothing waits for a step, and on the torch engine one forward costs less than its chunks (a server
+with one client decoded the full mix at 22.6 tok/s in chunks of 128 against 28.1 whole). A request
+whose prefill finished is routed and planned and joins the batch; then one :meth:`AdaptiveRuntime.step`
 drafts for every running request and verifies all of them in one forward; each job's text delta,
 and its result when it is done, go back to its handler's event loop. A finished job leaves the
 batch at once and a waiting one takes its place at the next step. A job whose client went away is
@@ -202,7 +204,7 @@ class Scheduler:
             filling = [(job, task) for job, task in filling if not self._dropped(job)]
             batch = [(job, run) for job, run in batch if not self._dropped(job)]
             self._set_running(batch + filling)
-            started, filling = self._prefill(filling)
+            started, filling = self._prefill(filling, whole=not batch)
             batch += started
             self._set_running(batch + filling)
             if batch:
@@ -235,19 +237,23 @@ class Scheduler:
             self._fail([job], exc)
             return None
 
-    def _prefill(self, filling: list[tuple[Job, object]]) -> tuple[list[tuple[Job, object]], list[tuple[Job, object]]]:
+    def _prefill(self, filling: list[tuple[Job, object]],
+                 whole: bool) -> tuple[list[tuple[Job, object]], list[tuple[Job, object]]]:
         """Prefill waiting prompts, the fewest remaining tokens first (arrival order among equals),
-        ``prefill_chunk`` tokens in all before the next decoding step (every prompt whole when 0):
-        ``(started, still prefilling)``. A request whose prefill finished posts its first delta and is
-        started unless already done. Shortest first: a short prompt that arrives while a long one is
-        being prefilled waits for one chunk, not for the rest of the long prompt."""
+        ``prefill_chunk`` tokens in all before the next decoding step (every prompt whole when 0,
+        or when ``whole``: nothing is decoding, so nothing waits for the step, and one forward per
+        prompt costs less than its chunks): ``(started, still prefilling)``. A request whose prefill
+        finished posts its first delta and is started unless already done. Shortest first: a short
+        prompt that arrives while a long one is being prefilled waits for one chunk, not for the
+        rest of the long prompt."""
         started, waiting, spent = [], [], 0
+        budget = 0 if whole else self.prefill_chunk
         for job, task in sorted(filling, key=lambda jt: jt[1].remaining):
             run = None
-            while run is None and (not self.prefill_chunk or spent < self.prefill_chunk):
+            while run is None and (not budget or spent < budget):
                 before = task.remaining
                 try:
-                    run = task.advance()
+                    run = task.advance(task.remaining if whole else None)
                 except Exception as exc:  # noqa: BLE001 - becomes the job's error event
                     self._fail([job], exc)
                     break

@@ -81,10 +81,11 @@ class ScriptedPrefill:
     def __init__(self, rt, n, chunk):
         self.rt, self.remaining, self.chunk = rt, n, chunk
 
-    def advance(self):
+    def advance(self, tokens=None):
         self.rt.waits += 1  # the worker is in a prefill chunk (waiting for the gate, maybe)
         self.rt.prefill_gate.acquire()
-        step = min(self.remaining, self.chunk or self.remaining)
+        size = self.chunk if tokens is None else tokens
+        step = min(self.remaining, size or self.remaining)
         self.remaining -= step
         self.rt.prefilled.append(step)
         self.rt.timeline.append(f"prefill {step}")
@@ -106,6 +107,7 @@ class ScriptedRuntime:
         self.gate = threading.Semaphore(1000)
         self.prefill_gate = threading.Semaphore(1000)  # each prefill chunk waits for it too
         self.waits = 0
+        self.step_delay = 0.0  # seconds each step takes
         self.calls, self.runs, self.batches, self.encoded, self.prefilled = [], [], [], [], []
         self.timeline = []  # "prefill N" and "step B" in the order the worker ran them
 
@@ -125,6 +127,7 @@ class ScriptedRuntime:
 
     def step(self, runs):
         assert runs and not any(r.done for r in runs)
+        time.sleep(self.step_delay)
         self.batches.append(len(runs))
         self.timeline.append(f"step {len(runs)}")
         out = []

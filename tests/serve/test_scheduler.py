@@ -183,12 +183,13 @@ def test_concurrent_jobs_share_steps_up_to_max_batch(loop):
 
 
 def test_long_prompts_are_prefilled_in_chunks_between_steps(loop):
-    """A 90-token prompt with chunks of 32 is three advances, and the running request steps between them."""
+    """A 90-token prompt with chunks of 32 is three advances while a request decodes, which steps
+    between them; on an idle server it is one (nothing waits for a step)."""
     rt = ScriptedRuntime(pieces=tuple("abcdefgh"))
     s = Scheduler(rt, prefill_chunk=32)
     try:
         run_job(s, chat("x" * 90, max_tokens=1), loop)
-        assert rt.prefilled == [32, 32, 26]
+        assert rt.prefilled == [90]
         rt.prefilled.clear()
         rt.timeline.clear()
         rt.gate = threading.Semaphore(2)  # the short request starts, steps once, then waits for the test
@@ -220,13 +221,17 @@ async def collect(job):
 def test_a_short_prompt_is_prefilled_before_the_rest_of_a_long_one(loop):
     """Shortest remaining first: a 10-token prompt that arrives while a 90-token one is being prefilled in
     chunks of 32 is prefilled right after the chunk in progress, before the long prompt's last one."""
-    rt = ScriptedRuntime(pieces=("a", "b"))
-    rt.prefill_gate = threading.Semaphore(1)  # the long prompt's first chunk, then the worker waits in the second
+    rt = ScriptedRuntime(pieces=("a",) * 200)  # 3 runs of 200 steps: within the step gate's 1000
+    rt.step_delay = 0.005  # the first request decodes for a second: the long prompt arrives meanwhile
+    rt.prefill_gate = threading.Semaphore(2)  # a decoding request's prefill and the long prompt's first chunk
     s = Scheduler(rt, prefill_chunk=32, max_batch=4)
     try:
+        s.submit(Job(chat("zzz"), s.admit(chat("zzz")), loop))  # decodes meanwhile, so the long prompt is chunked
+        while not rt.batches:
+            loop.run_until_complete(asyncio.sleep(0.01))
         long_job = Job(chat("x" * 90), s.admit(chat("x" * 90)), loop)
         s.submit(long_job)
-        while rt.waits < 2:  # the worker is inside the long prompt's second chunk
+        while rt.waits < 3:  # the worker is inside the long prompt's second chunk
             loop.run_until_complete(asyncio.sleep(0.01))
         short_job = Job(chat("y" * 10), s.admit(chat("y" * 10)), loop)
         s.submit(short_job)
@@ -234,6 +239,6 @@ def test_a_short_prompt_is_prefilled_before_the_rest_of_a_long_one(loop):
             rt.prefill_gate.release()
         for job in (long_job, short_job):
             loop.run_until_complete(asyncio.wait_for(collect(job), 10))
-        assert rt.prefilled == [32, 32, 10, 26]  # FIFO would have been 32, 32, 26, 10
+        assert rt.prefilled == [3, 32, 32, 10, 26]  # FIFO would have been 32, 32, 26, 10
     finally:
         s.close()
