@@ -56,7 +56,8 @@ def test_early_exit_skip():
 
 def test_untrained_block_is_the_identity(lm):
     block = ExitBlock.from_backbone(lm.backbone, 2)
-    h = torch.randn(2, 5, block.hidden)
+    w = next(block.parameters())
+    h = torch.randn(2, 5, block.hidden, device=w.device, dtype=w.dtype)  # the backbone's device (CUDA on a GPU)
     assert torch.equal(block(h), h)
 
 
