@@ -187,19 +187,18 @@ class ChunkedPrefill:
         self.cache.length = self.position = b
         if extra:
             self._pools.append((b - a, bb.pooled(out, pooling)))
-        if not last:
-            _sync(bb.device)
-            self.elapsed += time.perf_counter() - t0
-            return None
-        logits, cfg = out.logits[0], self.cfg  # [V]
-        if cfg.greedy:
-            first = int(logits.argmax())
-        else:
-            first = int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
-                                          generator=self.generator))
+        first = self._first(out.logits[0]) if last else None  # [V] logits of the prompt's last position
         _sync(bb.device)
         self.elapsed += time.perf_counter() - t0
-        return Prefill(first, self._pooled(), self.elapsed)
+        return Prefill(first, self._pooled(), self.elapsed) if last else None
+
+    def _first(self, logits: torch.Tensor) -> int:
+        """The first generated token: greedy, or sampled from the warped distribution."""
+        cfg = self.cfg
+        if cfg.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
+                                     generator=self.generator))
 
     def _pooled(self) -> torch.Tensor | None:
         if not self._pools:

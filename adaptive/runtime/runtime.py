@@ -406,12 +406,11 @@ class AdaptiveRuntime:
               chat: bool | None = None) -> RoutedDecoding:
         """Prefill, route and plan one request (options as :meth:`stream`): a :class:`RoutedDecoding`
         for :meth:`step`, which decodes it together with other started requests. Its drafter is its
-        own (a distilled draft model gets a KV cache per request)."""
-        pol = get_policy(policy)
-        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
-        ids = self.encode(prompt, chat)
-        with self._lock:
-            return self._start(ids, cfg, pol, shared_draft_model=False)
+        own (a distilled draft model gets a KV cache per request). :meth:`prefilling` in one chunk."""
+        run = self.prefilling(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k, stop, seed,
+                              policy, confidence_threshold).advance()
+        assert run is not None  # one chunk: the whole prompt
+        return run
 
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                    top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
