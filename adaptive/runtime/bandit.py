@@ -189,11 +189,15 @@ class ThompsonCascade(DraftLengthPolicy):
         """Layer-skip forwards per layer-skip token drafted so far (1.0 before any)."""
         return self._forwards / self._layer_skip_tokens if self._layer_skip_tokens else 1.0
 
-    def choose(self, max_len: int) -> DraftChoice:
+    def _sample(self) -> tuple[float, list[float], float]:
+        """A Thompson sample of both levels' acceptance (layer skip, each tail position) and the
+        layer-skip token's cost as drafting has gone so far."""
         with self._lock:
-            a_l = self.layer_skip.sample(self._rng)
-            a_s = [b.sample(self._rng) for b in self.tail]
-            cost = self.layer_skip_cost * min(1.0, self.forwards_per_token)
+            return (self.layer_skip.sample(self._rng), [b.sample(self._rng) for b in self.tail],
+                    self.layer_skip_cost * min(1.0, self.forwards_per_token))
+
+    def choose(self, max_len: int) -> DraftChoice:
+        a_l, a_s, cost = self._sample()
         h, k = best_split(a_l, a_s, cost, self.stat_cost, self.verify, min(max_len, self.max_len), self.max_split)
         with self._lock:
             key = f"{h}+{k - h}"
@@ -203,10 +207,7 @@ class ThompsonCascade(DraftLengthPolicy):
     def plan(self, max_len: int) -> DraftPlan:
         """Thompson samples of both levels: the split alone's best (:func:`~adaptive.costs.best_split`),
         then the gains of ``1 .. max_len`` tokens drafted with it (layer-skip tokens first)."""
-        with self._lock:
-            a_l = self.layer_skip.sample(self._rng)
-            a_s = [b.sample(self._rng) for b in self.tail]
-            cost = self.layer_skip_cost * min(1.0, self.forwards_per_token)
+        a_l, a_s, cost = self._sample()
         n = min(max_len, self.max_len)
         h, _ = best_split(a_l, a_s, cost, self.stat_cost, self.verify, n, self.max_split)
         gains, p = [], 1.0
