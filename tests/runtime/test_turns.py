@@ -70,13 +70,14 @@ def test_share_guard_runs_freely_when_idle():
 
 def test_share_guard_keeps_its_share_under_load():
     lock, stop = TurnLock(), threading.Event()
-    served = [0]
+    served = [0.0]  # seconds the decoding loop held the model
 
     def serving():  # a decoding loop: re-acquires at once after each 5 ms step
         while not stop.is_set():
             with lock:
+                t0 = time.monotonic()
                 time.sleep(0.005)
-                served[0] += 1
+                served[0] += time.monotonic() - t0
 
     t = threading.Thread(target=serving)
     t.start()
@@ -89,4 +90,4 @@ def test_share_guard_keeps_its_share_under_load():
         t.join()
     assert g.waits > 0
     assert g.used_s <= 0.1 * wall + 0.02 + 0.05  # its share, one block over, timer slack
-    assert served[0] * 0.005 > 0.7 * wall  # serving kept most of the model
+    assert served[0] > 0.7 * wall  # serving kept most of the model (its time holding it, measured)
