@@ -63,11 +63,14 @@ ATTN_BLOCK = 128  # queries per attention block in a long forward (a prefill); f
 @dataclass(frozen=True)
 class Segment:
     """One sequence's share of :meth:`Backbone.forward_batch`: token ids ``ids`` (``[T]``) fed at
-    positions ``start .. start + T - 1`` of that sequence's own ``cache``."""
+    positions ``start .. start + T - 1`` of that sequence's own ``cache``; ``logits``: whether the
+    forward returns its logits (a verification's segment does; a chunk of a prompt being prefilled
+    beside the verifications, which only writes its keys, does not)."""
 
     ids: torch.Tensor
     cache: KVCache
     start: int
+    logits: bool = True
 
 
 @dataclass
@@ -415,9 +418,9 @@ class Backbone:
         return torch.bmm(torch.softmax(scores, dim=-1), values).view(KV, G, t, D)
 
     @torch.inference_mode()
-    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """A full-model forward of several sequences at once; each segment's logits at every fed
-        position, ``[T_i, vocab]`` float32, in order.
+        position, ``[T_i, vocab]`` float32, in order (``None`` for a segment with ``logits=False``).
 
         Segment ``s`` feeds ``s.ids`` (``[T_i]``) at positions ``s.start .. s.start + T_i - 1`` of its
         own ``s.cache`` (which must hold that sequence's keys for ``0 .. s.start - 1``), exactly as
@@ -427,7 +430,9 @@ class Backbone:
         cache. Ragged: segments may differ in length, start and cache size; nothing is padded.
         Does not change any ``cache.length``.
 
-        Example: segments of 1 and 3 tokens at starts 7 and 20 -> logits ``[1, V]`` and ``[3, V]``.
+        Example: segments of 1 and 3 tokens at starts 7 and 20 -> logits ``[1, V]`` and ``[3, V]``;
+        add a 128-token prompt chunk at start 256 with ``logits=False`` -> ``[1, V]``, ``[3, V]``, ``None``
+        (the chunk's keys written, no LM head computed for its rows).
         """
         if not segments:
             return []
@@ -454,8 +459,14 @@ class Backbone:
                              for s, (a, b, end, banned) in zip(segments, spans)])
             h = h + w.o(out.to(x.dtype))
             h = h + self._mlp(w, h)
-        logits = self.head(rms_norm(h, self.norm.weight, self.norm_eps)).float()
-        return [logits[a:b] for a, b, _, _ in spans]
+        wanted = [(a, b) for s, (a, b, _, _) in zip(segments, spans) if s.logits]
+        rows = torch.cat([h[a:b] for a, b in wanted]) if wanted else h[:0]
+        logits = self.head(rms_norm(rows, self.norm.weight, self.norm_eps)).float()
+        out, row = [], 0
+        for s, (a, b, _, _) in zip(segments, spans):
+            out.append(logits[row:row + b - a] if s.logits else None)
+            row += b - a if s.logits else 0
+        return out
 
     @property
     def norm_eps(self) -> float:

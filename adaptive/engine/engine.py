@@ -224,6 +224,11 @@ class Prefilling:
         """Prompt tokens not prefilled yet."""
         return self.task.remaining
 
+    @property
+    def can_ride(self) -> bool:
+        """Whether a decoding step can carry the next chunk (:meth:`Engine.step`'s ``riders``)."""
+        return self.task.can_ride
+
     def advance(self, tokens: int | None = None) -> Session | None:
         """Prefill the next chunk (or ``tokens``); the :class:`Session` once the prompt is all in the cache."""
         pre = self.task.advance(tokens)
@@ -343,13 +348,17 @@ class Engine:
         lane = Lane(session.state, drafter, policy or FixedDraftLength(cfg.draft_len), cfg, session.stats, acceptor)
         return Decoding(session, lane, TextStream(self._decode_text, self.eos, cfg))
 
-    def step(self, decodings: Sequence[Decoding], choices: Sequence[DraftChoice | None] | None = None) -> list[str]:
+    def step(self, decodings: Sequence[Decoding], choices: Sequence[DraftChoice | None] | None = None,
+             riders: Sequence[Prefilling] = ()) -> list[str]:
         """One verification step of each unfinished decoding, all verified in one forward
-        (:func:`adaptive.engine.loop.step`; ``choices``: the batch's draft choices, see there);
-        returns each one's text delta ('' for none yet)."""
+        (:func:`adaptive.engine.loop.step`; ``choices``: the batch's draft choices, see there), which
+        also carries the next chunk of each of ``riders`` (prefills whose ``can_ride``); returns each
+        decoding's text delta ('' for none yet)."""
         if any(d.done for d in decodings):
             raise ConfigError("a finished decoding cannot step")
-        chunks = step(self.backbone, [d.lane for d in decodings], choices)
+        if not all(p.can_ride for p in riders):
+            raise ConfigError("a step carries a prefill's chunk only when it is not the prompt's last (can_ride)")
+        chunks = step(self.backbone, [d.lane for d in decodings], choices, [p.task for p in riders])
         return [d.out.push(c) for d, c in zip(decodings, chunks)]
 
     def decode(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,

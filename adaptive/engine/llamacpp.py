@@ -317,16 +317,17 @@ class LlamaCppBackbone:
         finally:
             lib.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
 
-    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """Several sequences' forwards in one ``llama_decode``: each segment's logits at every fed
-        position (``[T_i, vocab]`` float32), in order; ragged, nothing padded. As
+        position (``[T_i, vocab]`` float32; ``None`` for a segment with ``logits=False``), in order;
+        ragged, nothing padded. As
         :meth:`~adaptive.engine.backbone.Backbone.forward_batch` (each segment its own cache and start)."""
         if not segments:
             return []
         with self._lock:
             return self._forward_batch(segments)
 
-    def _forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+    def _forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         parts, total = [], 0
         for s in segments:
             ids = _ids(s.ids)
@@ -336,15 +337,15 @@ class LlamaCppBackbone:
                 raise PromptTooLongError(f"positions up to {s.start + len(ids)} exceed the cache of {s.cache.max_len}")
             self._rewind(s.cache, s.start)
             s.cache.written = s.start + len(ids)
-            parts.append((ids, s.cache.seq, s.start, True))
+            parts.append((ids, s.cache.seq, s.start, bool(s.logits)))
             total += len(ids)
         if total > N_BATCH:
             raise ValueError(f"a batched forward of {total} tokens exceeds llama.cpp's batch of {N_BATCH}")
         rows = self._decode(parts)[0]
         out, row = [], 0
-        for ids, *_ in parts:
-            out.append(rows[row:row + len(ids)])
-            row += len(ids)
+        for ids, _, _, wanted in parts:
+            out.append(rows[row:row + len(ids)] if wanted else None)
+            row += len(ids) if wanted else 0
         return out
 
     def _rewind(self, cache: LlamaCache, start: int) -> None:

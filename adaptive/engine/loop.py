@@ -192,6 +192,35 @@ class ChunkedPrefill:
         self.elapsed += time.perf_counter() - t0
         return Prefill(first, self._pooled(), self.elapsed) if last else None
 
+    def ride(self) -> Segment | None:
+        """The next chunk as a :class:`~adaptive.engine.backbone.Segment` that only writes its keys,
+        for a decoding step's forward to carry (:func:`step`'s ``riders``), or ``None`` when that
+        chunk must be a forward of its own: the prompt's last (its logits give the first token, and
+        it pools the embedding) or a chunk of a ``mean`` pooling (pooled per chunk). After the step,
+        :meth:`rode` records it. A chunk computes the same keys carried or alone, as one forward
+        over the whole prompt does (attention is per sequence; only the rows' rounding may differ,
+        as in any batched forward)."""
+        if not self.can_ride:
+            return None
+        a = self.position
+        ids = torch.tensor(self.prompt_ids[a:a + self.chunk], device=self.backbone.device)
+        return Segment(ids, self.cache, a, logits=False)
+
+    @property
+    def can_ride(self) -> bool:
+        """Whether :meth:`ride` gives the next chunk (see there)."""
+        pooling = self.pooling
+        return 0 < self.chunk < self.remaining and not (pooling is not None and pooling.mode == "mean")
+
+    def rode(self, segment: Segment, seconds: float) -> None:
+        """Record the chunk :meth:`ride` gave, now fed: the prompt has ``len(segment.ids)`` more
+        tokens cached, and ``seconds`` (the chunk's share of the step's forward) count as prefill time."""
+        if segment.start != self.position or segment.cache is not self.cache:
+            raise ValueError(f"a carried chunk at position {segment.start} of a prefill at {self.position}")
+        self.position += int(segment.ids.numel())
+        self.cache.length = self.position
+        self.elapsed += seconds
+
     def _first(self, logits: torch.Tensor) -> int:
         """The first generated token: greedy, or sampled from the warped distribution."""
         cfg = self.cfg
@@ -282,29 +311,40 @@ class Lane:
         return new
 
 
-def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] | None = None) -> list[list[int]]:
+def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] | None = None,
+         riders: Sequence[ChunkedPrefill] = ()) -> list[list[int]]:
     """One verification step of each lane (none of them done); returns each lane's new tokens.
     ``choices``: each lane's draft choice, made for the batch (``None`` for a lane, or for all: its
-    policy chooses).
+    policy chooses). ``riders``: prefills whose next chunk the same forward carries
+    (:meth:`ChunkedPrefill.ride`; each must give one): their keys are written beside the
+    verifications, so a server's prefills cost no forward of their own and the decoding rows are
+    multiplied with the chunk's, as one wider product.
 
     Every lane drafts (one after another), then one full-model forward verifies them all: a lone
-    lane through :meth:`~adaptive.engine.backbone.Backbone.forward`, several through
-    :meth:`~adaptive.engine.backbone.Backbone.forward_batch` (ragged: each its own cache, position
-    and draft length, so nothing is padded and nothing padded can be accepted). Then each lane
-    accepts from its own logits. The verification's time counts in every lane's ``verify_time``.
+    lane without riders through :meth:`~adaptive.engine.backbone.Backbone.forward`, otherwise
+    through :meth:`~adaptive.engine.backbone.Backbone.forward_batch` (ragged: each its own cache,
+    position and draft length, so nothing is padded and nothing padded can be accepted). Then each
+    lane accepts from its own logits. The verification's time counts in every lane's
+    ``verify_time``; a rider's share of it (by rows) in its prefill time.
     """
+    carried = [r.ride() for r in riders]
+    if any(c is None for c in carried):
+        raise ValueError("a rider's next chunk cannot be carried (its last, or a mean pooling's)")
     drafts = [lane.propose(c) for lane, c in zip(lanes, choices or [None] * len(lanes))]
     t0 = time.perf_counter()
     segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
-    if len(segments) == 1:
+    if len(segments) == 1 and not carried:
         s = segments[0]
         logits = [backbone.forward(s.ids, s.cache, s.start, logits="all").logits]  # [k + 1, V]
     else:
-        logits = backbone.forward_batch(segments)
+        logits = backbone.forward_batch(segments + carried)[:len(segments)]
     new = [lane.accept(d, p) for lane, d, p in zip(lanes, drafts, logits)]
     elapsed = time.perf_counter() - t0
     for lane in lanes:
         lane.stats.verify_time += elapsed
+    rows = sum(int(s.ids.numel()) for s in segments + carried)
+    for r, c in zip(riders, carried):
+        r.rode(c, elapsed * int(c.ids.numel()) / rows)
     return new
 
 

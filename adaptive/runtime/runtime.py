@@ -173,6 +173,11 @@ class RoutedPrefilling:
         """Prompt tokens not prefilled yet."""
         return self.task.remaining
 
+    @property
+    def can_ride(self) -> bool:
+        """Whether a decoding step can carry the next chunk (:meth:`AdaptiveRuntime.step`'s ``riders``)."""
+        return self.task.can_ride
+
     def advance(self, tokens: int | None = None) -> RoutedDecoding | None:
         """The next chunk (or ``tokens``; under the model lock); after the last, the routed
         :class:`RoutedDecoding`."""
@@ -449,13 +454,15 @@ class AdaptiveRuntime:
         self._observe(run)  # done at the prefill already (its one token was EOS, or one was asked for)
         return run
 
-    def step(self, decodings: Sequence[RoutedDecoding]) -> list[str]:
+    def step(self, decodings: Sequence[RoutedDecoding], riders: Sequence[RoutedPrefilling] = ()) -> list[str]:
         """One verification step of each started, unfinished request, verified together in one forward
-        (:meth:`Engine.step`); each one's text delta. Greedy outputs are those of decoding each alone.
-        Several requests draft the lengths that goodput pricing gives the batch (:meth:`batch_choices`)."""
+        (:meth:`Engine.step`) that also carries the next chunk of each of ``riders`` (requests being
+        prefilled whose ``can_ride``); each decoding's text delta. Greedy outputs are those of
+        decoding each alone. Several requests draft the lengths that goodput pricing gives the batch
+        (:meth:`batch_choices`)."""
         with self._lock:
             choices = self.batch_choices(decodings) if self.goodput and len(decodings) > 1 else None
-            deltas = self.engine.step([d.decoding for d in decodings], choices)
+            deltas = self.engine.step([d.decoding for d in decodings], choices, [r.task for r in riders])
         for d in decodings:
             self._observe(d)
         return deltas

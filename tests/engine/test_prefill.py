@@ -7,7 +7,9 @@ import torch
 
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import ChunkedPrefill, prefill
+from adaptive.engine.loop import ChunkedPrefill, GenerationStats, Lane, prefill, step
+from adaptive.engine.protocol import DecodeState, FixedDraftLength
+from adaptive.errors import ConfigError
 from tests.conftest import tiny_lm
 
 PROMPT = [(7 * i + 3) % 40 + 4 for i in range(300)]
@@ -66,3 +68,66 @@ def test_llama_cpp_chunks_are_bit_identical(tiny_gguf):
     (ref, ref_next), (pre, nxt) = run(0), run(128)
     assert ref.first == pre.first and torch.equal(ref.pooled, pre.pooled)
     assert torch.equal(ref_next, nxt)  # the caches hold the same keys: the next step is equal bit for bit
+
+
+@pytest.mark.parametrize("pool", [Pooling(2, "last"), False])
+def test_chunks_carried_by_steps_give_the_outputs_of_decoding_alone_fp32(pool):
+    """A long prompt's chunks ride in another request's verification steps (one forward for both):
+    both requests decode exactly as each alone, and only the prompt's last chunk is a forward of its own."""
+    lm = tiny_lm("llama")
+    eng, cfg = Engine(lm), GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    alone = [list(eng.decode(eng.start(p, cfg, pool=pool)))[-1].token_ids for p in (PROMPT[:9], PROMPT)]
+    decoding = eng.begin(eng.start(PROMPT[:9], cfg, pool=pool))
+    task = eng.prefilling(PROMPT, cfg, pool=pool, chunk=128)
+    carried = 0
+    while task.can_ride:
+        eng.step([decoding], riders=[task])
+        carried += 1
+    assert carried == 2 and task.remaining == 44  # 128 + 128 carried, the last 44 alone
+    session = task.advance()
+    assert session is not None and session.stats.prefill_time > 0
+    while not decoding.done:
+        eng.step([decoding])
+    assert decoding.result().token_ids == alone[0]
+    assert list(eng.decode(session))[-1].token_ids == alone[1]
+
+
+def test_a_chunk_that_cannot_ride_is_refused():
+    """The prompt's last chunk and the chunks of a mean pooling are forwards of their own."""
+    lm = tiny_lm("llama")
+    eng, cfg = Engine(lm), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    decoding = eng.begin(eng.start(PROMPT[:9], cfg))
+    assert not eng.prefilling(PROMPT, cfg, pool=Pooling(2, "mean"), chunk=128).can_ride
+    assert not eng.prefilling(PROMPT[:100], cfg, chunk=128).can_ride
+    assert not eng.prefilling(PROMPT, cfg, chunk=0).can_ride
+    with pytest.raises(ConfigError):
+        eng.step([decoding], riders=[eng.prefilling(PROMPT[:100], cfg, chunk=128)])
+
+
+def test_llama_cpp_chunks_carried_by_steps(tiny_gguf):
+    """On llama.cpp a carried chunk's rows are multiplied with a step's: the request decodes as alone,
+    and the prefilled one gives the same first token and next logits as one call (rounding aside)."""
+    pytest.importorskip("llama_cpp")
+    from adaptive.engine.llamacpp import LlamaCppBackbone
+
+    path, _ = tiny_gguf
+    ids = (PROMPT * 4)[:600]
+    cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    bb = LlamaCppBackbone(path, threads=2, context=1200, sequences=3)
+    pool = Pooling(None, "last")
+    ref = ChunkedPrefill(bb, ids, bb.new_cache(700), cfg, None, pool, chunk=0)
+    whole = ref.advance()
+    other = ChunkedPrefill(bb, PROMPT[:9], bb.new_cache(700), cfg, None, chunk=0)
+    first = other.advance().first
+    lane = Lane(DecodeState(bb, other.cache, PROMPT[:9] + [first], cfg, None), None, FixedDraftLength(1), cfg,
+                GenerationStats())
+    task = ChunkedPrefill(bb, ids, bb.new_cache(700), cfg, None, pool, chunk=128)
+    while task.can_ride:
+        step(bb, [lane], riders=[task])
+    assert task.remaining == 600 - 4 * 128
+    pre = task.advance()
+    assert pre.first == whole.first
+    nxt = [bb.forward(torch.tensor([whole.first]), c, 600).logits for c in (ref.cache, task.cache)]
+    # the keys differ by the quantized kernels' rounding of a 129-row product against a 600-row one
+    # (about 3e-3 on this model), as any batched forward's do: the audit's bf16-like tolerance
+    assert torch.allclose(nxt[0], nxt[1], atol=0.02, rtol=0.01)
