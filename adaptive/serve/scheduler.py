@@ -102,12 +102,13 @@ class Scheduler:
     which decodes up to ``max_batch`` requests together."""
 
     def __init__(self, runtime, metrics: Metrics | None = None, max_queue: int = 64, default_max_tokens: int = 256,
-                 max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, carry: bool = True):
         if max_queue < 1 or default_max_tokens < 1 or max_batch < 1:
             raise ValueError("max_queue, default_max_tokens and max_batch must be at least 1")
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.carry = carry  # steps carry prompt chunks (False: each chunk a forward of its own, for comparison)
         self.runtime = runtime
         self.metrics = metrics or Metrics()
         self.max_queue = max_queue
@@ -204,11 +205,12 @@ class Scheduler:
             filling = [(job, task) for job, task in filling if not self._dropped(job)]
             batch = [(job, run) for job, run in batch if not self._dropped(job)]
             self._set_running(batch + filling)
-            started, filling = self._prefill(filling, whole=not batch)
+            started, filling, riders = self._prefill(filling, whole=not batch)
             batch += started
             self._set_running(batch + filling)
             if batch:
-                batch = self._step(batch)
+                batch, failed = self._step(batch, riders)
+                filling = [(job, task) for job, task in filling if id(job) not in failed]
                 self._set_running(batch + filling)  # an idle server reads 0 as soon as its last request finished
         self._set_running([])
 
@@ -237,18 +239,25 @@ class Scheduler:
             self._fail([job], exc)
             return None
 
-    def _prefill(self, filling: list[tuple[Job, object]],
-                 whole: bool) -> tuple[list[tuple[Job, object]], list[tuple[Job, object]]]:
+    def _prefill(self, filling: list[tuple[Job, object]], whole: bool
+                 ) -> tuple[list[tuple[Job, object]], list[tuple[Job, object]], list[tuple[Job, object]]]:
         """Prefill waiting prompts, the fewest remaining tokens first (arrival order among equals),
-        ``prefill_chunk`` tokens in all before the next decoding step (every prompt whole when 0,
-        or when ``whole``: nothing is decoding, so nothing waits for the step, and one forward per
-        prompt costs less than its chunks): ``(started, still prefilling)``. A request whose prefill
-        finished posts its first delta and is started unless already done. Shortest first: a short
-        prompt that arrives while a long one is being prefilled waits for one chunk, not for the
-        rest of the long prompt."""
-        started, waiting, spent = [], [], 0
+        ``prefill_chunk`` tokens in all per decoding step (every prompt whole when 0, or when
+        ``whole``: nothing is decoding, so nothing waits for the step, and one forward per prompt
+        costs less than its chunks): ``(started, still prefilling, riders)``. A chunk that is not its
+        prompt's last rides in the next step's forward (``riders``, still prefilling: one wider
+        product instead of two forwards); a prompt's last chunk is a forward of its own (it routes
+        the request and picks its first token), after which the request posts its first delta and
+        is started unless already done. Shortest first: a short prompt that arrives while a long
+        one is being prefilled waits for one chunk, not for the rest of the long prompt."""
+        started, waiting, riders, spent = [], [], [], 0
         budget = 0 if whole else self.prefill_chunk
         for job, task in sorted(filling, key=lambda jt: jt[1].remaining):
+            if budget and spent < budget and self.carry and task.can_ride:
+                riders.append((job, task))
+                waiting.append((job, task))
+                spent += min(self.prefill_chunk, task.remaining)
+                continue
             run = None
             while run is None and (not budget or spent < budget):
                 before = task.remaining
@@ -265,19 +274,23 @@ class Scheduler:
                         started.append((job, run))
                 else:
                     waiting.append((job, task))
-        return started, waiting
+        return started, waiting, riders
 
-    def _step(self, batch: list[tuple[Job, object]]) -> list[tuple[Job, object]]:
-        """One step of every running job; the jobs still running after it."""
+    def _step(self, batch: list[tuple[Job, object]], riders: list[tuple[Job, object]] = ()
+              ) -> tuple[list[tuple[Job, object]], set[int]]:
+        """One step of every running job, carrying the riders' next prompt chunks: the jobs still
+        running after it, and the ``id`` of each job that failed with it (a failed step fails its
+        riders too)."""
         self.metrics.observe("batch_size", len(batch))
         try:
-            deltas = self.runtime.step([run for _, run in batch])
+            deltas = self.runtime.step([run for _, run in batch], [task for _, task in riders])
         except Exception as exc:  # noqa: BLE001 - every job in the failed step gets the error
-            self._fail([job for job, _ in batch], exc)
-            return []
+            jobs = [job for job, _ in batch] + [job for job, _ in riders]
+            self._fail(jobs, exc)
+            return [], {id(job) for job in jobs}
         for (job, run), delta in zip(batch, deltas):
             self._deliver(job, run, delta)
-        return [(job, run) for job, run in batch if not run.done]
+        return [(job, run) for job, run in batch if not run.done], set()
 
     def _deliver(self, job: Job, run, delta: str) -> None:
         """Post ``delta`` (the first non-empty one also times the first token), then the result when done."""

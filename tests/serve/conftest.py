@@ -81,6 +81,19 @@ class ScriptedPrefill:
     def __init__(self, rt, n, chunk):
         self.rt, self.remaining, self.chunk = rt, n, chunk
 
+    @property
+    def can_ride(self):
+        return 0 < self.chunk < self.remaining
+
+    def ride(self):
+        """The next chunk, carried by a step (RoutedPrefilling's riders)."""
+        assert self.can_ride
+        self.rt.waits += 1  # the worker is in a prefill chunk (waiting for the gate, maybe)
+        self.rt.prefill_gate.acquire()
+        self.remaining -= self.chunk
+        self.rt.prefilled.append(self.chunk)
+        self.rt.carried.append(self.chunk)
+
     def advance(self, tokens=None):
         self.rt.waits += 1  # the worker is in a prefill chunk (waiting for the gate, maybe)
         self.rt.prefill_gate.acquire()
@@ -109,7 +122,8 @@ class ScriptedRuntime:
         self.waits = 0
         self.step_delay = 0.0  # seconds each step takes
         self.calls, self.runs, self.batches, self.encoded, self.prefilled = [], [], [], [], []
-        self.timeline = []  # "prefill N" and "step B" in the order the worker ran them
+        self.carried = []  # the sizes of the prefill chunks carried by steps
+        self.timeline = []  # "prefill N" and "step B" (+N: chunks it carried) in the order the worker ran them
 
     def encode(self, prompt, chat=None):
         self.encoded.append(chat)
@@ -125,11 +139,13 @@ class ScriptedRuntime:
         self.calls.append(kw)
         return ScriptedPrefill(self, len(prompt_ids), kw["chunk"])
 
-    def step(self, runs):
+    def step(self, runs, riders=()):
         assert runs and not any(r.done for r in runs)
         time.sleep(self.step_delay)
         self.batches.append(len(runs))
-        self.timeline.append(f"step {len(runs)}")
+        for r in riders:
+            r.ride()
+        self.timeline.append(f"step {len(runs)}" + "".join(f"+{r.chunk}" for r in riders))
         out = []
         for r in runs:
             self.gate.acquire()

@@ -142,9 +142,9 @@ def test_gauges_return_to_idle():
 class SlowRuntime(ScriptedRuntime):
     """A step every 20 ms, for as long as asked: a client's events arrive faster than the handler's poll."""
 
-    def step(self, runs):
+    def step(self, runs, riders=()):
         time.sleep(0.02)
-        return super().step(runs)
+        return super().step(runs, riders)
 
 
 @pytest.mark.parametrize("stream", [False, True])
