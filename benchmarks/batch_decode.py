@@ -2,21 +2,27 @@
 
 Loads a profile's runtime once. For each ``--policies`` P and ``--batch`` B (interleaved over
 ``--repeats``), decodes ``--requests`` held-out Spec-Bench prompts (round robin over the groups, as
-``benchmarks/serve_load.py`` takes them; greedy, ``--max-tokens`` each, as chat messages) the way
-the server's worker does: while fewer than B run, the next request is started
-(``AdaptiveRuntime.start``: prefill, route, plan), then one ``AdaptiveRuntime.step`` advances all
-running ones. Reports wall time, generated tokens/s (prefills included), the time spent in
-prefills and in steps, and the mean batch; and audits every output against plain decoding of the
-same prompt alone (``ar``, batch 1): identical, a near-tie (``adaptive.engine.audit``: the two
-tokens' logits within the dtype's tolerance where they part) or a violation.
+``benchmarks/serve_load.py`` takes them; greedy, ``--max-tokens`` each, as chat messages): while
+fewer than B run, the next request is started whole (``AdaptiveRuntime.start``: prefill, route,
+plan), then one ``AdaptiveRuntime.step`` advances all running ones. With ``--chunk N`` the
+server's own scheduler (:class:`adaptive.serve.scheduler.Scheduler`, ``--prefill-chunk N``, no
+HTTP) runs them instead, all queued at once: prompts prefilled N tokens per step, their chunks
+carried by the steps. Reports wall time, generated tokens/s (prefills included), the time spent in
+prefills and in steps (whole prefills only), and the mean batch; and audits every output against
+plain decoding of the same prompt alone (``ar``, batch 1): identical, a near-tie
+(``adaptive.engine.audit``: the two tokens' logits within the dtype's tolerance where they part)
+or a violation.
 
     python benchmarks/batch_decode.py --profile /tmp/s135-prof --data ../shared/data/spec_bench_dev.jsonl \\
         --policies knn-ssd ar --batch 1 8 --requests 32 --repeats 2 --out /tmp/batch-decode.json
+    python benchmarks/batch_decode.py --profile /tmp/cpp-prof --data ../shared/data/spec_bench_dev.jsonl \\
+        --policies knn-ssd --batch 1 8 --chunk 128 --requests 24
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -28,6 +34,8 @@ from serve_load import prompts_from  # noqa: E402  (the same prompts, in the sam
 
 from adaptive.engine.audit import audit_divergence  # noqa: E402
 from adaptive.runtime import AdaptiveRuntime  # noqa: E402
+from adaptive.serve.protocol import ServeRequest  # noqa: E402
+from adaptive.serve.scheduler import Job, Scheduler  # noqa: E402
 
 
 def run(rt: AdaptiveRuntime, prompts: list[str], policy: str, batch: int, max_tokens: int) -> dict:
@@ -63,6 +71,45 @@ def run(rt: AdaptiveRuntime, prompts: list[str], policy: str, batch: int, max_to
             "prefill_median_s": statistics.median(prefills)}
 
 
+def scheduled(rt: AdaptiveRuntime, prompts: list[str], policy: str, batch: int, max_tokens: int, chunk: int,
+              carry: bool = True) -> dict:
+    """Decode ``prompts`` through the server's scheduler (``max_batch=batch``, ``prefill_chunk=chunk``,
+    ``carry``: steps carry prompt chunks), all submitted at once; the ids of each request's output."""
+    speculation = {"knn-ssd": "auto", "ar": "off"}.get(policy, policy)
+    loop = asyncio.new_event_loop()
+    scheduler = Scheduler(rt, max_queue=len(prompts), max_batch=batch, prefill_chunk=chunk, carry=carry)
+
+    async def result(job: Job):
+        while (ev := await job.events.get()).kind == "delta":
+            pass
+        if ev.kind != "done":
+            raise SystemExit(f"request failed: {ev.error}")
+        return ev.result
+
+    try:
+        t0 = time.perf_counter()
+        jobs = []
+        for text in prompts:
+            req = ServeRequest("chat", ({"role": "user", "content": text},), max_tokens=max_tokens, temperature=0.0,
+                               speculation=speculation)
+            jobs.append(Job(req, scheduler.admit(req), loop))
+            scheduler.submit(jobs[-1])
+
+        async def results_of_all():
+            return await asyncio.gather(*(result(j) for j in jobs))
+
+        results = loop.run_until_complete(results_of_all())
+        wall = time.perf_counter() - t0
+    finally:
+        scheduler.close()
+        loop.close()
+    ids = {i: r.token_ids for i, r in enumerate(results)}
+    tokens = sum(len(v) for v in ids.values())
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "prefill_s": 0.0, "step_s": 0.0,
+            "steps": 0, "mean_batch": 0.0, "ids": ids,
+            "prefill_median_s": statistics.median(r.stats.prefill_time for r in results)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)
@@ -70,12 +117,16 @@ def main() -> None:
     ap.add_argument("--data", required=True)
     ap.add_argument("--categories", nargs="+", default=None, help="only these groups (default: all)")
     ap.add_argument("--skip-first", type=int, default=16)
-    ap.add_argument("--policies", nargs="+", default=["knn-ssd", "ar"])
+    ap.add_argument("--policies", nargs="+", default=["knn-ssd", "ar"],
+                    help="routing policies; with --chunk, a policy ending in ':nocarry' runs the scheduler with "
+                         "chunks as forwards of their own (e.g. knn-ssd:nocarry)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="run the server's scheduler with this --prefill-chunk (0: whole prompts) instead of the loop")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -87,7 +138,9 @@ def main() -> None:
     for rep in range(args.repeats):
         for policy in args.policies:
             for batch in args.batch:
-                r = run(rt, prompts, policy, batch, args.max_tokens)
+                name, _, mode = policy.partition(":")
+                r = run(rt, prompts, name, batch, args.max_tokens) if args.chunk is None else \
+                    scheduled(rt, prompts, name, batch, args.max_tokens, args.chunk, carry=mode != "nocarry")
                 results.setdefault((policy, batch), []).append(r)
                 print(f"repeat {rep + 1} {policy} batch {batch}: {r['tokens_per_s']:.1f} tok/s "
                       f"(prefill {r['prefill_s']:.1f} s, steps {r['step_s']:.1f} s, mean batch {r['mean_batch']:.2f})",
