@@ -179,18 +179,15 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     s = profile.settings
     glob = profile.global_set
     max_len = profile.runtime.cascade_max_draft_len
-    min_count = int(s.get("bigram_min_count", 2))
-    stat = statistical_acceptance(sequences, max_len, min_count)
-    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0,
-                          float(s.get("cascade_lenience", 1.0)))
+    stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
+    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
     candidates = {"lookup": Candidate("pld", profile.runtime.pld_draft_len), "cascade": Candidate(
         "cascade", plan.draft_len, cascade=plan)}
-    rc = RaceConfig(block_tokens=int(s.get("block_tokens", 16)), max_tokens=int(s.get("confirm_tokens", 64)),
-                    prompts=prompts, min_blocks=int(s.get("min_blocks", 6)), margin=float(s.get("min_gain", 0.02)),
-                    level=float(s.get("interval_level", 0.9)), seed=int(s.get("seed", 0)))
+    rc = RaceConfig(block_tokens=s.block_tokens, max_tokens=s.confirm_tokens, prompts=prompts,
+                    min_blocks=s.min_blocks, margin=s.min_gain, level=s.interval_level, seed=s.seed)
     timed = race_candidates(lm, [list(p) for p, _ in sequences], candidates, rc, bigram=table.snapshot(),
                             guard=guard)
-    decision = decide(timed, float(s.get("acceptance_floor", 0.2)))
+    decision = decide(timed, s.acceptance_floor)
     lookup = timed.get("lookup")
     priors = Priors(layer_skip=Prior(0.0, 1.0),
                     lookup=Prior(lookup.token_acceptance if lookup else 0.0, STAT_DRAFT_COST),
@@ -245,8 +242,8 @@ class OnlineLearner:
             overlay_path(profile.path) if profile.path is not None else None)
         self.persist = settings.persist and self.path is not None and profile.path is not None
         self._digest = profile_digest(profile.path) if profile.path is not None else ""
-        self._min_count = float(profile.settings.get("bigram_min_count", 2))
-        self._per_domain = int(profile.settings.get("anchors_per_domain", 10))
+        self._min_count = float(profile.settings.bigram_min_count)
+        self._per_domain = profile.settings.anchors_per_domain
         self.tables: dict[str, LiveBigramTable] = {}
         self.learned: dict[str, LearnedDomain] = {}
         self._learned_index: AnchorIndex | None = None

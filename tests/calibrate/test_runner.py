@@ -173,10 +173,10 @@ def test_calibration_records_the_decision_of_scripted_races(tiny_model_dir, tmp_
 def test_calibration_writes_a_complete_profile(tiny_profile):
     p = load_profile(tiny_profile)
     assert not calibration_workdir(tiny_profile).path.exists()  # checkpoints removed after success
-    assert p.settings["trials"] == 6 and p.settings["space"] == "ranked"
+    assert p.calibration["trials"] == 6 and p.calibration["space"] == "ranked"
     cm = p.cost_model
     assert cm.n_layers == 4 and cm.verify[0] == 1.0
-    floor = p.settings["acceptance_floor"]
+    floor = p.settings.acceptance_floor
     for d in [*p.domains.values(), p.global_set]:
         timed = {m.role: m for m in d.measurements}
         assert len(timed) == len(d.measurements) and {"lookup", "cascade"} <= set(timed)
@@ -189,7 +189,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         assert decide(timed, floor) == d.decision
         if d.decision.drafter != "ar":
             chosen = next(m for m in d.measurements if m.drafter == d.decision.drafter and m.verdict == "faster")
-            assert chosen.interval.low >= 1 + p.settings["min_gain"]
+            assert chosen.interval.low >= 1 + p.settings.min_gain
         # the bound (ranked space) was computed against the reference
         ls = d.layer_skip
         assert ls.bound is not None and ls.reference is not None and ls.reference >= 1.0
@@ -198,7 +198,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         if "candidate" in timed:
             c = timed["candidate"]
             assert c.drafter == "ssd" and c.skip == ls.skip.to_text()
-            assert c.estimated_speedup == ls.estimated_speedup >= p.settings["time_gate"]
+            assert c.estimated_speedup == ls.estimated_speedup >= p.calibration["time_gate"]
         assert timed["cascade"].drafter == "cascade" and timed["cascade"].cascade == d.cascade
         assert d.statistical.positions > 0 and d.priors.statistical.by_position == d.statistical.position_acceptance
         assert d.cascade.max_split in (0, 2) and d.cascade.split <= d.cascade.max_split
