@@ -40,15 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
-from adaptive.costs import STAT_DRAFT_COST
 from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable
-from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError
 from adaptive.index.anchors import AnchorIndex, Route, kmeans_anchors
-from adaptive.measure.decision import decide
+from adaptive.measure.race import race_domain, statistical_candidates
 from adaptive.measure.statistical import choose_cascade, statistical_acceptance
-from adaptive.measure.timing import Candidate, RaceConfig, race_candidates
-from adaptive.profile import GLOBAL, DomainRecord, Prior, Priors, Profile, SkipSearch
+from adaptive.profile import GLOBAL, DomainRecord, Profile
 from adaptive.profile.overlay import (
     BufferedRequest,
     LearnedDomain,
@@ -174,27 +171,17 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
     gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
     ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
-    members' outputs; ``guard``: the model lock, one block at a time); the decision is the same pure
-    function of the race. Verification costs: the global record's."""
-    s = profile.settings
-    glob = profile.global_set
+    members' outputs; ``guard``: the model lock, one block at a time), and decided
+    (:func:`~adaptive.measure.race.race_domain`, with the profile's settings, as calibration).
+    Verification costs: the global record's."""
+    s, glob = profile.settings, profile.global_set
     max_len = profile.runtime.cascade_max_draft_len
     stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
     plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
-    candidates = {"lookup": Candidate("pld", profile.runtime.pld_draft_len), "cascade": Candidate(
-        "cascade", plan.draft_len, cascade=plan)}
-    rc = RaceConfig(block_tokens=s.block_tokens, max_tokens=s.confirm_tokens, prompts=prompts,
-                    min_blocks=s.min_blocks, margin=s.min_gain, level=s.interval_level, seed=s.seed)
-    timed = race_candidates(lm, [list(p) for p, _ in sequences], candidates, rc, bigram=table.snapshot(),
-                            guard=guard)
-    decision = decide(timed, s.acceptance_floor)
-    lookup = timed.get("lookup")
-    priors = Priors(layer_skip=Prior(0.0, 1.0),
-                    lookup=Prior(lookup.token_acceptance if lookup else 0.0, STAT_DRAFT_COST),
-                    statistical=Prior(stat.token_acceptance, STAT_DRAFT_COST, stat.position_acceptance))
-    return DomainRecord(name=name, decision=decision, layer_skip=SkipSearch(SkipSet(), 1), priors=priors,
-                        verify=glob.verify, verify_context=glob.verify_context, cascade=plan, statistical=stat,
-                        measurements=tuple(timed.values()), prompts=len(sequences), anchors=anchors)
+    candidates = statistical_candidates(profile.runtime.pld_draft_len, plan)
+    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=table.snapshot(),
+                        guard=guard)
+    return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)
 
 
 class _Stopped(Exception):
