@@ -8,15 +8,16 @@ Three things are learned, all from what the target model itself accepted, so dra
 2. **Bandits.** The draft-length bandits already update on every verification; their posteriors
    are now saved and restored, so a restarted server starts where the last one stopped.
 3. **New domains.** A request the calibrated index flags out-of-domain is kept (its embedding,
-   prompt and output ids) in a bounded buffer. Once ``min_cluster`` are pending, :func:`find_cluster`
-   looks for a coherent group (FAISS k-means, then the calibration's leave-one-out test: at least
-   ``coherence`` of the members lie within the out-of-domain threshold of anchors fitted without
-   them). A group becomes a proposed domain; a background thread measures it as calibration
-   measures a domain (:func:`measure_domain`: the statistical drafters' teacher-forced acceptance on
-   the members' outputs, then prompt lookup and the cascade raced against ``ar`` in paired blocks
-   with bootstrap intervals, and the pure decision). Until that finishes its requests use the global
-   record; after, they route to it (its anchors are searched when the calibrated index says
-   out-of-domain). The race takes the model lock one block at a time through a
+   prompt and output ids) in a bounded buffer. Once ``min_cluster`` are pending,
+   :func:`~adaptive.index.cluster.find_cluster` looks for a coherent group (FAISS k-means, then the
+   calibration's leave-one-out test: at least ``coherence`` of the members lie within the
+   out-of-domain threshold of anchors fitted without them). A group becomes a proposed domain; a
+   background thread measures it as calibration measures a domain (:func:`measure_domain`: the
+   statistical drafters' teacher-forced acceptance on the members' outputs, then prompt lookup and
+   the cascade raced against ``ar`` in paired blocks with bootstrap intervals, and the pure
+   decision: :func:`~adaptive.measure.race.race_domain`, as calibration). Until that finishes its
+   requests use the global record; after, they route to it (its anchors are searched when the
+   calibrated index says out-of-domain). The race takes the model lock one block at a time through a
    :class:`~adaptive.runtime.turns.ShareGuard`: at once while serving is idle, and under load only
    while its own model time stays within ``share`` of the wall time (10% by default), so a
    measurement costs a busy server about that share of its throughput.
@@ -42,7 +43,8 @@ import numpy as np
 
 from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable
 from adaptive.errors import AdaptiveError
-from adaptive.index.anchors import AnchorIndex, Route, kmeans_anchors
+from adaptive.index.anchors import AnchorIndex, Route
+from adaptive.index.cluster import find_cluster
 from adaptive.measure.race import race_domain, statistical_candidates
 from adaptive.measure.statistical import choose_cascade, statistical_acceptance
 from adaptive.profile import GLOBAL, DomainRecord, Profile
@@ -107,54 +109,6 @@ class OnlineSettings:
         if isinstance(online, OnlineSettings):
             return online
         return cls(enabled=bool(online) if online is not None else True)
-
-
-def find_cluster(x: np.ndarray, threshold: float, min_size: int, per_domain: int, coherence: float,
-                 seed: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-    """A coherent group among ``x`` (``[n, d]`` unit vectors, as the index transforms them):
-    ``(member indices, anchors [m, d])`` or ``None``.
-
-    For ``c = 1 .. n // min_size``, FAISS k-means splits ``x`` into ``c`` clusters. In each cluster
-    (largest first) the *core* is the members within ``threshold`` (squared L2: the index's
-    out-of-domain threshold) of another member. A core of at least ``min_size`` members passes
-    when at least ``coherence`` of them lie within ``threshold`` of anchors fitted *without* them
-    (the calibration's leave-one-out test: requests like these would route to the new domain rather
-    than be flagged again). Its anchors: at most ``per_domain`` k-means centroids of the core.
-
-    Example: 8 copies of one direction plus small noise, ``threshold`` above the noise: one
-    cluster, all 8 in its core, each within the threshold of anchors fitted on the other 7: all 8
-    with their anchors. Eight unrelated directions: no member is near another: ``None``. The 8
-    among 5 unrelated ones: the 5 fall outside the core; the 8 again.
-    """
-    import faiss
-
-    n = x.shape[0]
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    for c in range(1, n // min_size + 1):
-        if c == 1:
-            assign = np.zeros(n, dtype=np.int64)
-        else:
-            km = faiss.Kmeans(x.shape[1], c, niter=20, seed=seed + c, verbose=False, min_points_per_centroid=1)
-            km.train(x)
-            assign = km.index.search(x, 1)[1][:, 0]
-        sizes = np.bincount(assign, minlength=c)
-        for j in np.argsort(-sizes, kind="stable"):
-            if sizes[j] < min_size:
-                break
-            idx = np.flatnonzero(assign == j)
-            d2 = ((x[idx, None, :] - x[None, idx, :]) ** 2).sum(-1)
-            np.fill_diagonal(d2, np.inf)
-            idx = idx[d2.min(axis=1) <= threshold]
-            if len(idx) < min_size:
-                continue
-            core = x[idx]
-            within = 0
-            for i in range(len(idx)):
-                anchors = kmeans_anchors(np.delete(core, i, axis=0), per_domain, seed=seed)
-                within += float(((anchors - core[i]) ** 2).sum(-1).min()) <= threshold
-            if within >= coherence * len(idx):
-                return idx, kmeans_anchors(core, per_domain, seed=seed)
-    return None
 
 
 def accepted_text(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
