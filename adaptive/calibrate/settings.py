@@ -7,10 +7,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from adaptive.calibrate.search import SPACES
-from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
 from adaptive.engine.config import POOL_MODES, Pooling
 from adaptive.errors import AdaptiveError, ConfigError
-from adaptive.profile import MeasureSettings
+from adaptive.profile import MeasureSettings, RuntimeSettings
 from adaptive.workdir import WorkDir
 
 BACKENDS = ("loky", "threading", "dask", "ray")
@@ -22,14 +21,15 @@ class CalibrationError(AdaptiveError):
     """A calibration cannot start or resume (locked output, mismatched checkpoint, bad domains)."""
 
 
-_M = MeasureSettings  # the measurement settings' defaults are its fields' (one place for each)
+_M, _R = MeasureSettings, RuntimeSettings  # the defaults of the settings recorded for the runtime are theirs
 
 
 @dataclass(frozen=True)
 class CalibrationSettings:
     """Everything that decides a calibration's result. Validated on construction. The fields
     :class:`~adaptive.profile.MeasureSettings` has (how a domain's drafters are measured, recorded
-    in the profile for the runtime) take their defaults and checks from it; :attr:`measure` is that record."""
+    in the profile for the runtime) take their defaults and checks from it; :attr:`measure` is that record.
+    Those of :class:`~adaptive.profile.RuntimeSettings` take their defaults from it (:attr:`runtime`)."""
 
     prompts_per_domain: int = 16
     anchors_per_domain: int = _M.anchors_per_domain
@@ -44,19 +44,19 @@ class CalibrationSettings:
     interval_level: float = _M.interval_level
     acceptance_floor: float = _M.acceptance_floor
     time_gate: float = 0.95  # a skip set is timed only when its estimated speedup reaches this
-    max_draft_len: int = 8
-    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
+    max_draft_len: int = _R.max_draft_len
+    pld_draft_len: int = _R.pld_draft_len
     min_gain: float = _M.min_gain
     bigram_min_count: int = _M.bigram_min_count
     cascade_max_split: int = 2
-    cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
+    cascade_max_draft_len: int = _R.cascade_max_draft_len
     cascade_lenience: float = _M.cascade_lenience
     vocab_sizes: tuple = (1024, 2048, 4096, 8192, 16384)  # reduced draft heads tried (empty: full head only)
     route_k: int = 5
     pool_depth: float = 1 / 3  # the routing embedding: the residual stream after this share of the layers ...
     pool_mode: str = "last"  # ... at the prompt's last position (docs/results.md: routing study)
     cost_context: int = 128
-    chat: bool | None = None
+    chat: bool | None = _R.chat
     seed: int = _M.seed
 
     def __post_init__(self):
@@ -105,6 +105,11 @@ class CalibrationSettings:
     def measure(self) -> MeasureSettings:
         """How this calibration measures a domain's drafters: the profile's ``settings`` record."""
         return MeasureSettings(**{f.name: getattr(self, f.name) for f in fields(MeasureSettings)})
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        """What the runtime takes from this calibration: the profile's ``runtime`` record."""
+        return RuntimeSettings(**{f.name: getattr(self, f.name) for f in fields(RuntimeSettings)})
 
     @property
     def race_blocks(self) -> int:

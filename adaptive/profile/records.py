@@ -232,7 +232,7 @@ class RuntimeSettings:
 
     chat: bool | None = None
     max_draft_len: int = 8
-    cascade_max_draft_len: int = 12
+    cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
     pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from adaptive.calibrate import CalibrationSettings
 from adaptive.errors import ConfigError
-from adaptive.profile import MeasureSettings, ProfileError, load_profile, save_profile
+from adaptive.profile import MeasureSettings, ProfileError, RuntimeSettings, load_profile, save_profile
 
 
 def test_defaults_and_calibration_takes_them():
@@ -19,6 +19,8 @@ def test_defaults_and_calibration_takes_them():
     q = CalibrationSettings.quick(seed=3)
     assert q.measure == MeasureSettings(anchors_per_domain=6, confirm_prompts=4, confirm_tokens=48, min_blocks=4,
                                         seed=3)
+    assert CalibrationSettings().runtime == RuntimeSettings() == RuntimeSettings(None, 8, 12, 8)
+    assert CalibrationSettings(chat=False, max_draft_len=5).runtime == RuntimeSettings(chat=False, max_draft_len=5)
 
 
 def test_values_are_checked_naming_the_field():
