@@ -183,8 +183,6 @@ class OnlineLearner:
             overlay_path(profile.path) if profile.path is not None else None)
         self.persist = settings.persist and self.path is not None and profile.path is not None
         self._digest = profile_digest(profile.path) if profile.path is not None else ""
-        self._min_count = float(profile.settings.bigram_min_count)
-        self._per_domain = profile.settings.anchors_per_domain
         self.tables: dict[str, LiveBigramTable] = {}
         self.learned: dict[str, LearnedDomain] = {}
         self._learned_index: AnchorIndex | None = None
@@ -289,9 +287,13 @@ class OnlineLearner:
                 if t is None:
                     base = None if name in self.learned else self.profile.domain(
                         None if name == GLOBAL else name).bigram
-                    t = self.tables[name] = LiveBigramTable(base, self.settings.prior_weight, self._min_count,
-                                                            self.settings.max_pairs)
+                    t = self.tables[name] = self._new_table(base)
         return t
+
+    def _new_table(self, base) -> LiveBigramTable:
+        """A live table over ``base`` (a calibrated table, or ``None``), counting bigrams as calibration did."""
+        return LiveBigramTable(base, self.settings.prior_weight, self.profile.settings.bigram_min_count,
+                               self.settings.max_pairs)
 
     def restore_bandit(self, key: str, bandit) -> None:
         """Continue ``bandit`` from its saved posteriors, if the overlay has them (a mismatch is ignored)."""
@@ -340,8 +342,8 @@ class OnlineLearner:
         self._since_attempt = 0
         entries = list(self.buffer)
         x = self.profile.index.transform(np.stack([b.vector for b in entries]))
-        found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster, self._per_domain,
-                             self.settings.coherence, seed=len(self.learned))
+        found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster,
+                             self.profile.settings.anchors_per_domain, self.settings.coherence, seed=len(self.learned))
         if found is None:
             return None
         idx, anchors = found
@@ -371,7 +373,7 @@ class OnlineLearner:
     def _measure(self, pending: _Pending) -> None:
         """Measure a proposed domain; on success it routes from now on and the overlay is saved.
         On failure or :meth:`close` its members go back to the buffer."""
-        table = LiveBigramTable(None, self.settings.prior_weight, self._min_count, self.settings.max_pairs)
+        table = self._new_table(None)
         for m in pending.members:
             table.observe(accepted_text(m.prompt, m.output))
         try:
