@@ -165,23 +165,21 @@ def measurement(cand: Candidate, role: str, t: _Tally, speedup: float, interval:
         cascade=cand.cascade, draft_vocab=cand.draft_vocab, interval=interval, verdict=verdict)
 
 
-_M = MeasureSettings  # the defaults are the measurement settings'
-
-
 @dataclass(frozen=True)
 class RaceConfig:
     """How a domain's candidates are raced against ``ar``: blocks of ``block_tokens`` on up to
     ``prompts`` prompts, ``max_tokens`` each; a candidate settles after ``min_blocks`` blocks once
-    its interval (at ``level``) clears or misses ``1 + margin`` (:class:`~.interval.Race`).
-    :meth:`of` builds it from a profile's (or a calibration's) :class:`~adaptive.profile.MeasureSettings`."""
+    its interval (at ``level``, resampled with ``seed``) clears or misses ``1 + margin``
+    (:class:`~.interval.Race`). :meth:`of` builds it from a profile's (or a calibration's)
+    :class:`~adaptive.profile.MeasureSettings`, where the defaults are."""
 
-    block_tokens: int = _M.block_tokens
-    max_tokens: int = _M.confirm_tokens
-    prompts: int = _M.confirm_prompts
-    min_blocks: int = _M.min_blocks
-    margin: float = _M.min_gain
-    level: float = _M.interval_level
-    seed: int = _M.seed
+    block_tokens: int
+    max_tokens: int
+    prompts: int
+    min_blocks: int
+    margin: float
+    level: float
+    seed: int
 
     @classmethod
     def of(cls, settings: MeasureSettings, prompts: int | None = None) -> RaceConfig:
