@@ -298,10 +298,6 @@ class MeasureSettings:
         return None
 
     @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    @classmethod
     def split(cls, recorded: dict) -> tuple[MeasureSettings, dict]:
         """A calibration's settings as recorded (``profile.json``'s ``settings``) -> this record (a key
         missing: its default) and the other keys, as they are. ``ValueError`` naming the key for a
@@ -312,7 +308,7 @@ class MeasureSettings:
         """
         if not isinstance(recorded, dict):
             raise ValueError(f"settings: expected an object, got {type(recorded).__name__}")
-        mine = cls.keys()
+        mine = {f.name for f in fields(cls)}
         return (from_json(cls, {k: v for k, v in recorded.items() if k in mine}, "settings"),
                 {k: v for k, v in recorded.items() if k not in mine})
 
