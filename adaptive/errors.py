@@ -22,7 +22,12 @@ class SkipSetError(AdaptiveError, ValueError):
 
 
 class ConfigError(AdaptiveError, ValueError):
-    """Impossible generation or calibration options."""
+    """Impossible generation or calibration options. ``key``: the field at fault, where one is
+    (e.g. ``"block_tokens"``), so that a caller reading the value from a file can name it there."""
+
+    def __init__(self, message: str = "", key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 class PromptTooLongError(AdaptiveError, ValueError):

@@ -13,8 +13,9 @@ that finished):
 4. the cascade's plan and the reduced draft vocabulary, from estimates (:mod:`.cascade`, :mod:`.vocab`);
 5. the race (``race-<domain>.jsonl``, one line per timed prompt): prompt lookup, the cascade, and
    the best skip set (full head, and reduced head where that estimates faster) when its estimate
-   reaches ``time_gate``, each against ``ar`` in paired blocks until its interval settles (:mod:`.timing`);
-6. the decision (:mod:`.decision`), a pure function of the race.
+   reaches ``time_gate``, each against ``ar`` in paired blocks until its interval settles;
+6. the decision, a pure function of the race (5 and 6: :func:`adaptive.measure.race.race_domain`,
+   which the online learner measures a learned domain with too).
 
 :func:`calibrate_domain` returns the domain's typed :class:`~adaptive.profile.DomainRecord`.
 """
@@ -43,25 +44,16 @@ from adaptive.calibrate.search import (
 )
 from adaptive.calibrate.settings import GLOBAL, CalibrationSettings
 from adaptive.calibrate.vocab import choose_vocab
-from adaptive.costs import STAT_DRAFT_COST, CostModel, measure_verify_costs
+from adaptive.costs import CostModel, measure_verify_costs
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import BigramTable, build_bigram_table
 from adaptive.engine.skip import SkipSet
-from adaptive.measure.decision import ROLES, decide
+from adaptive.measure.race import DomainRace, race_domain, statistical_candidates
 from adaptive.measure.statistical import choose_cascade, replay_speedup, statistical_acceptance
-from adaptive.measure.timing import Candidate, RaceConfig, race_candidates
+from adaptive.measure.timing import Candidate
 from adaptive.models import LoadedModel
 from adaptive.profile import GLOBAL as GLOBAL_RECORD
-from adaptive.profile import (
-    Decision,
-    DomainRecord,
-    Measurement,
-    Prior,
-    Priors,
-    SkipSearch,
-    StatisticalAcceptance,
-    VocabChoice,
-)
+from adaptive.profile import DomainRecord, Prior, SkipSearch, StatisticalAcceptance, VocabChoice
 from adaptive.workdir import append_json_line, checkpointed, read_json_lines
 
 
@@ -192,18 +184,16 @@ def race_key(candidates: dict[str, Candidate]) -> str:
 
 
 def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str, Candidate], bigram: BigramTable,
-         vocab) -> dict[str, Measurement]:
-    """The domain's race (:func:`~.timing.race_candidates`), one checkpoint line per timed prompt."""
+         vocab) -> DomainRace:
+    """The domain's race and decision (:func:`~adaptive.measure.race.race_domain`), one checkpoint
+    line per timed prompt."""
     s = worker.settings
     key = race_key(candidates)
     path = worker.work.file("race", task.name, "jsonl")
     done = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("key") == key)
-    rc = RaceConfig(block_tokens=s.block_tokens, max_tokens=s.confirm_tokens, prompts=s.confirm_prompts,
-                    min_blocks=s.min_blocks, margin=s.min_gain, level=s.interval_level, seed=s.seed)
     bar = worker.phase("race", task.name, s.race_blocks, sum(len(r["blocks"]) for r in done))
-    out = race_candidates(lm, task.confirm_ids, candidates, rc, done=done, bigram=bigram, vocab=vocab,
-                          on_prompt=lambda rec: append_json_line(path, {**rec, "key": key}),
-                          on_block=lambda: bar.update(1))
+    out = race_domain(lm, task.confirm_ids, candidates, s.measure, bigram=bigram, vocab=vocab, done=done,
+                      on_prompt=lambda rec: append_json_line(path, {**rec, "key": key}), on_block=lambda: bar.update(1))
     bar.close()
     return out
 
@@ -222,9 +212,8 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
     c_l = float(best["draft_cost"]) if best else 1.0
     plan = choose_cascade(st.bigram.position_acceptance, a_l, c_l, st.verify, s.cascade_max_draft_len,
                           s.cascade_max_split if best else 0, s.cascade_lenience)
-    candidates = {"lookup": Candidate("pld", s.pld_draft_len, estimated_speedup=st.lookup_speedup),
-                  "cascade": Candidate("cascade", plan.draft_len, skip=best["skip"] if best else "none", cascade=plan,
-                                       estimated_speedup=st.bigram_speedup)}
+    candidates = statistical_candidates(s.pld_draft_len, plan, skip=best["skip"] if best else "none",
+                                        lookup_estimate=st.lookup_speedup, cascade_estimate=st.bigram_speedup)
     vocab, vocab_ids = None, None
     if best is not None and best["target"] >= s.time_gate:
         ssd = Candidate("ssd", int(best["draft_len"]), skip=best["skip"], estimated_acceptance=best["matchness"],
@@ -234,19 +223,21 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
                                         a_l, st.verify)
         if vocab is not None and vocab.estimate[str(vocab.size)] > vocab.full_estimate:
             candidates["vocab"] = replace(ssd, draft_vocab=vocab.size)
-    timed = race(worker, lm, task, candidates, bigram, vocab_ids)
+    raced = race(worker, lm, task, candidates, bigram, vocab_ids)
+    timed = raced.timed
     if vocab is not None and "vocab" in timed:
         vocab = replace(vocab, use=timed["vocab"].speedup > timed["candidate"].speedup)
-    decision = decide(timed, s.acceptance_floor)
-    return domain_record(task, decision, history, best, bound, st, plan, bigram, vocab, vocab_ids, timed)
+    return domain_record(task, raced, history, best, bound, st, plan, bigram, vocab, vocab_ids)
 
 
-def domain_record(task: DomainTask, decision: Decision, history: list[dict], best: dict | None, bound: Bound | None,
-                  st: Statistical, plan: CascadePlan, bigram: BigramTable, vocab: VocabChoice | None, vocab_ids,
-                  timed: dict[str, Measurement]) -> DomainRecord:
-    """The typed record of one domain. ``best``: the search's best skip set above the floor (``None``
-    when none, or when the bound ruled layer skipping out); its prior is the race's measured
-    acceptance where it was raced, else the search's teacher-forced estimate."""
+def domain_record(task: DomainTask, raced: DomainRace, history: list[dict], best: dict | None, bound: Bound | None,
+                  st: Statistical, plan: CascadePlan, bigram: BigramTable, vocab: VocabChoice | None,
+                  vocab_ids) -> DomainRecord:
+    """The typed record of one domain (:meth:`~adaptive.measure.race.DomainRace.record`, with what
+    the search found). ``best``: the search's best skip set above the floor (``None`` when none, or
+    when the bound ruled layer skipping out); its prior is the race's measured acceptance where it
+    was raced, else the search's teacher-forced estimate."""
+    timed = raced.timed
     ssd = timed.get("vocab") if vocab is not None and vocab.use else timed.get("candidate")
     a_l = ssd.token_acceptance if ssd is not None else (float(best["matchness"]) if best else 0.0)
     c_l = float(best["draft_cost"]) if best else 1.0
@@ -254,11 +245,6 @@ def domain_record(task: DomainTask, decision: Decision, history: list[dict], bes
     if vocab is not None:
         costs = vocab.draft_cost
         reduced_cost = c_l * costs[str(vocab.size)] / costs[str(vocab.vocab_size)]
-    lookup = timed["lookup"]
-    priors = Priors(layer_skip=Prior(min(max(a_l, 0.0), 1.0), c_l),
-                    lookup=Prior(lookup.token_acceptance, STAT_DRAFT_COST),
-                    statistical=Prior(st.bigram.token_acceptance, STAT_DRAFT_COST, st.bigram.position_acceptance),
-                    reduced_head_cost=reduced_cost)
     if best is not None:
         layer_skip = SkipSearch(SkipSet.from_text(best["skip"]), int(best["draft_len"]), float(best["matchness"]),
                                 float(best["draft_cost"]), float(best["target"]), len(history))
@@ -266,9 +252,8 @@ def domain_record(task: DomainTask, decision: Decision, history: list[dict], bes
         layer_skip = SkipSearch(SkipSet(), 1, 0.0, 1.0, 0.0, len(history))
     if bound is not None:
         layer_skip = replace(layer_skip, bound=bound.speedup, reference=bound.reference)
-    measurements = tuple(timed[r] for r in ROLES if r in timed)
-    return DomainRecord(
-        name=GLOBAL_RECORD if task.name == GLOBAL else task.name, decision=decision, layer_skip=layer_skip,
-        priors=priors, verify=st.verify, verify_context=st.context, cascade=plan, statistical=st.bigram,
-        vocab=vocab, measurements=measurements, prompts=task.prompts, anchors=task.anchors, bigram=bigram,
-        draft_vocab=np.asarray(vocab_ids) if vocab_ids is not None else None)
+    return raced.record(
+        GLOBAL_RECORD if task.name == GLOBAL else task.name, st.bigram, plan, st.verify, st.context,
+        prompts=task.prompts, anchors=task.anchors, layer_skip=layer_skip,
+        layer_skip_prior=Prior(min(max(a_l, 0.0), 1.0), c_l), reduced_head_cost=reduced_cost, vocab=vocab,
+        bigram=bigram, draft_vocab=np.asarray(vocab_ids) if vocab_ids is not None else None)

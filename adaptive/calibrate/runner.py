@@ -42,7 +42,7 @@ from adaptive.engine.config import Pooling
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.models import LoadedModel, ModelFingerprint
-from adaptive.profile import Profile, RuntimeSettings, check_writable, save_profile
+from adaptive.profile import MeasureSettings, Profile, check_writable, save_profile
 from adaptive.workdir import CHECKPOINT_FORMAT, checkpointed
 
 __all__ = ["BACKENDS", "CalibrationError", "CalibrationSettings", "calibrate", "check_domains", "model_spec"]
@@ -112,11 +112,10 @@ def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostMode
 def _profile(fingerprint: ModelFingerprint, s: CalibrationSettings, costs: CostModel, records: list,
              index: AnchorIndex, extra_settings: dict) -> Profile:
     *domains, glob = records
-    runtime = RuntimeSettings(chat=s.chat, max_draft_len=s.max_draft_len, cascade_max_draft_len=s.cascade_max_draft_len,
-                              pld_draft_len=s.pld_draft_len)
-    return Profile(model=fingerprint, settings={**s.to_dict(), **extra_settings}, runtime=runtime, cost_model=costs,
+    measure, others = MeasureSettings.split({**s.to_dict(), **extra_settings})
+    return Profile(model=fingerprint, settings=measure, runtime=s.runtime, cost_model=costs,
                    domains={d.name: d for d in domains}, global_set=glob, index=index,
-                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), version=__version__)
+                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), version=__version__, calibration=others)
 
 
 def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str | Path,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from adaptive.calibrate.search import SPACES
-from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN
 from adaptive.engine.config import POOL_MODES, Pooling
 from adaptive.errors import AdaptiveError, ConfigError
+from adaptive.profile import MeasureSettings, RuntimeSettings
 from adaptive.workdir import WorkDir
 
 BACKENDS = ("loky", "threading", "dask", "ray")
@@ -21,48 +21,52 @@ class CalibrationError(AdaptiveError):
     """A calibration cannot start or resume (locked output, mismatched checkpoint, bad domains)."""
 
 
+_M, _R = MeasureSettings, RuntimeSettings  # the defaults of the settings recorded for the runtime are theirs
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """Everything that decides a calibration's result. Validated on construction."""
+    """Everything that decides a calibration's result. Validated on construction. The fields
+    :class:`~adaptive.profile.MeasureSettings` has (how a domain's drafters are measured, recorded
+    in the profile for the runtime) take their defaults and checks from it; :attr:`measure` is that record.
+    Those of :class:`~adaptive.profile.RuntimeSettings` take their defaults from it (:attr:`runtime`)."""
 
     prompts_per_domain: int = 16
-    anchors_per_domain: int = 10
+    anchors_per_domain: int = _M.anchors_per_domain
     trials: int = 30
     init_trials: int = 6
     space: str = "ranked"
     continuation_tokens: int = 32
-    confirm_prompts: int = 6  # the most prompts a domain's drafters are timed on (the race stops earlier when settled)
-    confirm_tokens: int = 64  # the most tokens timed per prompt
-    block_tokens: int = 16  # tokens per paired block of the race (ar and each candidate from the same state)
-    min_blocks: int = 6  # blocks before a candidate's interval may settle it
-    interval_level: float = 0.9  # two-sided level of the bootstrap interval of a timed speedup
-    acceptance_floor: float = 0.2  # below it a skip set is never a candidate, a drafter never declared faster
+    confirm_prompts: int = _M.confirm_prompts
+    confirm_tokens: int = _M.confirm_tokens
+    block_tokens: int = _M.block_tokens
+    min_blocks: int = _M.min_blocks
+    interval_level: float = _M.interval_level
+    acceptance_floor: float = _M.acceptance_floor
     time_gate: float = 0.95  # a skip set is timed only when its estimated speedup reaches this
-    max_draft_len: int = 8
-    pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
-    min_gain: float = 0.02  # the margin: a drafter is declared faster when its interval's low end is >= 1 + min_gain
-    bigram_min_count: int = 2
+    max_draft_len: int = _R.max_draft_len
+    pld_draft_len: int = _R.pld_draft_len
+    min_gain: float = _M.min_gain
+    bigram_min_count: int = _M.bigram_min_count
     cascade_max_split: int = 2
-    cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
-    cascade_lenience: float = 1.0
+    cascade_max_draft_len: int = _R.cascade_max_draft_len
+    cascade_lenience: float = _M.cascade_lenience
     vocab_sizes: tuple = (1024, 2048, 4096, 8192, 16384)  # reduced draft heads tried (empty: full head only)
     route_k: int = 5
     pool_depth: float = 1 / 3  # the routing embedding: the residual stream after this share of the layers ...
     pool_mode: str = "last"  # ... at the prompt's last position (docs/results.md: routing study)
     cost_context: int = 128
-    chat: bool | None = None
-    seed: int = 0
+    chat: bool | None = _R.chat
+    seed: int = _M.seed
 
     def __post_init__(self):
-        positive = ("prompts_per_domain", "anchors_per_domain", "trials", "continuation_tokens",
-                    "confirm_prompts", "confirm_tokens", "block_tokens", "min_blocks", "max_draft_len",
-                    "pld_draft_len", "route_k", "cost_context", "bigram_min_count", "cascade_max_draft_len")
+        positive = ("prompts_per_domain", "trials", "continuation_tokens", "max_draft_len", "pld_draft_len",
+                    "route_k", "cost_context", "cascade_max_draft_len")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.confirm_tokens < 2:
-            raise ConfigError(f"confirm-tokens must be at least 2 (decode-phase timing), got {self.confirm_tokens}")
+        _ = self.measure  # the measurement fields are checked by their record
         if self.prompts_per_domain < MIN_PROMPTS:
             raise ConfigError(f"prompts-per-domain must be at least {MIN_PROMPTS}, got {self.prompts_per_domain}")
         if not 0 <= self.init_trials <= self.trials:
@@ -71,21 +75,12 @@ class CalibrationSettings:
             raise ConfigError(f"space must be one of {', '.join(SPACES)}, got {self.space!r}")
         if self.max_draft_len > 64:
             raise ConfigError("max-draft-len must be at most 64")
-        if not 0 <= self.min_gain < 1:
-            raise ConfigError(f"min-gain must be in [0, 1), got {self.min_gain}")
-        if not 0.5 <= self.interval_level < 1:
-            raise ConfigError(f"interval-level must be in [0.5, 1), got {self.interval_level}")
-        if not 0 <= self.acceptance_floor < 1:
-            raise ConfigError(f"acceptance-floor must be in [0, 1), got {self.acceptance_floor}")
         if not 0 < self.pool_depth <= 1:
             raise ConfigError(f"pool-depth must be in (0, 1], got {self.pool_depth}")
         if self.pool_mode not in POOL_MODES:
             raise ConfigError(f"pool-mode must be one of {', '.join(POOL_MODES)}, got {self.pool_mode!r}")
         if not self.time_gate >= 0:
             raise ConfigError(f"time-gate must be >= 0 (0: time every skip set found), got {self.time_gate}")
-        if self.block_tokens >= self.confirm_tokens:
-            raise ConfigError(f"block-tokens ({self.block_tokens}) must be below confirm-tokens "
-                              f"({self.confirm_tokens})")
         self._check_cascade_and_vocab()
 
     def _check_cascade_and_vocab(self) -> None:
@@ -94,8 +89,6 @@ class CalibrationSettings:
         if not isinstance(self.cascade_max_split, int) or not 0 <= self.cascade_max_split <= self.cascade_max_draft_len:
             raise ConfigError("cascade-max-split must be in 0 .. cascade-max-draft-len, "
                               f"got {self.cascade_max_split!r}")
-        if not self.cascade_lenience >= 1.0:
-            raise ConfigError(f"cascade-lenience must be >= 1, got {self.cascade_lenience}")
         sizes = tuple(self.vocab_sizes)
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 16 for v in sizes) or len(set(sizes)) != len(sizes):
             raise ConfigError(f"vocab-sizes must be distinct integers >= 16, got {list(sizes)}")
@@ -107,6 +100,16 @@ class CalibrationSettings:
         base = dict(prompts_per_domain=6, anchors_per_domain=6, trials=10, init_trials=4, continuation_tokens=24,
                     confirm_prompts=4, confirm_tokens=48, min_blocks=4)
         return cls(**{**base, **overrides})
+
+    @property
+    def measure(self) -> MeasureSettings:
+        """How this calibration measures a domain's drafters: the profile's ``settings`` record."""
+        return MeasureSettings(**{f.name: getattr(self, f.name) for f in fields(MeasureSettings)})
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        """What the runtime takes from this calibration: the profile's ``runtime`` record."""
+        return RuntimeSettings(**{f.name: getattr(self, f.name) for f in fields(RuntimeSettings)})
 
     @property
     def race_blocks(self) -> int:

@@ -120,7 +120,7 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
         echo_json({"profile": str(profile.path), **profile_json(profile)})
         return
     click.echo(summary_table(profile))
-    click.echo(f"\nprofile written to {profile.path} ({profile.settings.get('seconds')} s)")
+    click.echo(f"\nprofile written to {profile.path} ({profile.calibration.get('seconds')} s)")
 
 
 @click.group("profile")
@@ -156,7 +156,7 @@ def profile_show(directory, online_path, as_json):
     if as_json:
         echo_json({"profile": str(p.path), **profile_json(p), "online": online})
         return
-    m, c, s = p.model, p.cost_model, p.settings
+    m, c, s = p.model, p.cost_model, p.calibration
     click.echo(f"profile {p.path} (schema {SCHEMA_VERSION}, adaptive {p.version}, created {p.created})")
     click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.engine} engine, {m.dtype or 'GGUF'}, "
                f"{m.weights} weights; "
@@ -171,7 +171,7 @@ def profile_show(directory, online_path, as_json):
     click.echo(f"routing {len(p.index.labels)} anchors, k={p.index.k}, "
                f"out-of-domain beyond {radii}; prompts embedded by the "
                f"{'mean over positions' if pool.mode == 'mean' else 'last position'} {where}")
-    click.echo(f"search  {s.get('space')} space, {s.get('trials')} trials, seed {s.get('seed')}, "
+    click.echo(f"search  {s.get('space')} space, {s.get('trials')} trials, seed {p.settings.seed}, "
                f"{s.get('seconds')} s\n")
     click.echo(summary_table(p))
     click.echo("\nskip sets:")

@@ -26,7 +26,7 @@ from adaptive.engine.protocol import DecodeState
 from adaptive.engine.skip import SkipSet
 from adaptive.measure.interval import Race
 from adaptive.models import LoadedModel
-from adaptive.profile import Interval, Measurement
+from adaptive.profile import Interval, Measurement, MeasureSettings
 from adaptive.records import record
 
 
@@ -169,15 +169,27 @@ def measurement(cand: Candidate, role: str, t: _Tally, speedup: float, interval:
 class RaceConfig:
     """How a domain's candidates are raced against ``ar``: blocks of ``block_tokens`` on up to
     ``prompts`` prompts, ``max_tokens`` each; a candidate settles after ``min_blocks`` blocks once
-    its interval (at ``level``) clears or misses ``1 + margin`` (:class:`~.interval.Race`)."""
+    its interval (at ``level``, resampled with ``seed``) clears or misses ``1 + margin``
+    (:class:`~.interval.Race`). :meth:`of` builds it from a profile's (or a calibration's)
+    :class:`~adaptive.profile.MeasureSettings`, where the defaults are."""
 
-    block_tokens: int = 16
-    max_tokens: int = 64
-    prompts: int = 6
-    min_blocks: int = 6
-    margin: float = 0.02
-    level: float = 0.9
-    seed: int = 0
+    block_tokens: int
+    max_tokens: int
+    prompts: int
+    min_blocks: int
+    margin: float
+    level: float
+    seed: int
+
+    @classmethod
+    def of(cls, settings: MeasureSettings, prompts: int | None = None) -> RaceConfig:
+        """The race ``settings`` describe, on up to ``prompts`` prompts (``None``: ``confirm_prompts``).
+
+        Example: ``RaceConfig.of(MeasureSettings(block_tokens=8), prompts=2)`` ->
+        ``RaceConfig(block_tokens=8, max_tokens=64, prompts=2, min_blocks=6, margin=0.02, level=0.9, seed=0)``."""
+        return cls(block_tokens=settings.block_tokens, max_tokens=settings.confirm_tokens,
+                   prompts=settings.confirm_prompts if prompts is None else prompts, min_blocks=settings.min_blocks,
+                   margin=settings.min_gain, level=settings.interval_level, seed=settings.seed)
 
 
 def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate], rc: RaceConfig, *,

@@ -8,6 +8,7 @@ from adaptive.profile.records import (
                                       DomainRecord,
                                       Interval,
                                       Measurement,
+                                      MeasureSettings,
                                       ModelFingerprint,
                                       Prior,
                                       Priors,
@@ -31,6 +32,6 @@ from adaptive.profile.store import (
 )
 
 __all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "FORMAT", "GLOBAL", "SCHEMA_VERSION", "VOCAB", "Decision",
-           "DistilledRecord", "DomainRecord", "Interval", "Measurement", "ModelFingerprint", "Prior", "Priors",
-           "Profile", "ProfileError", "RuntimeSettings", "SkipSearch", "StatisticalAcceptance", "VocabChoice",
+           "DistilledRecord", "DomainRecord", "Interval", "MeasureSettings", "Measurement", "ModelFingerprint", "Prior",
+           "Priors", "Profile", "ProfileError", "RuntimeSettings", "SkipSearch", "StatisticalAcceptance", "VocabChoice",
            "check_writable", "load_profile", "profile_json", "save_profile"]

@@ -9,7 +9,7 @@ comparison of a drafter against plain decoding (``ar``) on the same prompts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,10 @@ from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DRAFTERS
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
-from adaptive.errors import AdaptiveError
+from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.models import ModelFingerprint
-from adaptive.records import record
+from adaptive.records import from_json, record
 
 DECISIONS = ("ar", "ssd", "pld", "cascade")  # what calibration may decide a domain decodes with
 GLOBAL = "global"  # the record used for out-of-domain requests (and by the `ssd-static` policy)
@@ -232,8 +232,85 @@ class RuntimeSettings:
 
     chat: bool | None = None
     max_draft_len: int = 8
-    cascade_max_draft_len: int = 12
+    cascade_max_draft_len: int = 12  # statistical tokens cost no forward: the cascade may draft longer
     pld_draft_len: int = DEFAULT_PLD_DRAFT_LEN
+
+
+@record
+class MeasureSettings:
+    """How a domain's drafters are measured: written by calibration (``profile.json``'s ``settings``,
+    among the calibration's other settings) and read by the runtime, whose online learner measures a
+    domain it finds in traffic the same way. Each default is here once
+    (:class:`~adaptive.calibrate.settings.CalibrationSettings` takes them from this record).
+    Validated on construction (:class:`~adaptive.errors.ConfigError` naming the field).
+
+    The race (:class:`~adaptive.measure.timing.RaceConfig`): up to ``confirm_prompts`` prompts of
+    ``confirm_tokens`` tokens, in paired blocks of ``block_tokens``; a candidate's verdict after
+    ``min_blocks`` blocks, once its bootstrap interval at ``interval_level`` (resampled with
+    ``seed``) clears or misses ``1 + min_gain``. The decision: a drafter accepting fewer than
+    ``acceptance_floor`` tokens per step is never faster. The statistical drafter: bigrams seen
+    ``bigram_min_count`` times, a cascade's ``cascade_lenience``. Routing: at most
+    ``anchors_per_domain`` anchors per domain (calibrated or learned)."""
+
+    anchors_per_domain: int = 10
+    confirm_prompts: int = 6  # the most prompts a domain's drafters are timed on (the race stops earlier when settled)
+    confirm_tokens: int = 64  # the most tokens timed per prompt
+    block_tokens: int = 16  # tokens per paired block of the race (ar and each candidate from the same state)
+    min_blocks: int = 6  # blocks before a candidate's interval may settle it
+    interval_level: float = 0.9  # two-sided level of the bootstrap interval of a timed speedup
+    min_gain: float = 0.02  # the margin: a drafter is declared faster when its interval's low end is >= 1 + min_gain
+    acceptance_floor: float = 0.2  # below it a skip set is never a candidate, a drafter never declared faster
+    bigram_min_count: int = 2
+    cascade_lenience: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        problem = self._problem()
+        if problem is not None:
+            key, why = problem
+            raise ConfigError(f"{key.replace('_', '-')} {why}", key=key)
+
+    def _problem(self) -> tuple[str, str] | None:
+        """The first impossible field and why, e.g. ``("min_gain", "must be in [0, 1), got 1.5")``."""
+        for key in ("anchors_per_domain", "confirm_prompts", "confirm_tokens", "block_tokens", "min_blocks",
+                    "bigram_min_count"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                return key, f"must be a positive integer, got {v!r}"
+        for key in ("interval_level", "min_gain", "acceptance_floor", "cascade_lenience"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return key, f"must be a number, got {v!r}"
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            return "seed", f"must be an integer, got {self.seed!r}"
+        if self.confirm_tokens < 2:
+            return "confirm_tokens", f"must be at least 2 (decode-phase timing), got {self.confirm_tokens}"
+        if self.block_tokens >= self.confirm_tokens:
+            return "block_tokens", f"({self.block_tokens}) must be below confirm-tokens ({self.confirm_tokens})"
+        if not 0 <= self.min_gain < 1:
+            return "min_gain", f"must be in [0, 1), got {self.min_gain}"
+        if not 0.5 <= self.interval_level < 1:
+            return "interval_level", f"must be in [0.5, 1), got {self.interval_level}"
+        if not 0 <= self.acceptance_floor < 1:
+            return "acceptance_floor", f"must be in [0, 1), got {self.acceptance_floor}"
+        if not self.cascade_lenience >= 1.0:
+            return "cascade_lenience", f"must be >= 1, got {self.cascade_lenience}"
+        return None
+
+    @classmethod
+    def split(cls, recorded: dict) -> tuple[MeasureSettings, dict]:
+        """A calibration's settings as recorded (``profile.json``'s ``settings``) -> this record (a key
+        missing: its default) and the other keys, as they are. ``ValueError`` naming the key for a
+        value of the wrong type, :class:`~adaptive.errors.ConfigError` (with its ``key``) for an
+        impossible one.
+
+        Example: ``{"block_tokens": 8, "trials": 30}`` -> ``(MeasureSettings(block_tokens=8), {"trials": 30})``.
+        """
+        if not isinstance(recorded, dict):
+            raise ValueError(f"settings: expected an object, got {type(recorded).__name__}")
+        mine = {f.name for f in fields(cls)}
+        return (from_json(cls, {k: v for k, v in recorded.items() if k in mine}, "settings"),
+                {k: v for k, v in recorded.items() if k not in mine})
 
 
 @record
@@ -271,10 +348,13 @@ class DistilledRecord:
 
 @dataclass
 class Profile:
-    """A loaded (or freshly calibrated) profile. ``settings``: the calibration's settings as recorded."""
+    """A loaded (or freshly calibrated) profile. ``settings``: how its domains were measured (what
+    the runtime reads of the calibration's settings); ``calibration``: the calibration's other
+    settings and its run (``space``, ``trials``, ..., ``jobs``, ``backend``, ``seconds``) as recorded,
+    shown by ``adaptive profile show`` and read by nothing. ``profile.json`` holds both under ``settings``."""
 
     model: ModelFingerprint
-    settings: dict
+    settings: MeasureSettings
     runtime: RuntimeSettings
     cost_model: CostModel
     domains: dict[str, DomainRecord]
@@ -285,6 +365,7 @@ class Profile:
     path: Path | None = None
     distilled: dict[str, DistilledRecord] = field(default_factory=dict)
     distilled_weights: dict = field(default_factory=dict, repr=False)  # kind -> {name: tensor}
+    calibration: dict = field(default_factory=dict)
 
     def distilled_drafter(self, kind: str) -> tuple[DistilledRecord, dict]:
         """``(record, weights)`` of the drafter ``kind`` trained by ``adaptive distill``, or :class:`ProfileError`."""

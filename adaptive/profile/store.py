@@ -31,11 +31,12 @@ import numpy as np
 
 from adaptive.costs import CostModel
 from adaptive.drafters.ngram import BigramTable
-from adaptive.errors import SkipSetError
+from adaptive.errors import ConfigError, SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
 from adaptive.profile.records import (
     DistilledRecord,
     DomainRecord,
+    MeasureSettings,
     ModelFingerprint,
     Profile,
     ProfileError,
@@ -63,7 +64,8 @@ def _sha256(path: Path) -> str:
 def profile_json(profile: Profile) -> dict:
     """``profile.json``'s content (without the file checksums and table references added on save)."""
     return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": profile.created,
-            "adaptive_version": profile.version, "model": to_json(profile.model), "settings": profile.settings,
+            "adaptive_version": profile.version, "model": to_json(profile.model),
+            "settings": {**profile.calibration, **to_json(profile.settings)},
             "runtime": to_json(profile.runtime), "cost_model": profile.cost_model.to_dict(),
             "routing": {"k": profile.index.k, "ood_threshold": profile.index.ood_threshold,
                         "ood_thresholds": {d: round(t, 6) for d, t in sorted(profile.index.ood_thresholds.items())},
@@ -273,7 +275,6 @@ def load_profile(path: str | Path) -> Profile:
         domains = {n: replace(d, bigram=bigrams.get(n), draft_vocab=vocab.get(n)) for n, d in domains.items()}
         glob = replace(glob, bigram=bigrams.get(None), draft_vocab=vocab.get(None))
         costs = CostModel.from_dict(data["cost_model"])
-        settings = dict(data.get("settings", {}))
         runtime = RuntimeSettings.from_dict(data.get("runtime", {}))
         distilled = {k: from_json(DistilledRecord, r, f"distilled {k}") for k, r in data.get("distilled", {}).items()}
         weights = _load_distilled(path, list(distilled))
@@ -281,9 +282,22 @@ def load_profile(path: str | Path) -> Profile:
         raise
     except (KeyError, TypeError, ValueError, SkipSetError) as exc:
         raise ProfileError(f"{pj}: malformed ({type(exc).__name__}: {exc})") from None
+    settings, calibration = _measure_settings(pj, data.get("settings", {}))
     missing = set(index.labels) - set(domains)
     if missing:
         raise ProfileError(f"{pj}: anchors labelled {sorted(missing)} have no domain entry")
     return Profile(model=model, settings=settings, runtime=runtime, cost_model=costs, domains=domains, global_set=glob,
                    index=index, created=str(data.get("created", "")), version=str(data.get("adaptive_version", "")),
-                   path=path, distilled=distilled, distilled_weights=weights)
+                   path=path, distilled=distilled, distilled_weights=weights, calibration=calibration)
+
+
+def _measure_settings(pj: Path, recorded) -> tuple[MeasureSettings, dict]:
+    """``profile.json``'s ``settings`` split (:meth:`MeasureSettings.split`); a key missing takes its
+    default (profiles written before it existed), a malformed value is a :class:`ProfileError`
+    naming the file and the key."""
+    try:
+        return MeasureSettings.split(recorded)
+    except ConfigError as exc:
+        raise ProfileError(f"{pj}: settings.{exc.key}: {exc}") from None
+    except ValueError as exc:
+        raise ProfileError(f"{pj}: {exc}") from None

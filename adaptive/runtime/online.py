@@ -8,15 +8,16 @@ Three things are learned, all from what the target model itself accepted, so dra
 2. **Bandits.** The draft-length bandits already update on every verification; their posteriors
    are now saved and restored, so a restarted server starts where the last one stopped.
 3. **New domains.** A request the calibrated index flags out-of-domain is kept (its embedding,
-   prompt and output ids) in a bounded buffer. Once ``min_cluster`` are pending, :func:`find_cluster`
-   looks for a coherent group (FAISS k-means, then the calibration's leave-one-out test: at least
-   ``coherence`` of the members lie within the out-of-domain threshold of anchors fitted without
-   them). A group becomes a proposed domain; a background thread measures it as calibration
-   measures a domain (:func:`measure_domain`: the statistical drafters' teacher-forced acceptance on
-   the members' outputs, then prompt lookup and the cascade raced against ``ar`` in paired blocks
-   with bootstrap intervals, and the pure decision). Until that finishes its requests use the global
-   record; after, they route to it (its anchors are searched when the calibrated index says
-   out-of-domain). The race takes the model lock one block at a time through a
+   prompt and output ids) in a bounded buffer. Once ``min_cluster`` are pending,
+   :func:`~adaptive.index.cluster.find_cluster` looks for a coherent group (FAISS k-means, then the
+   calibration's leave-one-out test: at least ``coherence`` of the members lie within the
+   out-of-domain threshold of anchors fitted without them). A group becomes a proposed domain; a
+   background thread measures it as calibration measures a domain (:func:`measure_domain`: the
+   statistical drafters' teacher-forced acceptance on the members' outputs, then prompt lookup and
+   the cascade raced against ``ar`` in paired blocks with bootstrap intervals, and the pure
+   decision: :func:`~adaptive.measure.race.race_domain`, as calibration). Until that finishes its
+   requests use the global record; after, they route to it (its anchors are searched when the
+   calibrated index says out-of-domain). The race takes the model lock one block at a time through a
    :class:`~adaptive.runtime.turns.ShareGuard`: at once while serving is idle, and under load only
    while its own model time stays within ``share`` of the wall time (10% by default), so a
    measurement costs a busy server about that share of its throughput.
@@ -40,15 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-from adaptive.costs import STAT_DRAFT_COST
 from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable
-from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError
-from adaptive.index.anchors import AnchorIndex, Route, kmeans_anchors
-from adaptive.measure.decision import decide
+from adaptive.index.anchors import AnchorIndex, Route
+from adaptive.index.cluster import find_cluster
+from adaptive.measure.race import race_domain, statistical_candidates
 from adaptive.measure.statistical import choose_cascade, statistical_acceptance
-from adaptive.measure.timing import Candidate, RaceConfig, race_candidates
-from adaptive.profile import GLOBAL, DomainRecord, Prior, Priors, Profile, SkipSearch
+from adaptive.profile import GLOBAL, DomainRecord, Profile
 from adaptive.profile.overlay import (
     BufferedRequest,
     LearnedDomain,
@@ -112,54 +111,6 @@ class OnlineSettings:
         return cls(enabled=bool(online) if online is not None else True)
 
 
-def find_cluster(x: np.ndarray, threshold: float, min_size: int, per_domain: int, coherence: float,
-                 seed: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-    """A coherent group among ``x`` (``[n, d]`` unit vectors, as the index transforms them):
-    ``(member indices, anchors [m, d])`` or ``None``.
-
-    For ``c = 1 .. n // min_size``, FAISS k-means splits ``x`` into ``c`` clusters. In each cluster
-    (largest first) the *core* is the members within ``threshold`` (squared L2: the index's
-    out-of-domain threshold) of another member. A core of at least ``min_size`` members passes
-    when at least ``coherence`` of them lie within ``threshold`` of anchors fitted *without* them
-    (the calibration's leave-one-out test: requests like these would route to the new domain rather
-    than be flagged again). Its anchors: at most ``per_domain`` k-means centroids of the core.
-
-    Example: 8 copies of one direction plus small noise, ``threshold`` above the noise: one
-    cluster, all 8 in its core, each within the threshold of anchors fitted on the other 7: all 8
-    with their anchors. Eight unrelated directions: no member is near another: ``None``. The 8
-    among 5 unrelated ones: the 5 fall outside the core; the 8 again.
-    """
-    import faiss
-
-    n = x.shape[0]
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    for c in range(1, n // min_size + 1):
-        if c == 1:
-            assign = np.zeros(n, dtype=np.int64)
-        else:
-            km = faiss.Kmeans(x.shape[1], c, niter=20, seed=seed + c, verbose=False, min_points_per_centroid=1)
-            km.train(x)
-            assign = km.index.search(x, 1)[1][:, 0]
-        sizes = np.bincount(assign, minlength=c)
-        for j in np.argsort(-sizes, kind="stable"):
-            if sizes[j] < min_size:
-                break
-            idx = np.flatnonzero(assign == j)
-            d2 = ((x[idx, None, :] - x[None, idx, :]) ** 2).sum(-1)
-            np.fill_diagonal(d2, np.inf)
-            idx = idx[d2.min(axis=1) <= threshold]
-            if len(idx) < min_size:
-                continue
-            core = x[idx]
-            within = 0
-            for i in range(len(idx)):
-                anchors = kmeans_anchors(np.delete(core, i, axis=0), per_domain, seed=seed)
-                within += float(((anchors - core[i]) ** 2).sum(-1).min()) <= threshold
-            if within >= coherence * len(idx):
-                return idx, kmeans_anchors(core, per_domain, seed=seed)
-    return None
-
-
 def accepted_text(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
     """The tokens a finished request teaches a table: the prompt's last token, then the output (the
     pair across the boundary is the model's too). Example: ``([5, 6], [7, 8])`` -> ``[6, 7, 8]``."""
@@ -174,30 +125,17 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
     gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
     ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
-    members' outputs; ``guard``: the model lock, one block at a time); the decision is the same pure
-    function of the race. Verification costs: the global record's."""
-    s = profile.settings
-    glob = profile.global_set
+    members' outputs; ``guard``: the model lock, one block at a time), and decided
+    (:func:`~adaptive.measure.race.race_domain`, with the profile's settings, as calibration).
+    Verification costs: the global record's."""
+    s, glob = profile.settings, profile.global_set
     max_len = profile.runtime.cascade_max_draft_len
-    min_count = int(s.get("bigram_min_count", 2))
-    stat = statistical_acceptance(sequences, max_len, min_count)
-    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0,
-                          float(s.get("cascade_lenience", 1.0)))
-    candidates = {"lookup": Candidate("pld", profile.runtime.pld_draft_len), "cascade": Candidate(
-        "cascade", plan.draft_len, cascade=plan)}
-    rc = RaceConfig(block_tokens=int(s.get("block_tokens", 16)), max_tokens=int(s.get("confirm_tokens", 64)),
-                    prompts=prompts, min_blocks=int(s.get("min_blocks", 6)), margin=float(s.get("min_gain", 0.02)),
-                    level=float(s.get("interval_level", 0.9)), seed=int(s.get("seed", 0)))
-    timed = race_candidates(lm, [list(p) for p, _ in sequences], candidates, rc, bigram=table.snapshot(),
-                            guard=guard)
-    decision = decide(timed, float(s.get("acceptance_floor", 0.2)))
-    lookup = timed.get("lookup")
-    priors = Priors(layer_skip=Prior(0.0, 1.0),
-                    lookup=Prior(lookup.token_acceptance if lookup else 0.0, STAT_DRAFT_COST),
-                    statistical=Prior(stat.token_acceptance, STAT_DRAFT_COST, stat.position_acceptance))
-    return DomainRecord(name=name, decision=decision, layer_skip=SkipSearch(SkipSet(), 1), priors=priors,
-                        verify=glob.verify, verify_context=glob.verify_context, cascade=plan, statistical=stat,
-                        measurements=tuple(timed.values()), prompts=len(sequences), anchors=anchors)
+    stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
+    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
+    candidates = statistical_candidates(profile.runtime.pld_draft_len, plan)
+    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=table.snapshot(),
+                        guard=guard)
+    return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)
 
 
 class _Stopped(Exception):
@@ -245,8 +183,6 @@ class OnlineLearner:
             overlay_path(profile.path) if profile.path is not None else None)
         self.persist = settings.persist and self.path is not None and profile.path is not None
         self._digest = profile_digest(profile.path) if profile.path is not None else ""
-        self._min_count = float(profile.settings.get("bigram_min_count", 2))
-        self._per_domain = int(profile.settings.get("anchors_per_domain", 10))
         self.tables: dict[str, LiveBigramTable] = {}
         self.learned: dict[str, LearnedDomain] = {}
         self._learned_index: AnchorIndex | None = None
@@ -351,9 +287,13 @@ class OnlineLearner:
                 if t is None:
                     base = None if name in self.learned else self.profile.domain(
                         None if name == GLOBAL else name).bigram
-                    t = self.tables[name] = LiveBigramTable(base, self.settings.prior_weight, self._min_count,
-                                                            self.settings.max_pairs)
+                    t = self.tables[name] = self._new_table(base)
         return t
+
+    def _new_table(self, base) -> LiveBigramTable:
+        """A live table over ``base`` (a calibrated table, or ``None``), counting bigrams as calibration did."""
+        return LiveBigramTable(base, self.settings.prior_weight, self.profile.settings.bigram_min_count,
+                               self.settings.max_pairs)
 
     def restore_bandit(self, key: str, bandit) -> None:
         """Continue ``bandit`` from its saved posteriors, if the overlay has them (a mismatch is ignored)."""
@@ -402,8 +342,8 @@ class OnlineLearner:
         self._since_attempt = 0
         entries = list(self.buffer)
         x = self.profile.index.transform(np.stack([b.vector for b in entries]))
-        found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster, self._per_domain,
-                             self.settings.coherence, seed=len(self.learned))
+        found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster,
+                             self.profile.settings.anchors_per_domain, self.settings.coherence, seed=len(self.learned))
         if found is None:
             return None
         idx, anchors = found
@@ -433,7 +373,7 @@ class OnlineLearner:
     def _measure(self, pending: _Pending) -> None:
         """Measure a proposed domain; on success it routes from now on and the overlay is saved.
         On failure or :meth:`close` its members go back to the buffer."""
-        table = LiveBigramTable(None, self.settings.prior_weight, self._min_count, self.settings.max_pairs)
+        table = self._new_table(None)
         for m in pending.members:
             table.observe(accepted_text(m.prompt, m.output))
         try:

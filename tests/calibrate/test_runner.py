@@ -12,6 +12,7 @@ from adaptive.calibrate.settings import calibration_workdir
 from adaptive.calibrate.vocab import size_estimates
 from adaptive.costs import CostModel
 from adaptive.errors import ConfigError
+from adaptive.measure import race as measure_race
 from adaptive.measure import timing
 from adaptive.measure.decision import decide
 from adaptive.measure.interval import verdict as _verdict
@@ -123,7 +124,8 @@ def _scripted(script: dict, calls: list):
     """A stand-in for race_candidates: each candidate's speedup, interval and verdict from ``script[role]``
     (``(speedup, low, high)``), mean accepted tokens 1.5."""
 
-    def race(lm, prompt_ids, candidates, rc, *, done=(), on_prompt=None, bigram=None, vocab=None, on_block=None):
+    def race(lm, prompt_ids, candidates, rc, *, done=(), on_prompt=None, bigram=None, vocab=None, on_block=None,
+             guard=None):
         out = {}
         for role, c in candidates.items():
             calls.append((role, c.drafter))
@@ -153,7 +155,7 @@ def _scripted(script: dict, calls: list):
 ])
 def test_calibration_records_the_decision_of_scripted_races(tiny_model_dir, tmp_path, monkeypatch, script, expect):
     calls = []
-    monkeypatch.setattr(domain, "race_candidates", _scripted(script, calls))
+    monkeypatch.setattr(measure_race, "race_candidates", _scripted(script, calls))
     s = tiny_settings(trials=4, init_trials=2, time_gate=0.0)
     p = load_profile(calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", s, dtype="float32", progress=False,
                                cost_model=COSTS).path)
@@ -173,10 +175,10 @@ def test_calibration_records_the_decision_of_scripted_races(tiny_model_dir, tmp_
 def test_calibration_writes_a_complete_profile(tiny_profile):
     p = load_profile(tiny_profile)
     assert not calibration_workdir(tiny_profile).path.exists()  # checkpoints removed after success
-    assert p.settings["trials"] == 6 and p.settings["space"] == "ranked"
+    assert p.calibration["trials"] == 6 and p.calibration["space"] == "ranked"
     cm = p.cost_model
     assert cm.n_layers == 4 and cm.verify[0] == 1.0
-    floor = p.settings["acceptance_floor"]
+    floor = p.settings.acceptance_floor
     for d in [*p.domains.values(), p.global_set]:
         timed = {m.role: m for m in d.measurements}
         assert len(timed) == len(d.measurements) and {"lookup", "cascade"} <= set(timed)
@@ -189,7 +191,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         assert decide(timed, floor) == d.decision
         if d.decision.drafter != "ar":
             chosen = next(m for m in d.measurements if m.drafter == d.decision.drafter and m.verdict == "faster")
-            assert chosen.interval.low >= 1 + p.settings["min_gain"]
+            assert chosen.interval.low >= 1 + p.settings.min_gain
         # the bound (ranked space) was computed against the reference
         ls = d.layer_skip
         assert ls.bound is not None and ls.reference is not None and ls.reference >= 1.0
@@ -198,7 +200,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         if "candidate" in timed:
             c = timed["candidate"]
             assert c.drafter == "ssd" and c.skip == ls.skip.to_text()
-            assert c.estimated_speedup == ls.estimated_speedup >= p.settings["time_gate"]
+            assert c.estimated_speedup == ls.estimated_speedup >= p.calibration["time_gate"]
         assert timed["cascade"].drafter == "cascade" and timed["cascade"].cascade == d.cascade
         assert d.statistical.positions > 0 and d.priors.statistical.by_position == d.statistical.position_acceptance
         assert d.cascade.max_split in (0, 2) and d.cascade.split <= d.cascade.max_split
@@ -229,7 +231,7 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
     n_trials = reference.domains[second].layer_skip.trials
     assert n_trials >= 5 and reference.domains[second].layer_skip.searched
 
-    real_race = domain.race_candidates
+    real_race = measure_race.race_candidates
     races = []
 
     def killed(*a, **kw):
@@ -238,7 +240,7 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
             raise KeyboardInterrupt  # as if killed after the second domain's search
         return real_race(*a, **kw)
 
-    monkeypatch.setattr(domain, "race_candidates", killed)
+    monkeypatch.setattr(measure_race, "race_candidates", killed)
     with pytest.raises(KeyboardInterrupt):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
     work = calibration_workdir(out)
@@ -248,7 +250,7 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
     assert work.file("race", first, "jsonl").exists()  # the first domain was raced: its timings are kept
 
     # without --resume the leftover checkpoint is not silently discarded
-    monkeypatch.setattr(domain, "race_candidates", real_race)
+    monkeypatch.setattr(measure_race, "race_candidates", real_race)
     with pytest.raises(CalibrationError, match="--resume"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
 
@@ -306,7 +308,7 @@ def test_resume_after_the_last_phase_redoes_nothing_and_gives_the_same_profile(t
 
 def test_resume_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "prof"
-    monkeypatch.setattr(domain, "race_candidates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(measure_race, "race_candidates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, out, tiny_settings(trials=3, init_trials=2),
                   dtype="float32", progress=False)

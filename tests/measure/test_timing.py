@@ -53,7 +53,7 @@ def test_time_prompt_stops_after_an_eos_block_and_when_nothing_is_active(lm):
 def test_race_candidates_replays_a_checkpoint_without_timing(lm, monkeypatch):
     from adaptive.measure import timing
 
-    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02)
+    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02, level=0.9, seed=0)
     lines = []
     first = race_candidates(lm, [PROMPT, PROMPT[::-1]], _candidates(), rc, on_prompt=lines.append)
     assert 1 <= len(lines) <= 2 and set(first) == {"lookup", "candidate", "cascade"}
