@@ -16,7 +16,7 @@ from adaptive.errors import ConfigError
 from adaptive.models import LoadedModel, load_model
 from adaptive.runtime import AdaptiveRuntime
 from tests.conftest import TINY_DOMAINS, char_tokenizer, tiny_lm, tiny_model
-from tests.engine.test_sampling_distribution import V, chi2_pvalue, sample_counts, target_joint
+from tests.helpers.sampling import V, chi2_pvalue, sample_counts, target_joint
 
 PROMPTS = ["what is 3 plus 6? answer:", "hello there friend number 9", "def f7(x): return", "zz top"]
 FAST = dict(steps=30, new_tokens=12, eval_every=15, checkpoint_every=15, lr=3e-3, data_source="teacher")
