@@ -22,8 +22,8 @@ SLOW = {
     "tests/engine/test_sampling_distribution.py": None,
     "tests/drafters/test_cascade.py": {"test_cascade_sampling_matches_target"},
     "tests/drafters/test_vocab.py": {"test_reduced_head_sampling_matches_target"},
-    "tests/distill/test_drafters.py": {"test_draft_model_sampling_matches_the_target",
-                                       "test_early_exit_sampling_matches_the_target"},
+    "tests/drafters/test_model.py": {"test_draft_model_sampling_matches_the_target"},
+    "tests/drafters/test_early_exit.py": {"test_early_exit_sampling_matches_the_target"},
     "tests/engine/test_greedy_equality.py": {"test_greedy_equals_hf_generate"},
 }
 EMBEDDED_FIXTURES = {"embedded_fp32", "embedded_bf16"}
@@ -107,6 +107,16 @@ def tiny_model_dir(tmp_path_factory):
     """A tiny Llama and its tokenizer saved as a local HF directory (for the CLI and load_model)."""
     path = tmp_path_factory.mktemp("tiny-llama")
     tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory):
+    """A 2-layer tiny Llama with the target's tokenizer: the separate draft model (saved as a local
+    HF directory, for distillation and the draft-model drafter)."""
+    path = tmp_path_factory.mktemp("draft")
+    tiny_model("llama", n_layers=2, seed=3).save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return path
 

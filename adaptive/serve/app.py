@@ -77,6 +77,211 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class _Endpoints:
+    """The route handlers over one app's state, held here explicitly: the ``runtime``, its
+    ``scheduler`` and ``metrics``, the served ``model_name``, the ``api_key`` (``None``: open) and
+    the request-body limit ``max_body``. One method per route; what they share (the key check,
+    reading a body, following a job's events) are the methods between them."""
+
+    def __init__(self, runtime, scheduler: Scheduler, metrics: Metrics, model_name: str, api_key: str | None,
+                 max_body: int, drain_timeout: float):
+        self.runtime, self.scheduler, self.metrics = runtime, scheduler, metrics
+        self.model_name, self.api_key, self.max_body = model_name, api_key, max_body
+        self.drain_timeout = drain_timeout
+        self.started = int(time.time())  # the model's ``created`` in /v1/models
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/adaptive/online", self.online, methods=["GET"]),
+        ]
+
+    # -- what the handlers share -------------------------------------------------------------------
+
+    def refused_key(self, request: Request) -> Response | None:
+        """The 401 for a request without the API key (``None`` when it may pass)."""
+        if self.api_key is None or hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                       f"Bearer {self.api_key}".encode()):
+            return None
+        return error_response(RequestError("missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                           status=401, type="authentication_error", code="invalid_api_key"))
+
+    def counted(self, endpoint: str, response: Response) -> Response:
+        """``response``, counted in ``requests_total`` by endpoint and status."""
+        self.metrics.inc("requests_total", endpoint=endpoint, status=str(response.status_code))
+        return response
+
+    async def read_json(self, request: Request):
+        """The decoded JSON body; 413 once it is known to be over ``max_body`` bytes (from its
+        declared length, or while it arrives), before it is read whole."""
+        too_large = RequestError(f"the request body is over the limit of {self.max_body} bytes", status=413,
+                                 code="body_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            raise too_large
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self.max_body:
+                raise too_large
+        return decode_body(bytes(body))
+
+    # -- the completion endpoints ------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, "chat", "chat_completions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, "completion", "completions")
+
+    async def complete(self, request: Request, kind: str, endpoint: str) -> Response:
+        """Check the key, parse, admit and queue the request; then stream its events or answer at once."""
+        if (refusal := self.refused_key(request)) is not None:
+            return self.counted(endpoint, refusal)
+        try:
+            req = parse_request(kind, await self.read_json(request), self.model_name)
+            admission = await asyncio.to_thread(self.scheduler.admit, req)
+            job = Job(req, admission, asyncio.get_running_loop())
+            self.scheduler.submit(job)
+        except RequestError as exc:
+            return self.counted(endpoint, error_response(exc))
+        except ClientDisconnect:
+            return self.counted(endpoint, Response(status_code=499))
+        if req.stream:
+            return self.counted(endpoint, _EventStream(self.sse(request, job), media_type="text/event-stream",
+                                                       headers={"Cache-Control": "no-cache"}))
+        return self.counted(endpoint, await self.answer(request, job))
+
+    async def answer(self, request: Request, job: Job) -> Response:
+        """A non-streaming request's response: its whole result, an error, or 499 if the client left."""
+        try:
+            result = None
+            async for event in job_events(request, job):  # the deltas add up to the result's text
+                if event.kind == "error":
+                    return error_response(event.error)
+                if event.kind == "done":
+                    result = event.result
+            if result is None:  # the client left
+                return Response(status_code=499)
+            req = job.request
+            usage = usage_body(job.admission.prompt_tokens, len(result.token_ids), extension(result))
+            return JSONResponse(completion_body(req, self.model_name, result.text, FINISH_REASONS[result.finish_reason],
+                                                usage))
+        finally:
+            job.cancel()
+
+    async def sse(self, request: Request, job: Job):
+        """The job's events as server-sent events; every stream that started ends with ``[DONE]``
+        (after an error event too)."""
+        req, model = job.request, self.model_name
+
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        try:
+            first = True
+            async for event in job_events(request, job):
+                if event.kind == "delta":
+                    yield data(chunk_body(req, model, event.text, first=first))
+                    first = False
+                elif event.kind == "error":
+                    yield data(event.error.body())
+                else:
+                    r = event.result
+                    if first:  # nothing was said: still open the assistant's message
+                        yield data(chunk_body(req, model, "", first=True))
+                    yield data(chunk_body(req, model, "", FINISH_REASONS[r.finish_reason]))
+                    if req.include_usage:
+                        usage = usage_body(job.admission.prompt_tokens, len(r.token_ids), extension(r))
+                        yield data(chunk_body(req, model, None, usage=usage))
+        except Exception as exc:  # noqa: BLE001 - a bug after the stream started: say so, then end it
+            log.error("streaming request %s failed", req.id, exc_info=exc)
+            yield data(internal_error(exc).body())
+        finally:
+            job.cancel()
+        yield "data: [DONE]\n\n"
+
+    # -- the other endpoints -----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        if (refusal := self.refused_key(request)) is not None:
+            return refusal
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "adaptive"}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.scheduler.closing:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def online(self, request: Request) -> Response:
+        if (refusal := self.refused_key(request)) is not None:
+            return refusal
+        learner = getattr(self.runtime, "online", None)
+        return JSONResponse({"enabled": False} if learner is None else {"enabled": True, **learner.state()})
+
+    async def prometheus(self, request: Request) -> Response:
+        if (refusal := self.refused_key(request)) is not None:
+            return refusal
+        learner = getattr(self.runtime, "online", None)
+        if learner is not None:  # the background races' cost, as the learner counts it
+            cost = learner.measure_cost()
+            self.metrics.set("online_measure_seconds_total", cost["measure_seconds"])
+            self.metrics.set("online_measure_waits_total", cost["measure_waits"])
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    # -- the app's life ----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        """On shutdown: drain the scheduler (within ``drain_timeout``), then close the runtime."""
+        yield
+        drained = await asyncio.to_thread(self.scheduler.close, self.drain_timeout)
+        if not drained:
+            log.warning("requests still decoding after %.0f s were cancelled", self.drain_timeout)
+        if hasattr(self.runtime, "close"):
+            await asyncio.to_thread(self.runtime.close)  # saves what online learning learned
+
+
+async def job_events(request: Request, job: Job):
+    """The job's events until ``done`` or ``error``; stops (cancelling the job) once the client is
+    gone, which is checked every ``POLL_S`` seconds whether events arrive or not."""
+    checked = time.monotonic()
+    while True:
+        try:
+            event = await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            event = None
+        if event is None or time.monotonic() - checked >= POLL_S:
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                job.cancel()
+                return
+        if event is None:
+            continue
+        yield event
+        if event.kind != "delta":
+            return
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's 404 and 405 (and any other HTTPException) as OpenAI error bodies."""
+    message = {404: f"no such endpoint: {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return error_response(RequestError(message, status=exc.status_code,
+                                       code="not_found" if exc.status_code == 404 else None))
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """An unhandled exception: logged, answered with a 500 that does not show it."""
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(internal_error(exc))
+
+
 def create_app(runtime, *, served_model: str | None = None, api_key: str | None = None, max_queue: int = 64,
                max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_body: int = MAX_BODY,
                default_max_tokens: int = 256,
@@ -93,175 +298,9 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
     metrics = Metrics()
     scheduler = Scheduler(runtime, metrics, max_queue=max_queue, default_max_tokens=default_max_tokens,
                           max_batch=max_batch, prefill_chunk=prefill_chunk)
-
-    def refused_key(request: Request) -> Response | None:
-        """The 401 for a request without the API key (``None`` when it may pass)."""
-        if api_key is None or hmac.compare_digest(request.headers.get("authorization", "").encode(),
-                                                  f"Bearer {api_key}".encode()):
-            return None
-        return error_response(RequestError("missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                           status=401, type="authentication_error", code="invalid_api_key"))
-
-    too_large = RequestError(f"the request body is over the limit of {max_body} bytes", status=413,
-                             code="body_too_large")
-
-    def finish(endpoint: str, response: Response) -> Response:
-        metrics.inc("requests_total", endpoint=endpoint, status=str(response.status_code))
-        return response
-
-    async def read_json(request: Request):
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > max_body):
-            raise too_large
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > max_body:
-                raise too_large
-        return decode_body(bytes(body))
-
-    async def completions(request: Request, kind: str, endpoint: str) -> Response:
-        if (refusal := refused_key(request)) is not None:
-            return finish(endpoint, refusal)
-        try:
-            req = parse_request(kind, await read_json(request), model_name)
-            admission = await asyncio.to_thread(scheduler.admit, req)
-            job = Job(req, admission, asyncio.get_running_loop())
-            scheduler.submit(job)
-        except RequestError as exc:
-            return finish(endpoint, error_response(exc))
-        except ClientDisconnect:
-            return finish(endpoint, Response(status_code=499))
-        if req.stream:
-            return finish(endpoint, _EventStream(sse(request, job), media_type="text/event-stream",
-                                                 headers={"Cache-Control": "no-cache"}))
-        try:
-            result = None
-            async for event in events(request, job):  # the deltas add up to the result's text
-                if event.kind == "error":
-                    return finish(endpoint, error_response(event.error))
-                if event.kind == "done":
-                    result = event.result
-            if result is None:  # the client left
-                return finish(endpoint, Response(status_code=499))
-            usage = usage_body(admission.prompt_tokens, len(result.token_ids), extension(result))
-            body = completion_body(req, model_name, result.text, FINISH_REASONS[result.finish_reason], usage)
-            return finish(endpoint, JSONResponse(body))
-        finally:
-            job.cancel()
-
-    async def events(request: Request, job: Job):
-        """The job's events until ``done`` or ``error``; stops (cancelling the job) once the client is
-        gone, which is checked every ``POLL_S`` seconds whether events arrive or not."""
-        checked = time.monotonic()
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), POLL_S)
-            except asyncio.TimeoutError:
-                event = None
-            if event is None or time.monotonic() - checked >= POLL_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    job.cancel()
-                    return
-            if event is None:
-                continue
-            yield event
-            if event.kind != "delta":
-                return
-
-    async def sse(request: Request, job: Job):
-        """The job's events as server-sent events; every stream that started ends with ``[DONE]``
-        (after an error event too)."""
-        req = job.request
-
-        def data(obj) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        try:
-            first = True
-            async for event in events(request, job):
-                if event.kind == "delta":
-                    yield data(chunk_body(req, model_name, event.text, first=first))
-                    first = False
-                elif event.kind == "error":
-                    yield data(event.error.body())
-                else:
-                    r = event.result
-                    if first:  # nothing was said: still open the assistant's message
-                        yield data(chunk_body(req, model_name, "", first=True))
-                    yield data(chunk_body(req, model_name, "", FINISH_REASONS[r.finish_reason]))
-                    if req.include_usage:
-                        usage = usage_body(job.admission.prompt_tokens, len(r.token_ids), extension(r))
-                        yield data(chunk_body(req, model_name, None, usage=usage))
-        except Exception as exc:  # noqa: BLE001 - a bug after the stream started: say so, then end it
-            log.error("streaming request %s failed", req.id, exc_info=exc)
-            yield data(internal_error(exc).body())
-        finally:
-            job.cancel()
-        yield "data: [DONE]\n\n"
-
-    async def chat_endpoint(request: Request) -> Response:
-        return await completions(request, "chat", "chat_completions")
-
-    async def completion_endpoint(request: Request) -> Response:
-        return await completions(request, "completion", "completions")
-
-    async def models(request: Request) -> Response:
-        if (refusal := refused_key(request)) is not None:
-            return refusal
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": started, "owned_by": "adaptive"}]})
-
-    async def health(request: Request) -> Response:
-        if scheduler.closing:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    async def online_endpoint(request: Request) -> Response:
-        if (refusal := refused_key(request)) is not None:
-            return refusal
-        learner = getattr(runtime, "online", None)
-        return JSONResponse({"enabled": False} if learner is None else {"enabled": True, **learner.state()})
-
-    async def metrics_endpoint(request: Request) -> Response:
-        if (refusal := refused_key(request)) is not None:
-            return refusal
-        learner = getattr(runtime, "online", None)
-        if learner is not None:  # the background races' cost, as the learner counts it
-            cost = learner.measure_cost()
-            metrics.set("online_measure_seconds_total", cost["measure_seconds"])
-            metrics.set("online_measure_waits_total", cost["measure_waits"])
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        message = {404: f"no such endpoint: {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-        return error_response(RequestError(message, status=exc.status_code,
-                                           code="not_found" if exc.status_code == 404 else None))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(internal_error(exc))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        drained = await asyncio.to_thread(scheduler.close, drain_timeout)
-        if not drained:
-            log.warning("requests still decoding after %.0f s were cancelled", drain_timeout)
-        if hasattr(runtime, "close"):
-            await asyncio.to_thread(runtime.close)  # saves what online learning learned
-
-    started = int(time.time())
-    app = Starlette(routes=[
-        Route("/v1/chat/completions", chat_endpoint, methods=["POST"]),
-        Route("/v1/completions", completion_endpoint, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/v1/adaptive/online", online_endpoint, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
+    endpoints = _Endpoints(runtime, scheduler, metrics, model_name, api_key, max_body, drain_timeout)
+    app = Starlette(routes=endpoints.routes(), exception_handlers={HTTPException: http_error, Exception: server_error},
+                    lifespan=endpoints.lifespan)
     app.state.scheduler, app.state.metrics, app.state.model_name = scheduler, metrics, model_name
     return app
 

@@ -136,13 +136,17 @@ def _no_constant(name: str):
 @dataclass(frozen=True)
 class ServeRequest:
     """One validated request. ``prompt``: the completion's text, or the chat's messages (a tuple of
-    ``{"role", "content"}`` dicts); ``max_tokens``: ``None`` means as many as the context leaves
-    (capped by the server's default); ``policy``: the runtime's routing policy (from
+    ``{"role", "content"}`` dicts); ``max_tokens``: as asked, ``None`` meaning as many as the context
+    leaves (capped by the server's default), checked against its limits (at least 1, at most what
+    the prompt leaves of the context) where the prompt's length is known, at admission
+    (:meth:`~adaptive.serve.scheduler.Scheduler.admit`); ``max_tokens_param``: the body field it came
+    from (what a refusal of it names); ``policy``: the runtime's routing policy (from
     ``speculation``); ``speculation``: the value asked for."""
 
     kind: str
     prompt: str | tuple[dict, ...]
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
@@ -285,14 +289,13 @@ def parse_request(kind: str, body, served_model: str) -> ServeRequest:
         if "messages" not in body:
             raise RequestError("'messages' is required", param="messages")
         prompt = _messages(body["messages"])
-        max_tokens = _int(body, "max_completion_tokens", lo=1)
-        if max_tokens is None:
-            max_tokens = _int(body, "max_tokens", lo=1)
+        max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     else:
         if "prompt" not in body:
             raise RequestError("'prompt' is required", param="prompt")
         prompt = _prompt(body["prompt"])
-        max_tokens = _int(body, "max_tokens", lo=1)
+        max_tokens_param = "max_tokens"
+    max_tokens = _int(body, max_tokens_param)  # an integer; its limits are the scheduler's (Scheduler.admit)
     spec = body.get("speculation", "auto")
     if not isinstance(spec, str) or spec not in SPECULATION:
         raise RequestError(f"'speculation' must be one of {', '.join(SPECULATION)}", param="speculation")
@@ -304,7 +307,7 @@ def parse_request(kind: str, body, served_model: str) -> ServeRequest:
     if include_usage and not stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true", param="stream_options")
     return ServeRequest(
-        kind, prompt, max_tokens,
+        kind, prompt, max_tokens, max_tokens_param=max_tokens_param,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         stop=_stop(body.get("stop")),

@@ -1,8 +1,9 @@
 """The worker that owns the model: a bounded queue of admitted requests, decoded together in a batch.
 
 Request handlers (asyncio) :meth:`Scheduler.admit` a :class:`~adaptive.serve.protocol.ServeRequest`
-(tokenise it, check it fits the context: a :class:`RequestError` before any response starts), then
-:meth:`Scheduler.submit` it as a :class:`Job` and read the job's :class:`Event` stream.
+(tokenise it, check it and its ``max_tokens`` fit the context: a :class:`RequestError` before any
+response starts), then :meth:`Scheduler.submit` it as a :class:`Job` and read the job's
+:class:`Event` stream.
 
 One worker thread runs the batch, continuously. Before each step it takes waiting jobs in arrival
 order while fewer than ``max_batch`` run, and prefills them (:meth:`AdaptiveRuntime.prefilling`)
@@ -138,12 +139,25 @@ class Scheduler:
             raise RequestError(f"the prompt is {len(ids)} tokens, which leaves no room in the model's context "
                                f"of {self.runtime.engine.backbone.max_positions}", param=param,
                                code="context_length_exceeded")
-        if req.max_tokens is not None and req.max_tokens > room:
-            raise RequestError(f"'max_tokens' is {req.max_tokens}, but the prompt ({len(ids)} tokens) leaves room "
+        return Admission(tuple(ids), self._max_tokens(req, len(ids), room))
+
+    def _max_tokens(self, req: ServeRequest, prompt_tokens: int, room: int) -> int:
+        """The new tokens ``req`` may decode: its ``max_tokens``, from 1 to the ``room`` its prompt
+        leaves in the model's context (else a 400 naming the field), or when not given
+        ``min(default_max_tokens, room)``. The one place a served request's token limit is checked
+        (the parser only checks that it is an integer). Below 1 the refusal names the field sent
+        (``max_completion_tokens`` too); beyond the room it says ``max_tokens``, the limit's name."""
+        if req.max_tokens is None:
+            return min(self.default_max_tokens, room)
+        if req.max_tokens < 1:
+            name = req.max_tokens_param
+            raise RequestError(f"'{name}' must be at least 1, not {req.max_tokens}", param=name)
+        if req.max_tokens > room:
+            raise RequestError(f"'max_tokens' is {req.max_tokens}, but the prompt ({prompt_tokens} tokens) leaves room "
                                f"for at most {room} in the model's context of "
                                f"{self.runtime.engine.backbone.max_positions}", param="max_tokens",
                                code="context_length_exceeded")
-        return Admission(tuple(ids), req.max_tokens or min(self.default_max_tokens, room))
+        return req.max_tokens
 
     def submit(self, job: Job) -> None:
         """Queue ``job``: 503 while shutting down, 429 when ``max_queue`` jobs already wait."""

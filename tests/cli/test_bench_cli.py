@@ -4,20 +4,7 @@ import json
 
 import pytest
 
-from tests.cli.test_generate_cli import run, run_ok
-from tests.conftest import TINY_DOMAINS
-
-CATEGORY = {"math": "math_reasoning"}
-
-
-@pytest.fixture
-def data_file(tmp_path):
-    f = tmp_path / "sb.jsonl"
-    # "math" is an MT-bench category (grouped as mt_bench): use Spec-Bench's math_reasoning
-    rows = [{"question_id": f"{n}{i}", "category": CATEGORY.get(n, n), "turns": [p, "and then?"]}
-            for n, ps in TINY_DOMAINS.items() for i, p in enumerate(ps[-2:])]
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return f
+from tests.helpers.cli import run, run_ok
 
 
 def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_profile, data_file, tmp_path):

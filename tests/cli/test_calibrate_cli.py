@@ -5,8 +5,8 @@ import json
 import pytest
 
 from adaptive.profile import DECISIONS, SCHEMA_VERSION
-from tests.cli.test_generate_cli import run, run_ok
 from tests.conftest import TINY_DOMAINS
+from tests.helpers.cli import run, run_ok
 
 SMALL = ["--prompts-per-domain", "3", "--anchors-per-domain", "2", "--trials", "3", "--dtype", "float32", "--quiet"]
 

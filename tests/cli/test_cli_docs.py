@@ -7,19 +7,9 @@ from pathlib import Path
 import click
 import pytest
 
-from adaptive.cli.main import cli
+from tests.helpers.cli import commands
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
-
-
-def _commands():
-    out = {}
-    for name, cmd in cli.commands.items():
-        if isinstance(cmd, click.Group):
-            out.update({f"{name} {sub}": c for sub, c in cmd.commands.items()})
-        else:
-            out[name] = cmd
-    return out
 
 
 def _section(name: str) -> str:
@@ -28,9 +18,9 @@ def _section(name: str) -> str:
     return m.group(1)
 
 
-@pytest.mark.parametrize("name", sorted(_commands()))
+@pytest.mark.parametrize("name", sorted(commands()))
 def test_every_option_is_documented(name):
-    cmd = _commands()[name]
+    cmd = commands()[name]
     text = _section(name)
     options = {o for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)
                if o.startswith("--")}

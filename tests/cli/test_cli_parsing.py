@@ -13,8 +13,7 @@ from adaptive.cli.generate import DECODE_DRAFTERS
 from adaptive.cli.main import cli
 from adaptive.drafters.factory import DRAFTERS
 from adaptive.runtime.policies import DISTILLED, POLICIES
-from tests.cli.test_cli_docs import _commands
-from tests.cli.test_generate_cli import run, run_ok
+from tests.helpers.cli import commands, run, run_ok
 
 
 def _help(capsys, *command) -> str:
@@ -23,7 +22,7 @@ def _help(capsys, *command) -> str:
 
 
 def _option(command: str, name: str) -> click.Option:
-    return next(p for p in _commands()[command].params if name in p.opts)
+    return next(p for p in commands()[command].params if name in p.opts)
 
 
 def test_decode_offers_every_drafter_that_needs_no_profile(capsys):
@@ -54,7 +53,7 @@ def test_bench_lists_every_method(capsys):
         assert m.name in flat.replace("- ", "-")  # click wraps the option's help at hyphens
 
 
-@pytest.mark.parametrize("name", sorted(_commands()))
+@pytest.mark.parametrize("name", sorted(commands()))
 def test_every_command_has_examples(capsys, name):
     text = _help(capsys, *name.split())
     examples = text.split("Examples:")[1].strip().splitlines()

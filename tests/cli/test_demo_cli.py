@@ -3,7 +3,7 @@
 import json
 import shutil
 
-from tests.cli.test_generate_cli import run, run_ok
+from tests.helpers.cli import run, run_ok
 
 
 def test_demo_reuses_a_profile_routes_and_reports_speedup(capsys, tiny_model_dir, tiny_profile, tmp_path):

@@ -5,9 +5,8 @@ import shutil
 
 import pytest
 
-from tests.cli.test_bench_cli import data_file  # noqa: F401  (fixture)
-from tests.cli.test_generate_cli import run, run_ok
 from tests.conftest import TINY_DOMAINS
+from tests.helpers.cli import run, run_ok
 
 
 @pytest.fixture

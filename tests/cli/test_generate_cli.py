@@ -2,24 +2,8 @@ import json
 
 import pytest
 
-from adaptive.cli.main import main
 from adaptive.profile import DECISIONS
-
-
-def run(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
-
-def run_ok(capsys, *args):
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        assert exc.code in (0, None), capsys.readouterr().err
-    out = capsys.readouterr()
-    return out.out, out.err
+from tests.helpers.cli import run, run_ok
 
 
 def test_decode_json(capsys, tiny_model_dir):

@@ -150,7 +150,7 @@ def test_factory_cascade_with_and_without_skip():
 def _cascade_counts(lm, drafter, n):
     """(t2, t3) counts over ``n`` seeded generations of 4 tokens: t2 and t3 come from one step
     drafting 2 tokens (vertical level: one statistical proposal checked, then its own token)."""
-    from tests.engine.test_sampling_distribution import CFG, PROMPT, V
+    from tests.helpers.sampling import CFG, PROMPT, V
 
     counts = torch.zeros(V, V)
     for seed in range(n):
@@ -166,7 +166,7 @@ def test_cascade_sampling_matches_target(split, lenience, wrong, monkeypatch):
     statistical tail (point masses) keep speculative sampling exact; telling the verifier q instead
     of q' is detected (the test can fail)."""
     import adaptive.drafters.cascade as cascade
-    from tests.engine.test_sampling_distribution import N, V, chi2_pvalue, target_joint
+    from tests.helpers.sampling import N, V, chi2_pvalue, target_joint
 
     if wrong:
         right = cascade.lenient_point_mass

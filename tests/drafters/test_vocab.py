@@ -95,7 +95,7 @@ class _Spy:
 
 def test_reduced_head_sampling_matches_target():
     """q over the subset (zero elsewhere) keeps speculative sampling exact: chi-square against the target."""
-    from tests.engine.test_sampling_distribution import V, chi2_pvalue, sample_counts, target_joint
+    from tests.helpers.sampling import V, chi2_pvalue, sample_counts, target_joint
 
     lm = tiny_lm("llama", vocab=V, n_layers=4, init=0.5, seed=7)
     head = DraftHead.build(lm.backbone.lm_head.weight, torch.tensor([0, 2, 3]))  # tokens 1, 4, 5 never drafted

@@ -1,61 +1,19 @@
 """Speculative sampling is distributed exactly as the target: a chi-square test that can fail."""
 
-import itertools
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from adaptive.drafters.layerskip import LayerSkipDrafter
-from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import decode
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
-
-V = 6
-PROMPT = [1, 4, 2]
-CFG = GenerationConfig(max_new_tokens=3, temperature=1.0, draft_len=2, ignore_eos=True)
-N = 3000
+from tests.helpers.sampling import V, chi2_pvalue, sample_counts, target_joint
 
 
 @pytest.fixture(scope="module")
 def setup():
     lm = tiny_lm("llama", vocab=V, n_layers=4, init=0.5, seed=7)
     return lm, LayerSkipDrafter(SkipSet(attn=(0, 1, 2), mlp=(0, 1)), 4)
-
-
-def target_joint(lm):
-    """Exact P(t2, t3) under the target, marginalised over t1: the two tokens that come from a
-    speculative step (t1 comes from the prefill)."""
-    m = lm.model
-    probs = torch.zeros(V, V)
-    with torch.no_grad():
-        p1 = warp_probs(m(torch.tensor([PROMPT])).logits[0, -1], 1.0)
-        for t1, t2 in itertools.product(range(V), range(V)):
-            logits = m(torch.tensor([PROMPT + [t1, t2]])).logits[0]
-            p2 = warp_probs(logits[-2], 1.0)[t2]
-            p3 = warp_probs(logits[-1], 1.0)
-            probs[t2] += p1[t1] * p2 * p3
-    return probs
-
-
-def sample_counts(lm, drafter, acceptor=None):
-    counts = torch.zeros(V, V)
-    kwargs = {"acceptor": acceptor} if acceptor else {}
-    for seed in range(N):
-        cfg = GenerationConfig(**{**CFG.__dict__, "seed": seed})
-        toks = sum(decode(lm.backbone, PROMPT, cfg, drafter, **kwargs), [])
-        counts[toks[1], toks[2]] += 1
-    return counts
-
-
-def chi2_pvalue(counts, probs):
-    keep = probs.flatten() * N >= 5
-    obs = counts.flatten()[keep]
-    exp = probs.flatten()[keep] * N
-    exp = exp * obs.sum() / exp.sum()
-    return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
 def test_ssd_samples_match_target(setup):

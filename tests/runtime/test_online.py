@@ -13,7 +13,7 @@ from adaptive.profile.overlay import OverlayError, load_overlay, overlay_path, s
 from adaptive.runtime import AdaptiveRuntime, OnlineSettings
 from adaptive.runtime.online import Observation
 from tests.conftest import TINY_DOMAINS
-from tests.runtime.test_runtime import with_domains
+from tests.helpers.profiles import with_domains
 
 
 def test_settings_are_validated():

@@ -13,7 +13,7 @@ from adaptive.engine.engine import Engine
 from adaptive.engine.loop import GenerationStats
 from adaptive.profile import load_profile
 from adaptive.runtime import AdaptiveRuntime
-from tests.runtime.test_runtime import with_domains
+from tests.helpers.profiles import with_domains
 
 CONTEXT = 100  # the scripted runtime's context, in tokens (one per character)
 

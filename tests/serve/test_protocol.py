@@ -31,6 +31,9 @@ def test_fields_are_honoured():
     assert (r.max_tokens, r.temperature, r.top_p, r.stop, r.seed, r.stream, r.include_usage, r.policy) == \
         (7, 0.0, 0.5, ("\n",), 3, True, True, "ar")
     assert chat(max_completion_tokens=5, max_tokens=9).max_tokens == 5  # the newer name wins
+    # the limits (at least 1, at most the context's room) are checked at admission, which names the field
+    assert (chat(max_tokens=0).max_tokens, chat(max_tokens=0).max_tokens_param) == (0, "max_tokens")
+    assert chat(max_completion_tokens=-1, max_tokens=9).max_tokens_param == "max_completion_tokens"
 
 
 @pytest.mark.parametrize("value,policy", [("auto", "knn-ssd"), ("off", "ar"), ("cascade", "cascade"),
@@ -54,8 +57,8 @@ def test_a_completion_prompt_may_be_a_list_of_one():
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_completion_tokens": "5"}, "max_completion_tokens"),
     ({"temperature": 3}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"temperature": float("nan")}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from adaptive.errors import ConfigError
-from adaptive.serve.protocol import RequestError, ServeRequest
+from adaptive.serve.protocol import RequestError, ServeRequest, parse_request
 from adaptive.serve.scheduler import Admission, Event, Job, Scheduler
 from tests.serve.conftest import ScriptedRuntime
 
@@ -54,6 +54,19 @@ def test_admission_sizes_and_refusals():
         with pytest.raises(RequestError) as e:
             s.admit(chat("x" * 91))
         assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("fields,param", [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
+                                          ({"max_completion_tokens": 0}, "max_completion_tokens")])
+def test_max_tokens_below_one_is_refused_at_admission_naming_the_field(fields, param):
+    s = Scheduler(ScriptedRuntime())
+    try:
+        req = parse_request("chat", {"messages": [{"role": "user", "content": "hello"}], **fields}, served_model="m")
+        with pytest.raises(RequestError) as e:
+            s.admit(req)
+        assert (e.value.status, e.value.param) == (400, param) and "at least 1" in str(e.value)
     finally:
         s.close()
 

@@ -1,5 +1,6 @@
-"""The distilled drafters decode losslessly: greedy equality with ``ar`` in fp32 through the
-runtime, sampling distributed as the target (chi-square), and a draft model needs the target's tokenizer."""
+"""Distilled drafters in a profile: both kinds trained, then greedy equality with ``ar`` in fp32
+through the runtime; a profile without one says so; a draft model needs the target's tokenizer
+(the check, and distillation refusing another). The drafters themselves: ``tests/drafters/``."""
 
 import shutil
 
@@ -7,16 +8,11 @@ import pytest
 import torch
 
 from adaptive.distill.trainer import DistillConfig, distill
-from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock, early_exit_skip
-from adaptive.drafters.model import ModelDrafter, check_same_tokenizer
-from adaptive.engine.config import GenerationConfig
-from adaptive.engine.engine import Engine
-from adaptive.engine.loop import decode
+from adaptive.drafters.model import check_same_tokenizer
 from adaptive.errors import ConfigError
 from adaptive.models import LoadedModel, load_model
 from adaptive.runtime import AdaptiveRuntime
-from tests.conftest import TINY_DOMAINS, char_tokenizer, tiny_lm, tiny_model
-from tests.engine.test_sampling_distribution import V, chi2_pvalue, sample_counts, target_joint
+from tests.conftest import TINY_DOMAINS, char_tokenizer, tiny_model
 
 PROMPTS = ["what is 3 plus 6? answer:", "hello there friend number 9", "def f7(x): return", "zz top"]
 FAST = dict(steps=30, new_tokens=12, eval_every=15, checkpoint_every=15, lr=3e-3, data_source="teacher")
@@ -28,15 +24,6 @@ def lm(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    """A 2-layer tiny Llama with the target's tokenizer: the separate draft model."""
-    path = tmp_path_factory.mktemp("draft")
-    tiny_model("llama", n_layers=2, seed=3).save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def distilled(lm, tiny_profile, draft_dir, tmp_path_factory):
     """A copy of the tiny profile with both kinds of distilled drafter."""
     dst = tmp_path_factory.mktemp("distilled") / "prof"
@@ -45,20 +32,6 @@ def distilled(lm, tiny_profile, draft_dir, tmp_path_factory):
     distill(lm, dst, TINY_DOMAINS, DistillConfig(**{**FAST, "batch_size": 4}),
             draft_lm=load_model(str(draft_dir), dtype="float32"), progress=False)
     return dst
-
-
-def test_early_exit_skip():
-    # an exit after 2 of 4 layers skips both sublayers of layers 2 and 3
-    assert early_exit_skip(2, 4).to_text() == "attn=2-3;mlp=2-3"
-    with pytest.raises(ConfigError):
-        early_exit_skip(4, 4)
-
-
-def test_untrained_block_is_the_identity(lm):
-    block = ExitBlock.from_backbone(lm.backbone, 2)
-    w = next(block.parameters())
-    h = torch.randn(2, 5, block.hidden, device=w.device, dtype=w.dtype)  # the backbone's device (CUDA on a GPU)
-    assert torch.equal(block(h), h)
 
 
 @pytest.mark.parametrize("policy", ["early-exit", "draft-model"])
@@ -88,34 +61,6 @@ def test_a_profile_without_the_drafter_says_so(lm, tiny_profile):
     rt = AdaptiveRuntime.from_profile(tiny_profile, model=lm)
     with pytest.raises(ProfileError, match="no distilled early-exit drafter"):
         rt.generate("abc", max_new_tokens=4, policy="early-exit")
-
-
-def test_early_exit_sampling_matches_the_target():
-    lm = tiny_lm("llama", vocab=V, n_layers=4, init=0.5, seed=7)
-    block = ExitBlock.from_backbone(lm.backbone, 2)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        block.down.weight.normal_(0, 0.3)  # a block that changes q, so q != p
-    counts = sample_counts(lm, EarlyExitDrafter(2, 4, block))
-    assert chi2_pvalue(counts, target_joint(lm)) > 1e-3
-
-
-def test_draft_model_sampling_matches_the_target():
-    lm = tiny_lm("llama", vocab=V, n_layers=4, init=0.5, seed=7)
-    draft = tiny_lm("llama", vocab=V, n_layers=2, init=0.5, seed=8)
-    counts = sample_counts(lm, ModelDrafter(draft.backbone))
-    assert chi2_pvalue(counts, target_joint(lm)) > 1e-3
-
-
-def test_model_drafter_greedy_equals_ar_across_requests(lm, draft_dir):
-    draft = load_model(str(draft_dir), dtype="float32")
-    engine = Engine(lm)
-    drafter = ModelDrafter(draft.backbone)  # one instance over several requests: its cache resyncs
-    cfg = GenerationConfig(max_new_tokens=20, draft_len=4, ignore_eos=True)
-    for prompt in PROMPTS:
-        ids = engine.encode(prompt)
-        ref = sum(decode(lm.backbone, ids, cfg), [])
-        assert sum(decode(lm.backbone, ids, cfg, drafter), []) == ref
 
 
 def test_draft_model_must_share_the_tokenizer(lm, tiny_profile):
