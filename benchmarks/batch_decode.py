@@ -72,9 +72,10 @@ def run(rt: AdaptiveRuntime, prompts: list[str], policy: str, batch: int, max_to
 
 
 def scheduled(rt: AdaptiveRuntime, prompts: list[str], policy: str, batch: int, max_tokens: int, chunk: int,
-              carry: bool = True) -> dict:
+              carry: bool | None = None) -> dict:
     """Decode ``prompts`` through the server's scheduler (``max_batch=batch``, ``prefill_chunk=chunk``,
-    ``carry``: steps carry prompt chunks), all submitted at once; the ids of each request's output."""
+    ``carry``: steps carry prompt chunks, ``None``: where the engine does), all submitted at once; the
+    ids of each request's output."""
     speculation = {"knn-ssd": "auto", "ar": "off"}.get(policy, policy)
     loop = asyncio.new_event_loop()
     scheduler = Scheduler(rt, max_queue=len(prompts), max_batch=batch, prefill_chunk=chunk, carry=carry)
@@ -118,8 +119,8 @@ def main() -> None:
     ap.add_argument("--categories", nargs="+", default=None, help="only these groups (default: all)")
     ap.add_argument("--skip-first", type=int, default=16)
     ap.add_argument("--policies", nargs="+", default=["knn-ssd", "ar"],
-                    help="routing policies; with --chunk, a policy ending in ':nocarry' runs the scheduler with "
-                         "chunks as forwards of their own (e.g. knn-ssd:nocarry)")
+                    help="routing policies; with --chunk, a policy ending in ':carry' or ':nocarry' runs the "
+                         "scheduler with steps carrying prompt chunks or not (default: as the engine does)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -140,7 +141,8 @@ def main() -> None:
             for batch in args.batch:
                 name, _, mode = policy.partition(":")
                 r = run(rt, prompts, name, batch, args.max_tokens) if args.chunk is None else \
-                    scheduled(rt, prompts, name, batch, args.max_tokens, args.chunk, carry=mode != "nocarry")
+                    scheduled(rt, prompts, name, batch, args.max_tokens, args.chunk,
+                                                         carry={"nocarry": False, "carry": True}.get(mode))
                 results.setdefault((policy, batch), []).append(r)
                 print(f"repeat {rep + 1} {policy} batch {batch}: {r['tokens_per_s']:.1f} tok/s "
                       f"(prefill {r['prefill_s']:.1f} s, steps {r['step_s']:.1f} s, mean batch {r['mean_batch']:.2f})",
