@@ -39,7 +39,7 @@ from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftL
 from adaptive.engine.skip import SkipSet
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
-from adaptive.index.router import RouteDecision, decide, decision_of
+from adaptive.index.router import RouteDecision, decision_of, route_vector
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
@@ -266,7 +266,7 @@ class AdaptiveRuntime:
         with self._lock:
             vector = embed_prompt(self.engine.backbone, ids, self.profile.index.pooling)
         if self.online is None:
-            return decide(self.profile, vector)
+            return route_vector(self.profile, vector)
         route, _ = self.online.route(vector)
         return decision_of(route, self._record(route.domain))
 
