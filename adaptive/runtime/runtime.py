@@ -468,16 +468,16 @@ class AdaptiveRuntime:
         return deltas
 
     def batch_choices(self, decodings: Sequence[RoutedDecoding]) -> list[DraftChoice | None]:
-        """Each request's draft choice for one batched step: every policy that prices its drafts
+        """Each request's draft choice for one batched step: every length policy that prices its drafts
         (a Thompson bandit's :meth:`~adaptive.engine.protocol.DraftLengthPolicy.plan`) is given the
         length that maximises the batch's expected tokens per unit time on this engine's measured
         verification costs (the profile's global verify table, a forward over 1, 2, ... rows:
-        :func:`~adaptive.costs.batch.batch_draft_lengths`); ``None`` where the request's own policy
+        :func:`~adaptive.costs.batch.batch_draft_lengths`); ``None`` where the request's own length policy
         chooses (a fixed length) or it cannot draft (its row counts all the same)."""
         priced, plans, fixed = [], [], 0
         for i, d in enumerate(decodings):
             lane = d.decoding.lane
-            plan = lane.policy.plan(lane.max_draft) if lane.max_draft > 0 else None
+            plan = lane.length_policy.plan(lane.max_draft) if lane.max_draft > 0 else None
             if plan is None:
                 fixed += 1
             else:
