@@ -21,11 +21,10 @@ import argparse
 import json
 from pathlib import Path
 
+from adaptive.calibrate.settings import GLOBAL_TASK
 from adaptive.costs import acceptance_needed
-from adaptive.profile import load_profile
+from adaptive.profile import GLOBAL, load_profile
 from adaptive.workdir import slug
-
-_GLOBAL_TRIALS = "__global__"  # the global task's checkpoint name (adaptive.calibrate.settings.GLOBAL)
 
 
 def read_trials(path: Path) -> list[dict]:
@@ -51,7 +50,7 @@ def main() -> None:
     max_len = profile.runtime.max_draft_len
     verify = profile.cost_model.verify_table(max_len)
     records = [(name, rec, name) for name, rec in sorted(profile.domains.items())]
-    records.append(("global", profile.global_set, _GLOBAL_TRIALS))
+    records.append((GLOBAL, profile.global_set, GLOBAL_TASK))  # the global task's trials file
     cols = 4
     rows = -(-len(records) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), sharex=True, sharey=True, squeeze=False)

@@ -42,7 +42,7 @@ from adaptive.calibrate.search import (
     top_candidates,
     trial_record,
 )
-from adaptive.calibrate.settings import GLOBAL, CalibrationSettings
+from adaptive.calibrate.settings import GLOBAL_TASK, CalibrationSettings
 from adaptive.calibrate.vocab import choose_vocab
 from adaptive.costs import CostModel, measure_verify_costs
 from adaptive.drafters.cascade import CascadePlan
@@ -52,8 +52,7 @@ from adaptive.measure.race import DomainRace, race_domain, statistical_candidate
 from adaptive.measure.statistical import choose_cascade, replay_speedup, statistical_acceptance
 from adaptive.measure.timing import Candidate
 from adaptive.models import LoadedModel
-from adaptive.profile import GLOBAL as GLOBAL_RECORD
-from adaptive.profile import DomainRecord, Prior, SkipSearch, StatisticalAcceptance, VocabChoice
+from adaptive.profile import GLOBAL, DomainRecord, Prior, SkipSearch, StatisticalAcceptance, VocabChoice
 from adaptive.workdir import append_json_line, checkpointed, read_json_lines
 
 
@@ -253,7 +252,7 @@ def domain_record(task: DomainTask, raced: DomainRace, history: list[dict], best
     if bound is not None:
         layer_skip = replace(layer_skip, bound=bound.speedup, reference=bound.reference)
     return raced.record(
-        GLOBAL_RECORD if task.name == GLOBAL else task.name, st.bigram, plan, st.verify, st.context,
+        GLOBAL if task.name == GLOBAL_TASK else task.name, st.bigram, plan, st.verify, st.context,
         prompts=task.prompts, anchors=task.anchors, layer_skip=layer_skip,
         layer_skip_prior=Prior(min(max(a_l, 0.0), 1.0), c_l), reduced_head_cost=reduced_cost, vocab=vocab,
         bigram=bigram, draft_vocab=np.asarray(vocab_ids) if vocab_ids is not None else None)

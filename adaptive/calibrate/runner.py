@@ -30,7 +30,7 @@ from adaptive.calibrate.prepare import Prepared, check_prompt_lengths, prepare_d
 from adaptive.calibrate.progress import Progress, budgets
 from adaptive.calibrate.settings import (
     BACKENDS,
-    GLOBAL,
+    GLOBAL_TASK,
     CalibrationError,
     CalibrationSettings,
     calibration_workdir,
@@ -104,7 +104,7 @@ def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostMode
     confirm = [prep[n].ids[i] for i in range(s.confirm_prompts) for n in names
                if i < len(prep[n].ids)][: s.confirm_prompts]
     influence = sum(prep[n].influence for n in names) / len(names)
-    tasks.append(DomainTask(GLOBAL, pool, influence, costs, confirm, sum(len(prep[n].ids) for n in names),
+    tasks.append(DomainTask(GLOBAL_TASK, pool, influence, costs, confirm, sum(len(prep[n].ids) for n in names),
                             len(index.labels)))
     return tasks
 
@@ -154,7 +154,8 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
         if resumed:
             log(f"resuming from {work.path}")
         names = sorted(domains)
-        worker.bars = Progress(progress, budgets(s, {n: [len(p) for p in encoded[n]] for n in names}, [*names, GLOBAL]))
+        lengths = {n: [len(p) for p in encoded[n]] for n in names}
+        worker.bars = Progress(progress, budgets(s, lengths, [*names, GLOBAL_TASK]))
         try:
             costs = cost_model if cost_model is not None else CostModel.from_dict(
                 checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))

@@ -9,12 +9,15 @@ from pathlib import Path
 from adaptive.calibrate.search import SPACES
 from adaptive.engine.config import POOL_MODES, Pooling
 from adaptive.errors import AdaptiveError, ConfigError
-from adaptive.profile import MeasureSettings, RuntimeSettings
+from adaptive.profile import GLOBAL, MeasureSettings, RuntimeSettings
 from adaptive.workdir import WorkDir
 
 BACKENDS = ("loky", "threading", "dask", "ray")
 MIN_PROMPTS = 3
-GLOBAL = "__global__"  # the task over all domains; its record is the profile's "global" one
+# The calibration task over all domains, whose record becomes the profile's global record
+# (``adaptive.profile.GLOBAL``). A distinct string on purpose: it names the task's files in the
+# calibration work directory and seeds its search, so renaming it would stop old runs resuming.
+GLOBAL_TASK = "__global__"
 
 
 class CalibrationError(AdaptiveError):
@@ -131,7 +134,7 @@ def check_domains(domains: dict[str, list[str]], settings: CalibrationSettings) 
     """The prompts actually used: the first ``prompts_per_domain`` of each domain (in file order)."""
     if not domains:
         raise ConfigError("no domains to calibrate")
-    for reserved in (GLOBAL, "global"):
+    for reserved in (GLOBAL_TASK, GLOBAL):
         if reserved in domains:
             raise ConfigError(f"{reserved!r} is reserved for the global skip set; rename that domain")
     out = {}

@@ -240,12 +240,12 @@ class ChunkedPrefill:
 @dataclass(eq=False)
 class Lane:
     """One sequence between verification steps: its :class:`DecodeState`, drafter (``None``: plain
-    steps), draft-length policy, config, statistics, acceptor and how many tokens it has produced
+    steps), draft-length policy (``length_policy``), config, statistics, acceptor and how many tokens it has produced
     (the pending first token counts). :func:`step` advances one or several lanes together."""
 
     state: DecodeState
     drafter: Drafter | None
-    policy: DraftLengthPolicy
+    length_policy: DraftLengthPolicy
     cfg: GenerationConfig
     stats: GenerationStats
     acceptor: Acceptor = default_acceptor
@@ -264,12 +264,12 @@ class Lane:
 
     def propose(self, choice: DraftChoice | None = None) -> Draft:
         """This step's draft (empty for a plain step), timed into ``stats.draft_time``. ``choice``:
-        the batch's choice for this lane (:func:`step`); ``None``: the lane's policy chooses."""
+        the batch's choice for this lane (:func:`step`); ``None``: the lane's length policy chooses."""
         t0 = time.perf_counter()
         draft = None
         if self.max_draft > 0:
             if choice is None:
-                choice = self.policy.choose(self.max_draft)
+                choice = self.length_policy.choose(self.max_draft)
             elif choice.length > self.max_draft:
                 raise ValueError(f"a draft of {choice.length} exceeds this step's longest, {self.max_draft}")
             if choice.length > 0:
@@ -304,7 +304,7 @@ class Lane:
         if self.drafter is not None and remaining > 1:
             stats.draft_lengths[k] += 1  # 0 when the policy chose a plain step
             if k:
-                self.policy.update(draft, n)
+                self.length_policy.update(draft, n)
         new = draft.tokens[:n].tolist() + [nxt]
         state.tokens.extend(new)
         self.produced += len(new)

@@ -30,7 +30,7 @@ class RouteDecision:
                 "draft_len": self.draft_len, "decision": self.drafter}
 
 
-def decide(profile, vector, k: int | None = None) -> RouteDecision:
+def route_vector(profile, vector, k: int | None = None) -> RouteDecision:
     """Route a raw pooled embedding ``[hidden]`` with ``profile`` (a :class:`adaptive.profile.Profile`)."""
     route = profile.index.route(vector, k)
     return decision_of(route, profile.domain(route.domain))
@@ -44,6 +44,6 @@ def decision_of(route: Route, record) -> RouteDecision:
 
 
 def route_prompt(profile, engine, prompt, k: int | None = None) -> RouteDecision:
-    """Encode ``prompt`` as calibration did (the profile's chat setting), embed it, and decide."""
+    """Encode ``prompt`` as calibration did (the profile's chat setting), embed it, and route the vector."""
     ids = engine.encode(prompt, chat=profile.runtime.chat)
-    return decide(profile, embed_prompt(engine.backbone, ids, profile.index.pooling), k)
+    return route_vector(profile, embed_prompt(engine.backbone, ids, profile.index.pooling), k)

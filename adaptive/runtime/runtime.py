@@ -39,7 +39,7 @@ from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftL
 from adaptive.engine.skip import SkipSet
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
-from adaptive.index.router import RouteDecision, decide, decision_of
+from adaptive.index.router import RouteDecision, decision_of, route_vector
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
@@ -266,7 +266,7 @@ class AdaptiveRuntime:
         with self._lock:
             vector = embed_prompt(self.engine.backbone, ids, self.profile.index.pooling)
         if self.online is None:
-            return decide(self.profile, vector)
+            return route_vector(self.profile, vector)
         route, _ = self.online.route(vector)
         return decision_of(route, self._record(route.domain))
 
@@ -468,16 +468,16 @@ class AdaptiveRuntime:
         return deltas
 
     def batch_choices(self, decodings: Sequence[RoutedDecoding]) -> list[DraftChoice | None]:
-        """Each request's draft choice for one batched step: every policy that prices its drafts
+        """Each request's draft choice for one batched step: every length policy that prices its drafts
         (a Thompson bandit's :meth:`~adaptive.engine.protocol.DraftLengthPolicy.plan`) is given the
         length that maximises the batch's expected tokens per unit time on this engine's measured
         verification costs (the profile's global verify table, a forward over 1, 2, ... rows:
-        :func:`~adaptive.costs.batch.batch_draft_lengths`); ``None`` where the request's own policy
+        :func:`~adaptive.costs.batch.batch_draft_lengths`); ``None`` where the request's own length policy
         chooses (a fixed length) or it cannot draft (its row counts all the same)."""
         priced, plans, fixed = [], [], 0
         for i, d in enumerate(decodings):
             lane = d.decoding.lane
-            plan = lane.policy.plan(lane.max_draft) if lane.max_draft > 0 else None
+            plan = lane.length_policy.plan(lane.max_draft) if lane.max_draft > 0 else None
             if plan is None:
                 fixed += 1
             else:

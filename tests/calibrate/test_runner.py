@@ -8,7 +8,7 @@ import pytest
 
 from adaptive.calibrate import domain, vocab
 from adaptive.calibrate.runner import CalibrationError, CalibrationSettings, calibrate, check_domains
-from adaptive.calibrate.settings import calibration_workdir
+from adaptive.calibrate.settings import GLOBAL_TASK, calibration_workdir
 from adaptive.calibrate.vocab import size_estimates
 from adaptive.costs import CostModel
 from adaptive.errors import ConfigError
@@ -17,7 +17,7 @@ from adaptive.measure import timing
 from adaptive.measure.decision import decide
 from adaptive.measure.interval import verdict as _verdict
 from adaptive.models import load_model
-from adaptive.profile import Decision, Interval, Measurement, ProfileError, load_profile
+from adaptive.profile import GLOBAL, Decision, Interval, Measurement, ProfileError, load_profile
 from adaptive.workdir import slug
 from tests.conftest import TINY_DOMAINS, tiny_lm, tiny_settings
 
@@ -45,6 +45,12 @@ def test_settings_are_validated():
         CalibrationSettings(vocab_sizes=(8,))
     q = CalibrationSettings.quick()
     assert q.trials < CalibrationSettings().trials
+
+
+def test_global_task_name_is_on_disk():
+    # the global task's name names its files in calibration work dirs and seeds its search:
+    # changing it would stop earlier runs resuming, so it stays apart from the record's name
+    assert GLOBAL_TASK == "__global__" and GLOBAL == "global"
 
 
 def test_domain_checks():
