@@ -356,8 +356,6 @@ class Engine:
         decoding's text delta ('' for none yet)."""
         if any(d.done for d in decodings):
             raise ConfigError("a finished decoding cannot step")
-        if not all(p.can_ride for p in riders):
-            raise ConfigError("a step carries a prefill's chunk only when it is not the prompt's last (can_ride)")
         chunks = step(self.backbone, [d.lane for d in decodings], choices, [p.task for p in riders])
         return [d.out.push(c) for d, c in zip(decodings, chunks)]
 

@@ -18,6 +18,7 @@ from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
+from adaptive.errors import ConfigError
 
 # (draft, p_logits [k+1, V], config, generator) -> (n_accepted, next_token)
 Acceptor = Callable[[Draft, torch.Tensor, GenerationConfig, torch.Generator | None], tuple[int, int]]
@@ -329,7 +330,8 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
     """
     carried = [r.ride() for r in riders]
     if any(c is None for c in carried):
-        raise ValueError("a rider's next chunk cannot be carried (its last, or a mean pooling's)")
+        raise ConfigError("a step carries a prefill's chunk only when it is not the prompt's last nor a mean "
+                          "pooling's (can_ride)")
     drafts = [lane.propose(c) for lane, c in zip(lanes, choices or [None] * len(lanes))]
     t0 = time.perf_counter()
     segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
