@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
+from adaptive.codec import record
 from adaptive.engine import llamacpp
 from adaptive.engine.backbone import Backbone
 from adaptive.engine.engine import eos_ids
 from adaptive.engine.quant import check_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
-from adaptive.records import record
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {

@@ -34,8 +34,8 @@ from serve_load import prompts_from  # noqa: E402  (the same prompts, in the sam
 
 from adaptive.engine.audit import audit_divergence  # noqa: E402
 from adaptive.runtime import AdaptiveRuntime  # noqa: E402
-from adaptive.serve.protocol import ServeRequest  # noqa: E402
 from adaptive.serve.scheduler import Job, Scheduler  # noqa: E402
+from adaptive.serve.wire import ServeRequest  # noqa: E402
 
 
 def run(rt: AdaptiveRuntime, prompts: list[str], policy: str, batch: int, max_tokens: int) -> dict:

@@ -21,7 +21,7 @@ SLOW = {
     "tests/calibrate/test_runner.py": {"test_dask_backend_on_a_local_cluster"},
     "tests/engine/test_sampling_distribution.py": None,
     "tests/drafters/test_cascade.py": {"test_cascade_sampling_matches_target"},
-    "tests/drafters/test_vocab.py": {"test_reduced_head_sampling_matches_target"},
+    "tests/drafters/test_head.py": {"test_reduced_head_sampling_matches_target"},
     "tests/drafters/test_model.py": {"test_draft_model_sampling_matches_the_target"},
     "tests/drafters/test_early_exit.py": {"test_early_exit_sampling_matches_the_target"},
     "tests/engine/test_greedy_equality.py": {"test_greedy_equals_hf_generate"},

@@ -16,7 +16,7 @@ import numpy as np
 
 from adaptive.calibrate.settings import CalibrationSettings
 from adaptive.costs import expected_speedup, extrapolate, measure_head_costs
-from adaptive.drafters.vocab import coverage_curve, rank_tokens
+from adaptive.drafters.head import coverage_curve, rank_tokens
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
 from adaptive.profile import VocabChoice

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
+from adaptive.codec import record
+from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, NgramDrafter
-from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, DecodeState, Draft, DraftChoice, Drafter
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet
-from adaptive.records import record
 
 
 @record

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaptive.drafters.head import DraftHead
 from adaptive.drafters.layerskip import LayerSkipDrafter
-from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import ConfigError
 

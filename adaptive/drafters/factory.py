@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
 from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
+from adaptive.drafters.head import DraftHead
 from adaptive.drafters.layerskip import LayerSkipDrafter
 from adaptive.drafters.live import LiveBigramTable
 from adaptive.drafters.model import ModelDrafter
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, BigramTable, NgramDrafter
-from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.protocol import Drafter
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import ConfigError

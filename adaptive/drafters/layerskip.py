@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from adaptive.drafters.vocab import DraftHead
+from adaptive.drafters.head import DraftHead
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
 from adaptive.engine.sampling import warp_probs
 from adaptive.engine.skip import SkipSet

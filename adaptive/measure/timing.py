@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from adaptive.codec import record
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import BigramTable
-from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.loop import GenerationStats, decode_steps, prefill
 from adaptive.engine.protocol import DecodeState
@@ -27,7 +28,6 @@ from adaptive.engine.skip import SkipSet
 from adaptive.measure.interval import Race
 from adaptive.models import LoadedModel
 from adaptive.profile import Interval, Measurement, MeasureSettings
-from adaptive.records import record
 
 
 @record

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptive.codec import from_json, to_json
 from adaptive.errors import AdaptiveError
 from adaptive.profile.records import DomainRecord
-from adaptive.records import from_json, to_json
 from adaptive.workdir import atomic_write, fsync_dir
 
 OVERLAY_FORMAT = "adaptive-online"

@@ -1,7 +1,7 @@
 """The typed contract between calibration, distillation and the runtime: what a profile holds.
 
 Every record is a frozen dataclass whose JSON form is derived from its fields
-(:func:`adaptive.records.record`), so each field list exists once. ``docs/profile.md`` shows the
+(:func:`adaptive.codec.record`), so each field list exists once. ``docs/profile.md`` shows the
 JSON. Terms: a *drafter* is one of :data:`adaptive.drafters.factory.DRAFTERS`; a *prior* is what
 the runtime's bandit starts from for one drafter in one domain; a *measurement* is one timed
 comparison of a drafter against plain decoding (``ar``) on the same prompts.
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from adaptive.codec import from_json, record
 from adaptive.costs import CostModel, verify_table
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DRAFTERS
@@ -23,7 +24,6 @@ from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.models import ModelFingerprint
-from adaptive.records import from_json, record
 
 DECISIONS = ("ar", "ssd", "pld", "cascade")  # what calibration may decide a domain decodes with
 GLOBAL = "global"  # the record used for out-of-domain requests (and by the `ssd-static` policy)

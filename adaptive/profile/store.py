@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptive.codec import from_json, to_json
 from adaptive.costs import CostModel
 from adaptive.drafters.ngram import BigramTable
 from adaptive.errors import ConfigError, SkipSetError
@@ -42,7 +43,6 @@ from adaptive.profile.records import (
     ProfileError,
     RuntimeSettings,
 )
-from adaptive.records import from_json, to_json
 from adaptive.workdir import fsync_dir
 
 SCHEMA_VERSION = 2  # 2: typed records (adaptive.profile.records); 1: before them, not readable (recalibrate)

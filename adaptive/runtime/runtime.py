@@ -30,8 +30,8 @@ from adaptive.costs import best_draft_length
 from adaptive.costs.batch import batch_draft_lengths
 from adaptive.drafters.early_exit import ExitBlock
 from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.drafters.head import DraftHead
 from adaptive.drafters.model import build_draft_model
-from adaptive.drafters.vocab import DraftHead
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Decoding, Engine, GenerationResult, Prefilling, Session
 from adaptive.engine.loop import cache_positions

@@ -1,6 +1,6 @@
 """The ASGI application: OpenAI's endpoints over the :class:`~adaptive.serve.scheduler.Scheduler`.
 
-Starlette, not FastAPI: the request bodies are validated by :mod:`adaptive.serve.protocol` so that
+Starlette, not FastAPI: the request bodies are validated by :mod:`adaptive.serve.wire` so that
 every refusal is an OpenAI-style error body (FastAPI's automatic 422s are not), and Starlette is
 the whole of what is used (routing, streaming responses), with no pydantic models to keep in step
 with the wire format. uvicorn runs it (:func:`serve`).
@@ -37,7 +37,8 @@ from starlette.routing import Route
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from adaptive.serve.metrics import Metrics
-from adaptive.serve.protocol import (
+from adaptive.serve.scheduler import Job, Scheduler
+from adaptive.serve.wire import (
     FINISH_REASONS,
     RequestError,
     chunk_body,
@@ -48,7 +49,6 @@ from adaptive.serve.protocol import (
     parse_request,
     usage_body,
 )
-from adaptive.serve.scheduler import Job, Scheduler
 
 log = logging.getLogger("adaptive.serve")
 MAX_BODY = 1 << 20  # bytes: the default request-body limit (1 MiB)

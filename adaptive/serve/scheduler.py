@@ -1,6 +1,6 @@
 """The worker that owns the model: a bounded queue of admitted requests, decoded together in a batch.
 
-Request handlers (asyncio) :meth:`Scheduler.admit` a :class:`~adaptive.serve.protocol.ServeRequest`
+Request handlers (asyncio) :meth:`Scheduler.admit` a :class:`~adaptive.serve.wire.ServeRequest`
 (tokenise it, check it and its ``max_tokens`` fit the context: a :class:`RequestError` before any
 response starts), then :meth:`Scheduler.submit` it as a :class:`Job` and read the job's
 :class:`Event` stream.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from adaptive.errors import AdaptiveError
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import Metrics
-from adaptive.serve.protocol import RequestError, ServeRequest, internal_error
+from adaptive.serve.wire import RequestError, ServeRequest, internal_error
 
 log = logging.getLogger("adaptive.serve")
 EVENT_KINDS = ("delta", "done", "error")

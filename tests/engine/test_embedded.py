@@ -45,8 +45,8 @@ def test_fp32_cascade_and_reduced_head_equal_plain(embedded_fp32):
     import torch
 
     from adaptive.drafters.cascade import CascadeDrafter
+    from adaptive.drafters.head import DraftHead, rank_tokens
     from adaptive.drafters.ngram import NgramDrafter, build_bigram_table
-    from adaptive.drafters.vocab import DraftHead, rank_tokens
 
     eng = Engine(embedded_fp32)
     bb = embedded_fp32.backbone

@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from adaptive.serve.app import create_app  # noqa: E402
-from adaptive.serve.protocol import _FIELDS  # noqa: E402
+from adaptive.serve.wire import _FIELDS  # noqa: E402
 from tests.serve.conftest import ScriptedRuntime, Server  # noqa: E402
 
 PATHS = ("/v1/chat/completions", "/v1/completions")

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from adaptive.errors import ConfigError
-from adaptive.serve.protocol import RequestError, ServeRequest, parse_request
 from adaptive.serve.scheduler import Admission, Event, Job, Scheduler
+from adaptive.serve.wire import RequestError, ServeRequest, parse_request
 from tests.serve.conftest import ScriptedRuntime
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptive.serve.protocol import SPECULATION, RequestError, ServeRequest, chunk_body, completion_body, parse_request
+from adaptive.serve.wire import SPECULATION, RequestError, ServeRequest, chunk_body, completion_body, parse_request
 
 MSG = [{"role": "user", "content": "Hi"}]
 

@@ -115,7 +115,7 @@ def decode_body(raw: bytes):
     >>> decode_body(b"[" * 100 + b"]" * 100)
     Traceback (most recent call last):
     ...
-    adaptive.serve.protocol.RequestError: the request body is nested deeper than 16 levels
+    adaptive.serve.wire.RequestError: the request body is nested deeper than 16 levels
     """
     try:
         value = json.loads(raw, parse_int=_bounded_int, parse_constant=_no_constant)

@@ -1,4 +1,4 @@
-"""JSON derived from record fields (adaptive/records.py): round trips, defaults, and every error."""
+"""JSON derived from record fields (adaptive/codec.py): round trips, defaults, and every error."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from adaptive.codec import from_json, record, to_json
 from adaptive.engine.skip import SkipSet
-from adaptive.records import from_json, record, to_json
 
 
 @record

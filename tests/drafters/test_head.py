@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from adaptive.drafters.head import DraftHead, coverage_curve, rank_tokens
 from adaptive.drafters.layerskip import LayerSkipDrafter
-from adaptive.drafters.vocab import DraftHead, coverage_curve, rank_tokens
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.loop import decode
