@@ -3,8 +3,10 @@
 :func:`to_json` and :func:`from_json` walk a dataclass's type hints. Supported field types: ``int``,
 ``float``, ``str``, ``bool``, ``X | None``, ``tuple[X, ...]``, ``dict[str, X]``, nested dataclasses,
 and classes with their own ``to_dict``/``from_dict`` (:class:`~adaptive.engine.skip.SkipSet`). A
-field whose metadata has ``"json": False`` is left out (arrays stored beside the JSON); a field
-missing from the input takes its default. Unknown keys are an error: a typo or a file from another
+field whose metadata has ``"json": False`` is left out (arrays stored beside the JSON); a
+:func:`text_field` is stored as its value's text form (``to_text``/``from_text``, e.g. a skip set
+as ``"attn=1,3;mlp=2"`` where a file has always held it so); a field missing from the input takes
+its default. Unknown keys are an error: a typo or a file from another
 version should not load silently.
 
 Example::
@@ -38,12 +40,38 @@ def _json_fields(cls):
     return [f for f in dataclasses.fields(cls) if f.metadata.get("json", True)]
 
 
+def text_field(**kwargs):
+    """A record field whose JSON is its value's text form: ``to_text()`` writes it, the field type's
+    ``from_text()`` reads it (``None`` stays ``null`` in an optional field). ``kwargs``: as
+    :func:`dataclasses.field` (``default=...``)."""
+    return dataclasses.field(metadata={"text": True}, **kwargs)
+
+
+def _field_json(f, value):
+    if f.metadata.get("text") and value is not None:
+        return value.to_text()
+    return to_json(value)
+
+
+def _from_text(tp, value, where: str):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and _NONE in typing.get_args(tp):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not _NONE)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string (the text form), got {value!r}")
+    try:
+        return tp.from_text(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def to_json(obj):
     """A JSON-able value for ``obj`` (a record, or a value a record holds)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         if hasattr(obj, "to_dict") and not getattr(type(obj), "_record", False):
             return obj.to_dict()
-        return {f.name: to_json(getattr(obj, f.name)) for f in _json_fields(type(obj))}
+        return {f.name: _field_json(f, getattr(obj, f.name)) for f in _json_fields(type(obj))}
     if isinstance(obj, (tuple, list)):
         return [to_json(v) for v in obj]
     if isinstance(obj, dict):
@@ -113,7 +141,8 @@ def from_json(cls, data, where: str | None = None):
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], f"{where}.{name}")
+            convert = _from_text if f.metadata.get("text") else _convert
+            kwargs[name] = convert(hints[name], data[name], f"{where}.{name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"{where}: missing field {name}")
     return cls(**kwargs)

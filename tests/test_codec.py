@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from adaptive.codec import from_json, record, to_json
+from adaptive.codec import from_json, record, text_field, to_json
 from adaptive.engine.skip import SkipSet
 
 
@@ -68,3 +68,21 @@ def test_nested_errors_name_the_path():
         Outer.from_dict({**good, "inner": {"a": "no"}})
     with pytest.raises(ValueError, match=r"Outer\.flag: expected true or false"):
         Outer.from_dict({**good, "flag": 1})
+
+
+@record
+class Texts:
+    skip: SkipSet = text_field(default=SkipSet())
+    maybe: SkipSet | None = text_field(default=None)
+
+
+def test_a_text_field_is_stored_as_its_text_form():
+    t = Texts(SkipSet((1, 2, 3), (5,)), SkipSet())
+    assert to_json(t) == {"skip": "attn=1-3;mlp=5", "maybe": "none"}
+    assert from_json(Texts, to_json(t)) == t and isinstance(from_json(Texts, to_json(t)).skip, SkipSet)
+    assert to_json(Texts()) == {"skip": "none", "maybe": None} and from_json(Texts, {}) == Texts()
+    assert from_json(Texts, {"maybe": None}).maybe is None
+    with pytest.raises(ValueError, match=r"Texts\.skip: expected a string \(the text form\)"):
+        from_json(Texts, {"skip": {"attn": [1]}})
+    with pytest.raises(ValueError, match=r"Texts\.maybe: cannot read skip set 'attn'"):
+        from_json(Texts, {"maybe": "attn"})
