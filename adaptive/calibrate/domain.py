@@ -41,6 +41,7 @@ from adaptive.calibrate.search import (
     run_search,
     top_candidates,
     trial_record,
+    trial_skip,
 )
 from adaptive.calibrate.settings import GLOBAL_TASK, CalibrationSettings
 from adaptive.calibrate.vocab import choose_vocab
@@ -155,19 +156,18 @@ def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: 
            on_trial: Callable[[dict], None], reference: float) -> Bound:
     """:func:`~.bound.layer_skip_bound` over ``space``, its scored corners recorded as trials
     (already recorded ones are read back, not scored again)."""
-    seen = {h["skip"]: h for h in history}
+    seen = {trial_skip(h): h for h in history}
 
     def corner(na: int, nm: int) -> float:
         params = {"n_attn": na, "n_mlp": nm}
         skip = space.decode(params)
-        key = skip.to_text()
-        if key not in seen:
+        if skip not in seen:
             t0 = time.perf_counter()
             rec = trial_record(len(history), params, skip, score(skip), time.perf_counter() - t0)
             history.append(rec)
-            seen[key] = rec
+            seen[skip] = rec
             on_trial(rec)
-        return float(seen[key]["matchness"])
+        return float(seen[skip]["matchness"])
 
     def cost(na: int, nm: int) -> float:
         return task.costs.draft_cost(space.decode({"n_attn": na, "n_mlp": nm}).masks(space.n_layers))
@@ -211,11 +211,12 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
     c_l = float(best["draft_cost"]) if best else 1.0
     plan = choose_cascade(st.bigram.position_acceptance, a_l, c_l, st.verify, s.cascade_max_draft_len,
                           s.cascade_max_split if best else 0, s.cascade_lenience)
-    candidates = statistical_candidates(s.pld_draft_len, plan, skip=best["skip"] if best else "none",
+    best_skip = trial_skip(best) if best else SkipSet()
+    candidates = statistical_candidates(s.pld_draft_len, plan, skip=best_skip,
                                         lookup_estimate=st.lookup_speedup, cascade_estimate=st.bigram_speedup)
     vocab, vocab_ids = None, None
     if best is not None and best["target"] >= s.time_gate:
-        ssd = Candidate("ssd", int(best["draft_len"]), skip=best["skip"], estimated_acceptance=best["matchness"],
+        ssd = Candidate("ssd", int(best["draft_len"]), skip=best_skip, estimated_acceptance=best["matchness"],
                         estimated_draft_cost=best["draft_cost"], estimated_speedup=best["target"])
         candidates["candidate"] = ssd
         vocab, vocab_ids = choose_vocab(lm, s, work.file("vocab", task.name), task.sequences, ssd.skip, ssd.draft_len,
@@ -245,7 +246,7 @@ def domain_record(task: DomainTask, raced: DomainRace, history: list[dict], best
         costs = vocab.draft_cost
         reduced_cost = c_l * costs[str(vocab.size)] / costs[str(vocab.vocab_size)]
     if best is not None:
-        layer_skip = SkipSearch(SkipSet.from_text(best["skip"]), int(best["draft_len"]), float(best["matchness"]),
+        layer_skip = SkipSearch(trial_skip(best), int(best["draft_len"]), float(best["matchness"]),
                                 float(best["draft_cost"]), float(best["target"]), len(history))
     else:
         layer_skip = SkipSearch(SkipSet(), 1, 0.0, 1.0, 0.0, len(history))

@@ -185,10 +185,15 @@ def suggest(space, history: list[dict], trial: int, seed: int, n_init: int) -> d
 
 
 def trial_record(trial: int, params: dict, skip: SkipSet, est: Estimate, seconds: float) -> dict:
-    """One line of a search's history (``trials-<domain>.jsonl``)."""
+    """One line of a search's history (``trials-<domain>.jsonl``; the skip set as its text form)."""
     return {"trial": trial, "params": params, "skip": skip.to_text(), "n_attn": len(skip.attn),
             "n_mlp": len(skip.mlp), "matchness": round(est.matchness, 6), "draft_cost": round(est.draft_cost, 6),
             "draft_len": est.draft_len, "target": round(est.speedup, 6), "seconds": round(seconds, 3)}
+
+
+def trial_skip(rec: dict) -> SkipSet:
+    """The skip set of a :func:`trial_record` (as read back from ``trials-<domain>.jsonl``)."""
+    return SkipSet.from_text(rec["skip"])
 
 
 def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: int = 0, n_init: int = 5,
@@ -201,29 +206,29 @@ def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: i
     set is not a drafter (it is plain decoding at twice the cost): it scores 0 without a forward.
     """
     history = list(history or [])
-    seen = {h["skip"]: h for h in history}
+    seen = {trial_skip(h): h for h in history}
     for t in range(len(history), trials):
         params = suggest(space, history, t, seed, n_init)
         skip = space.decode(params)
-        if skip.to_text() in seen:
+        if skip in seen:
             rng = np.random.RandomState((seed * 7919 + t + 104729) % (2**32))
             for _ in range(200):
                 alt = _random_params(space.pbounds, rng)
                 alt_skip = space.decode(alt)
-                if alt_skip.to_text() not in seen and alt_skip.size:
+                if alt_skip not in seen and alt_skip.size:
                     params, skip = alt, alt_skip
                     break
-        key = skip.to_text()
         t0 = time.perf_counter()
-        if key in seen:
-            est = Estimate(seen[key]["matchness"], seen[key]["draft_cost"], seen[key]["draft_len"], seen[key]["target"])
+        if skip in seen:
+            prev = seen[skip]
+            est = Estimate(prev["matchness"], prev["draft_cost"], prev["draft_len"], prev["target"])
         elif not skip.size:
             est = Estimate(1.0, 1.0, 1, 0.0)
         else:
             est = score(skip)
         rec = trial_record(t, params, skip, est, time.perf_counter() - t0)
         history.append(rec)
-        seen.setdefault(key, rec)
+        seen.setdefault(skip, rec)
         if on_trial is not None:
             on_trial(rec)
     return history

@@ -42,12 +42,12 @@ def size_estimates(acceptance: float, k: int, verify: Sequence[float], coverage:
     return max(ests, key=ests.get), ests, est(acceptance, costs[vocab_size])
 
 
-def _choose(lm: LoadedModel, s: CalibrationSettings, sequences: list, skip: str, draft_len: int, acceptance: float,
+def _choose(lm: LoadedModel, s: CalibrationSettings, sequences: list, skip: SkipSet, draft_len: int, acceptance: float,
             verify: Sequence[float], sizes: list[int]) -> dict:
     bb = lm.backbone
     coverage = coverage_curve([list(p) + list(c) for p, c in sequences], [list(c) for _, c in sequences], sizes,
                               bb.vocab_size)
-    masks = SkipSet.from_text(skip, lm.n_layers).masks(lm.n_layers)
+    masks = skip.masks(lm.n_layers)
     costs = measure_head_costs(bb, masks, [*sizes, bb.vocab_size], context=s.cost_context)
     size, ests, full = size_estimates(acceptance, draft_len, verify, coverage, costs, bb.vocab_size)
     choice = VocabChoice(size=size, vocab_size=bb.vocab_size, draft_len=draft_len,
@@ -57,7 +57,7 @@ def _choose(lm: LoadedModel, s: CalibrationSettings, sequences: list, skip: str,
     return choice.to_dict()
 
 
-def choose_vocab(lm: LoadedModel, s: CalibrationSettings, path, sequences: list, skip: str, draft_len: int,
+def choose_vocab(lm: LoadedModel, s: CalibrationSettings, path, sequences: list, skip: SkipSet, draft_len: int,
                  acceptance: float, verify: Sequence[float]) -> tuple[VocabChoice | None, np.ndarray | None]:
     """The domain's :class:`VocabChoice` (``use`` still ``False``: the race decides it) for the skip
     set ``skip`` drafting ``draft_len`` tokens at ``acceptance``, and the chosen token ids (best
@@ -65,7 +65,7 @@ def choose_vocab(lm: LoadedModel, s: CalibrationSettings, path, sequences: list,
     vocabulary's."""
     bb = lm.backbone
     sizes = [v for v in s.vocab_sizes if v < bb.vocab_size]
-    if skip in ("none", "") or not sizes:
+    if not skip or not sizes:
         return None, None
     ranking = rank_tokens([list(p) + list(c) for p, c in sequences], bb.vocab_size)
     rec = checkpointed(path, lambda: _choose(lm, s, sequences, skip, draft_len, acceptance, verify, sizes))

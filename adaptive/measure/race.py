@@ -43,14 +43,14 @@ from adaptive.profile import (
 NO_LAYER_SKIP = Prior(0.0, 1.0)  # the layer-skip prior of a domain without a skip set
 
 
-def statistical_candidates(pld_draft_len: int, plan: CascadePlan, skip: str = "none",
+def statistical_candidates(pld_draft_len: int, plan: CascadePlan, skip: SkipSet | None = None,
                            lookup_estimate: float | None = None,
                            cascade_estimate: float | None = None) -> dict[str, Candidate]:
     """The candidates every domain races: prompt lookup (role ``lookup``, ``pld`` drafting
     ``pld_draft_len``) and the cascade (role ``cascade``: ``plan``, its layer-skip level drafting with
-    ``skip``), each with its estimated speedup where there is one."""
+    ``skip``, none by default), each with its estimated speedup where there is one."""
     return {"lookup": Candidate("pld", pld_draft_len, estimated_speedup=lookup_estimate),
-            "cascade": Candidate("cascade", plan.draft_len, skip=skip, cascade=plan,
+            "cascade": Candidate("cascade", plan.draft_len, skip=skip or SkipSet(), cascade=plan,
                                  estimated_speedup=cascade_estimate)}
 
 

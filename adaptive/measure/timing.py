@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from adaptive.codec import record
+from adaptive.codec import record, text_field
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.head import DraftHead
@@ -35,11 +35,12 @@ class Candidate:
     """A drafter to time: ``ssd`` (``skip``; with ``draft_vocab``, drafting over that many of the
     domain's vocabulary ids joined with the prompt's, as the runtime does), ``pld``, or ``cascade``
     (``skip`` and ``cascade``, drafting with the domain's bigram table); ``estimated_*``: the
-    search's estimate, carried into the measurement."""
+    search's estimate, carried into the measurement. Its JSON (the race checkpoint's key) holds
+    ``skip`` as text, as :class:`~adaptive.profile.Measurement` does."""
 
     drafter: str
     draft_len: int
-    skip: str = "none"
+    skip: SkipSet = text_field(default=SkipSet())
     cascade: CascadePlan | None = None
     draft_vocab: int | None = None
     estimated_acceptance: float | None = None
@@ -73,14 +74,14 @@ def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | No
     """The drafter of ``cand`` for one prompt (``vocab``: the domain's draft vocabulary ids, best first)."""
     bb = lm.backbone
     if cand.drafter == "cascade":
-        skip = SkipSet.from_text(cand.skip, lm.n_layers) if cand.cascade.split else None
+        skip = cand.skip if cand.cascade.split else None
         return build_drafter(DrafterSpec("cascade", skip=skip, cascade=cand.cascade, bigram=bigram), bb)
     if cand.drafter == "ssd":
         head = None
         if cand.draft_vocab:
             ids = torch.as_tensor(np.asarray(vocab)[: cand.draft_vocab], dtype=torch.long, device=bb.device)
             head = DraftHead.build(bb.lm_head.weight, ids, extra=prompt)
-        return build_drafter(DrafterSpec("ssd", skip=SkipSet.from_text(cand.skip, lm.n_layers), head=head), bb)
+        return build_drafter(DrafterSpec("ssd", skip=cand.skip, head=head), bb)
     return build_drafter(DrafterSpec(cand.drafter), bb)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptive.codec import from_json, record
+from adaptive.codec import from_json, record, text_field
 from adaptive.costs import CostModel, verify_table
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DRAFTERS
@@ -86,7 +86,8 @@ class Measurement:
     ``role`` says why it was run: ``candidate`` (a searched skip set), ``lookup`` (prompt lookup),
     ``cascade``, ``vocab`` (the best skip set over a reduced head) or ``recheck`` (the winner,
     timed again). ``acceptance``: accepted / drafted; ``token_acceptance``: per token until the
-    first rejection; ``mean_accepted``: tokens per verification step.
+    first rejection; ``mean_accepted``: tokens per verification step. ``skip``: the skip set it
+    drafted with (stored as its text form, ``"attn=1,3;mlp=2"`` or ``"none"``, as profiles always have).
     """
 
     drafter: str
@@ -101,7 +102,7 @@ class Measurement:
     identical_outputs: int = 0
     prompts: int = 0
     repeats: int = 1
-    skip: str = "none"
+    skip: SkipSet = text_field(default=SkipSet())
     estimated_acceptance: float | None = None
     estimated_draft_cost: float | None = None
     estimated_speedup: float | None = None

@@ -205,7 +205,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
             assert ls.estimated_acceptance >= floor and ls.searched
         if "candidate" in timed:
             c = timed["candidate"]
-            assert c.drafter == "ssd" and c.skip == ls.skip.to_text()
+            assert c.drafter == "ssd" and c.skip == ls.skip
             assert c.estimated_speedup == ls.estimated_speedup >= p.calibration["time_gate"]
         assert timed["cascade"].drafter == "cascade" and timed["cascade"].cascade == d.cascade
         assert d.statistical.positions > 0 and d.priors.statistical.by_position == d.statistical.position_acceptance

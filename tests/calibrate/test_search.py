@@ -14,6 +14,8 @@ from adaptive.calibrate.search import (
     run_search,
     suggest,
     top_candidates,
+    trial_record,
+    trial_skip,
 )
 from adaptive.costs import CostModel
 from adaptive.engine.config import GenerationConfig
@@ -84,6 +86,12 @@ def test_bayesian_search_finds_the_synthetic_optimum():
     records = []
     run_search(space, _synthetic_score, trials=3, seed=0, n_init=5, on_trial=records.append)
     assert [r["trial"] for r in records] == [0, 1, 2]
+
+
+def test_a_trial_record_holds_its_skip_set_as_text():
+    rec = trial_record(4, {"n_attn": 2, "n_mlp": 1}, SkipSet((1, 2), (3,)), Estimate(0.5, 0.25, 3, 1.2), 0.1)
+    assert rec["skip"] == "attn=1-2;mlp=3" and (rec["n_attn"], rec["n_mlp"]) == (2, 1)  # the JSON line's form
+    assert trial_skip(rec) == SkipSet((1, 2), (3,)) and trial_skip({"skip": "none"}) == SkipSet()
 
 
 def test_top_candidates_are_distinct_and_ordered():

@@ -2,6 +2,7 @@
 settings, the decision, and the record's measured pieces (scripted measurements, no timing)."""
 
 from adaptive.drafters.cascade import CascadePlan
+from adaptive.engine.skip import SkipSet
 from adaptive.measure import race as measure_race
 from adaptive.measure.race import DomainRace, race_domain, statistical_candidates
 from adaptive.measure.timing import RaceConfig
@@ -24,11 +25,13 @@ def test_race_config_of_the_settings():
 
 
 def test_statistical_candidates():
-    c = statistical_candidates(4, PLAN, skip="attn=1", lookup_estimate=1.1)
+    c = statistical_candidates(4, PLAN, skip=SkipSet((1,)), lookup_estimate=1.1)
     assert list(c) == ["lookup", "cascade"]
     assert (c["lookup"].drafter, c["lookup"].draft_len, c["lookup"].estimated_speedup) == ("pld", 4, 1.1)
     assert (c["cascade"].drafter, c["cascade"].draft_len, c["cascade"].skip, c["cascade"].cascade) == (
-        "cascade", 5, "attn=1", PLAN)
+        "cascade", 5, SkipSet((1,)), PLAN)
+    assert c["cascade"].to_dict()["skip"] == "attn=1"  # as text in the race checkpoint's key
+    assert statistical_candidates(4, PLAN)["cascade"].skip == SkipSet()
 
 
 def test_race_domain_races_as_the_settings_say_and_decides(monkeypatch):

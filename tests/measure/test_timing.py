@@ -3,6 +3,7 @@
 import pytest
 
 from adaptive.drafters.cascade import CascadePlan
+from adaptive.engine.skip import SkipSet
 from adaptive.measure.timing import Candidate, RaceConfig, race_candidates, time_prompt
 from tests.conftest import tiny_lm
 
@@ -15,7 +16,7 @@ def lm():
 
 
 def _candidates():
-    return {"lookup": Candidate("pld", 3), "candidate": Candidate("ssd", 2, skip="attn=1,2"),
+    return {"lookup": Candidate("pld", 3), "candidate": Candidate("ssd", 2, skip=SkipSet((1, 2))),
             "cascade": Candidate("cascade", 3, cascade=CascadePlan(split=0, draft_len=3, max_split=0))}
 
 

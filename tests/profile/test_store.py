@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from adaptive.engine.skip import SkipSet
 from adaptive.profile import SCHEMA_VERSION, DomainRecord, ProfileError, load_profile, profile_json, save_profile
 from tests.conftest import TINY_DOMAINS
 
@@ -69,6 +70,22 @@ def test_profile_for_another_model_is_refused(prof):
         p.check_model(replace(p.model, weights_hash="0000", name="other"))
     with pytest.raises(ProfileError, match="calibrated for"):
         p.check_model(replace(p.model, n_layers=30))
+
+
+def test_measurements_hold_a_skip_set_stored_as_text(prof, tmp_path):
+    """A measurement's ``skip`` is a SkipSet in memory and its text form in profile.json, as every
+    version has written it: a profile.json with text skip sets loads, and saves back byte for byte."""
+    pj = prof / "profile.json"
+    data = json.loads(pj.read_text())
+    ms = data["domains"]["math"]["measurements"]
+    ms[0]["skip"], ms[-1]["skip"] = "attn=1,3;mlp=0-2", "none"
+    pj.write_text(json.dumps(data, indent=1) + "\n")  # as save_profile writes it
+    p = load_profile(prof)
+    got = p.domains["math"].measurements
+    assert got[0].skip == SkipSet((1, 3), (0, 1, 2)) and got[-1].skip == SkipSet() and not got[-1].skip
+    assert all(isinstance(m.skip, SkipSet) for d in [*p.domains.values(), p.global_set] for m in d.measurements)
+    again = save_profile(p, tmp_path / "copy")
+    assert (again / "profile.json").read_text() == pj.read_text()
 
 
 def _edit(prof, fn):
