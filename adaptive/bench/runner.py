@@ -265,7 +265,7 @@ def _from_result(r) -> dict:
     if isinstance(r, RuntimeResult):
         info = {"applied": r.applied, "decision": r.decision}
         if r.skip is not None:
-            info["skip_text"] = r.skip
+            info["skip_text"] = r.skip.to_text()
         if "draft_vocab" in r.drafter_info:
             info["draft_vocab"] = r.drafter_info["draft_vocab"]
         if r.route is not None:

@@ -247,7 +247,7 @@ def route_cmd(prompt, profile_dir, data_file, k, model_spec, dtype, engine, devi
             echo_json({"domain": r.route.domain, **extra, **r.to_dict(), "prompt": row["prompt"][:200]})
             continue
         where = "out-of-domain: global set" if r.route.out_of_domain else f"domain {r.route.domain}"
-        how = f"skip {r.skip_text}, " if r.drafter in LAYER_SKIP_DRAFTERS else ""
+        how = f"skip {r.skip.to_text()}, " if r.drafter in LAYER_SKIP_DRAFTERS else ""
         click.echo(f"{row['prompt'][:70]!r}")
         click.echo(f"  -> {where}; decode with {r.drafter} ({how}draft length {r.draft_len})")
         click.echo("  nearest: " + ", ".join(f"{dom} {dist:.3f}" for dom, dist in r.route.neighbours))

@@ -143,7 +143,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
     where = "out-of-domain (global set)" if result.domain is None else f"domain {result.domain}"
     how = []
     if result.skip and result.drafter in LAYER_SKIP_DRAFTERS:
-        how.append(f"skip {result.skip}")
+        how.append(f"skip {result.skip.to_text()}")
     if result.draft_lengths:
         how.append(f"draft lengths {dict(sorted(result.draft_lengths.items()))}")
     info(f"[{policy}] {where}, decoded with {result.drafter}" + (f" ({', '.join(how)})" if how else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaptive.engine.skip import SkipSet
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt
 
@@ -17,16 +18,17 @@ from adaptive.index.embedding import embed_prompt
 class RouteDecision:
     """A routed prompt: the :class:`Route`, the record that applies (``applied``: the domain, or
     ``"global"`` when out-of-domain) and that record's calibrated decision (``drafter``, one of
-    ``ar``, ``ssd``, ``pld``, ``cascade``, at fixed length ``draft_len``), with its skip set's text."""
+    ``ar``, ``ssd``, ``pld``, ``cascade``, at fixed length ``draft_len``) and its ``skip`` set (empty
+    when it has none; :meth:`to_dict` gives its text form)."""
 
     route: Route
     applied: str
     drafter: str
     draft_len: int
-    skip_text: str
+    skip: SkipSet
 
     def to_dict(self) -> dict:
-        return {**self.route.to_dict(), "applied": self.applied, "skip": self.skip_text,
+        return {**self.route.to_dict(), "applied": self.applied, "skip": self.skip.to_text(),
                 "draft_len": self.draft_len, "decision": self.drafter}
 
 
@@ -40,7 +42,7 @@ def decision_of(route: Route, record) -> RouteDecision:
     """The :class:`RouteDecision` of ``route`` applying ``record`` (a profile's ``DomainRecord``, or a
     domain the runtime learned online)."""
     return RouteDecision(route, record.name, record.decision.drafter, record.decision.draft_len,
-                         record.layer_skip.skip.to_text())
+                         record.layer_skip.skip)
 
 
 def route_prompt(profile, engine, prompt, k: int | None = None) -> RouteDecision:

@@ -65,7 +65,7 @@ class RoutedPlan:
     whose settings apply (a domain, or ``"global"``); ``policy``: the routing policy's name;
     ``drafter``: the drafter kind and ``spec`` its :class:`DrafterSpec`; ``draft_policy``: how the
     draft length is chosen (``"thompson"``, ``"fixed K"``; ``""`` for ``ar``); ``skip``: the skip set
-    drafted with (text form), ``None`` when no layer-skip level drafts; ``length_policy``: the
+    drafted with, ``None`` when no layer-skip level drafts; ``length_policy``: the
     :class:`DraftLengthPolicy` object (a bandit shared by the domain's requests, or a fixed length)."""
 
     route: Route | None
@@ -74,7 +74,7 @@ class RoutedPlan:
     drafter: str
     spec: DrafterSpec
     draft_policy: str = ""
-    skip: str | None = None
+    skip: SkipSet | None = None
     length_policy: DraftLengthPolicy | None = field(default=None, compare=False, repr=False)
 
 
@@ -82,13 +82,14 @@ class RoutedPlan:
 class RuntimeResult(GenerationResult):
     """A :class:`GenerationResult` (``drafter``: the kind that decoded it) with the routing decision:
     the ``policy``, the index's ``route``, the ``applied`` record, the ``skip`` set drafted with
-    (text form, ``None`` without a layer-skip level), the ``draft_policy`` and the ``bandit``'s state
-    after the request (``None`` without one)."""
+    (``None`` without a layer-skip level), the ``draft_policy`` and the ``bandit``'s state after the
+    request (``None`` without one). :meth:`to_dict` gives the skip set as ``skip`` (its JSON object)
+    and ``skip_text`` (its text form)."""
 
     policy: str = "knn-ssd"
     route: Route | None = None
     applied: str = "global"
-    skip: str | None = None
+    skip: SkipSet | None = None
     draft_policy: str = ""
     bandit: dict | None = None
     online: dict | None = None
@@ -120,8 +121,8 @@ class RuntimeResult(GenerationResult):
         if self.draft_policy:
             d["draft_policy"] = self.draft_policy
         if self.skip is not None:
-            d["skip_text"] = self.skip
-            d["skip"] = SkipSet.from_text(self.skip).to_dict()
+            d["skip_text"] = self.skip.to_text()
+            d["skip"] = self.skip.to_dict()
         if self.bandit is not None:
             d["bandit"] = self.bandit
         if self.online is not None:
@@ -317,8 +318,7 @@ class AdaptiveRuntime:
                 draft_policy = THOMPSON
             else:
                 length, draft_policy = FixedDraftLength(fixed), f"fixed {fixed}"
-        return RoutedPlan(route, dp.name, policy.name, kind, spec, draft_policy,
-                          skip.to_text() if skip is not None else None, length)
+        return RoutedPlan(route, dp.name, policy.name, kind, spec, draft_policy, skip, length)
 
     def _cascade_plan(self, key: str, policy: Policy, route: Route | None, dp: DomainRecord,
                       prompt_ids: list[int]) -> RoutedPlan:
@@ -344,8 +344,7 @@ class AdaptiveRuntime:
                 if self.online is not None:
                     self.online.restore_bandit(key, length)
             draft_policy = THOMPSON
-        return RoutedPlan(route, dp.name, policy.name, "cascade", spec, draft_policy,
-                          skip.to_text() if skip is not None else None, length)
+        return RoutedPlan(route, dp.name, policy.name, "cascade", spec, draft_policy, skip, length)
 
     def _next_seed(self) -> int | None:
         return None if self._seed is None else self._seed + len(self._bandits)

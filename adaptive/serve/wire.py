@@ -330,11 +330,13 @@ def usage_body(prompt_tokens: int, completion_tokens: int, extension: dict | Non
 def extension(result) -> dict:
     """The ``usage.adaptive`` object of a :class:`~adaptive.runtime.RuntimeResult`: the routed
     ``domain`` (``None``: out-of-domain), the ``applied`` record, the ``policy``, the ``drafter``
-    that decoded, ``drafted``/``accepted`` tokens, ``acceptance_rate`` and ``mean_accepted_tokens``
+    that decoded, the ``skip`` set it drafted with (text form, ``None`` without a layer-skip level),
+    ``drafted``/``accepted`` tokens, ``acceptance_rate`` and ``mean_accepted_tokens``
     (tokens per verification step, the target's own included)."""
     s = result.stats
     return {"domain": result.domain, "applied": result.applied, "policy": result.policy,
-            "drafter": result.decision, "skip": result.skip, "drafted": s.drafted, "accepted": s.accepted,
+            "drafter": result.decision, "skip": result.skip.to_text() if result.skip is not None else None,
+            "drafted": s.drafted, "accepted": s.accepted,
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_tokens": round(s.mean_accepted_tokens, 4)}
 
 

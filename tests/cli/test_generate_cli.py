@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from adaptive.engine.skip import SkipSet
 from adaptive.profile import DECISIONS
 from tests.helpers.cli import run, run_ok
 
@@ -82,7 +83,13 @@ def test_generate_with_a_profile_routes_and_is_lossless(capsys, tiny_model_dir, 
     static, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
                        str(tiny_profile), "--policy", "ssd-static", "--max-new-tokens", "12", "--dtype", "float32",
                        "--json")
-    assert json.loads(static)["applied"] == "global"
+    static = json.loads(static)
+    assert static["applied"] == "global"
+    # the global skip set drafted: in the JSON as text and as an object, and as text on stderr
+    assert static["decision"] == "ssd" and static["skip"] == SkipSet.from_text(static["skip_text"]).to_dict()
+    _, err = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
+                    str(tiny_profile), "--policy", "ssd-static", "--max-new-tokens", "6", "--dtype", "float32")
+    assert f"(skip {static['skip_text']}, " in err
     casc, _ = run_ok(capsys, "generate", "what is 4 plus 7?", "--model", str(tiny_model_dir), "--profile",
                      str(tiny_profile), "--policy", "cascade", "--max-new-tokens", "12", "--dtype", "float32", "--json")
     casc = json.loads(casc)

@@ -50,7 +50,7 @@ def test_runtime_greedy_output_equals_plain_decoding(runtime, policy):
         elif policy == "cascade":
             assert r.decision == "cascade" and r.drafter_info["name"] == "cascade"
         elif policy == "knn-skip":
-            assert r.decision == "ssd" and r.skip == runtime.profile.domain(r.domain).layer_skip.skip.to_text()
+            assert r.decision == "ssd" and r.skip == runtime.profile.domain(r.domain).layer_skip.skip
         else:
             assert r.decision == runtime.profile.domain(r.domain).decision.drafter
     if policy != "ar":  # equality must not come from never drafting
@@ -63,7 +63,7 @@ def test_result_records_the_routing_decision(runtime):
     assert r.applied in (*TINY_DOMAINS, "global") and r.applied == runtime.profile.domain(r.domain).name
     assert r.neighbours and all({"domain", "distance"} <= set(n) for n in r.neighbours)
     if r.decision == "ssd":
-        assert r.skip == runtime.profile.domain(r.domain).layer_skip.skip.to_text()
+        assert r.skip == runtime.profile.domain(r.domain).layer_skip.skip
     else:
         assert r.decision == "pld" and r.skip is None and r.drafter_info["name"] == "pld"
     assert sum(r.draft_lengths.values()) >= 1
@@ -78,6 +78,10 @@ def test_result_records_the_routing_decision(runtime):
     d = r.to_dict()
     assert d["route"]["neighbours"] and d["policy"] == "knn-ssd" and d["decision"] == r.decision
     assert d["applied"] == r.applied and d["bandit"] == r.bandit and d["drafter"]["name"] == r.decision
+    if r.skip is not None:  # the skip set in the JSON: its object and its text form
+        assert d["skip"] == r.skip.to_dict() and d["skip_text"] == r.skip.to_text() and isinstance(d["skip_text"], str)
+    else:
+        assert "skip" not in d and "skip_text" not in d
 
 
 def test_stream_yields_the_text_then_the_result(runtime):
@@ -217,7 +221,7 @@ def test_cascade_uses_the_domains_table_and_split(runtime):
                 entries, calibrated = d["statistical"]["bigram_entries"], len(p.domains[r.domain].bigram)
                 # online, the table is the calibrated one plus what earlier requests taught it
                 assert entries == calibrated if not online else entries >= calibrated
-                assert r.skip == p.domains[r.domain].layer_skip.skip.to_text()
+                assert r.skip == p.domains[r.domain].layer_skip.skip
                 if not bandit:
                     assert d["split"] == 1 and r.stats.drafted > 0
             if bandit and r.stats.drafted:
@@ -255,7 +259,7 @@ def test_knn_skip_with_a_reduced_vocabulary_is_lossless(runtime):
         f = full.generate(prompt, max_new_tokens=24, policy="knn-skip")
         assert r.token_ids == f.token_ids == _ar(runtime, prompt), prompt
         if r.domain is not None:
-            assert r.decision == "ssd" and r.skip == p.domains[r.domain].layer_skip.skip.to_text()
+            assert r.decision == "ssd" and r.skip == p.domains[r.domain].layer_skip.skip
             prompt_ids = set(runtime.engine.encode(prompt, chat=p.runtime.chat))
             assert r.drafter_info["draft_vocab"] == len(set(range(3, 30)) | prompt_ids)
             assert "draft_vocab" not in f.drafter_info

@@ -11,6 +11,7 @@ import pytest
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.loop import GenerationStats
+from adaptive.engine.skip import SkipSet
 from adaptive.profile import load_profile
 from adaptive.runtime import AdaptiveRuntime
 from tests.helpers.profiles import with_domains
@@ -72,7 +73,7 @@ class ScriptedRun:
         stats = GenerationStats(tokens=len(self.pieces), steps=2, drafted=4, accepted=3, prompt_tokens=5,
                                 total_time=1.0, prefill_time=0.2)
         return SimpleNamespace(stats=stats, domain="maths", decision="ssd", token_ids=[1, 2, 3], finish_reason="length",
-                               text="".join(self.pieces), applied="maths", policy="knn-ssd", skip="attn=1")
+                               text="".join(self.pieces), applied="maths", policy="knn-ssd", skip=SkipSet((1,)))
 
 
 class ScriptedPrefill:

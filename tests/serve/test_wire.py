@@ -2,7 +2,15 @@
 
 import pytest
 
-from adaptive.serve.wire import SPECULATION, RequestError, ServeRequest, chunk_body, completion_body, parse_request
+from adaptive.serve.wire import (
+    SPECULATION,
+    RequestError,
+    ServeRequest,
+    chunk_body,
+    completion_body,
+    extension,
+    parse_request,
+)
 
 MSG = [{"role": "user", "content": "Hi"}]
 
@@ -119,3 +127,18 @@ def test_response_bodies():
     assert chunk_body(c, "m", "lo")["usage"] is None  # include_usage: every chunk has the key, null until the last
     last = chunk_body(c, "m", None, usage=usage)
     assert last["choices"] == [] and last["usage"] == usage and last["object"] == "text_completion"
+
+
+def test_the_usage_extension_gives_the_skip_set_as_text():
+    from types import SimpleNamespace
+
+    from adaptive.engine.loop import GenerationStats
+    from adaptive.engine.skip import SkipSet
+
+    stats = GenerationStats(tokens=4, steps=2, drafted=4, accepted=3)
+    r = SimpleNamespace(stats=stats, domain="maths", applied="maths", policy="knn-ssd", decision="ssd",
+                        skip=SkipSet((1, 2), (3,)))
+    assert extension(r) == {"domain": "maths", "applied": "maths", "policy": "knn-ssd", "drafter": "ssd",
+                            "skip": "attn=1-2;mlp=3", "drafted": 4, "accepted": 3, "acceptance_rate": 0.75,
+                            "mean_accepted_tokens": 2.5}
+    assert extension(SimpleNamespace(**{**vars(r), "decision": "pld", "skip": None}))["skip"] is None
