@@ -236,10 +236,11 @@ def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: i
 
 def top_candidates(history: list[dict], n: int, floor: float = 0.0) -> list[dict]:
     """The ``n`` best distinct skip sets of a history by expected speedup (ties: fewer skipped first),
-    leaving out those whose matchness is below ``floor``."""
+    leaving out those whose matchness is below ``floor``. ``history``: trial records (their ``skip``
+    text is only a key here)."""
     best: dict[str, dict] = {}
     for h in history:
-        if h["skip"] == "none" or h["matchness"] < floor:  # not a drafter, or one that is almost never accepted
+        if not h["n_attn"] + h["n_mlp"] or h["matchness"] < floor:  # not a drafter, or almost never accepted
             continue
         if h["skip"] not in best or h["target"] > best[h["skip"]]["target"]:
             best[h["skip"]] = h
