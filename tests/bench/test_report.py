@@ -44,6 +44,16 @@ def test_summarize_worked_example():
     assert s["hf"]["speedup"] == pytest.approx(1.0)
 
 
+def test_summarize_over_another_reference():
+    s = summarize(RUNS, ["ar", "ssd", "hf"], reference="hf")
+    # hf at 9 and 21 tok/s: qa 15 / 9, rag 20 / 21; overall mean(15, 20) / mean(9, 21)
+    assert s["ssd"]["by_category"]["qa"]["speedup"] == pytest.approx(15 / 9, abs=1e-4)
+    assert s["ssd"]["by_category"]["rag"]["speedup"] == pytest.approx(20 / 21, abs=1e-4)
+    assert s["ar"]["by_category"]["qa"]["speedup"] == pytest.approx(10 / 9, abs=1e-4)
+    assert s["hf"]["speedup"] == 1.0
+    assert s["ssd"]["identical_to_ar"] is False  # equality is still against ar's output
+
+
 def test_markdown_and_plot(tmp_path):
     s = summarize(RUNS, ["ar", "ssd", "hf"])
     md = markdown(s, ["ar", "ssd", "hf"])
