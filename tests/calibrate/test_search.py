@@ -18,9 +18,9 @@ from adaptive.calibrate.search import (
 )
 from adaptive.costs import CostModel
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import decode
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
+from tests.helpers.decoding import decode_ids
 
 
 def test_ranked_space_skips_the_least_influential_first():
@@ -102,10 +102,7 @@ def _sequences(lm, n=3, cont=12):
     seqs = []
     for i in range(n):
         prompt = [3 + (i * 7 + j) % 30 for j in range(10 + i)]
-        out = []
-        for new in decode(lm.backbone, prompt, GenerationConfig(max_new_tokens=cont)):
-            out.extend(new)
-        seqs.append((prompt, out))
+        seqs.append((prompt, decode_ids(lm.backbone, prompt, GenerationConfig(max_new_tokens=cont))))
     return seqs
 
 
