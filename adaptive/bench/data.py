@@ -2,6 +2,7 @@
 
 The eight MT-bench categories form one ``mt_bench`` group, as Spec-Bench reports them, unless
 ``group_mt_bench=False``. ``per_category`` keeps the first N prompts of each group, in file order.
+:func:`mixed_stream` reorders the selection into KNN-SSD's mixed-domain stream.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from adaptive.calibrate.sources import PromptFileError, read_prompt_rows
 
+ORDERS = ("file", "mixed")  # `adaptive bench --order`: as read, or :func:`mixed_stream`
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
 
 
@@ -66,3 +68,20 @@ def load_bench_prompts(path: str | Path, per_category: int | None = None, group_
     if not out:
         raise PromptFileError(f"{path}: no prompts selected (skip-first {skip_first}, per-category {per_category})")
     return out
+
+
+def mixed_stream(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """The prompts interleaved round-robin over their groups (KNN-SSD's mixed-domain stream): the
+    first prompt of each group, groups in sorted name order, then the second of each, and so on; a
+    group that runs out is passed over. Within a group the given (file) order is kept.
+
+    Example, in file order ``q1 q2 q3`` (group ``qa``), ``c1`` (``code``), ``m1 m2`` (``math``):
+    the stream is ``c1 m1 q1 m2 q2 q3`` (``code < math < qa``; round 1 ``c1 m1 q1``, round 2
+    ``m2 q2``, round 3 ``q3``), so consecutive requests come from different groups while more than
+    one group is left.
+    """
+    by_group: dict[str, list[BenchPrompt]] = defaultdict(list)
+    for p in prompts:
+        by_group[p.group].append(p)
+    queues = [by_group[g] for g in sorted(by_group)]
+    return [q[i] for i in range(max((len(q) for q in queues), default=0)) for q in queues if i < len(q)]

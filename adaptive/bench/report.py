@@ -10,11 +10,12 @@ from __future__ import annotations
 REFERENCE = "ar"
 
 
-def summarize(runs: list[dict], methods: list[str]) -> dict:
+def summarize(runs: list[dict], methods: list[str], reference: str = REFERENCE) -> dict:
     """``{method: {speedup, tokens_per_s, mean_accepted_tokens, acceptance_rate, identical_to_ar,
     differing_prompts, lossless_violations, prompts, by_category: {group: same fields}}}``.
 
-    speedup = mean over prompts of the method's tokens/s / the same mean for ``ar``;
+    speedup = mean over prompts of the method's tokens/s / the same mean for ``reference``
+    (``ar``; another method's name gives speedups over that method, the rest is unchanged);
     mean accepted tokens = (accepted + steps) / steps over all prompts (``ar`` = 1.0);
     acceptance rate = accepted / drafted.
 
@@ -23,10 +24,10 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
     out = {}
     for m in methods:
         mine = [r for r in runs if r["method"] == m]
-        entry = _fields(mine, [r for r in runs if r["method"] == REFERENCE])
+        entry = _fields(mine, [r for r in runs if r["method"] == reference])
         groups = sorted({r["group"] for r in mine})
         entry["by_category"] = {g: _fields([r for r in mine if r["group"] == g],
-                                           [r for r in runs if r["method"] == REFERENCE and r["group"] == g])
+                                           [r for r in runs if r["method"] == reference and r["group"] == g])
                                 for g in groups}
         out[m] = entry
     return out

@@ -9,7 +9,10 @@ that finished):
 2. the bound on layer skipping over the ranked space (:mod:`.bound`); its scored corners are the
    search's first trials (``trials-<domain>.jsonl``). When even the bound cannot reach the
    reference, the search stops there and the record says so (``SkipSearch.bound``/``reference``);
-3. otherwise the Bayesian search over skip sets, its candidates above the acceptance floor;
+3. otherwise the Bayesian search over skip sets, its candidates above the acceptance floor; then,
+   searched or not, the global skip set and its neighbours (:func:`~.search.neighbours`) scored on
+   this domain's text, so a domain's skip set is never worse than the global one by the same
+   estimate (the global task runs first: :mod:`.runner`);
 4. the cascade's plan and the reduced draft vocabulary, from estimates (:mod:`.cascade`, :mod:`.vocab`);
 5. the race (``race-<domain>.jsonl``, one line per timed prompt): prompt lookup, the cascade, and
    the best skip set (full head, and reduced head where that estimates faster) when its estimate
@@ -34,10 +37,12 @@ import torch
 from adaptive.calibrate.bound import Bound, layer_skip_bound
 from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.search import (
+    Estimate,
     MatchnessScorer,
     RankedSpace,
     estimate,
     make_space,
+    neighbours,
     run_search,
     top_candidates,
     trial_record,
@@ -69,6 +74,7 @@ class DomainTask:
     confirm_ids: list[list[int]]
     prompts: int
     anchors: int
+    seed: SkipSet | None = None  # the global set: scored with its neighbours in this domain (:func:`search_skip_sets`)
 
 
 def search_seed(seed: int, name: str) -> int:
@@ -118,7 +124,8 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
                      ) -> tuple[list[dict], Bound | None]:
     """The search's trial history (resumed from the checkpoint's complete trials) and, in the ranked
     space, the bound that decided whether to search beyond its scored corners; no trials on an
-    engine that cannot skip layers."""
+    engine that cannot skip layers. The task's ``seed`` and its neighbours are scored last, as
+    trials marked ``"seed": true`` (with no parameters: they are not points of this space)."""
     s = worker.settings
     if not lm.backbone.layer_skip:  # the engine runs the whole model only: nothing to search
         return [], None
@@ -133,7 +140,8 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
             scorer = MatchnessScorer(lm.backbone, task.sequences)
         return estimate(skip, scorer, task.costs, s.max_draft_len, s.acceptance_floor)
 
-    bar = worker.phase("search", task.name, s.trials, len(history))
+    seeds = neighbours(task.seed, space) if task.seed else []
+    bar = worker.phase("search", task.name, s.trials + len(seeds), len(history))
     best = [max((h["target"] for h in history), default=0.0)]
 
     def on_trial(rec: dict) -> None:
@@ -148,6 +156,17 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
         n_init = 0 if len(history) >= 2 else s.init_trials
         history = run_search(space, score, max(s.trials, len(history)), seed=search_seed(s.seed, task.name),
                              n_init=n_init, history=history, on_trial=on_trial)
+    seeded = {trial_skip(h) for h in history if h.get("seed")}
+    for skip in seeds:
+        if skip in seeded:  # resumed
+            continue
+        same = next((h for h in history if trial_skip(h) == skip), None)  # found by the search: not scored again
+        t0 = time.perf_counter()
+        est = score(skip) if same is None else Estimate(same["matchness"], same["draft_cost"], same["draft_len"],
+                                                         same["target"])
+        rec = {**trial_record(len(history), {}, skip, est, time.perf_counter() - t0), "seed": True}
+        history.append(rec)
+        on_trial(rec)
     bar.close()
     return history, bound
 
@@ -204,8 +223,10 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
     st = statistical(worker, lm, task)
     reference = max(1.0, st.lookup_speedup, st.bigram_speedup) * (1.0 + s.min_gain)
     history, bound = search_skip_sets(worker, lm, task, reference)
-    top = top_candidates(history, 1, s.acceptance_floor)
-    best = top[0] if top and (bound is None or bound.pays) else None
+    pays = bound is None or bound.pays
+    # where the bound ruled the search out, the seeded sets (scored on this text) may still be the domain's
+    top = top_candidates([h for h in history if pays or h.get("seed")], 1, s.acceptance_floor)
+    best = top[0] if top else None
     bigram = build_bigram_table([list(p) + list(c) for p, c in task.sequences], s.bigram_min_count)
     a_l = float(best["matchness"]) if best else 0.0
     c_l = float(best["draft_cost"]) if best else 1.0
@@ -213,9 +234,12 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
                           s.cascade_max_split if best else 0, s.cascade_lenience)
     best_skip = trial_skip(best) if best else SkipSet()
     candidates = statistical_candidates(s.pld_draft_len, plan, skip=best_skip,
-                                        lookup_estimate=st.lookup_speedup, cascade_estimate=st.bigram_speedup)
+                                        lookup_estimate=st.lookup_speedup, cascade_estimate=st.bigram_speedup,
+                                        layer_skip_cost=c_l)
     vocab, vocab_ids = None, None
-    if best is not None and best["target"] >= s.time_gate:
+    # timed where its estimate reaches the gate and layer skipping could beat the statistical drafters
+    timed_ssd = best is not None and (pays or best["target"] >= reference)
+    if timed_ssd and best["target"] >= s.time_gate:
         ssd = Candidate("ssd", int(best["draft_len"]), skip=best_skip, estimated_acceptance=best["matchness"],
                         estimated_draft_cost=best["draft_cost"], estimated_speedup=best["target"])
         candidates["candidate"] = ssd
@@ -234,9 +258,10 @@ def domain_record(task: DomainTask, raced: DomainRace, history: list[dict], best
                   st: Statistical, plan: CascadePlan, bigram: BigramTable, vocab: VocabChoice | None,
                   vocab_ids) -> DomainRecord:
     """The typed record of one domain (:meth:`~adaptive.measure.race.DomainRace.record`, with what
-    the search found). ``best``: the search's best skip set above the floor (``None`` when none, or
-    when the bound ruled layer skipping out); its prior is the race's measured acceptance where it
-    was raced, else the search's teacher-forced estimate."""
+    the search found). ``best``: the best skip set above the floor that was searched or seeded
+    (``None`` when none; searched sets only where the bound did not rule layer skipping out); its
+    prior is the race's measured acceptance where it was raced, else the search's teacher-forced
+    estimate."""
     timed = raced.timed
     ssd = timed.get("vocab") if vocab is not None and vocab.use else timed.get("candidate")
     a_l = ssd.token_acceptance if ssd is not None else (float(best["matchness"]) if best else 0.0)
@@ -247,7 +272,8 @@ def domain_record(task: DomainTask, raced: DomainRace, history: list[dict], best
         reduced_cost = c_l * costs[str(vocab.size)] / costs[str(vocab.vocab_size)]
     if best is not None:
         layer_skip = SkipSearch(trial_skip(best), int(best["draft_len"]), float(best["matchness"]),
-                                float(best["draft_cost"]), float(best["target"]), len(history))
+                                float(best["draft_cost"]), float(best["target"]), len(history),
+                                seeded=any(h.get("seed") and trial_skip(h) == trial_skip(best) for h in history))
     else:
         layer_skip = SkipSearch(SkipSet(), 1, 0.0, 1.0, 0.0, len(history))
     if bound is not None:

@@ -57,23 +57,37 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     bb = lm.backbone
     cfg = GenerationConfig(max_new_tokens=s.continuation_tokens)
     pooling = bb.routing_pooling(s.pooling(bb.n_layers))
-    ids, embs, seqs = [], [], []
-    influence = torch.zeros(2, bb.n_layers)
     bar = worker.phase("prepare", name, len(prompts))
-    for prompt in prompts:
-        p = engine.encode(prompt, chat=s.chat)
-        session = engine.start(p, cfg, pool=pooling)  # the prefill's embedding, as the runtime routes on
-        cont = list(engine.decode(session))[-1].token_ids  # greedy, through the first EOS
-        if bb.layer_skip:  # what the skip-set search ranks sublayers by (none is searched on llama.cpp)
+    ids = [engine.encode(prompt, chat=s.chat) for prompt in prompts]
+    sessions = [engine.start(p, cfg, pool=pooling) for p in ids]  # each prefill's embedding, as the runtime routes on
+    conts = continue_together(engine, sessions, on_done=lambda: bar.update(1))
+    influence = torch.zeros(2, bb.n_layers)
+    if bb.layer_skip:  # what the skip-set search ranks sublayers by (none is searched on llama.cpp)
+        for p, cont in zip(ids, conts):
             tail = (p + cont)[-(len(cont) + 64):]
             influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device),
                                                from_position=len(tail) - len(cont))
-        ids.append(p)
-        embs.append(pooled_to_numpy(session.pooled))
-        seqs.append((p, cont))
-        bar.update(1)
     bar.close()
-    return Prepared(name, ids, np.stack(embs), seqs, influence / len(prompts))
+    embs = np.stack([pooled_to_numpy(session.pooled) for session in sessions])
+    return Prepared(name, ids, embs, list(zip(ids, conts)), influence / len(prompts))
+
+
+def continue_together(engine: Engine, sessions: list, on_done=lambda: None) -> list[list[int]]:
+    """Each started session's greedy continuation (through its first EOS or ``max_new_tokens``),
+    the unfinished ones stepped together, one forward per step: where verifying several rows costs
+    about one step (a memory-bound model), ``n`` continuations cost about what one did alone."""
+    decodings = [engine.begin(session) for session in sessions]
+    running = [d for d in decodings if not d.done]
+    for d in decodings:
+        if d.done:
+            on_done()
+    while running:
+        engine.step(running)
+        for d in running:
+            if d.done:
+                on_done()
+        running = [d for d in running if not d.done]
+    return [d.result().token_ids for d in decodings]
 
 
 def check_prompt_lengths(lm: LoadedModel, domains: dict[str, list[str]],

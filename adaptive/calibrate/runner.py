@@ -6,8 +6,9 @@ kill redoes nothing that finished:
 1. cost model: time the forwards of this machine (``costs.json``);
 2. per domain, in parallel: encode, continue and measure influence (:mod:`.prepare`, ``prep-*.pt``);
 3. FAISS k-means anchors per domain, one index over all;
-4. per domain and once over all domains (the global set), in parallel: the bound and search of skip
-   sets, the cascade and reduced vocabulary, the race against ``ar`` and the decision (:mod:`.domain`);
+4. once over all domains (the global set), then per domain in parallel: the bound and search of
+   skip sets (a domain's also scores the global set and its neighbours), the cascade and reduced
+   vocabulary, the race against ``ar`` and the decision (:mod:`.domain`);
 5. the profile, written atomically; the work directory is then removed.
 
 One progress bar (:mod:`.progress`) covers all phases and domains with an ETA. Settings live in
@@ -196,7 +197,13 @@ def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel,
     else:
         log(f"racing the statistical drafters against ar on the {worker.engine} engine (no layer skipping there) ...")
     tasks = _domain_tasks(prep, index, costs, s)
-    records = run_parallel(calibrate_domain, [(worker, t) for t in tasks], jobs, backend, scheduler)
+    *domain_tasks, global_task = tasks
+    # the global set first: each domain scores it (and its neighbours) beside its own search
+    glob = run_parallel(calibrate_domain, [(worker, global_task)], 1, backend, scheduler)[0]
+    seed = glob.layer_skip.skip if glob.layer_skip.skip else None
+    domain_tasks = [replace(t, seed=seed) for t in domain_tasks]
+    records = run_parallel(calibrate_domain, [(worker, t) for t in domain_tasks], min(jobs, len(domain_tasks)),
+                           backend, scheduler) + [glob]
     for t in tasks:
         for phase in ("verify", "search", "race"):
             worker.bars.finish(phase, t.name)

@@ -176,6 +176,8 @@ def suggest(space, history: list[dict], trial: int, seed: int, n_init: int) -> d
                                    allow_duplicate_points=True)
         registered = set()
         for h in history:
+            if not h["params"]:  # a seeded trial (another task's skip set): not a point of this space
+                continue
             key = tuple(sorted((k, round(float(v), 9)) for k, v in h["params"].items()))
             if key not in registered:  # bayes_opt prints a line for every duplicate
                 registered.add(key)
@@ -246,3 +248,29 @@ def top_candidates(history: list[dict], n: int, floor: float = 0.0) -> list[dict
             best[h["skip"]] = h
     ranked = sorted(best.values(), key=lambda h: (-h["target"], h["n_attn"] + h["n_mlp"], h["trial"]))
     return ranked[:n]
+
+
+def neighbours(skip: SkipSet, space) -> list[SkipSet]:
+    """``skip`` and its neighbours in a domain's space: each set with one of its sublayers kept, and
+    with the domain's next least influential attention or MLP sublayer skipped too (ranked space;
+    none added in others). Order: ``skip``, the smaller sets (layer order), the larger ones.
+
+    Example: ``mlp=13-14`` where the domain ranks MLPs ``[15, 13, 14, ...]`` and attention
+    ``[2, ...]``: ``mlp=13-14``, ``mlp=14``, ``mlp=13``, ``attn=2;mlp=13-14``, ``mlp=13-15``.
+    """
+    out = [skip]
+    out += [SkipSet(attn=[a for a in skip.attn if a != i], mlp=skip.mlp) for i in skip.attn]
+    out += [SkipSet(attn=skip.attn, mlp=[m for m in skip.mlp if m != i]) for i in skip.mlp]
+    if isinstance(space, RankedSpace):
+        extra_attn = next((i for i in space.attn_order if i not in skip.attn), None)
+        extra_mlp = next((i for i in space.mlp_order if i not in skip.mlp), None)
+        if extra_attn is not None:
+            out.append(SkipSet(attn=[*skip.attn, extra_attn], mlp=skip.mlp))
+        if extra_mlp is not None:
+            out.append(SkipSet(attn=skip.attn, mlp=[*skip.mlp, extra_mlp]))
+    seen, unique = set(), []
+    for s in out:
+        if s and s not in seen:
+            seen.add(s)
+            unique.append(s)
+    return unique

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from adaptive.bench.data import load_bench_prompts
+from adaptive.bench.data import ORDERS, load_bench_prompts, mixed_stream
 from adaptive.bench.report import markdown, plot
 from adaptive.bench.runner import BENCH_METHODS, DISTILLED_KIND, BenchSettings, run_bench
 from adaptive.cli.common import (
@@ -33,6 +33,7 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
     "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,hf-pld,knn-ssd,cascade --skip-first 16",
     "adaptive bench --data prompts.jsonl --profile my-profile --methods ar,early-exit,early-exit-fixed "
     "--markdown report.md --plot report.png",
+    "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd --skip-first 16 --order mixed",
 ), terms=("Methods (* needs --profile)", {m.name + (" *" if m.needs_profile else ""): m.description
                                          for m in BENCH_METHODS.values()}))
 @click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
@@ -47,6 +48,9 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
               help="Leave out the first N of each group (e.g. the prompts a profile was calibrated on).")
 @click.option("--no-group-mt-bench", is_flag=True, help="Keep the eight MT-bench categories apart.")
 @click.option("--all-turns", is_flag=True, help="Every turn, each after the earlier turns and ar's replies.")
+@click.option("--order", type=click.Choice(ORDERS), default="file", show_default=True,
+              help="file: the prompts in file order (group after group); mixed: round-robin over the groups "
+                   "(sorted names), a mixed-domain stream as KNN-SSD evaluates on.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unmeasured runs of every method first.")
 @click.option("--threads", type=int, default=None,
@@ -61,7 +65,7 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
 @quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
-              max_new_tokens, warmup, threads, dtype, weights, engine, device, out_json, out_md, out_png, quiet):
+              order, max_new_tokens, warmup, threads, dtype, weights, engine, device, out_json, out_md, out_png, quiet):
     """Measure speedup, acceptance and equality with ar per group, for each method."""
     method_list = ["ar", *(m for m in methods if m != "ar")]  # ar first: the reference
     settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads)
@@ -69,6 +73,8 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     if needs and not profile_dir:
         raise click.UsageError(f"method(s) {', '.join(needs)} need --profile DIR (from adaptive calibrate)")
     prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
+    if order == "mixed":
+        prompts = mixed_stream(prompts)
     profile = load_profile(profile_dir) if profile_dir else None
     for m in method_list:  # before the model loads: a missing distilled drafter is a one-line error
         if m in DISTILLED_KIND:
@@ -79,7 +85,7 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     lm = load(spec, device, dtype, weights, engine, threads)
     report = run_bench(lm, prompts, method_list, settings, profile, progress=not quiet)
     report["settings"].update(data=str(data_file), per_category=per_category, skip_first=skip_first,
-                              group_mt_bench=not no_group_mt_bench, all_turns=all_turns)
+                              group_mt_bench=not no_group_mt_bench, all_turns=all_turns, order=order)
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     table = markdown(report["results"], method_list)

@@ -65,7 +65,7 @@ class Pooling:
     at the ``last`` one (with a chat template, the end of the assistant header: the model's summary
     of the prompt so far). ``Pooling()`` is the final mean, what profiles before issue 17 used;
     calibration's default is ``last`` at a third of the depth, chosen by
-    ``benchmarks/routing_study.py`` (docs/results.md).
+    ``benchmarks/routing_study.py`` (docs/history/2026-11-23-calibration-in-minutes.md).
     """
 
     layer: int | None = None

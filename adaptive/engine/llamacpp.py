@@ -153,7 +153,7 @@ class LlamaCppBackbone:
     # Prompt chunks are not carried by a server's decoding steps: in one llama_decode with 8 decoding
     # sequences, a 128-token chunk and the 8 rows took 1.4x the time of the two apart (the unified KV
     # cache's attention over every sequence's cells; 0.95-1.0x with a cache per sequence), measured
-    # with the embedded model on 2 cores (docs/results.md, "Serving under load")
+    # with the embedded model on 2 cores (docs/history/2026-11-25-serving-under-load.md)
     carry_chunks = False
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int | None = None,

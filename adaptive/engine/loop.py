@@ -1,8 +1,10 @@
 """The decoding loop on tensors, in gpt-fast's shape: :func:`prefill`, then :func:`decode_steps`.
 
 Plain decoding (``ar``) is the same loop with no drafter: every step verifies zero drafted tokens
-and keeps the target's own next token. :func:`decode` composes the two on token ids. What to
-draft with is decided between them (the runtime routes on the prefill's pooled embedding).
+and keeps the target's own next token. What to draft with is decided between the two (the runtime
+routes on the prefill's pooled embedding). The driver over them is :meth:`Engine.decode
+<adaptive.engine.engine.Engine.decode>` (text, EOS and stop strings; :meth:`Engine.step
+<adaptive.engine.engine.Engine.step>` for a batch).
 """
 
 from __future__ import annotations
@@ -374,22 +376,3 @@ def decode_steps(
     while not lane.done:
         yield step(backbone, [lane])[0]
 
-
-def decode(
-    backbone,
-    prompt_ids: list[int],
-    cfg: GenerationConfig,
-    drafter: Drafter | None = None,
-    policy: DraftLengthPolicy | None = None,
-    stats: GenerationStats | None = None,
-    acceptor: Acceptor = default_acceptor,
-) -> Iterator[list[int]]:
-    """:func:`prefill` then :func:`decode_steps`, on token ids: yields ``[first]``, then each step's tokens."""
-    stats = stats if stats is not None else GenerationStats()
-    gen = new_generator(cfg, backbone.device)
-    cache = new_cache(backbone, len(prompt_ids), cfg)
-    pre = prefill(backbone, prompt_ids, cache, cfg, gen)
-    stats.prompt_tokens, stats.prefill_time = len(prompt_ids), pre.time
-    yield [pre.first]
-    state = DecodeState(backbone, cache, list(prompt_ids) + [pre.first], cfg, gen)
-    yield from decode_steps(backbone, state, drafter, policy, cfg, stats, acceptor)

@@ -18,7 +18,7 @@ prefills, never a verification) multiply by those rounded dense weights, where t
 is faster than the packed kernels. Lossless still holds, against plain decoding *with the same
 weights*: ``ar``, every draft and every verification multiply through the same :class:`Linear`
 objects. How far each mode's output is from the dense model's is measured, not assumed
-(docs/results.md).
+(docs/history/2026-11-23-fast-engine-and-weight-modes.md).
 
 Worked example (int8, one row): ``w = [0.5, -1.0, 0.25]`` -> scale ``1.0 / 127``, ``q = [64, -127, 32]``,
 dequantized ``[0.504, -1.0, 0.252]``.

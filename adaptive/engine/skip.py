@@ -9,12 +9,9 @@ Layer lists use ranges: ``parse_layer_list("3,5,10-12") == (3, 5, 10, 11, 12)``.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import torch
 
 from adaptive.errors import SkipSetError
 
@@ -152,43 +149,3 @@ class SkipSet:
         a, m = set(self.attn), set(self.mlp)
         return tuple(i in a for i in range(n_layers)), tuple(i in m for i in range(n_layers))
 
-
-class _Identity0(torch.nn.Module):
-    """Stands in for a skipped sublayer inside a Hugging Face decoder layer: adds nothing to the residual."""
-
-    def __init__(self, returns_tuple: bool):
-        super().__init__()
-        self.returns_tuple = returns_tuple
-
-    def forward(self, hidden_states=None, *args, **kwargs):  # noqa: D401
-        if hidden_states is None:
-            hidden_states = args[0]
-        out = torch.zeros_like(hidden_states)
-        return (out, None) if self.returns_tuple else out
-
-
-@contextlib.contextmanager
-def skipping(model, skip: SkipSet) -> Iterator[None]:
-    """Make a Hugging Face decoder model skip ``skip``'s sublayers inside the block; always restored.
-
-    The engine itself never needs this (its backbone takes the skip set per forward); it is for
-    running Hugging Face's own forward or ``generate`` with sublayers skipped, e.g. to cross-check.
-    No weights are copied: the sublayer modules are swapped for a zero-output stand-in and put back
-    in ``finally``, so an exception inside the block leaves the model as it was.
-    """
-    from adaptive.engine.backbone import decoder_layers
-
-    layers = decoder_layers(model)
-    skip.validate_for(len(layers))
-    saved: list[tuple[object, str, object]] = []
-    try:
-        for i in skip.attn:
-            saved.append((layers[i], "self_attn", layers[i].self_attn))
-            layers[i].self_attn = _Identity0(returns_tuple=True)
-        for i in skip.mlp:
-            saved.append((layers[i], "mlp", layers[i].mlp))
-            layers[i].mlp = _Identity0(returns_tuple=False)
-        yield
-    finally:
-        for layer, name, module in reversed(saved):
-            setattr(layer, name, module)

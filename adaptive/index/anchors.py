@@ -11,8 +11,9 @@ Routing policy (KNN-SSD's, made explicit):
    prompts to its anchors), the request is out-of-domain and the runtime uses the global record.
    A radius per domain, because domains differ in spread: on Spec-Bench a diverse group
    (MT-bench) reaches 3-4x the leave-one-out distance of a tight one (QA), and one threshold for
-   all let a left-out group hide near the tight ones (docs/results.md). Indexes saved before
-   per-domain radii use the single ``ood_threshold`` (the largest radius) for every domain.
+   all let a left-out group hide near the tight ones (docs/history/2026-11-24-online-adaptation.md).
+   Indexes saved before per-domain radii use the single ``ood_threshold`` (the largest radius) for
+   every domain.
 """
 
 from __future__ import annotations

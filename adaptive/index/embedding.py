@@ -4,9 +4,10 @@ A prompt's embedding is a hidden state of the target model's prefill, as a
 :class:`~adaptive.engine.config.Pooling` says: KNN-SSD's mean over the positions of the last layer
 (``Pooling()``), or, calibration's default since issue 17, the residual stream at the last
 position after a third of the layers (through the final norm), which routed held-out Spec-Bench
-prompts 160/160 where the final mean routed 154/160 (docs/results.md). It is taken from the
-prefill forward itself: the runtime gets it from the prefill it runs anyway
-(:func:`adaptive.engine.loop.prefill` with ``pool=``), the calibrator and ``adaptive route`` from
+prompts 160/160 where the final mean routed 154/160
+(docs/history/2026-11-23-calibration-in-minutes.md). It is taken from the prefill forward
+itself: the runtime gets it from the prefill it runs anyway (:func:`adaptive.engine.loop.prefill`
+with ``pool=``), the calibrator and ``adaptive route`` from
 :func:`embed_prompt`, which runs that same forward. The index records the pooling it was built
 with (:attr:`AnchorIndex.pooling`). Before any distance is measured the
 :class:`~adaptive.index.anchors.AnchorIndex` scales it to unit length (:meth:`AnchorIndex.transform`).

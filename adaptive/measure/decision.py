@@ -9,15 +9,18 @@ domain only when
 * its verdict is ``faster``: the interval's low end is at least ``1 + margin`` (so no drafter whose
   interval includes 1.0 is ever recorded faster than ``ar``), and
 * it was measured accepting at least ``floor`` tokens per verification step beyond the target's
-  own (``mean_accepted - 1``): a draft that is almost never accepted cannot be faster, whatever
-  the clock said.
+  own (``mean_accepted - 1``), the floor scaled by what its drafts cost per step
+  (:func:`draft_cost_per_step`): a layer-skip draft costing most of a step that is almost never
+  accepted cannot be faster, whatever the clock said; a statistical draft costing 1% of a step
+  may accept little and still pay where verification is nearly free.
 
 Of those, the one with the highest speedup wins (ties: :data:`ROLES` order); none: ``ar``.
 
 Example: ``candidate`` 1.30 [1.21, 1.38] accepting 0.9 tokens per step, ``cascade`` 1.35
 [1.01, 1.62] (open: its interval reaches below 1.02) and ``lookup`` 1.10 [1.05, 1.15] accepting
-0.6: ``Decision("ssd", k, 1.30)``. Had the candidate accepted 0.1 tokens per step (below a floor
-of 0.2), ``pld`` would decode at 1.10.
+0.6: ``Decision("ssd", k, 1.30)``. Had the candidate, one draft token costing 0.7 of a step,
+accepted 0.1 tokens per step (below a floor of 0.2 x 0.7 = 0.14), ``pld`` would decode at 1.10;
+prompt lookup drafting 8 tokens at 0.005 of a step each needs 0.2 x 0.04 = 0.008.
 """
 
 from __future__ import annotations
@@ -30,9 +33,18 @@ from adaptive.profile import Decision, Measurement
 ROLES = ("candidate", "vocab", "lookup", "cascade")  # the raced drafters, in tie-break order
 
 
+def draft_cost_per_step(m: Measurement) -> float:
+    """What ``m``'s drafts cost per verification step, in target steps: its estimated cost per draft
+    token times its draft length, at most 1; 1 where no cost was estimated (the unscaled floor)."""
+    if m.estimated_draft_cost is None:
+        return 1.0
+    return min(1.0, max(0.0, m.estimated_draft_cost) * m.draft_len)
+
+
 def eligible(m: Measurement, floor: float) -> bool:
-    """Whether ``m`` may decode its domain: verdict ``faster`` and at least ``floor`` accepted tokens per step."""
-    return m.verdict == FASTER and m.mean_accepted - 1.0 >= floor
+    """Whether ``m`` may decode its domain: verdict ``faster``, and at least ``floor`` accepted
+    tokens per step scaled by :func:`draft_cost_per_step`."""
+    return m.verdict == FASTER and m.mean_accepted - 1.0 >= floor * draft_cost_per_step(m)
 
 
 def decide(timed: Mapping[str, Measurement], floor: float) -> Decision:

@@ -44,14 +44,26 @@ NO_LAYER_SKIP = Prior(0.0, 1.0)  # the layer-skip prior of a domain without a sk
 
 
 def statistical_candidates(pld_draft_len: int, plan: CascadePlan, skip: SkipSet | None = None,
-                           lookup_estimate: float | None = None,
-                           cascade_estimate: float | None = None) -> dict[str, Candidate]:
+                           lookup_estimate: float | None = None, cascade_estimate: float | None = None,
+                           layer_skip_cost: float = 1.0) -> dict[str, Candidate]:
     """The candidates every domain races: prompt lookup (role ``lookup``, ``pld`` drafting
     ``pld_draft_len``) and the cascade (role ``cascade``: ``plan``, its layer-skip level drafting with
-    ``skip``, none by default), each with its estimated speedup where there is one."""
-    return {"lookup": Candidate("pld", pld_draft_len, estimated_speedup=lookup_estimate),
+    ``skip``, none by default, at ``layer_skip_cost`` steps a token), each with its estimated speedup
+    where there is one and its estimated cost per draft token (:func:`cascade_draft_cost`)."""
+    return {"lookup": Candidate("pld", pld_draft_len, estimated_draft_cost=STAT_DRAFT_COST,
+                                estimated_speedup=lookup_estimate),
             "cascade": Candidate("cascade", plan.draft_len, skip=skip or SkipSet(), cascade=plan,
+                                 estimated_draft_cost=cascade_draft_cost(plan, layer_skip_cost),
                                  estimated_speedup=cascade_estimate)}
+
+
+def cascade_draft_cost(plan: CascadePlan, layer_skip_cost: float) -> float:
+    """A cascade's estimated cost per draft token, in target steps: ``plan.split`` layer-skip tokens
+    at ``layer_skip_cost``, the rest statistical (:data:`STAT_DRAFT_COST`). Example: split 1 of 4
+    at 0.7: ``(0.7 + 3 * 0.005) / 4 = 0.17875``."""
+    k = max(plan.draft_len, 1)
+    split = min(plan.split, k)
+    return round((split * layer_skip_cost + (k - split) * STAT_DRAFT_COST) / k, 6)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,9 @@ class SkipSearch:
     """The best skip set the search found for a domain, at its best draft length, and its estimate
     (an empty skip set: none above the acceptance floor, or none searched). ``bound``: the most
     any skip set of the ranked space could reach (:mod:`adaptive.calibrate.bound`), against the
-    ``reference`` it had to beat; the search went past the bound's corners only where ``bound >= reference``."""
+    ``reference`` it had to beat; the search went past the bound's corners only where ``bound >= reference``.
+    ``seeded``: the set is the global set or one of its neighbours, scored on this domain's text
+    (:func:`adaptive.calibrate.search.neighbours`; the domain's own search may have found it too)."""
 
     skip: SkipSet
     draft_len: int
@@ -127,6 +129,7 @@ class SkipSearch:
     trials: int = 0
     bound: float | None = None
     reference: float | None = None
+    seeded: bool = False
 
     @property
     def searched(self) -> bool:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from adaptive.bench.data import load_bench_prompts
+from adaptive.bench.data import BenchPrompt, load_bench_prompts, mixed_stream
 from adaptive.bench.report import markdown, plot, summarize
 from adaptive.bench.runner import parse_methods
 from adaptive.calibrate.sources import PromptFileError
@@ -42,6 +42,16 @@ def test_summarize_worked_example():
     assert s["ssd"]["by_category"]["rag"]["identical_to_ar"] is False
     assert s["hf"]["mean_accepted_tokens"] is None and s["hf"]["acceptance_rate"] is None
     assert s["hf"]["speedup"] == pytest.approx(1.0)
+
+
+def test_summarize_over_another_reference():
+    s = summarize(RUNS, ["ar", "ssd", "hf"], reference="hf")
+    # hf at 9 and 21 tok/s: qa 15 / 9, rag 20 / 21; overall mean(15, 20) / mean(9, 21)
+    assert s["ssd"]["by_category"]["qa"]["speedup"] == pytest.approx(15 / 9, abs=1e-4)
+    assert s["ssd"]["by_category"]["rag"]["speedup"] == pytest.approx(20 / 21, abs=1e-4)
+    assert s["ar"]["by_category"]["qa"]["speedup"] == pytest.approx(10 / 9, abs=1e-4)
+    assert s["hf"]["speedup"] == 1.0
+    assert s["ssd"]["identical_to_ar"] is False  # equality is still against ar's output
 
 
 def test_markdown_and_plot(tmp_path):
@@ -84,3 +94,25 @@ def test_load_spec_bench_format(tmp_path):
     with pytest.raises(PromptFileError, match=":2"):
         (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
         load_bench_prompts(tmp_path / "bad.jsonl")
+
+
+def test_mixed_stream_worked_example():
+    def p(id_, group):
+        return BenchPrompt(id_, group, group, (f"text of {id_}",))
+
+    file_order = [p("q1", "qa"), p("q2", "qa"), p("q3", "qa"), p("c1", "code"), p("m1", "math"), p("m2", "math")]
+    stream = mixed_stream(file_order)
+    assert [x.id for x in stream] == ["c1", "m1", "q1", "m2", "q2", "q3"]
+    assert sorted(stream, key=file_order.index) == file_order  # a reordering: nothing lost, nothing added
+    assert mixed_stream([]) == []
+    one_group = [p("a", "x"), p("b", "x")]
+    assert mixed_stream(one_group) == one_group
+
+
+def test_mixed_stream_of_a_loaded_file(tmp_path):
+    f = tmp_path / "sb.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
+            for i, c in enumerate(["writing", "coding", "qa", "qa", "qa", "rag", "rag"])]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # groups mt_bench (0, 1), qa (2, 3, 4), rag (5, 6) -> round robin in sorted group order
+    assert [x.id for x in mixed_stream(load_bench_prompts(f))] == ["0", "2", "5", "1", "3", "6", "4"]

@@ -201,8 +201,8 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         # the bound (ranked space) was computed against the reference
         ls = d.layer_skip
         assert ls.bound is not None and ls.reference is not None and ls.reference >= 1.0
-        if ls.skip.size:  # a skip set is recorded only above the floor, and only where the bound allowed it
-            assert ls.estimated_acceptance >= floor and ls.searched
+        if ls.skip.size:  # only above the floor, and searched only where the bound allowed it, else seeded
+            assert ls.estimated_acceptance >= floor and (ls.searched or ls.seeded)
         if "candidate" in timed:
             c = timed["candidate"]
             assert c.drafter == "ssd" and c.skip == ls.skip
@@ -218,6 +218,40 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         assert (d.draft_vocab is not None) == (v is not None) and d.reduced_vocab == bool(v and v.use)
 
 
+def test_each_domain_scores_the_global_set_and_its_neighbours(tiny_model_dir, tmp_path, monkeypatch):
+    """The global set is calibrated first; every domain scores it and its neighbours on its own text
+    (seeded trials), so a domain's recorded set is at least as good as the global one by that estimate."""
+    from adaptive.calibrate.search import neighbours
+
+    histories, order = {}, []
+    real = domain.search_skip_sets
+
+    def capture(worker, lm, task, reference):
+        order.append(task.name)
+        history, bound = real(worker, lm, task, reference)
+        histories[task.name] = (task, history, bound)
+        return history, bound
+
+    monkeypatch.setattr(domain, "search_skip_sets", capture)
+    settings = tiny_settings(trials=4, init_trials=2, acceptance_floor=0.0)
+    p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "prof", settings, dtype="float32", progress=False,
+                  cost_model=CHEAP)
+    assert order == [GLOBAL_TASK, *sorted(TINY_DOMAINS)]
+    glob = p.global_set.layer_skip.skip
+    assert glob, "the tiny model's global search found no skip set: the seeds are not exercised"
+    for name in TINY_DOMAINS:
+        task, history, bound = histories[name]
+        assert task.seed == glob
+        seeded = [h for h in history if h.get("seed")]
+        assert [h["skip"] for h in seeded] == [s.to_text() for s in neighbours(glob, domain.make_space(
+            "ranked", 4, task.influence))]
+        assert all(h["params"] == {} for h in seeded) and history[-len(seeded):] == seeded
+        ls = p.domains[name].layer_skip
+        assert ls.estimated_speedup >= seeded[0]["target"]  # never below the global set, by the same estimate
+        assert ls.seeded == any(h["skip"] == ls.skip.to_text() and h.get("seed") for h in history)
+    assert not p.global_set.layer_skip.seeded
+
+
 def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "prof"
     settings = tiny_settings(trials=5, init_trials=2, acceptance_floor=0.0)
@@ -230,10 +264,21 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
         return real_estimate(*a, **k)
 
     monkeypatch.setattr(domain, "estimate", counting)
+    per_task = {}  # skip sets scored per task (a seed the search had scored is not scored again)
+    real_search = domain.search_skip_sets
+
+    def counted_search(worker, lm, task, reference):
+        before = len(scored)
+        out = real_search(worker, lm, task, reference)
+        per_task[task.name] = len(scored) - before
+        return out
+
+    monkeypatch.setattr(domain, "search_skip_sets", counted_search)
     reference = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "ref", settings, **kw)
+    monkeypatch.setattr(domain, "search_skip_sets", real_search)
     full_run = len(scored)
-    first, second = sorted(TINY_DOMAINS)[:2]  # jobs=1: domains in name order, then the global set
-    n_first = reference.domains[first].layer_skip.trials
+    first, second = sorted(TINY_DOMAINS)[:2]  # jobs=1: the global set, then domains in name order
+    n_global, n_first = per_task[GLOBAL_TASK], per_task[first]
     n_trials = reference.domains[second].layer_skip.trials
     assert n_trials >= 5 and reference.domains[second].layer_skip.searched
 
@@ -242,8 +287,8 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
 
     def killed(*a, **kw):
         races.append(1)
-        if len(races) == 2:
-            raise KeyboardInterrupt  # as if killed after the second domain's search
+        if len(races) == 3:
+            raise KeyboardInterrupt  # as if killed after the second domain's search (the global set's race is first)
         return real_race(*a, **kw)
 
     monkeypatch.setattr(measure_race, "race_candidates", killed)
@@ -273,8 +318,8 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
                 replayed[name] = (a + ar, c + t)
     resumed = calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, resume=True, **kw)
     assert not work.path.exists()
-    # neither the first domain's trials nor the second's two complete ones were scored again
-    assert len(scored) == full_run - n_first - 2
+    # neither the global set's nor the first domain's trials nor the second's two complete ones were scored again
+    assert len(scored) == full_run - n_global - n_first - 2
     # same seed, same candidates: the same skip sets and bounds as an uninterrupted run
     for name in TINY_DOMAINS:
         assert resumed.domains[name].layer_skip == reference.domains[name].layer_skip

@@ -11,6 +11,7 @@ from adaptive.calibrate.search import (
     SublayerSpace,
     estimate,
     make_space,
+    neighbours,
     run_search,
     suggest,
     top_candidates,
@@ -19,9 +20,9 @@ from adaptive.calibrate.search import (
 )
 from adaptive.costs import CostModel
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import decode
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
+from tests.helpers.decoding import decode_ids
 
 
 def test_ranked_space_skips_the_least_influential_first():
@@ -109,10 +110,7 @@ def _sequences(lm, n=3, cont=12):
     seqs = []
     for i in range(n):
         prompt = [3 + (i * 7 + j) % 30 for j in range(10 + i)]
-        out = []
-        for new in decode(lm.backbone, prompt, GenerationConfig(max_new_tokens=cont)):
-            out.extend(new)
-        seqs.append((prompt, out))
+        seqs.append((prompt, decode_ids(lm.backbone, prompt, GenerationConfig(max_new_tokens=cont))))
     return seqs
 
 
@@ -201,3 +199,16 @@ def test_search_does_not_spend_trials_on_one_point_or_on_the_empty_set():
         if h["skip"] == "none":
             assert h["target"] == 0.0
     assert all(c["skip"] != "none" for c in top_candidates(hist, 5))
+
+
+def test_neighbours_keep_one_sublayer_or_add_the_domains_next():
+    space = RankedSpace(torch.tensor([[0.1, 0.5, 0.2, 0.9], [0.8, 0.3, 0.4, 0.1]]))  # attn: 0, 2, 1, 3; mlp: 3, 1, 2, 0
+    got = neighbours(SkipSet(attn=[0], mlp=[1, 2]), space)
+    assert got == [SkipSet(attn=[0], mlp=[1, 2]), SkipSet(mlp=[1, 2]), SkipSet(attn=[0], mlp=[2]),
+                   SkipSet(attn=[0], mlp=[1]), SkipSet(attn=[0, 2], mlp=[1, 2]), SkipSet(attn=[0], mlp=[1, 2, 3])]
+    # one sublayer: its smaller neighbour is empty (not a drafter), left out; every sublayer skipped: none added
+    assert neighbours(SkipSet(mlp=[3]), space) == [SkipSet(mlp=[3]), SkipSet(attn=[0], mlp=[3]), SkipSet(mlp=[3, 1])]
+    full = SkipSet(attn=[0, 1, 2, 3], mlp=[0, 1, 2, 3])
+    assert neighbours(full, space)[0] == full and len(neighbours(full, space)) == 9
+    # another space adds nothing: only the set and its smaller neighbours
+    assert neighbours(SkipSet(mlp=[3]), SublayerSpace(4)) == [SkipSet(mlp=[3])]

@@ -50,11 +50,26 @@ def test_bench_all_turns(capsys, tiny_model_dir, data_file, tmp_path):
             assert tokens[i] > tokens[i.replace("turn2", "turn1")]
 
 
+def test_bench_mixed_order_interleaves_the_groups(capsys, tiny_model_dir, data_file, tmp_path):
+    out = tmp_path / "r.json"
+    run_ok(capsys, "bench", "--data", str(data_file), "--model", str(tiny_model_dir), "--methods", "ar,pld",
+           "--order", "mixed", "--max-new-tokens", "4", "--dtype", "float32", "--out", str(out), "--quiet",
+           "--warmup", "0")
+    report = json.loads(out.read_text())
+    assert report["settings"]["order"] == "mixed"
+    groups = [r["group"] for r in report["runs"] if r["method"] == "ar"]
+    # two prompts of each of three groups, round robin in sorted group order
+    assert groups == ["chat", "code", "math_reasoning"] * 2
+    # every method on a prompt before the next: the runs go ar, pld, ar, pld, ...
+    assert [r["method"] for r in report["runs"]] == ["ar", "pld"] * 6
+
+
 @pytest.mark.parametrize("args, message", [
     (["--methods", "ar,knn-ssd"], "need --profile"),
     (["--methods", "ar,warp"], "unknown method"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--methods", "ar", "--per-category", "0"], "per-category"),
+    (["--methods", "ar", "--order", "shuffled"], "'shuffled' is not one of 'file', 'mixed'"),
 ])
 def test_bench_errors(capsys, tiny_model_dir, data_file, args, message):
     code, _, err = run(capsys, "bench", "--data", str(data_file), "--model", str(tiny_model_dir), "--quiet",

@@ -11,11 +11,11 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import BigramTable, NgramDrafter
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.loop import decode
 from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, FixedDraftLength
 from adaptive.engine.sampling import greedy_accept
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
+from tests.helpers.decoding import decode_ids
 
 Q = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.1, 0.1, 0.8]])
 
@@ -129,7 +129,8 @@ def test_sources_say_where_tokens_came_from():
     d = CascadeDrafter(NgramDrafter(bigram=_chain_table(lm.backbone.vocab_size)), SkipSet((1,), ()), lm.n_layers,
                        split=2, vertical=False)
     drafts = []
-    list(decode(lm.backbone, [3, 4, 5], GenerationConfig(max_new_tokens=12, draft_len=5), d, _Recorder(5, drafts)))
+    Engine(lm).generate([3, 4, 5], GenerationConfig(max_new_tokens=12, draft_len=5, ignore_eos=True), drafter=d,
+                        policy=_Recorder(5, drafts))
     # token by token (not vertical): 2 layer-skip tokens, then the bigram tail fills the draft of 5
     assert drafts[0].sources == (LAYER_SKIP, LAYER_SKIP, STATISTICAL, STATISTICAL, STATISTICAL)
     assert drafts[0].forwards == 2
@@ -155,7 +156,7 @@ def _cascade_counts(lm, drafter, n):
     counts = torch.zeros(V, V)
     for seed in range(n):
         cfg = GenerationConfig(**{**CFG.__dict__, "seed": seed, "max_new_tokens": 4})
-        toks = sum(decode(lm.backbone, PROMPT, cfg, drafter), [])
+        toks = decode_ids(lm.backbone, PROMPT, cfg, drafter)
         counts[toks[1], toks[2]] += 1
     return counts
 

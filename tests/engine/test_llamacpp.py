@@ -17,11 +17,12 @@ from adaptive.engine.backbone import Segment  # noqa: E402
 from adaptive.engine.config import GenerationConfig, Pooling  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
 from adaptive.engine.llamacpp import LlamaCppBackbone  # noqa: E402
-from adaptive.engine.loop import GenerationStats, decode  # noqa: E402
+from adaptive.engine.loop import GenerationStats  # noqa: E402
 from adaptive.engine.skip import SkipSet  # noqa: E402
 from adaptive.errors import ConfigError, PromptTooLongError  # noqa: E402
 from adaptive.models import LoadedModel  # noqa: E402
 from tests.conftest import char_tokenizer  # noqa: E402
+from tests.helpers.decoding import decode_ids  # noqa: E402
 
 PROMPT = [5, 9, 14, 22, 9, 14, 22, 31, 7, 9, 14, 22, 40, 12]
 
@@ -119,10 +120,10 @@ def test_several_sequences_verify_in_one_decode(pair):
 def test_greedy_speculative_decoding_equals_plain_decoding(pair, kind):
     cpp, _ = pair
     cfg = GenerationConfig(max_new_tokens=40, draft_len=6)
-    plain = [t for chunk in decode(cpp, PROMPT, cfg) for t in chunk]
+    plain = decode_ids(cpp, PROMPT, cfg)
     stats = GenerationStats()
     drafter = build_drafter(DrafterSpec(kind), cpp)
-    spec = [t for chunk in decode(cpp, PROMPT, cfg, drafter=drafter, stats=stats) for t in chunk]
+    spec = decode_ids(cpp, PROMPT, cfg, drafter=drafter, stats=stats)
     assert spec == plain
     assert stats.accepted > 0 and stats.steps < len(plain) - 1  # drafts were verified and kept
 
@@ -160,10 +161,10 @@ def test_a_separate_draft_model_drafts_for_llama_cpp(pair, tiny_gguf):
     llama.cpp's plain decoding. The draft here is the target's own weights on torch, so it is accepted."""
     cpp, pt = pair
     cfg = GenerationConfig(max_new_tokens=30, draft_len=4)
-    plain = [t for chunk in decode(cpp, PROMPT, cfg) for t in chunk]
+    plain = decode_ids(cpp, PROMPT, cfg)
     stats = GenerationStats()
     drafter = build_drafter(DrafterSpec("draft-model", draft_backbone=pt), cpp)
-    spec = [t for chunk in decode(cpp, PROMPT, cfg, drafter=drafter, stats=stats) for t in chunk]
+    spec = decode_ids(cpp, PROMPT, cfg, drafter=drafter, stats=stats)
     assert spec == plain
     assert stats.accepted > stats.drafted // 2
 

@@ -4,9 +4,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from adaptive.engine.backbone import Backbone
-from adaptive.engine.skip import SkipSet, format_layer_list, parse_layer_list, skipping
+from adaptive.engine.skip import SkipSet, format_layer_list, parse_layer_list
 from adaptive.errors import SkipSetError
 from tests.conftest import tiny_model
+from tests.helpers.hf_skip import skipping
 
 
 def test_parse_layer_list_examples():

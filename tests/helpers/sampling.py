@@ -8,8 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import decode
 from adaptive.engine.sampling import warp_probs
+from tests.helpers.decoding import decode_ids
 
 V = 6
 PROMPT = [1, 4, 2]
@@ -37,7 +37,7 @@ def sample_counts(lm, drafter, acceptor=None):
     kwargs = {"acceptor": acceptor} if acceptor else {}
     for seed in range(N):
         cfg = GenerationConfig(**{**CFG.__dict__, "seed": seed})
-        toks = sum(decode(lm.backbone, PROMPT, cfg, drafter, **kwargs), [])
+        toks = decode_ids(lm.backbone, PROMPT, cfg, drafter, **kwargs)
         counts[toks[1], toks[2]] += 1
     return counts
 

@@ -1,10 +1,13 @@
 """A domain's race as calibration and the online learner share it: the race configuration from the
 settings, the decision, and the record's measured pieces (scripted measurements, no timing)."""
 
+import pytest
+
+from adaptive.costs import STAT_DRAFT_COST
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.engine.skip import SkipSet
 from adaptive.measure import race as measure_race
-from adaptive.measure.race import DomainRace, race_domain, statistical_candidates
+from adaptive.measure.race import DomainRace, cascade_draft_cost, race_domain, statistical_candidates
 from adaptive.measure.timing import RaceConfig
 from adaptive.profile import Decision, Interval, Measurement, MeasureSettings, Prior, StatisticalAcceptance
 
@@ -32,6 +35,14 @@ def test_statistical_candidates():
         "cascade", 5, SkipSet((1,)), PLAN)
     assert c["cascade"].to_dict()["skip"] == "attn=1"  # as text in the race checkpoint's key
     assert statistical_candidates(4, PLAN)["cascade"].skip == SkipSet()
+    # what a draft token costs, for the decision's floor: statistical tokens only at split 0
+    assert c["lookup"].estimated_draft_cost == c["cascade"].estimated_draft_cost == STAT_DRAFT_COST
+
+
+def test_cascade_draft_cost_mixes_its_levels():
+    assert cascade_draft_cost(CascadePlan(split=1, draft_len=4, max_split=2), 0.7) == pytest.approx(0.17875)
+    assert cascade_draft_cost(CascadePlan(split=0, draft_len=4, max_split=2), 0.7) == STAT_DRAFT_COST
+    assert cascade_draft_cost(CascadePlan(split=2, draft_len=2, max_split=2), 0.7) == pytest.approx(0.7)
 
 
 def test_race_domain_races_as_the_settings_say_and_decides(monkeypatch):

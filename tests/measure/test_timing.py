@@ -36,9 +36,9 @@ def test_time_prompt_decodes_the_same_tokens_block_by_block(lm):
 
 def test_time_prompt_stops_after_an_eos_block_and_when_nothing_is_active(lm):
     from adaptive.engine.config import GenerationConfig
-    from adaptive.engine.loop import decode
+    from tests.helpers.decoding import decode_ids
 
-    out = [t for chunk in decode(lm.backbone, PROMPT, GenerationConfig(max_new_tokens=13)) for t in chunk]
+    out = decode_ids(lm.backbone, PROMPT, GenerationConfig(max_new_tokens=13))
     # out[0] comes from the prefill; blocks of 4 hold out[1:5], out[5:9], out[9:13]
     eos = {out[5]}  # as if out[5] ended the text: the second block is the last one timed
     blocks = []
