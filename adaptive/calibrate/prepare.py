@@ -5,6 +5,7 @@ influence on that text. Checkpointed as ``prep-<domain>.pt``."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from adaptive.index.embedding import pooled_to_numpy
 from adaptive.limits import check_room
 from adaptive.models import LoadedModel
 from adaptive.workdir import atomic_write, checkpointed
+
+MAX_TOGETHER = 16  # continuations stepped together at most (calibration uses 6-16 prompts per domain)
 
 
 @dataclass
@@ -59,8 +62,7 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     pooling = bb.routing_pooling(s.pooling(bb.n_layers))
     bar = worker.phase("prepare", name, len(prompts))
     ids = [engine.encode(prompt, chat=s.chat) for prompt in prompts]
-    sessions = [engine.start(p, cfg, pool=pooling) for p in ids]  # each prefill's embedding, as the runtime routes on
-    conts = continue_together(engine, sessions, on_done=lambda: bar.update(1))
+    conts, pooled = continue_together(engine, ids, cfg, pooling, on_done=lambda: bar.update(1))
     influence = torch.zeros(2, bb.n_layers)
     if bb.layer_skip:  # what the skip-set search ranks sublayers by (none is searched on llama.cpp)
         for p, cont in zip(ids, conts):
@@ -68,26 +70,48 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
             influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device),
                                                from_position=len(tail) - len(cont))
     bar.close()
-    embs = np.stack([pooled_to_numpy(session.pooled) for session in sessions])
+    embs = np.stack([pooled_to_numpy(v) for v in pooled])
     return Prepared(name, ids, embs, list(zip(ids, conts)), influence / len(prompts))
 
 
-def continue_together(engine: Engine, sessions: list, on_done=lambda: None) -> list[list[int]]:
-    """Each started session's greedy continuation (through its first EOS or ``max_new_tokens``),
-    the unfinished ones stepped together, one forward per step: where verifying several rows costs
-    about one step (a memory-bound model), ``n`` continuations cost about what one did alone."""
-    decodings = [engine.begin(session) for session in sessions]
-    running = [d for d in decodings if not d.done]
-    for d in decodings:
-        if d.done:
-            on_done()
-    while running:
-        engine.step(running)
-        for d in running:
+def continue_together(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, pooling,
+                      on_done: Callable[[], None] = lambda: None,
+                      max_together: int = MAX_TOGETHER) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt's greedy continuation (through its first EOS or ``cfg.max_new_tokens``) and its
+    prefill's ``pooling`` embedding (as the runtime routes on), the unfinished ones stepped together,
+    one forward per step: where verifying several rows costs about one step (a memory-bound model),
+    ``n`` continuations cost about what one did alone.
+
+    Prompts join in order as room allows (as a server's batch): at most ``max_together`` at once,
+    at most the backbone's ``sequences`` where it has a limit, and where caches share one context
+    (llama.cpp's unified KV cache) only while the live ones' positions, the newcomer's and its
+    routing prefill's fit in ``max_positions``. ``on_done`` is called as each one finishes."""
+    bb = engine.backbone
+    limit = min(max_together, getattr(bb, "sequences", max_together))
+    need = [len(p) + cfg.max_new_tokens + 1 for p in prompts]
+    conts: list[list[int] | None] = [None] * len(prompts)
+    pooled: list[torch.Tensor | None] = [None] * len(prompts)
+    pending, running = list(range(len(prompts))), {}
+    while pending or running:
+        used = sum(need[i] for i in running)
+        while pending and len(running) < limit and (
+                not bb.shared_cache or not running or used + need[pending[0]] + len(prompts[pending[0]])
+                <= bb.max_positions):
+            i = pending.pop(0)
+            session = engine.start(prompts[i], cfg, pool=pooling)
+            pooled[i] = session.pooled
+            running[i] = engine.begin(session)
+            used += need[i]
+        live = [d for d in running.values() if not d.done]
+        if live:
+            engine.step(live)
+        for i, d in list(running.items()):
             if d.done:
+                conts[i] = d.result().token_ids
+                d.session.state.cache.release()  # its cells, for the next prompt (llama.cpp's shared context)
+                del running[i]
                 on_done()
-        running = [d for d in running if not d.done]
-    return [d.result().token_ids for d in decodings]
+    return conts, pooled
 
 
 def check_prompt_lengths(lm: LoadedModel, domains: dict[str, list[str]],

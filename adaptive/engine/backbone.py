@@ -52,6 +52,9 @@ class KVCache:
     v: torch.Tensor
     length: int = 0
 
+    def release(self) -> None:
+        """Nothing to give back early: the tensors go with the object (a llama.cpp cache frees its cells)."""
+
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
@@ -151,6 +154,7 @@ class Backbone:
     # A server's decoding steps carry its prompt chunks (forward_batch with logits=False segments):
     # measured 8% less time for a 128-token chunk and an 8-row step together than apart (bf16, CPU)
     carry_chunks = True
+    shared_cache = False  # each cache holds its own positions (llama.cpp's share one context)
 
     def __init__(self, model, weights: str = "dense"):
         cfg = model.config

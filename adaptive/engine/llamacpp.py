@@ -138,6 +138,12 @@ class LlamaCache:
     written: int = 0
     _release: object = field(default=None, repr=False)
 
+    def release(self) -> None:
+        """Give the sequence and its cells back to the context now (done anyway when the cache is
+        collected, which a reference cycle may delay while other sequences need the cells)."""
+        if self._release is not None:
+            self._release()
+
 
 class LlamaCppBackbone:
     """The engine's backbone over a GGUF file run by llama.cpp (see the module docstring).
@@ -155,6 +161,7 @@ class LlamaCppBackbone:
     # cache's attention over every sequence's cells; 0.95-1.0x with a cache per sequence), measured
     # with the embedded model on 2 cores (docs/history/2026-11-25-serving-under-load.md)
     carry_chunks = False
+    shared_cache = True  # live caches share the context's max_positions cells (llama.cpp's unified KV cache)
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int | None = None,
                  sequences: int = DEFAULT_SEQUENCES):
