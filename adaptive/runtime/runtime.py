@@ -8,7 +8,8 @@ One request, in a straight line (:meth:`AdaptiveRuntime.stream`)::
     -> plan: the routing policy (:data:`~adaptive.runtime.policies.POLICIES`) picks the applied record and
        the drafter kind; the record's typed priors give its draft-length policy (a Thompson sampler
        per (policy, domain), or calibration's fixed length): a :class:`RoutedPlan`
-    -> build_drafter(plan.spec) -> Engine.decode: the decode steps, text deltas, then a :class:`RuntimeResult`
+    -> build_drafter(plan.spec) -> Engine.begin, then :meth:`AdaptiveRuntime.step` (Engine.step, and the
+       online learner's observation of each step) until done: text deltas, then a :class:`RuntimeResult`
 
 ``knn-ssd`` applies the domain's calibrated decision (``ssd`` with its skip set, ``pld`` prompt
 lookup, ``cascade``, or ``ar``); ``cascade`` drafts every request with its domain's cascade (the
