@@ -8,7 +8,8 @@ that finished):
    from them the *reference* layer skipping must beat: ``max(1, pld, statistical cascade) * (1 + min_gain)``;
 2. the bound on layer skipping over the ranked space (:mod:`.bound`); its scored corners are the
    search's first trials (``trials-<domain>.jsonl``). When even the bound cannot reach the
-   reference, the search stops there and the record says so (``SkipSearch.bound``/``reference``);
+   reference, the search stops there and the record says so (``SkipSearch.bound``/``reference``),
+   except for the global set, searched always (it seeds the domains and is ``ssd-static``'s set);
 3. otherwise the Bayesian search over skip sets, its candidates above the acceptance floor; then,
    searched or not, the global skip set and its neighbours (:func:`~.search.neighbours`) scored on
    this domain's text, so a domain's skip set is never worse than the global one by the same
@@ -75,6 +76,9 @@ class DomainTask:
     prompts: int
     anchors: int
     seed: SkipSet | None = None  # the global set: scored with its neighbours in this domain (:func:`search_skip_sets`)
+    # searched even where the bound rules layer skipping out of the decision: the global set, which seeds
+    # every domain's search and is the static baseline (``ssd-static``), is searched always
+    always_search: bool = False
 
 
 def search_seed(seed: int, name: str) -> int:
@@ -152,7 +156,7 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
     bound = None
     if isinstance(space, RankedSpace):
         bound = _bound(space, task, s, score, history, on_trial, reference)
-    if bound is None or bound.pays:
+    if bound is None or bound.pays or task.always_search:
         n_init = 0 if len(history) >= 2 else s.init_trials
         history = run_search(space, score, max(s.trials, len(history)), seed=search_seed(s.seed, task.name),
                              n_init=n_init, history=history, on_trial=on_trial)
@@ -224,8 +228,9 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
     reference = max(1.0, st.lookup_speedup, st.bigram_speedup) * (1.0 + s.min_gain)
     history, bound = search_skip_sets(worker, lm, task, reference)
     pays = bound is None or bound.pays
+    searched = pays or task.always_search
     # where the bound ruled the search out, the seeded sets (scored on this text) may still be the domain's
-    top = top_candidates([h for h in history if pays or h.get("seed")], 1, s.acceptance_floor)
+    top = top_candidates([h for h in history if searched or h.get("seed")], 1, s.acceptance_floor)
     best = top[0] if top else None
     bigram = build_bigram_table([list(p) + list(c) for p, c in task.sequences], s.bigram_min_count)
     a_l = float(best["matchness"]) if best else 0.0

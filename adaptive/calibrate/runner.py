@@ -106,7 +106,7 @@ def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostMode
                if i < len(prep[n].ids)][: s.confirm_prompts]
     influence = sum(prep[n].influence for n in names) / len(names)
     tasks.append(DomainTask(GLOBAL_TASK, pool, influence, costs, confirm, sum(len(prep[n].ids) for n in names),
-                            len(index.labels)))
+                            len(index.labels), always_search=True))
     return tasks
 
 

@@ -252,6 +252,23 @@ def test_each_domain_scores_the_global_set_and_its_neighbours(tiny_model_dir, tm
     assert not p.global_set.layer_skip.seeded
 
 
+def test_the_global_set_is_searched_where_the_bound_rules_the_domains_out(tiny_model_dir, tmp_path, monkeypatch):
+    """A reference no skip set can reach (the statistical drafters estimated at 10x): no domain searches
+    past the bound's corners, the global task searches all its trials anyway, and each domain's set
+    can only be a seeded one."""
+    monkeypatch.setattr(domain, "replay_speedup", lambda *a, **k: 10.0)
+    settings = tiny_settings(trials=5, init_trials=2, acceptance_floor=0.0)
+    p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "prof", settings, dtype="float32", progress=False,
+                  cost_model=CHEAP)
+    g = p.global_set.layer_skip
+    assert not g.searched and g.trials >= settings.trials and g.skip
+    for name in TINY_DOMAINS:
+        ls = p.domains[name].layer_skip
+        assert not ls.searched
+        assert not ls.skip or ls.seeded
+        assert "candidate" not in {m.role for m in p.domains[name].measurements}  # below the reference: not timed
+
+
 def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "prof"
     settings = tiny_settings(trials=5, init_trials=2, acceptance_floor=0.0)
