@@ -18,7 +18,8 @@ from adaptive.models import LoadedModel
 # with Hugging Face's generate (greedy equality stays in the fast tier through our own `ar`).
 SLOW = {
     "tests/calibrate/test_faults.py": None,  # None: every test of the module
-    "tests/calibrate/test_runner.py": {"test_dask_backend_on_a_local_cluster"},
+    "tests/calibrate/test_runner.py": {"test_dask_backend_on_a_local_cluster",
+                                       "test_the_global_set_runs_first_in_this_process_on_its_model"},
     "tests/engine/test_sampling_distribution.py": None,
     "tests/drafters/test_cascade.py": {"test_cascade_sampling_matches_target"},
     "tests/drafters/test_head.py": {"test_reduced_head_sampling_matches_target"},

@@ -6,14 +6,14 @@ kill redoes nothing that finished:
 1. cost model: time the forwards of this machine (``costs.json``);
 2. per domain, in parallel: encode, continue and measure influence (:mod:`.prepare`, ``prep-*.pt``);
 3. FAISS k-means anchors per domain, one index over all;
-4. once over all domains (the global set), then per domain in parallel: the bound and search of
+4. once over all domains (the global set, in the calling process), then per domain in parallel: the bound and search of
    skip sets (a domain's also scores the global set and its neighbours), the cascade and reduced
    vocabulary, the race against ``ar`` and the decision (:mod:`.domain`);
 5. the profile, written atomically; the work directory is then removed.
 
 One progress bar (:mod:`.progress`) covers all phases and domains with an ETA. Settings live in
-:mod:`.settings`, timing in :mod:`.timing` and :mod:`.interval`, the decision in :mod:`.decision`,
-parallel execution in :mod:`.parallel`.
+:mod:`.settings`, timing, intervals and the decision in :mod:`adaptive.measure`, parallel execution
+in :mod:`.parallel`.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def check_options(domains: dict[str, list[str]], s: CalibrationSettings, jobs: i
     if scheduler and backend not in ("dask", "ray"):
         raise ConfigError("--scheduler is for --backend dask or ray")
     domains = check_domains(domains, s)
-    if jobs > len(domains) + 1:
-        raise ConfigError(f"{jobs} jobs for {len(domains) + 1} tasks ({len(domains)} domains and the global set): "
-                          f"use at most {len(domains) + 1}")
+    if jobs > len(domains):
+        raise ConfigError(f"{jobs} jobs for {len(domains)} domains (the global set runs first, alone): "
+                          f"use at most {len(domains)}")
     return domains
 
 
@@ -162,8 +162,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
                 checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
             worker.bars.finish("costs", "")
             pooling = lm.backbone.routing_pooling(s.pooling(lm.n_layers))
-            records, index = _run_phases(worker, domains, costs, jobs, backend, scheduler, log, pooling,
-                                         lm.backbone.layer_skip)
+            records, index = _run_phases(worker, lm, domains, costs, jobs, backend, scheduler, log, pooling)
         finally:
             worker.bars.close()
             worker.bars = None
@@ -179,10 +178,11 @@ def _measure_costs(lm: LoadedModel, s: CalibrationSettings, log: Callable[[str],
     return measure_costs(lm.backbone, context=s.cost_context).to_dict()
 
 
-def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel, jobs: int, backend: str,
-                scheduler: str | None, log: Callable[[str], None], pooling: Pooling,
-                layer_skip: bool) -> tuple[list, AnchorIndex]:
-    """Phases 2 to 4: the domains' records (name order, then the global one) and the anchor index."""
+def _run_phases(worker: Worker, lm: LoadedModel, domains: dict[str, list[str]], costs: CostModel, jobs: int,
+                backend: str, scheduler: str | None, log: Callable[[str], None],
+                pooling: Pooling) -> tuple[list, AnchorIndex]:
+    """Phases 2 to 4: the domains' records (name order, then the global one) and the anchor index.
+    ``lm``: the model loaded in this process (the global task runs on it)."""
     s = worker.settings
     names = sorted(domains)
     log(f"preparing {len(names)} domains ...")
@@ -192,14 +192,15 @@ def _run_phases(worker: Worker, domains: dict[str, list[str]], costs: CostModel,
         worker.bars.finish("prepare", n)
     index = AnchorIndex.build({n: prep[n].embeddings for n in names}, per_domain=s.anchors_per_domain, seed=s.seed,
                               k=s.route_k, pooling=pooling)
-    if layer_skip:
+    if lm.backbone.layer_skip:
         log(f"bounding and searching skip sets (up to {s.trials} trials each), racing drafters against ar ...")
     else:
         log(f"racing the statistical drafters against ar on the {worker.engine} engine (no layer skipping there) ...")
     tasks = _domain_tasks(prep, index, costs, s)
     *domain_tasks, global_task = tasks
-    # the global set first: each domain scores it (and its neighbours) beside its own search
-    glob = run_parallel(calibrate_domain, [(worker, global_task)], 1, backend, scheduler)[0]
+    # the global set first, alone, in this process on its loaded model and all its threads (workers
+    # would idle meanwhile); each domain then scores it (and its neighbours) beside its own search
+    glob = calibrate_domain(replace(worker, lm=lm, threads=None), global_task)
     seed = glob.layer_skip.skip if glob.layer_skip.skip else None
     domain_tasks = [replace(t, seed=seed) for t in domain_tasks]
     records = run_parallel(calibrate_domain, [(worker, t) for t in domain_tasks], min(jobs, len(domain_tasks)),

@@ -202,7 +202,7 @@ def test_calibration_writes_a_complete_profile(tiny_profile):
         ls = d.layer_skip
         assert ls.bound is not None and ls.reference is not None and ls.reference >= 1.0
         if ls.skip.size:  # only above the floor, and searched only where the bound allowed it, else seeded
-            assert ls.estimated_acceptance >= floor and (ls.searched or ls.seeded)
+            assert ls.estimated_acceptance >= floor and (ls.may_pay or ls.seeded)
         if "candidate" in timed:
             c = timed["candidate"]
             assert c.drafter == "ssd" and c.skip == ls.skip
@@ -261,10 +261,10 @@ def test_the_global_set_is_searched_where_the_bound_rules_the_domains_out(tiny_m
     p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "prof", settings, dtype="float32", progress=False,
                   cost_model=CHEAP)
     g = p.global_set.layer_skip
-    assert not g.searched and g.trials >= settings.trials and g.skip
+    assert not g.may_pay and g.trials >= settings.trials and g.skip
     for name in TINY_DOMAINS:
         ls = p.domains[name].layer_skip
-        assert not ls.searched
+        assert not ls.may_pay
         assert not ls.skip or ls.seeded
         assert "candidate" not in {m.role for m in p.domains[name].measurements}  # below the reference: not timed
 
@@ -297,7 +297,7 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
     first, second = sorted(TINY_DOMAINS)[:2]  # jobs=1: the global set, then domains in name order
     n_global, n_first = per_task[GLOBAL_TASK], per_task[first]
     n_trials = reference.domains[second].layer_skip.trials
-    assert n_trials >= 5 and reference.domains[second].layer_skip.searched
+    assert n_trials >= 5 and reference.domains[second].layer_skip.may_pay
 
     real_race = measure_race.race_candidates
     races = []
@@ -403,8 +403,8 @@ def test_a_live_lock_refuses_a_second_calibration(tiny_model_dir, tmp_path):
 def test_impossible_options(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="jobs"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), jobs=0)
-    with pytest.raises(ConfigError, match="at most 4"):
-        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), jobs=9)
+    with pytest.raises(ConfigError, match="at most 3"):  # one per domain (the global set runs first, alone)
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), jobs=4)
     with pytest.raises(ConfigError, match="backend"):
         calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", tiny_settings(), backend="mpi")
     with pytest.raises(ConfigError, match="--scheduler"):
@@ -442,6 +442,26 @@ def test_threading_backend(tiny_model_dir, tmp_path):
                   jobs=2, backend="threading", dtype="float32", progress=False)
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     assert load_profile(tmp_path / "p").global_set.layer_skip.trials == 3
+
+
+def test_the_global_set_runs_first_in_this_process_on_its_model(tiny_model_dir, tmp_path, monkeypatch):
+    """With worker processes (loky, 2 jobs) the global task runs alone in the caller's process, on the
+    model the caller loaded and its threads (not on a second copy with a worker's share of the cores)."""
+    from adaptive.calibrate import runner
+
+    calls, real = [], runner.calibrate_domain
+
+    def spy(worker, task):  # runs here for the global task; pickled by value into the workers for the domains
+        calls.append((task.name, worker.lm, worker.threads))
+        return real(worker, task)
+
+    monkeypatch.setattr(runner, "calibrate_domain", spy)
+    p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", _no_bound(trials=3, init_trials=2),
+                  jobs=2, backend="loky", dtype="float32", progress=False)
+    assert [c[0] for c in calls] == [GLOBAL_TASK]  # the domains ran in the worker processes
+    name, lm, threads = calls[0]
+    assert lm is not None and p.model.same_model(lm.fingerprint()) and threads is None
+    assert sorted(p.domains) == sorted(TINY_DOMAINS) and p.global_set.layer_skip.trials == 3
 
 
 def test_dask_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
