@@ -122,7 +122,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
         skip_note = f"the {lm.engine} engine runs the whole model: no layer skipping there"
     elif best.skip:
         skip_note = f"best skip set {skip_text}"
-    elif best.bound is not None and not best.searched:
+    elif best.bound is not None and not best.may_pay:
         skip_note = (f"layer skipping cannot pay there: at most {best.bound:.2f}x against the statistical "
                      f"drafters' {best.reference:.2f}x")
     else:

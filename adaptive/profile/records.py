@@ -117,7 +117,8 @@ class SkipSearch:
     """The best skip set the search found for a domain, at its best draft length, and its estimate
     (an empty skip set: none above the acceptance floor, or none searched). ``bound``: the most
     any skip set of the ranked space could reach (:mod:`adaptive.calibrate.bound`), against the
-    ``reference`` it had to beat; the search went past the bound's corners only where ``bound >= reference``.
+    ``reference`` it had to beat (:attr:`may_pay`); a domain's search went past the bound's corners
+    only where it may pay, the global set's always (it seeds the domains and is ``ssd-static``'s set).
     ``seeded``: the set is the global set or one of its neighbours, scored on this domain's text
     (:func:`adaptive.calibrate.search.neighbours`; the domain's own search may have found it too)."""
 
@@ -132,8 +133,8 @@ class SkipSearch:
     seeded: bool = False
 
     @property
-    def searched(self) -> bool:
-        """Whether the search went beyond the bound (always, without a bound)."""
+    def may_pay(self) -> bool:
+        """Whether the bound left room for layer skipping to beat the reference (always, without a bound)."""
         return self.bound is None or self.reference is None or self.bound >= self.reference
 
     def __post_init__(self):
