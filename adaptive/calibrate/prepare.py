@@ -16,6 +16,7 @@ from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.settings import CalibrationSettings
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
+from adaptive.engine.loop import cache_positions
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.limits import check_room
 from adaptive.models import LoadedModel
@@ -84,19 +85,19 @@ def continue_together(engine: Engine, prompts: list[list[int]], cfg: GenerationC
 
     Prompts join in order as room allows (as a server's batch): at most ``max_together`` at once,
     at most the backbone's ``sequences`` where it has a limit, and where caches share one context
-    (llama.cpp's unified KV cache) only while the live ones' positions, the newcomer's and its
-    routing prefill's fit in ``max_positions``. ``on_done`` is called as each one finishes."""
+    (llama.cpp's unified KV cache) only while the live ones' positions and the newcomer's fit in
+    ``max_positions`` (its routing embedding's one token included: decoded in a scratch sequence that
+    shares the prompt's cells). ``on_done`` is called as each one finishes."""
     bb = engine.backbone
     limit = min(max_together, getattr(bb, "sequences", max_together))
-    need = [len(p) + cfg.max_new_tokens + 1 for p in prompts]
+    need = [cache_positions(len(p), cfg.max_new_tokens, cfg.draft_len) + 1 for p in prompts]
     conts: list[list[int] | None] = [None] * len(prompts)
     pooled: list[torch.Tensor | None] = [None] * len(prompts)
     pending, running = list(range(len(prompts))), {}
     while pending or running:
         used = sum(need[i] for i in running)
         while pending and len(running) < limit and (
-                not bb.shared_cache or not running or used + need[pending[0]] + len(prompts[pending[0]])
-                <= bb.max_positions):
+                not bb.shared_cache or not running or used + need[pending[0]] <= bb.max_positions):
             i = pending.pop(0)
             session = engine.start(prompts[i], cfg, pool=pooling)
             pooled[i] = session.pooled
