@@ -18,8 +18,9 @@ Of those, the one with the highest speedup wins (ties: :data:`ROLES` order); non
 
 Example: ``candidate`` 1.30 [1.21, 1.38] accepting 0.9 tokens per step, ``cascade`` 1.35
 [1.01, 1.62] (open: its interval reaches below 1.02) and ``lookup`` 1.10 [1.05, 1.15] accepting
-0.6: ``Decision("ssd", k, 1.30)``. Had the candidate, one draft token costing 0.7 of a step,
-accepted 0.1 tokens per step (below a floor of 0.2 x 0.7 = 0.14), ``pld`` would decode at 1.10;
+0.6: ``Decision("ssd", k, 1.30)``. Had the candidate, drafting one token per step (k = 1) at 0.7 of a
+step, accepted 0.1 tokens per step (below a floor of 0.2 x 0.7 = 0.14), ``pld`` would decode at
+1.10 (at k >= 2 its draft costs a whole step or more: the floor stays 0.2);
 prompt lookup drafting 8 tokens at 0.005 of a step each needs 0.2 x 0.04 = 0.008.
 """
 
