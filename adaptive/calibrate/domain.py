@@ -153,11 +153,13 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
         best[0] = max(best[0], rec["target"])
         bar.update(1, best=round(best[0], 3))
 
-    bound = None
+    bound, corners = None, 0
     if isinstance(space, RankedSpace):
-        bound = _bound(space, task, s, score, history, on_trial, reference)
+        bound, corners = _bound(space, task, s, score, history, on_trial, reference)
     if bound is None or bound.pays or task.always_search:
-        n_init = 0 if len(history) >= 2 else s.init_trials
+        # the bound's corners, where there are two, stand for the random first trials; counted as
+        # visited (not from the history's length) so that a resumed search suggests what it would have
+        n_init = 0 if corners >= 2 else s.init_trials
         history = run_search(space, score, max(s.trials, len(history)), seed=search_seed(s.seed, task.name),
                              n_init=n_init, history=history, on_trial=on_trial)
     seeded = {trial_skip(h) for h in history if h.get("seed")}
@@ -176,14 +178,16 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
 
 
 def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: Callable, history: list[dict],
-           on_trial: Callable[[dict], None], reference: float) -> Bound:
-    """:func:`~.bound.layer_skip_bound` over ``space``, its scored corners recorded as trials
-    (already recorded ones are read back, not scored again)."""
+           on_trial: Callable[[dict], None], reference: float) -> tuple[Bound, int]:
+    """:func:`~.bound.layer_skip_bound` over ``space`` and how many distinct corners it visited, its
+    scored corners recorded as trials (already recorded ones are read back, not scored again)."""
     seen = {trial_skip(h): h for h in history}
+    visited = set()
 
     def corner(na: int, nm: int) -> float:
         params = {"n_attn": na, "n_mlp": nm}
         skip = space.decode(params)
+        visited.add(skip)
         if skip not in seen:
             t0 = time.perf_counter()
             rec = trial_record(len(history), params, skip, score(skip), time.perf_counter() - t0)
@@ -195,8 +199,9 @@ def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: 
     def cost(na: int, nm: int) -> float:
         return task.costs.draft_cost(space.decode({"n_attn": na, "n_mlp": nm}).masks(space.n_layers))
 
-    return layer_skip_bound(space.n_layers, corner, cost, task.costs.verify_table(s.max_draft_len), s.max_draft_len,
-                            s.acceptance_floor, reference)
+    bound = layer_skip_bound(space.n_layers, corner, cost, task.costs.verify_table(s.max_draft_len), s.max_draft_len,
+                             s.acceptance_floor, reference)
+    return bound, len(visited)
 
 
 def race_key(candidates: dict[str, Candidate]) -> str:

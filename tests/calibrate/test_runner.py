@@ -346,6 +346,32 @@ def test_interrupted_calibration_resumes_without_redoing_trials(tiny_model_dir, 
     assert got == {name: round(a / c, 4) for name, (a, c) in replayed.items()}
 
 
+def test_a_search_killed_during_its_random_trials_resumes_as_it_would_have_run(tiny_model_dir, tmp_path, monkeypatch):
+    """Self-SD's space has no bound: its first ``init_trials`` are random by trial index, and a search
+    killed after two of them suggests the third as the uninterrupted run did (not from the model)."""
+    settings = _no_bound(trials=5, init_trials=4, acceptance_floor=0.0)
+    kw = dict(dtype="float32", progress=False, cost_model=CHEAP)
+    reference = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "ref", settings, **kw)
+    real, calls = domain.estimate, []
+
+    def killed(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the global search's third trial: two are checkpointed
+        return real(*a, **k)
+
+    monkeypatch.setattr(domain, "estimate", killed)
+    out = tmp_path / "prof"
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, **kw)
+    assert len(calibration_workdir(out).file("trials", GLOBAL_TASK, "jsonl").read_text().splitlines()) == 2
+    monkeypatch.setattr(domain, "estimate", real)
+    resumed = calibrate(str(tiny_model_dir), TINY_DOMAINS, out, settings, resume=True, **kw)
+    assert resumed.global_set.layer_skip == reference.global_set.layer_skip
+    for name in TINY_DOMAINS:
+        assert resumed.domains[name].layer_skip == reference.domains[name].layer_skip
+
+
 def test_resume_after_the_last_phase_redoes_nothing_and_gives_the_same_profile(tiny_model_dir, tmp_path, monkeypatch):
     """Killed while saving the profile: every phase resumes from its checkpoint (no timing at all) and
     the profile equals the one the killed run had computed."""
