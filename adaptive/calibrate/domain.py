@@ -38,7 +38,6 @@ import torch
 from adaptive.calibrate.bound import Bound, layer_skip_bound
 from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.search import (
-    Estimate,
     MatchnessScorer,
     RankedSpace,
     estimate,
@@ -46,6 +45,7 @@ from adaptive.calibrate.search import (
     neighbours,
     run_search,
     top_candidates,
+    trial_estimate,
     trial_record,
     trial_skip,
 )
@@ -163,13 +163,14 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
         history = run_search(space, score, max(s.trials, len(history)), seed=search_seed(s.seed, task.name),
                              n_init=n_init, history=history, on_trial=on_trial)
     seeded = {trial_skip(h) for h in history if h.get("seed")}
+    scored = {}
+    for h in history:
+        scored.setdefault(trial_skip(h), h)
     for skip in seeds:
         if skip in seeded:  # resumed
             continue
-        same = next((h for h in history if trial_skip(h) == skip), None)  # found by the search: not scored again
-        t0 = time.perf_counter()
-        est = score(skip) if same is None else Estimate(same["matchness"], same["draft_cost"], same["draft_len"],
-                                                         same["target"])
+        t0 = time.perf_counter()  # a set the search scored is not scored again
+        est = trial_estimate(scored[skip]) if skip in scored else score(skip)
         rec = {**trial_record(len(history), {}, skip, est, time.perf_counter() - t0), "seed": True}
         history.append(rec)
         on_trial(rec)
@@ -283,7 +284,7 @@ def domain_record(task: DomainTask, raced: DomainRace, history: list[dict], best
     if best is not None:
         layer_skip = SkipSearch(trial_skip(best), int(best["draft_len"]), float(best["matchness"]),
                                 float(best["draft_cost"]), float(best["target"]), len(history),
-                                seeded=any(h.get("seed") and trial_skip(h) == trial_skip(best) for h in history))
+                                seeded=any(h.get("seed") and h["skip"] == best["skip"] for h in history))
     else:
         layer_skip = SkipSearch(SkipSet(), 1, 0.0, 1.0, 0.0, len(history))
     if bound is not None:

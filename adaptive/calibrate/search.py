@@ -198,6 +198,11 @@ def trial_skip(rec: dict) -> SkipSet:
     return SkipSet.from_text(rec["skip"])
 
 
+def trial_estimate(rec: dict) -> Estimate:
+    """The estimate a :func:`trial_record` holds (reused where the same skip set comes up again)."""
+    return Estimate(rec["matchness"], rec["draft_cost"], rec["draft_len"], rec["target"])
+
+
 def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: int = 0, n_init: int = 5,
                history: list[dict] | None = None, on_trial: Callable[[dict], None] | None = None) -> list[dict]:
     """Run trials ``len(history) .. trials-1``; returns the full history (one dict per trial).
@@ -222,8 +227,7 @@ def run_search(space, score: Callable[[SkipSet], Estimate], trials: int, seed: i
                     break
         t0 = time.perf_counter()
         if skip in seen:
-            prev = seen[skip]
-            est = Estimate(prev["matchness"], prev["draft_cost"], prev["draft_len"], prev["target"])
+            est = trial_estimate(seen[skip])
         elif not skip.size:
             est = Estimate(1.0, 1.0, 1, 0.0)
         else:
