@@ -115,7 +115,7 @@ CASES = {
     "top-p-above-one": (lambda t, m, p: [*DEC, "--model", m, "--top-p", "1.5"], "top_p"),
     "draft-len-zero": (lambda t, m, p: [*SSD, "--model", m, "--skip-attn", "1", "--draft-len", "0"], "draft_len"),
     "jobs-zero": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--jobs", "0"], "jobs"),
-    "jobs-more-than-tasks": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--jobs", "9"], "use at most 4"),
+    "jobs-more-than-domains": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--jobs", "9"], "use at most 3"),
     "trials-zero": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--trials", "0"], "trials"),
     "vocab-sizes-malformed": (lambda t, m, p: [*CAL, "--model", m, *_domains(t), "--vocab-sizes", "4k"],
                               "--vocab-sizes"),
