@@ -6,9 +6,9 @@ kill redoes nothing that finished:
 1. cost model: time the forwards of this machine (``costs.json``);
 2. per domain, in parallel: encode, continue and measure influence (:mod:`.prepare`, ``prep-*.pt``);
 3. FAISS k-means anchors per domain, one index over all;
-4. once over all domains (the global set, in the calling process), then per domain in parallel: the bound and search of
-   skip sets (a domain's also scores the global set and its neighbours), the cascade and reduced
-   vocabulary, the race against ``ar`` and the decision (:mod:`.domain`);
+4. once over all domains (the global set, in the calling process), then per domain in parallel:
+   the bound and search of skip sets (a domain's also scores the global set and its neighbours),
+   the cascade and reduced vocabulary, the race against ``ar`` and the decision (:mod:`.domain`);
 5. the profile, written atomically; the work directory is then removed.
 
 One progress bar (:mod:`.progress`) covers all phases and domains with an ETA. Settings live in
