@@ -163,9 +163,7 @@ def search_skip_sets(worker: Worker, lm: LoadedModel, task: DomainTask, referenc
         history = run_search(space, score, max(s.trials, len(history)), seed=search_seed(s.seed, task.name),
                              n_init=n_init, history=history, on_trial=on_trial)
     seeded = {trial_skip(h) for h in history if h.get("seed")}
-    scored = {}
-    for h in history:
-        scored.setdefault(trial_skip(h), h)
+    scored = {trial_skip(h): h for h in history}
     for skip in seeds:
         if skip in seeded:  # resumed
             continue
