@@ -425,9 +425,11 @@ class Backbone:
         return torch.bmm(torch.softmax(scores, dim=-1), values).view(KV, G, t, D)
 
     @torch.inference_mode()
-    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
-        """A full-model forward of several sequences at once; each segment's logits at every fed
-        position, ``[T_i, vocab]`` float32, in order (``None`` for a segment with ``logits=False``).
+    def forward_batch(self, segments: Sequence[Segment],
+                      skip_masks: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,
+                      read_only: bool = False) -> list[torch.Tensor | None]:
+        """A forward of several sequences at once; each segment's logits at every fed position,
+        ``[T_i, vocab]`` float32, in order (``None`` for a segment with ``logits=False``).
 
         Segment ``s`` feeds ``s.ids`` (``[T_i]``) at positions ``s.start .. s.start + T_i - 1`` of its
         own ``s.cache`` (which must hold that sequence's keys for ``0 .. s.start - 1``), exactly as
@@ -435,7 +437,8 @@ class Backbone:
         segments' rows together (one product per weight for the whole batch: what makes verifying
         several requests cheaper than one after another), attention runs per sequence over its own
         cache. Ragged: segments may differ in length, start and cache size; nothing is padded.
-        Does not change any ``cache.length``.
+        Does not change any ``cache.length``. ``skip_masks`` and ``read_only`` are :meth:`forward`'s,
+        for every segment (the calibrator scores a skip set on all its sequences in one batch).
 
         Example: segments of 1 and 3 tokens at starts 7 and 20 -> logits ``[1, V]`` and ``[3, V]``;
         add a 128-token prompt chunk at start 256 with ``logits=False`` -> ``[1, V]``, ``[3, V]``, ``None``
@@ -459,13 +462,16 @@ class Backbone:
         cos_all, sin_all = torch.cat(cos), torch.cat(sin)
         h = F.embedding(torch.cat([s.ids.reshape(-1) for s in segments]).to(self.device), self.embed.weight)
         dtype = segments[0].cache.k.dtype
+        skip_attn, skip_mlp = skip_masks or self._full
         for i, w in enumerate(self.weights):
-            x = rms_norm(h, w.attn_norm, w.attn_eps)
-            qkv = self._qkv(w, x, dtype, cos_all, sin_all)
-            out = torch.cat([self._attend(qkv[a:b], s.cache, i, s.start, end, banned)
-                             for s, (a, b, end, banned) in zip(segments, spans)])
-            h = h + w.o(out.to(x.dtype))
-            h = h + self._mlp(w, h)
+            if not skip_attn[i]:
+                x = rms_norm(h, w.attn_norm, w.attn_eps)
+                qkv = self._qkv(w, x, dtype, cos_all, sin_all, rotate_keys=not read_only)
+                out = torch.cat([self._attend(qkv[a:b], s.cache, i, s.start, end, banned, write=not read_only)
+                                 for s, (a, b, end, banned) in zip(segments, spans)])
+                h = h + w.o(out.to(x.dtype))
+            if not skip_mlp[i]:
+                h = h + self._mlp(w, h)
         wanted = [(a, b) for s, (a, b, _, _) in zip(segments, spans) if s.logits]
         rows = torch.cat([h[a:b] for a, b in wanted]) if wanted else h[:0]
         logits = self.head(rms_norm(rows, self.norm.weight, self.norm_eps)).float()

@@ -12,6 +12,7 @@ from adaptive.calibrate.search import (
     estimate,
     make_space,
     neighbours,
+    row_groups,
     run_search,
     suggest,
     top_candidates,
@@ -19,6 +20,7 @@ from adaptive.calibrate.search import (
     trial_skip,
 )
 from adaptive.costs import CostModel
+from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.skip import SkipSet
 from tests.conftest import tiny_lm
@@ -161,6 +163,25 @@ def test_context_matchness_is_first_draft_token_acceptance():
     assert MatchnessScorer(bb, seqs)(masks) == pytest.approx(hits / total)
     with pytest.raises(ValueError, match="mode"):
         MatchnessScorer(bb, seqs, mode="other")
+
+
+def test_scoring_in_groups_of_any_size_gives_the_same_matchness():
+    lm = tiny_lm("qwen2", n_layers=4)
+    seqs = _sequences(lm, n=3, cont=8)
+    masks = SkipSet(attn=[1], mlp=[0, 2]).masks(4)
+    for mode in MatchnessScorer.MODES:
+        whole = MatchnessScorer(lm.backbone, seqs, mode=mode)
+        alone = MatchnessScorer(lm.backbone, seqs, mode=mode, max_rows=1)  # one sequence per forward
+        assert [len(g) for g in whole.groups] == [3] and [len(g) for g in alone.groups] == [1, 1, 1]
+        assert whole(masks) == pytest.approx(alone(masks))
+    with pytest.raises(ValueError, match="max_rows"):
+        MatchnessScorer(lm.backbone, seqs, max_rows=0)
+
+
+def test_groups_keep_order_and_fill_up_to_max_rows():
+    segs = [Segment(torch.zeros(n, dtype=torch.long), None, 0) for n in (300, 200, 100, 600, 512)]
+    sizes = [[int(s.ids.numel()) for s in g] for g in row_groups(segs, 512)]
+    assert sizes == [[300, 200], [100], [600], [512]]  # a longer one alone; nothing reordered
 
 
 def test_read_only_forward_writes_nothing():

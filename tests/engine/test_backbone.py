@@ -165,6 +165,41 @@ def test_batched_forward_equals_one_sequence_at_a_time(family):
         assert b.length == 0  # the caller owns the lengths
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_batched_forward_with_a_skip_set_equals_one_sequence_at_a_time(read_only):
+    """With sublayers skipped (and reading the cache without writing it, as the calibrator scores
+    skip sets), each segment's logits are what forward() gives it alone with the same masks; a
+    read-only batch leaves every cache as it was."""
+    from adaptive.engine.backbone import Segment
+    from adaptive.engine.skip import SkipSet
+
+    bb = Backbone(tiny_model("qwen2"))
+    V, L = bb.vocab_size, bb.n_layers
+    masks = SkipSet(attn=[0], mlp=[L - 1]).masks(L)
+    torch.manual_seed(1)
+    known = [torch.randint(0, V, (n,)) for n in (9, 14)]  # full-model keys, the fed tokens' own included
+    caches = []
+    for ids in known:
+        c = bb.new_cache(len(ids))
+        bb.forward(ids, c, 0, logits="none")
+        caches.append(c)
+    before = [(c.k.clone(), c.v.clone()) for c in caches]
+    starts = [5, 10]
+    segs = [Segment(ids[s:], c, s) for ids, c, s in zip(known, caches, starts)]
+    got = bb.forward_batch(segs, skip_masks=masks, read_only=read_only)
+    if read_only:
+        for c, (k, v) in zip(caches, before):
+            assert torch.equal(c.k, k) and torch.equal(c.v, v)
+    for ids, c, (k, v), s, g in zip(known, caches, before, starts, got):
+        c.k.copy_(k)
+        c.v.copy_(v)
+        ref = bb.forward(ids[s:], c, s, skip_masks=masks, logits="all", read_only=read_only).logits
+        full = bb.forward(ids[s:], c, s, logits="all", read_only=True).logits
+        assert g.shape == ref.shape == (len(ids) - s, V)
+        assert torch.allclose(g, ref, atol=1e-5)
+        assert not torch.allclose(g, full, atol=1e-3)  # the masks took effect
+
+
 def test_batched_forward_refuses_bad_segments():
     from adaptive.engine.backbone import Segment
 
