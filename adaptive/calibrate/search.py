@@ -98,7 +98,7 @@ class MatchnessScorer:
 
     The score is the fraction of positions where the candidate's argmax is the continuation's
     next token. Batching is what makes a trial cheap where a forward's cost is mostly reading the
-    weights (bf16 on a CPU): 12 sequences of 24 tokens scored in 0.63x the time of one forward
+    weights (bf16 on a CPU): 12 sequences of 24 tokens scored in 0.62-0.63x the time of one forward
     each (Qwen2.5-Coder-1.5B, 2 cores: docs/benchmarks.md, "Batched matchness scoring").
     """
 
