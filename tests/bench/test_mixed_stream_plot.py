@@ -1,23 +1,17 @@
 """benchmarks/mixed_stream_plot.py on a literal report: the cumulative series, the speedups (the
 report's own aggregation), the text table, the PNG and its one-line errors."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from adaptive.bench.report import summarize
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mixed_stream_plot.py"
+from tests.helpers.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def plot_script():
-    spec = importlib.util.spec_from_file_location("mixed_stream_plot", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("mixed_stream_plot")
 
 
 def _run(id_, group, method, new_tokens, tps):

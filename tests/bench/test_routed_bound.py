@@ -1,22 +1,16 @@
 """benchmarks/routed_bound.py on literal records: the best raced drafter of a domain and the overall
 bound, which must equal what the bench's own aggregation reports for runs at those speedups."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from adaptive.bench.report import summarize
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routed_bound.py"
+from tests.helpers.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("routed_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("routed_bound")
 
 
 def test_the_best_raced_drafter_and_none(script):
