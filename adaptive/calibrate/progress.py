@@ -81,7 +81,8 @@ class Phase:
     def __init__(self, progress: Progress | None, phase: str, task: str, items: int, done: int = 0):
         self.progress, self.key = progress, (phase, task)
         self.items = max(items, 1)
-        self.update(min(done, self.items))
+        if progress is not None:  # named on the bar at once (its first item may take long), a resume's part counted
+            progress.advance(self.key, progress.budget.get(self.key, 0.0) * min(done, self.items) / self.items)
 
     def update(self, n: int = 1, **postfix) -> None:
         if self.progress is not None and n > 0:

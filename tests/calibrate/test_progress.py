@@ -37,3 +37,15 @@ def test_progress_bar_on_stderr(capsys):
     p.close()
     err = capsys.readouterr().err
     assert "calibrate" in err and "race x" in err and "100%" in err
+
+
+def test_a_phase_is_named_on_the_bar_when_it_opens(capsys):
+    """Before its first item reports: a search's first trial builds the scorer (a minute on long
+    prompts), which the bar must not show as the phase before."""
+    p = Progress(True, {("verify", "x"): 5.0, ("search", "x"): 5.0})
+    p.phase("verify", "x", 1).close()
+    p.phase("search", "x", 3)
+    assert p.bar.postfix == "search x"
+    assert p.spent[("search", "x")] == 0.0
+    p.close()
+    assert "search x" in capsys.readouterr().err
