@@ -48,7 +48,9 @@ def runtime(tiny_profile, tiny_model_dir):
     from adaptive.models import load_model
 
     p = with_domains(load_profile(tiny_profile), lambda n: "pld" if n == "math" else "ssd")
-    return AdaptiveRuntime(p, load_model(str(tiny_model_dir), dtype="float32"), seed=0)
+    rt = AdaptiveRuntime(p, load_model(str(tiny_model_dir), dtype="float32"), seed=0)
+    yield rt
+    rt.close()  # stops a background measurement of a domain learned from the serving tests' traffic
 
 
 def plain(runtime, prompt, n: int, chat: bool = True) -> str:
