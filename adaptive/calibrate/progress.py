@@ -81,11 +81,15 @@ class Phase:
     def __init__(self, progress: Progress | None, phase: str, task: str, items: int, done: int = 0):
         self.progress, self.key = progress, (phase, task)
         self.items = max(items, 1)
-        if progress is not None:  # named on the bar at once (its first item may take long), a resume's part counted
-            progress.advance(self.key, progress.budget.get(self.key, 0.0) * min(done, self.items) / self.items)
+        self._advance(min(done, self.items))  # named on the bar at once (its first item may take long)
 
     def update(self, n: int = 1, **postfix) -> None:
-        if self.progress is not None and n > 0:
+        if n > 0:
+            self._advance(n, **postfix)
+
+    def _advance(self, n: int, **postfix) -> None:
+        """Count ``n`` items (0 too: the phase is then shown, nothing counted)."""
+        if self.progress is not None:
             self.progress.advance(self.key, self.progress.budget.get(self.key, 0.0) * n / self.items, **postfix)
 
     def close(self) -> None:
