@@ -29,8 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -53,10 +53,16 @@ from adaptive.calibrate.settings import GLOBAL_TASK, CalibrationSettings
 from adaptive.calibrate.vocab import choose_vocab
 from adaptive.costs import CostModel, measure_verify_costs
 from adaptive.drafters.cascade import CascadePlan
-from adaptive.drafters.ngram import BigramTable, build_bigram_table
+from adaptive.drafters.ngram import BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.measure.race import DomainRace, race_domain, statistical_candidates
-from adaptive.measure.statistical import choose_cascade, replay_speedup, statistical_acceptance
+from adaptive.measure.statistical import (
+    choose_cascade,
+    leave_one_out_table,
+    race_tables,
+    replay_speedup,
+    statistical_acceptance,
+)
 from adaptive.measure.timing import Candidate
 from adaptive.models import LoadedModel
 from adaptive.profile import GLOBAL, DomainRecord, Prior, SkipSearch, StatisticalAcceptance, VocabChoice
@@ -76,6 +82,9 @@ class DomainTask:
     prompts: int
     anchors: int
     seed: SkipSet | None = None  # the global set: scored with its neighbours in this domain (:func:`search_skip_sets`)
+    # the other domains' sequences: in every bigram table of this domain, never scored or raced on
+    # (:mod:`adaptive.measure.statistical`); the global set's tables have every domain's in ``sequences``
+    background: list[tuple[list[int], list[int]]] = field(default_factory=list)
     # searched even where the bound rules layer skipping out of the decision: the global set, which seeds
     # every domain's search and is the static baseline (``ssd-static``), is searched always
     always_search: bool = False
@@ -115,12 +124,14 @@ def statistical(worker: Worker, lm: LoadedModel, task: DomainTask) -> Statistica
     rec = checkpointed(worker.work.file("verify", task.name), compute)
     bar.close()
     verify = tuple(float(v) for v in rec["verify"])
-    stats = statistical_acceptance(task.sequences, s.cascade_max_draft_len, s.bigram_min_count)
+    stats = statistical_acceptance(task.sequences, s.cascade_max_draft_len, s.bigram_min_count,
+                                   background=task.background)
     # replayed at the cost model's verification costs, as the search's estimates are: with a given
     # cost model the reference, the bound and the search are deterministic
     model = task.costs.verify
     pld = replay_speedup(task.sequences, s.pld_draft_len, model, s.bigram_min_count, bigram=False)
-    stat = replay_speedup(task.sequences, s.cascade_max_draft_len, model, s.bigram_min_count)
+    stat = replay_speedup(task.sequences, s.cascade_max_draft_len, model, s.bigram_min_count,
+                          background=task.background)
     return Statistical(stats, round(pld, 4), round(stat, 4), verify, int(rec["context"]))
 
 
@@ -203,22 +214,28 @@ def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: 
     return bound, len(visited)
 
 
-def race_key(candidates: dict[str, Candidate]) -> str:
-    """A short hash of the raced candidates: a checkpoint's lines are replayed only into the same race."""
-    blob = json.dumps({k: c.to_dict() for k, c in sorted(candidates.items())}, sort_keys=True)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+def race_key(candidates: dict[str, Candidate], tables: Sequence[BigramTable] = ()) -> str:
+    """A short hash of the raced candidates and the cascade's tables: a checkpoint's lines are
+    replayed only into the same race."""
+    blob = json.dumps({k: c.to_dict() for k, c in sorted(candidates.items())}, sort_keys=True).encode()
+    digest = hashlib.sha1(blob)
+    for t in tables:
+        for a in (t.keys, t.succ, t.prob):
+            digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()[:12]
 
 
-def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str, Candidate], bigram: BigramTable,
-         vocab) -> DomainRace:
+def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str, Candidate], vocab) -> DomainRace:
     """The domain's race and decision (:func:`~adaptive.measure.race.race_domain`), one checkpoint
-    line per timed prompt."""
+    line per timed prompt. The cascade drafts each raced prompt from a table without that prompt's
+    own continuation (:func:`~adaptive.measure.statistical.race_tables`)."""
     s = worker.settings
-    key = race_key(candidates)
+    tables = race_tables(task.sequences, task.confirm_ids[: s.confirm_prompts], s.bigram_min_count, task.background)
+    key = race_key(candidates, tables)
     path = worker.work.file("race", task.name, "jsonl")
     done = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("key") == key)
     bar = worker.phase("race", task.name, s.race_blocks, sum(len(r["blocks"]) for r in done))
-    out = race_domain(lm, task.confirm_ids, candidates, s.measure, bigram=bigram, vocab=vocab, done=done,
+    out = race_domain(lm, task.confirm_ids, candidates, s.measure, bigram=tables, vocab=vocab, done=done,
                       on_prompt=lambda rec: append_json_line(path, {**rec, "key": key}), on_block=lambda: bar.update(1))
     bar.close()
     return out
@@ -236,7 +253,7 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
     # where the bound ruled the search out, the seeded sets (scored on this text) may still be the domain's
     top = top_candidates([h for h in history if searched or h.get("seed")], 1, s.acceptance_floor)
     best = top[0] if top else None
-    bigram = build_bigram_table([list(p) + list(c) for p, c in task.sequences], s.bigram_min_count)
+    bigram = leave_one_out_table(task.sequences, -1, s.bigram_min_count, task.background)  # the runtime's: all of it
     a_l = float(best["matchness"]) if best else 0.0
     c_l = float(best["draft_cost"]) if best else 1.0
     plan = choose_cascade(st.bigram.position_acceptance, a_l, c_l, st.verify, s.cascade_max_draft_len,
@@ -256,7 +273,7 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
                                         a_l, st.verify)
         if vocab is not None and vocab.estimate[str(vocab.size)] > vocab.full_estimate:
             candidates["vocab"] = replace(ssd, draft_vocab=vocab.size)
-    raced = race(worker, lm, task, candidates, bigram, vocab_ids)
+    raced = race(worker, lm, task, candidates, vocab_ids)
     timed = raced.timed
     if vocab is not None and "vocab" in timed:
         vocab = replace(vocab, use=timed["vocab"].speedup > timed["candidate"].speedup)

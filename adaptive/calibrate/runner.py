@@ -96,17 +96,26 @@ def _worker(model: str | LoadedModel, settings: CalibrationSettings, out: Path, 
 def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostModel,
                   s: CalibrationSettings) -> list[DomainTask]:
     """One task per domain (name order), then the global set: sequences taken round-robin over
-    domains, as many as one domain has; the first prompt of each domain to time on."""
+    domains, as many as one domain has; the first prompt of each domain to time on. Each task's
+    background (in its bigram tables only) is the model's own text of every other calibration
+    sequence: its continuation after the prompt's last token (another domain's prompts, passages or
+    text in another language, are not what the model writes)."""
     names = sorted(prep)
+
+    def others(keep: list) -> list:
+        return [(p[-1:], c) for n in names for p, c in prep[n].sequences
+                if not any(p is k[0] and c is k[1] for k in keep)]
+
     tasks = [DomainTask(n, prep[n].sequences, prep[n].influence, costs, prep[n].ids[: s.confirm_prompts],
-                        len(prep[n].ids), index.labels.count(n)) for n in names]
+                        len(prep[n].ids), index.labels.count(n), background=others(prep[n].sequences))
+             for n in names]
     pool = [prep[n].sequences[i] for i in range(s.prompts_per_domain) for n in names
             if i < len(prep[n].sequences)][: s.prompts_per_domain]
     confirm = [prep[n].ids[i] for i in range(s.confirm_prompts) for n in names
                if i < len(prep[n].ids)][: s.confirm_prompts]
     influence = sum(prep[n].influence for n in names) / len(names)
     tasks.append(DomainTask(GLOBAL_TASK, pool, influence, costs, confirm, sum(len(prep[n].ids) for n in names),
-                            len(index.labels), always_search=True))
+                            len(index.labels), always_search=True, background=others(pool)))
     return tasks
 
 

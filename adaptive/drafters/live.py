@@ -148,8 +148,25 @@ class LiveBigramTable:
         while self._pairs > self.max_pairs:
             self._decay()
 
-    def snapshot(self) -> BigramTable:
-        """A frozen :class:`BigramTable` of what :meth:`get` answers now."""
+    def snapshot(self, without: Sequence[int] = ()) -> BigramTable:
+        """A frozen :class:`BigramTable` of what :meth:`get` answers now; with ``without``, what it
+        would answer had it not observed that text: each of its pairs is taken off the counts (down to
+        zero where decay has already halved it). A race times a member's prompt on a table without
+        the member's own output, which would otherwise hold the very pairs decoding is timed on.
+
+        Example: no base, ``observe([1, 2, 1, 2, 1, 3])`` (1 -> 2 twice, 1 -> 3 once): ``get(1) == (2, 2/3)``;
+        ``snapshot(without=[1, 2])``: 1 -> 2 once, 1 -> 3 once, below ``min_count = 2``: no entry for 1.
+        """
+        if without:
+            held = {a: dict(succ) for a, succ in self._counts.items()}
+            toks = [int(t) for t in without]
+            for a, b in zip(toks, toks[1:]):
+                if b in held.get(a, {}):
+                    held[a][b] = max(0.0, held[a][b] - 1.0)
+            rows = [(a, b, c) for a, succ in held.items() for b, c in succ.items() if c > 0]
+            other = LiveBigramTable(self.base, self.prior_weight, self.min_count, self.max_pairs)
+            other.load(*(np.array(col) for col in zip(*rows)) if rows else (np.zeros(0), np.zeros(0), np.zeros(0)))
+            return other.snapshot()
         keys = sorted(self._map)
         return BigramTable(np.array(keys, np.int64), np.array([self._map[k][0] for k in keys], np.int64),
                            np.array([self._map[k][1] for k in keys], np.float32))

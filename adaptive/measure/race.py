@@ -105,7 +105,8 @@ class DomainRace:
 
 
 def race_domain(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate],
-                settings: MeasureSettings, prompts: int | None = None, *, bigram: BigramTable | None = None,
+                settings: MeasureSettings, prompts: int | None = None, *,
+                bigram: BigramTable | Sequence[BigramTable | None] | None = None,
                 vocab=None, guard: Callable[[], AbstractContextManager] = nullcontext, done: Sequence[dict] = (),
                 on_prompt: Callable[[dict], None] | None = None,
                 on_block: Callable[[], None] | None = None) -> DomainRace:

@@ -4,7 +4,13 @@ The statistical drafter costs no forward, so its acceptance can be measured teac
 full model's own continuations for free: at each position of a continuation, draft from the
 context so far and compare with what the model actually went on to write. The bigram table used
 for a sequence is built from the *other* sequences (leave one out), so the figure is not inflated
-by a table that has seen the very text it is scored on.
+by a table that has seen the very text it is scored on; the same holds where decoding is timed
+(:func:`race_tables`).
+
+*Background* text: ``(prompt, continuation)`` pairs that are in every table of a domain and never
+scored, calibration's other domains' continuations (:mod:`adaptive.calibrate.runner`). A domain's own
+dozen prompts leave most tokens without a successor, while much of what the model writes (function
+words, formatting, its habits of phrasing) is the same in every domain.
 """
 
 from __future__ import annotations
@@ -24,19 +30,40 @@ def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
     return len(proposal) if i is None else i
 
 
-def leave_one_out_table(sequences: list[tuple[list[int], list[int]]], i: int, min_count: int) -> BigramTable:
-    """The bigram table of every ``(prompt, continuation)`` pair but the ``i``-th: what scores pair ``i``
-    without having seen it."""
-    return build_bigram_table([list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i], min_count)
+Sequences = list[tuple[list[int], list[int]]]  # (prompt_ids, continuation_ids) pairs
 
 
-def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int, min_count: int = 2,
+def leave_one_out_table(sequences: Sequences, i: int, min_count: int, background: Sequences = ()) -> BigramTable:
+    """The bigram table of every ``(prompt, continuation)`` pair but the ``i``-th (``i = -1``: all of
+    them), and of every ``background`` pair: what scores pair ``i`` without having seen it."""
+    return build_bigram_table([list(p) + list(c) for j, (p, c) in enumerate(sequences) if j != i]
+                              + [list(p) + list(c) for p, c in background], min_count)
+
+
+def race_tables(sequences: Sequences, prompts: Sequence[Sequence[int]], min_count: int,
+                background: Sequences = ()) -> list[BigramTable]:
+    """One table per raced prompt: :func:`leave_one_out_table` without every sequence of that prompt.
+
+    Calibration times decoding on prompts whose greedy continuations are among ``sequences``; a
+    table built from them would hold the very bigrams the race decodes, and measure the cascade
+    faster than on any new prompt. Example: sequences ``[([1], [2, 3]), ([4], [5, 6])]``, prompts
+    ``[[4]]``, ``min_count = 1``: the table of ``[1, 2, 3]`` alone (``1 -> 2``, ``2 -> 3``).
+    """
+    tables = []
+    for prompt in prompts:
+        keep = [pair for pair in sequences if list(pair[0]) != list(prompt)]
+        tables.append(leave_one_out_table(keep, -1, min_count, background))
+    return tables
+
+
+def statistical_acceptance(sequences: Sequences, k: int, min_count: int = 2,
                            min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True,
-                           table: BigramTable | None = None) -> StatisticalAcceptance:
+                           table: BigramTable | None = None, background: Sequences = ()) -> StatisticalAcceptance:
     """Teacher-forced acceptance of the statistical drafter on ``(prompt_ids, continuation_ids)`` pairs.
 
-    ``bigram=True`` builds each sequence's table from the other sequences (leave one out) unless a
-    fixed ``table`` (built from other text) is given; ``bigram=False``: prompt lookup alone.
+    ``bigram=True`` builds each sequence's table from the other sequences and ``background``
+    (leave one out) unless a fixed ``table`` (built from other text) is given; ``bigram=False``:
+    prompt lookup alone.
 
     Returns (a :class:`~adaptive.profile.StatisticalAcceptance`) ``token_acceptance`` (accepted / (accepted + first
     rejections), the bandit's model), ``position_acceptance`` (``[k]``: accepted / reached at each draft position),
@@ -51,7 +78,7 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
     for i, (prompt, cont) in enumerate(sequences):
         used = None
         if bigram:
-            used = table if table is not None else leave_one_out_table(sequences, i, min_count)
+            used = table if table is not None else leave_one_out_table(sequences, i, min_count, background)
         for t in range(1, len(cont)):
             actual = cont[t:t + k]
             proposal = statistical_draft(list(prompt) + list(cont[:t]), k, used, min_prob=min_prob)[: len(actual)]
@@ -74,15 +101,15 @@ def statistical_acceptance(sequences: list[tuple[list[int], list[int]]], k: int,
         drafted_per_step=round(drafted / positions, 4) if positions else 0.0)
 
 
-def replay_speedup(sequences: list[tuple[list[int], list[int]]], k: int, verify: Sequence[float], min_count: int = 2,
-                   min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True) -> float:
+def replay_speedup(sequences: Sequences, k: int, verify: Sequence[float], min_count: int = 2,
+                   min_prob: float = DEFAULT_BIGRAM_MIN_PROB, bigram: bool = True, background: Sequences = ()) -> float:
     """The statistical drafter's expected speedup, by replaying greedy speculative decoding of each
     continuation (the full model's own greedy text) with it: exact acceptance, modelled cost.
 
     Step by step from the continuation's second token: draft up to ``k`` tokens from the context so
-    far (leave-one-out bigram tables, as :func:`statistical_acceptance`; ``bigram=False``: prompt
-    lookup alone), accept the prefix that matches what the model wrote, add the model's own token
-    and move on; each step costs ``verify[len(draft)]`` (a verify table) plus
+    far (leave-one-out bigram tables with ``background``, as :func:`statistical_acceptance`;
+    ``bigram=False``: prompt lookup alone), accept the prefix that matches what the model wrote, add
+    the model's own token and move on; each step costs ``verify[len(draft)]`` (a verify table) plus
     :data:`~adaptive.costs.STAT_DRAFT_COST` per drafted token. Returns tokens / cost. Unlike a mean
     over positions (:func:`statistical_acceptance`), steps start where decoding would start them,
     so a long copied span counts once, as one step, not once per position it covers.
@@ -99,7 +126,7 @@ def replay_speedup(sequences: list[tuple[list[int], list[int]]], k: int, verify:
     for i, (prompt, cont) in enumerate(sequences):
         table = None
         if bigram:
-            table = leave_one_out_table(sequences, i, min_count)
+            table = leave_one_out_table(sequences, i, min_count, background)
         context = list(prompt) + list(cont[:1])
         t = 1
         while t < len(cont):

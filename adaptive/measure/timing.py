@@ -194,7 +194,8 @@ class RaceConfig:
 
 
 def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate], rc: RaceConfig, *,
-                    done: Sequence[dict] = (), on_prompt: Callable[[dict], None] | None = None, bigram=None,
+                    done: Sequence[dict] = (), on_prompt: Callable[[dict], None] | None = None,
+                    bigram: BigramTable | Sequence[BigramTable | None] | None = None,
                     vocab=None, on_block: Callable[[], None] | None = None,
                     guard: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, Measurement]:
     """Race ``candidates`` (``{role: Candidate}``) against ``ar`` on ``prompt_ids`` (:func:`time_prompt`
@@ -203,8 +204,12 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
     ``done``: the records of prompts already timed (a checkpoint), replayed into the race;
     ``on_prompt`` receives each newly timed prompt's record (``{"blocks": [[ar, {name: s}], ...],
     "tally": {name: {...}}}``). Returns each candidate's :class:`Measurement`, its role being its name.
+    ``bigram``: the cascade's table, one for every prompt or a list of one per prompt of
+    ``prompt_ids`` (:func:`~.statistical.race_tables`: each without its prompt's own text).
     ``guard``: see :func:`time_prompt`.
     """
+    if isinstance(bigram, (list, tuple)) and len(bigram) < min(rc.prompts, len(prompt_ids)):
+        raise ValueError(f"{len(bigram)} bigram tables for {min(rc.prompts, len(prompt_ids))} raced prompts")
     race = Race(list(candidates), rc.margin, rc.level, rc.min_blocks, seed=rc.seed)
     totals = {name: _Tally() for name in candidates}
 
@@ -217,7 +222,9 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
     for rec in done:
         replay(rec)
     eos = lm.eos_ids()
-    for p in prompt_ids[len(done): rc.prompts]:
+    for i, p in enumerate(prompt_ids[: rc.prompts]):
+        if i < len(done):
+            continue
         if not race.active:
             break
         blocks: list = []
@@ -229,7 +236,9 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
                 on_block()
 
         tally = time_prompt(lm, p, candidates, lambda: race.active, block, block_tokens=rc.block_tokens,
-                            max_tokens=rc.max_tokens, eos=eos, bigram=bigram, vocab=vocab, guard=guard)
+                            max_tokens=rc.max_tokens, eos=eos,
+                            bigram=bigram[i] if isinstance(bigram, (list, tuple)) else bigram, vocab=vocab,
+                            guard=guard)
         rec = {"blocks": blocks, "tally": tally}
         for name, t in tally.items():
             totals[name].add(t)

@@ -125,7 +125,8 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
     gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
     ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
-    members' outputs; ``guard``: the model lock, one block at a time), and decided
+    members' outputs, each raced prompt's own output taken out: :meth:`LiveBigramTable.snapshot`;
+    ``guard``: the model lock, one block at a time), and decided
     (:func:`~adaptive.measure.race.race_domain`, with the profile's settings, as calibration).
     Verification costs: the global record's."""
     s, glob = profile.settings, profile.global_set
@@ -133,8 +134,8 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
     plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
     candidates = statistical_candidates(profile.runtime.pld_draft_len, plan)
-    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=table.snapshot(),
-                        guard=guard)
+    tables = [table.snapshot(without=accepted_text(p, out)) for p, out in sequences[:prompts]]
+    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=tables, guard=guard)
     return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)
 
 

@@ -505,3 +505,48 @@ def test_dask_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
     seeds = neighbours(glob.skip, None) if glob.skip else []  # every domain scores them after its 3 trials
     assert glob.trials == 3
     assert all(d.layer_skip.trials == 3 + len(seeds) for d in prof.domains.values())
+
+
+def test_each_task_has_every_other_calibration_sequence_as_background():
+    """A domain's bigram tables also hold the other domains' text; the global set's, what its pool lacks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from adaptive.calibrate.prepare import Prepared
+    from adaptive.calibrate.runner import _domain_tasks
+
+    def prep(name, seqs):
+        return Prepared(name, [p for p, _ in seqs], np.zeros((len(seqs), 2)), seqs, torch.zeros(2, 4))
+
+    a = [([0, 1], [2]), ([3], [4]), ([9], [10])]
+    b = [([5], [6]), ([0, 7], [8])]
+    s = tiny_settings(prompts_per_domain=3, confirm_prompts=1)
+    tasks = {t.name: t for t in _domain_tasks({"a": prep("a", a), "b": prep("b", b)},
+                                              SimpleNamespace(labels=["a", "b"]), COSTS, s)}
+    # the other domains' continuations after their prompts' last tokens
+    assert tasks["a"].sequences == a and tasks["a"].background == [([5], [6]), ([7], [8])]
+    assert tasks["b"].sequences == b and tasks["b"].background == [([1], [2]), ([3], [4]), ([9], [10])]
+    glob = tasks[GLOBAL_TASK]
+    # a round-robin pool of prompts_per_domain sequences; every other one behind it
+    assert glob.sequences == [a[0], b[0], a[1]] and glob.background == [([9], [10]), ([7], [8])]
+    assert glob.confirm_ids == [[0, 1]]
+
+
+def test_the_race_drafts_each_prompt_from_a_table_without_its_own_text(tiny_model_dir, tmp_path, monkeypatch):
+    seen = []
+    scripted = _scripted({"candidate": (1.1, 1.05, 1.15), "lookup": (1.0, 0.9, 1.1), "cascade": (1.2, 1.1, 1.3),
+                          "vocab": (1.0, 0.9, 1.1)}, [])
+
+    def race(lm, prompt_ids, candidates, rc, **kw):
+        seen.append((prompt_ids[: rc.prompts], kw["bigram"]))
+        return scripted(lm, prompt_ids, candidates, rc, **kw)
+
+    monkeypatch.setattr(measure_race, "race_candidates", race)
+    s = tiny_settings(trials=4, init_trials=2, time_gate=0.0)
+    calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", s, dtype="float32", progress=False, cost_model=COSTS)
+    assert len(seen) == len(TINY_DOMAINS) + 1
+    for prompts, tables in seen:
+        assert isinstance(tables, list) and len(tables) == len(prompts) == s.confirm_prompts
+        assert tables[0] is not tables[1] and len(tables[0]) > 0

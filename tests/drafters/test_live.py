@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from adaptive.drafters.live import LiveBigramTable
-from adaptive.drafters.ngram import BigramTable, NgramDrafter, bigram_chain
+from adaptive.drafters.ngram import BigramTable, NgramDrafter, bigram_chain, build_bigram_table
 
 
 def table(entries: dict) -> BigramTable:
@@ -78,3 +78,18 @@ def test_bad_settings():
         LiveBigramTable(None, max_pairs=0)
     with pytest.raises(ValueError):
         LiveBigramTable(None, min_count=0)
+
+
+def test_snapshot_without_a_text_answers_as_if_it_was_never_observed():
+    t = LiveBigramTable()
+    t.observe([1, 2, 1, 2, 1, 3])  # 1 -> 2 twice, 1 -> 3 once, 2 -> 1 twice
+    assert t.get(1) == (2, pytest.approx(2 / 3))
+    s = t.snapshot(without=[1, 2])  # the docstring's example: 1 -> 2 once, 1 -> 3 once, below min_count
+    assert s.get(1) is None and s.get(2) == (1, 1.0)
+    assert t.get(1) == (2, pytest.approx(2 / 3))  # the live table is unchanged
+    full = t.snapshot(without=[1, 2, 1, 2, 1, 3])
+    assert len(full) == 0
+    # a calibrated entry stays: only observed counts are taken off
+    base = LiveBigramTable(build_bigram_table([[7, 8, 7, 8]]))
+    base.observe([7, 9] * 5)  # 5 observations of 7 -> 9 outweigh the prior's 4 of 7 -> 8
+    assert base.get(7)[0] == 9 and base.snapshot(without=[7, 9] * 5).get(7) == (8, 1.0)

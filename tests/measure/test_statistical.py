@@ -66,3 +66,31 @@ def test_replay_counts_a_copied_span_once():
     assert per_position.positions == 24
     # the mean over positions sees the span from each of its 12 positions: twice the tokens per step
     assert 1 + per_position.accepted_per_step > 2 * (24 / 12)
+
+
+def test_race_tables_leave_out_each_raced_prompts_own_text():
+    from adaptive.measure.statistical import race_tables
+
+    seqs = [([1], [2, 3]), ([4], [5, 6])]
+    (t,) = race_tables(seqs, [[4]], min_count=1)  # the docstring's example
+    assert (t.get(1), t.get(2), t.get(4), t.get(5)) == ((2, 1.0), (3, 1.0), None, None)
+    # background text is in every table, even when it holds the raced prompt
+    t_bg, t_none = race_tables(seqs, [[4], [9]], min_count=1, background=[([4], [5, 7])])
+    assert t_bg.get(4) == (5, 1.0) and t_bg.get(5) == (7, 1.0)
+    assert t_none.get(5) == (6, 0.5) and t_none.get(4) == (5, 1.0)  # a prompt not among the sequences: all of them
+
+
+def test_background_text_is_in_every_leave_one_out_table():
+    from adaptive.measure.statistical import leave_one_out_table
+
+    seqs = [([8], [9]), ([1, 2], [1, 2])]
+    assert leave_one_out_table(seqs, 0, 1).get(8) is None
+    assert leave_one_out_table(seqs, 0, 1, background=[([8, 9], [])]).get(8) == (9, 1.0)
+    assert leave_one_out_table(seqs, -1, 1).get(8) == (9, 1.0)  # -1: every sequence
+    # one sequence, prompt [3], continuation [4, 2, 5]; alone, its leave-one-out table is empty and nothing
+    # repeats: no proposal. With the background's 4 -> 2 -> 5: at t = 1 (context [3, 4]) the chain proposes
+    # [2, 5], both right; at t = 2, [5], right: 3 accepted over 2 positions.
+    plain = statistical_acceptance([([3], [4, 2, 5])], k=2, min_count=1)
+    with_bg = statistical_acceptance([([3], [4, 2, 5])], k=2, min_count=1, background=[([4], [2, 5])])
+    assert plain.available == 0.0 and plain.accepted_per_step == 0.0
+    assert with_bg.available == 1.0 and with_bg.accepted_per_step == 1.5

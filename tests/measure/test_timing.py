@@ -64,3 +64,28 @@ def test_race_candidates_replays_a_checkpoint_without_timing(lm, monkeypatch):
     monkeypatch.setattr(timing, "time_prompt", lambda *a, **k: pytest.fail("timed again"))
     again = race_candidates(lm, [PROMPT, PROMPT[::-1]][: len(lines)], _candidates(), rc, done=lines)
     assert again == first
+
+
+def test_race_candidates_gives_each_prompt_its_own_table(lm, monkeypatch):
+    from adaptive.drafters.ngram import build_bigram_table
+    from adaptive.measure import timing
+
+    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02, level=0.9, seed=0)
+    tables = [build_bigram_table([[1, 2, 1, 2]]), build_bigram_table([[3, 4, 3, 4]])]
+    seen = []
+
+    def fake_time_prompt(lm, prompt, candidates, active, on_block, *, bigram, **kw):
+        seen.append((prompt, bigram))
+        on_block(1.0, {"lookup": 0.5})
+        return {}
+
+    monkeypatch.setattr(timing, "time_prompt", fake_time_prompt)
+    cands = {"lookup": Candidate("pld", 3)}
+    race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables)
+    assert seen == [(PROMPT, tables[0]), (PROMPT[::-1], tables[1])]
+    seen.clear()  # a resumed race: the second prompt still gets the second table
+    race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables, done=[{"blocks": [[1.0, {"lookup": 0.5}]],
+                                                                                "tally": {}}])
+    assert seen == [(PROMPT[::-1], tables[1])]
+    with pytest.raises(ValueError, match="1 bigram tables for 2 raced prompts"):
+        race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables[:1])
