@@ -50,7 +50,7 @@ from adaptive.calibrate.search import (
     trial_skip,
 )
 from adaptive.calibrate.settings import GLOBAL_TASK, CalibrationSettings
-from adaptive.calibrate.vocab import choose_vocab
+from adaptive.calibrate.vocab import choose_vocab, race_vocabs
 from adaptive.costs import CostModel, measure_verify_costs
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.ngram import BigramTable
@@ -82,8 +82,8 @@ class DomainTask:
     prompts: int
     anchors: int
     seed: SkipSet | None = None  # the global set: scored with its neighbours in this domain (:func:`search_skip_sets`)
-    # the other domains' sequences: in every bigram table of this domain, never scored or raced on
-    # (:mod:`adaptive.measure.statistical`); the global set's tables have every domain's in ``sequences``
+    # background: the other calibration sequences' continuations (after their prompts' last tokens), in
+    # every bigram table of this task, never scored or raced on (:mod:`adaptive.measure.statistical`)
     background: list[tuple[list[int], list[int]]] = field(default_factory=list)
     # searched even where the bound rules layer skipping out of the decision: the global set, which seeds
     # every domain's search and is the static baseline (``ssd-static``), is searched always
@@ -214,28 +214,32 @@ def _bound(space: RankedSpace, task: DomainTask, s: CalibrationSettings, score: 
     return bound, len(visited)
 
 
-def race_key(candidates: dict[str, Candidate], tables: Sequence[BigramTable] = ()) -> str:
-    """A short hash of the raced candidates and the cascade's tables: a checkpoint's lines are
-    replayed only into the same race."""
+def race_key(candidates: dict[str, Candidate], tables: Sequence[BigramTable] = (),
+             vocabs: Sequence[np.ndarray] = ()) -> str:
+    """A short hash of the raced candidates, the cascade's tables and the draft vocabularies: a
+    checkpoint's lines are replayed only into the same race."""
     blob = json.dumps({k: c.to_dict() for k, c in sorted(candidates.items())}, sort_keys=True).encode()
     digest = hashlib.sha1(blob)
-    for t in tables:
-        for a in (t.keys, t.succ, t.prob):
-            digest.update(np.ascontiguousarray(a).tobytes())
+    for a in [x for t in tables for x in (t.keys, t.succ, t.prob)] + list(vocabs):
+        digest.update(np.ascontiguousarray(a).tobytes())
     return digest.hexdigest()[:12]
 
 
-def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str, Candidate], vocab) -> DomainRace:
+def race(worker: Worker, lm: LoadedModel, task: DomainTask, candidates: dict[str, Candidate],
+         vocab_size: int | None) -> DomainRace:
     """The domain's race and decision (:func:`~adaptive.measure.race.race_domain`), one checkpoint
-    line per timed prompt. The cascade drafts each raced prompt from a table without that prompt's
-    own continuation (:func:`~adaptive.measure.statistical.race_tables`)."""
+    line per timed prompt. Each raced prompt is drafted as a new prompt would be: the cascade from a
+    table without that prompt's own continuation (:func:`~adaptive.measure.statistical.race_tables`),
+    a reduced head (``vocab_size`` ids; ``None``: none raced) ranked without it (:func:`race_vocabs`)."""
     s = worker.settings
-    tables = race_tables(task.sequences, task.confirm_ids[: s.confirm_prompts], s.bigram_min_count, task.background)
-    key = race_key(candidates, tables)
+    prompts = task.confirm_ids[: s.confirm_prompts]
+    tables = race_tables(task.sequences, prompts, s.bigram_min_count, task.background)
+    vocabs = [] if vocab_size is None else race_vocabs(task.sequences, prompts, lm.backbone.vocab_size, vocab_size)
+    key = race_key(candidates, tables, vocabs)
     path = worker.work.file("race", task.name, "jsonl")
     done = read_json_lines(path, accept=lambda i, rec: isinstance(rec, dict) and rec.get("key") == key)
     bar = worker.phase("race", task.name, s.race_blocks, sum(len(r["blocks"]) for r in done))
-    out = race_domain(lm, task.confirm_ids, candidates, s.measure, bigram=tables, vocab=vocab, done=done,
+    out = race_domain(lm, task.confirm_ids, candidates, s.measure, bigram=tables, vocab=vocabs or None, done=done,
                       on_prompt=lambda rec: append_json_line(path, {**rec, "key": key}), on_block=lambda: bar.update(1))
     bar.close()
     return out
@@ -273,7 +277,7 @@ def calibrate_domain(worker: Worker, task: DomainTask) -> DomainRecord:
                                         a_l, st.verify)
         if vocab is not None and vocab.estimate[str(vocab.size)] > vocab.full_estimate:
             candidates["vocab"] = replace(ssd, draft_vocab=vocab.size)
-    raced = race(worker, lm, task, candidates, vocab_ids)
+    raced = race(worker, lm, task, candidates, vocab.size if vocab is not None else None)
     timed = raced.timed
     if vocab is not None and "vocab" in timed:
         vocab = replace(vocab, use=timed["vocab"].speedup > timed["candidate"].speedup)

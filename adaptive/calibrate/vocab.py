@@ -4,7 +4,7 @@ Tokens are ranked by frequency over the domain's prompts and continuations; for 
 ``vocab_sizes`` the leave-one-out coverage of the continuations and the measured cost of a draft
 token over a head of that size give an estimated speedup at the best skip set's own draft length.
 When the best size's estimate beats the full head's, the skip set drafting over it joins the
-domain's race (:mod:`.timing`), and the reduced head is used only where that measured faster than
+domain's race (:mod:`.timing`; each raced prompt over a head ranked without its own text), and the reduced head is used only where that measured faster than
 the full head (:class:`~adaptive.profile.VocabChoice` ``use``, set by :mod:`.domain`).
 """
 
@@ -71,3 +71,16 @@ def choose_vocab(lm: LoadedModel, s: CalibrationSettings, path, sequences: list,
     rec = checkpointed(path, lambda: _choose(lm, s, sequences, skip, draft_len, acceptance, verify, sizes))
     choice = VocabChoice.from_dict(rec)
     return choice, ranking[: choice.size]
+
+
+def race_vocabs(sequences: list, prompts: Sequence[Sequence[int]], vocab_size: int, size: int) -> list[np.ndarray]:
+    """One draft vocabulary of ``size`` ids per raced prompt, ranked without every sequence of that
+    prompt: the race would otherwise draft a calibration prompt's continuation over a head ranked on
+    that very continuation (every token of it covered, where a new prompt's are 87-97%).
+    Example: sequences ``[([1], [2, 2]), ([4], [5])]``, prompts ``[[1]]``, ``vocab_size = 6``,
+    ``size = 3``: ranked on ``[4, 5]`` -> ``[4, 5, 0]``."""
+    out = []
+    for prompt in prompts:
+        text = [list(p) + list(c) for p, c in sequences if list(p) != list(prompt)]
+        out.append(rank_tokens(text, vocab_size)[:size])
+    return out

@@ -193,10 +193,15 @@ class RaceConfig:
                    margin=settings.min_gain, level=settings.interval_level, seed=settings.seed)
 
 
+def _of_prompt(given, i: int):
+    """Prompt ``i``'s item of a per-prompt list, or ``given`` itself when it is one for every prompt."""
+    return given[i] if isinstance(given, (list, tuple)) else given
+
+
 def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate], rc: RaceConfig, *,
                     done: Sequence[dict] = (), on_prompt: Callable[[dict], None] | None = None,
-                    bigram: BigramTable | Sequence[BigramTable | None] | None = None,
-                    vocab=None, on_block: Callable[[], None] | None = None,
+                    bigram: BigramTable | Sequence[BigramTable | None] | None = None, vocab=None,
+                    on_block: Callable[[], None] | None = None,
                     guard: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, Measurement]:
     """Race ``candidates`` (``{role: Candidate}``) against ``ar`` on ``prompt_ids`` (:func:`time_prompt`
     per prompt, :class:`~.interval.Race` deciding when a candidate has been timed enough).
@@ -204,12 +209,14 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
     ``done``: the records of prompts already timed (a checkpoint), replayed into the race;
     ``on_prompt`` receives each newly timed prompt's record (``{"blocks": [[ar, {name: s}], ...],
     "tally": {name: {...}}}``). Returns each candidate's :class:`Measurement`, its role being its name.
-    ``bigram``: the cascade's table, one for every prompt or a list of one per prompt of
-    ``prompt_ids`` (:func:`~.statistical.race_tables`: each without its prompt's own text).
-    ``guard``: see :func:`time_prompt`.
+    ``bigram`` (the cascade's table) and ``vocab`` (the draft vocabulary's ids): one for every prompt,
+    or a list of one per prompt of ``prompt_ids`` (calibration's: each without its prompt's own text,
+    :func:`~.statistical.race_tables`). ``guard``: see :func:`time_prompt`.
     """
-    if isinstance(bigram, (list, tuple)) and len(bigram) < min(rc.prompts, len(prompt_ids)):
-        raise ValueError(f"{len(bigram)} bigram tables for {min(rc.prompts, len(prompt_ids))} raced prompts")
+    raced = min(rc.prompts, len(prompt_ids))
+    for what, given in (("bigram tables", bigram), ("draft vocabularies", vocab)):
+        if isinstance(given, (list, tuple)) and len(given) < raced:
+            raise ValueError(f"{len(given)} {what} for {raced} raced prompts")
     race = Race(list(candidates), rc.margin, rc.level, rc.min_blocks, seed=rc.seed)
     totals = {name: _Tally() for name in candidates}
 
@@ -237,8 +244,7 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
 
         tally = time_prompt(lm, p, candidates, lambda: race.active, block, block_tokens=rc.block_tokens,
                             max_tokens=rc.max_tokens, eos=eos,
-                            bigram=bigram[i] if isinstance(bigram, (list, tuple)) else bigram, vocab=vocab,
-                            guard=guard)
+                            bigram=_of_prompt(bigram, i), vocab=_of_prompt(vocab, i), guard=guard)
         rec = {"blocks": blocks, "tally": tally}
         for name, t in tally.items():
             totals[name].add(t)

@@ -540,13 +540,26 @@ def test_the_race_drafts_each_prompt_from_a_table_without_its_own_text(tiny_mode
                           "vocab": (1.0, 0.9, 1.1)}, [])
 
     def race(lm, prompt_ids, candidates, rc, **kw):
-        seen.append((prompt_ids[: rc.prompts], kw["bigram"]))
+        reduced = any(c.draft_vocab for c in candidates.values())
+        seen.append((prompt_ids[: rc.prompts], kw["bigram"], kw["vocab"], reduced))
         return scripted(lm, prompt_ids, candidates, rc, **kw)
 
     monkeypatch.setattr(measure_race, "race_candidates", race)
     s = tiny_settings(trials=4, init_trials=2, time_gate=0.0)
     calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", s, dtype="float32", progress=False, cost_model=COSTS)
     assert len(seen) == len(TINY_DOMAINS) + 1
-    for prompts, tables in seen:
+    for prompts, tables, vocabs, reduced in seen:
         assert isinstance(tables, list) and len(tables) == len(prompts) == s.confirm_prompts
         assert tables[0] is not tables[1] and len(tables[0]) > 0
+        assert not reduced or (isinstance(vocabs, list) and len(vocabs) == len(prompts))
+    assert any(reduced for *_, reduced in seen)  # a reduced head was raced somewhere: its vocabularies checked
+
+
+def test_race_vocabs_rank_without_the_raced_prompts_text():
+    from adaptive.calibrate.vocab import race_vocabs
+
+    seqs = [([1], [2, 2]), ([4], [5])]
+    (v,) = race_vocabs(seqs, [[1]], vocab_size=6, size=3)  # the docstring's example
+    assert v.tolist() == [4, 5, 0]
+    a, b = race_vocabs(seqs, [[4], [9]], vocab_size=6, size=2)
+    assert a.tolist() == [2, 1] and b.tolist() == [2, 1]  # 2 twice, then 1 (ties: smaller id); [9] is no sequence's

@@ -66,7 +66,7 @@ def test_race_candidates_replays_a_checkpoint_without_timing(lm, monkeypatch):
     assert again == first
 
 
-def test_race_candidates_gives_each_prompt_its_own_table(lm, monkeypatch):
+def test_race_candidates_gives_each_prompt_its_own_table_and_vocabulary(lm, monkeypatch):
     from adaptive.drafters.ngram import build_bigram_table
     from adaptive.measure import timing
 
@@ -74,18 +74,21 @@ def test_race_candidates_gives_each_prompt_its_own_table(lm, monkeypatch):
     tables = [build_bigram_table([[1, 2, 1, 2]]), build_bigram_table([[3, 4, 3, 4]])]
     seen = []
 
-    def fake_time_prompt(lm, prompt, candidates, active, on_block, *, bigram, **kw):
-        seen.append((prompt, bigram))
+    def fake_time_prompt(lm, prompt, candidates, active, on_block, *, bigram, vocab, **kw):
+        seen.append((prompt, bigram, vocab))
         on_block(1.0, {"lookup": 0.5})
         return {}
 
     monkeypatch.setattr(timing, "time_prompt", fake_time_prompt)
     cands = {"lookup": Candidate("pld", 3)}
-    race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables)
-    assert seen == [(PROMPT, tables[0]), (PROMPT[::-1], tables[1])]
-    seen.clear()  # a resumed race: the second prompt still gets the second table
-    race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables, done=[{"blocks": [[1.0, {"lookup": 0.5}]],
-                                                                                "tally": {}}])
-    assert seen == [(PROMPT[::-1], tables[1])]
+    vocabs = ["v0", "v1"]
+    race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables, vocab=vocabs)
+    assert seen == [(PROMPT, tables[0], "v0"), (PROMPT[::-1], tables[1], "v1")]
+    seen.clear()  # a resumed race: the second prompt still gets the second table; one vocabulary for all
+    race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables, vocab="v",
+                    done=[{"blocks": [[1.0, {"lookup": 0.5}]], "tally": {}}])
+    assert seen == [(PROMPT[::-1], tables[1], "v")]
     with pytest.raises(ValueError, match="1 bigram tables for 2 raced prompts"):
         race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables[:1])
+    with pytest.raises(ValueError, match="1 draft vocabularies for 2 raced prompts"):
+        race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, vocab=["v0"])
