@@ -7,7 +7,7 @@ Per group file: the model's greedy continuations of the first ``--calib`` prompt
 as calibration makes them) and of ``--held-out`` prompts after the first ``--skip`` (``--tokens``).
 Every held-out continuation is then decoded again by replay (greedy speculative decoding of the
 model's own text, exact acceptance, each step costing the verification of what it drafted: the
-group's ``verify`` costs from ``--profile``, else one step for any draft), with:
+cost model's ``verify`` from ``--profile``, else one step for any draft), with:
 
 * ``own``: the statistical drafter (prompt lookup, then a bigram chain) with a table of the group's
   calibration text, as calibration built it until now;
@@ -70,7 +70,7 @@ def tree_paths(context: list[int], table, successors: dict, k: int, size: int) -
         branches.append(b + bigram_chain(table, b[-1], k - len(b)) if len(b) < k else b)
     for tok, n in successors.get(context[-1], Counter()).most_common(3)[1:]:
         if n >= 2:
-            branches.append([tok] + bigram_chain(table, tok, k - 1))
+            branches.append([tok] + (bigram_chain(table, tok, k - 1) if k > 1 else []))
     nodes: set[tuple[int, ...]] = set()
     for b in branches:
         for j in range(1, len(b) + 1):
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--model", default=None)
     ap.add_argument("--engine", default="auto")
-    ap.add_argument("--profile", type=Path, default=None, help="read each group's verification costs")
+    ap.add_argument("--profile", type=Path, default=None, help="read the cost model's verification costs")
     ap.add_argument("--cache", type=Path, default=None, help="continuations, reused when the file exists")
     ap.add_argument("--calib", type=int, default=12)
     ap.add_argument("--calib-tokens", type=int, default=48)
@@ -144,15 +144,14 @@ def main() -> None:
                        "held": continuations(engine, prompts[args.skip: args.skip + args.held_out], args.tokens)}
             if args.cache:
                 args.cache.write_text(json.dumps(data))
-    verify = {g: (1.0,) for g in groups}
-    if args.profile:
-        prof = json.loads((args.profile / "profile.json").read_text())
-        verify = {g: tuple(prof["domains"][g]["verify"]) for g in groups}
+    verify = (1.0,)
+    if args.profile:  # the cost model's, as calibration's replay uses (a domain's own are timed in 5 repeats)
+        verify = tuple(json.loads((args.profile / "profile.json").read_text())["cost_model"]["verify"])
     print("| group | own | +background | +background, all prompts | "
           + " | ".join(f"tree {n}" for n in TREE_SIZES) + " |")
     print("|---" * (4 + len(TREE_SIZES)) + "|")
     for g in groups:
-        v = verify_table(verify[g], max(TREE_SIZES) + 1)
+        v = verify_table(verify, max(TREE_SIZES) + 1)
         own = [p + c for p, c in data[g]["calib"]]
         others = [(p, c) for h in groups if h != g for p, c in data[h]["calib"]]
         own_t = build_bigram_table(own, args.min_count)

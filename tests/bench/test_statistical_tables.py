@@ -35,3 +35,4 @@ def test_a_tree_holds_the_chain_and_its_alternatives_within_its_size(script):
     context = [2, 3, 4, 2]  # the lookup follows [2] at 0 with [3, 4, 2]
     assert script.tree_paths(context, table, successors, 3, 12) == {(3,), (3, 4), (3, 4, 2), (9,)}
     assert script.tree_paths(context, table, successors, 3, 2) == {(3,), (3, 4)}
+    assert script.tree_paths(context, table, successors, 1, 12) == {(3,), (9,)}  # one token left to draft
