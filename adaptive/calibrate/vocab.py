@@ -4,7 +4,8 @@ Tokens are ranked by frequency over the domain's prompts and continuations; for 
 ``vocab_sizes`` the leave-one-out coverage of the continuations and the measured cost of a draft
 token over a head of that size give an estimated speedup at the best skip set's own draft length.
 When the best size's estimate beats the full head's, the skip set drafting over it joins the
-domain's race (:mod:`.timing`; each raced prompt over a head ranked without its own text), and the reduced head is used only where that measured faster than
+domain's race (:mod:`adaptive.measure.timing`; each raced prompt over a head ranked without its
+own text, :func:`race_vocabs`), and the reduced head is used only where that measured faster than
 the full head (:class:`~adaptive.profile.VocabChoice` ``use``, set by :mod:`.domain`).
 """
 
