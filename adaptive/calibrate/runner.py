@@ -103,8 +103,8 @@ def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostMode
     names = sorted(prep)
 
     def others(keep: list) -> list:
-        return [(p[-1:], c) for n in names for p, c in prep[n].sequences
-                if not any(p is k[0] and c is k[1] for k in keep)]
+        kept = {id(pair) for pair in keep}
+        return [(pair[0][-1:], pair[1]) for n in names for pair in prep[n].sequences if id(pair) not in kept]
 
     tasks = [DomainTask(n, prep[n].sequences, prep[n].influence, costs, prep[n].ids[: s.confirm_prompts],
                         len(prep[n].ids), index.labels.count(n), background=others(prep[n].sequences))

@@ -19,6 +19,7 @@ from adaptive.calibrate.settings import CalibrationSettings
 from adaptive.costs import expected_speedup, extrapolate, measure_head_costs
 from adaptive.drafters.head import coverage_curve, rank_tokens
 from adaptive.engine.skip import SkipSet
+from adaptive.measure.statistical import sequences_without
 from adaptive.models import LoadedModel
 from adaptive.profile import VocabChoice
 from adaptive.workdir import checkpointed
@@ -80,8 +81,5 @@ def race_vocabs(sequences: list, prompts: Sequence[Sequence[int]], vocab_size: i
     that very continuation (every token of it covered, where a new prompt's are 87-97%).
     Example: sequences ``[([1], [2, 2]), ([4], [5])]``, prompts ``[[1]]``, ``vocab_size = 6``,
     ``size = 3``: ranked on ``[4, 5]`` -> ``[4, 5, 0]``."""
-    out = []
-    for prompt in prompts:
-        text = [list(p) + list(c) for p, c in sequences if list(p) != list(prompt)]
-        out.append(rank_tokens(text, vocab_size)[:size])
-    return out
+    return [rank_tokens([list(p) + list(c) for p, c in sequences_without(sequences, prompt)], vocab_size)[:size]
+            for prompt in prompts]

@@ -49,11 +49,13 @@ def race_tables(sequences: Sequences, prompts: Sequence[Sequence[int]], min_coun
     faster than on any new prompt. Example: sequences ``[([1], [2, 3]), ([4], [5, 6])]``, prompts
     ``[[4]]``, ``min_count = 1``: the table of ``[1, 2, 3]`` alone (``1 -> 2``, ``2 -> 3``).
     """
-    tables = []
-    for prompt in prompts:
-        keep = [pair for pair in sequences if list(pair[0]) != list(prompt)]
-        tables.append(leave_one_out_table(keep, -1, min_count, background))
-    return tables
+    return [leave_one_out_table(sequences_without(sequences, prompt), -1, min_count, background) for prompt in prompts]
+
+
+def sequences_without(sequences: Sequences, prompt: Sequence[int]) -> Sequences:
+    """``sequences`` but those whose prompt is ``prompt``: what a race may build from when it times
+    ``prompt``. Example: ``[([1], [2]), ([4], [5])]`` without ``[4]`` -> ``[([1], [2])]``."""
+    return [pair for pair in sequences if list(pair[0]) != list(prompt)]
 
 
 def statistical_acceptance(sequences: Sequences, k: int, min_count: int = 2,

@@ -94,3 +94,11 @@ def test_background_text_is_in_every_leave_one_out_table():
     with_bg = statistical_acceptance([([3], [4, 2, 5])], k=2, min_count=1, background=[([4], [2, 5])])
     assert plain.available == 0.0 and plain.accepted_per_step == 0.0
     assert with_bg.available == 1.0 and with_bg.accepted_per_step == 1.5
+
+
+def test_sequences_without_a_prompt():
+    from adaptive.measure.statistical import sequences_without
+
+    seqs = [([1], [2]), ([4], [5]), ([4], [6])]
+    assert sequences_without(seqs, [4]) == [([1], [2])]  # every sequence of that prompt
+    assert sequences_without(seqs, (1,)) == [([4], [5]), ([4], [6])]
