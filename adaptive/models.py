@@ -41,7 +41,7 @@ from adaptive.codec import record
 from adaptive.engine import llamacpp
 from adaptive.engine.backbone import Backbone
 from adaptive.engine.engine import eos_ids
-from adaptive.engine.quant import check_weights
+from adaptive.engine.quant import check_weights, resolve_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -159,7 +159,7 @@ class LoadedModel:
     @cached_property
     def backbone(self):
         """The engine's view of the model. Quantized ``weights`` round the model's own weights in
-        place: its fingerprint (the dense model's identity) is taken before."""
+        place and ``packed`` ones release them: its fingerprint (the dense model's identity) is taken before."""
         if self.engine == llamacpp.ENGINE:
             return llamacpp.LlamaCppBackbone(self.source, threads=self.threads)
         if self.weights != "dense":
@@ -377,7 +377,7 @@ def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, 
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "auto":
-        fits = gguf is not None and device.type == "cpu" and weights == "dense" and dtype == "auto"
+        fits = gguf is not None and device.type == "cpu" and weights in ("auto", "dense") and dtype == "auto"
         return llamacpp.ENGINE if fits and llamacpp.available() else "torch"
     if engine == llamacpp.ENGINE:
         if gguf is None:
@@ -385,7 +385,7 @@ def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, 
                               "or use --engine torch")
         if device.type != "cpu":
             raise ConfigError("the llama.cpp engine runs on the CPU here: use --engine torch on a GPU")
-        if weights != "dense":
+        if weights not in ("auto", "dense"):
             raise ConfigError(f"--weights {weights} is the torch engine's: llama.cpp decodes the GGUF file's own "
                               "quantization")
         if dtype != "auto":
@@ -418,16 +418,18 @@ def load_model(
 ) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
-    ``device="auto"`` takes CUDA when present, else the CPU (the CPU always for ``int8``/``int4``
-    weights, whose kernels are PyTorch's CPU ones). ``dtype="auto"`` takes bf16 on CUDA and
+    ``device="auto"`` takes CUDA when present, else the CPU (the CPU always for ``packed``/``int8``/
+    ``int4`` weights, whose kernels are PyTorch's CPU ones). ``dtype="auto"`` takes bf16 on CUDA and
     on CPUs that compute bf16 natively, float32 elsewhere. ``weights``: ``dense`` (the dtype's own),
-    ``int8`` or ``int4`` weight-only quantization of the engine's linear layers (CPU; see
-    :mod:`adaptive.engine.quant`). ``engine``: ``auto``, ``torch`` or ``llama.cpp``
-    (:func:`resolve_engine`); ``threads``: llama.cpp's. Raises :class:`ModelNotFoundError` naming what
+    ``packed`` (the same values in oneDNN's layout, faster on a CPU), ``int8`` or ``int4`` weight-only
+    quantization of the engine's linear layers (CPU; see :mod:`adaptive.engine.quant`); ``auto``:
+    ``packed`` on a CPU whose oneDNN computes the dtype, else ``dense``. ``engine``: ``auto``, ``torch``
+    or ``llama.cpp`` (:func:`resolve_engine`); ``threads``: llama.cpp's. Raises :class:`ModelNotFoundError` naming what
     was tried.
     """
-    dev = resolve_device("cpu" if str(device) == "auto" and weights != "dense" else device)
-    check_weights(weights, dev)  # int8/int4 asked for on CUDA explicitly: a clear error
+    dev = resolve_device("cpu" if str(device) == "auto" and weights not in ("auto", "dense") else device)
+    if weights != "auto":
+        check_weights(weights, dev)  # packed/int8/int4 asked for on CUDA explicitly: a clear error
     gguf: Path | None = None
     name = spec
     if spec in _EMBEDDED:
@@ -440,9 +442,10 @@ def load_model(
             raise ModelNotFoundError(f"GGUF file {spec} does not exist")
         name = gguf.stem
     if resolve_engine(engine, gguf, dev, dtype, weights) == llamacpp.ENGINE:
-        return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, weights,
+        return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, "dense",
                            engine=llamacpp.ENGINE, threads=threads)
     dt = resolve_dtype(dtype, dev)
+    weights = resolve_weights(weights, dev, dt)
     if gguf is not None:
         target = _converted_dir(gguf, name)
         if not (target / "config.json").is_file():

@@ -26,6 +26,7 @@ from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
 from adaptive.engine.audit import audit_divergence, first_difference
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
+from adaptive.engine.quant import FLOAT_MODES
 from adaptive.errors import ConfigError
 from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult
 from adaptive.runtime.policies import DISTILLED
@@ -198,7 +199,8 @@ class _Methods:
         """Whether ``method`` decodes with our engine's weights (llama.cpp never does; Hugging Face's
         ``generate`` does unless the engine quantized them)."""
         runs_on = BENCH_METHODS[method].runs_on
-        return runs_on not in ("llamacpp", "llama-server") and not (runs_on == "hf" and self.lm.weights != "dense")
+        return runs_on not in ("llamacpp", "llama-server") and not (runs_on == "hf" and
+                                                                     self.lm.weights not in FLOAT_MODES)
 
     def ids(self, messages) -> list[int]:
         chat = self.profile.runtime.chat if self.profile is not None else None
@@ -237,13 +239,14 @@ class _Methods:
         elif method == "hf-early-exit":
             kw["assistant_early_exit"] = max(1, self.lm.n_layers // 2)
         inp = torch.tensor([ids], device=self.lm.device)
-        if self.lm.device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = model.generate(inp, attention_mask=torch.ones_like(inp), **kw)[0, len(ids):].tolist()
-        if self.lm.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t
+        with self.lm.backbone.module_weights():  # packed weights: the modules' own, for this run
+            if self.lm.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model.generate(inp, attention_mask=torch.ones_like(inp), **kw)[0, len(ids):].tolist()
+            if self.lm.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t
         eos = self.engine.eos
         for j, tok in enumerate(out):  # up to and including the first EOS, as our engine reports
             if tok in eos:

@@ -115,7 +115,7 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     domains = domain_prompts(domain_args, "--domains")
     profile = calibrate(model_spec, domains, out_dir, settings, jobs=jobs, backend=backend, scheduler=scheduler,
                         resume=resume, device=device, dtype=dtype, progress=not quiet, log=info,
-                        weights="dense" if weights == "auto" else weights, engine=engine)
+                        weights=weights, engine=engine)
     if as_json:
         echo_json({"profile": str(profile.path), **profile_json(profile)})
         return

@@ -183,8 +183,9 @@ dtype_option = click.option("--dtype", type=click.Choice(DTYPES), default="auto"
                             help="auto: bf16 where the CPU/GPU computes it natively (with a profile: its dtype).")
 weights_option = click.option(
     "--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
-    help="How the engine stores the linear layers: dense (--dtype's), int8 or int4 weight-only quantization (CPU; "
-         "fewer bytes read per step). auto: dense, or with a profile the profile's.")
+    help="How the torch engine stores the linear layers: dense (--dtype's), packed (the same values in oneDNN's "
+         "layout: faster on a CPU), int8 or int4 weight-only quantization (CPU; fewer bytes read per step). auto: "
+         "packed on a CPU that computes --dtype with oneDNN, else dense; with a profile, the profile's.")
 engine_option = click.option(
     "--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
     help="torch: our backbone (layer skipping, early exit, CUDA); llama.cpp: llama.cpp's kernels on the GGUF file "
@@ -233,7 +234,7 @@ def info(message: str) -> None:
 
 def load(model_spec: str, device: str, dtype: str, weights: str = "auto", engine: str = "auto",
          threads: int | None = None):
-    lm = load_model(model_spec, device=device, dtype=dtype, weights="dense" if weights == "auto" else weights,
+    lm = load_model(model_spec, device=device, dtype=dtype, weights=weights,
                     engine=engine, threads=threads)
     info(f"loaded {model_spec} on the {lm.engine} engine")
     return lm

@@ -92,9 +92,9 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     if engine != "torch":
         raise click.UsageError(f"the profile was calibrated on the {engine} engine; distillation trains through the "
                                "torch engine's layers: calibrate with --engine torch first")
-    lm = load(spec, device, dt, engine="torch")
+    lm = load(spec, device, dt, "dense", engine="torch")
     profile.check_model(lm.fingerprint())
-    draft_lm = None if drafter == EARLY_EXIT else load(drafter, device, "float32", engine="torch")
+    draft_lm = None if drafter == EARLY_EXIT else load(drafter, device, "float32", "dense", engine="torch")
     r = distill(lm, profile_dir, domains, cfg, draft_lm=draft_lm, resume=resume, progress=not quiet and not as_json,
                 plot=plot, log=(lambda m: None) if as_json else info)
     d = r.to_dict()

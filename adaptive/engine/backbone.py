@@ -16,13 +16,14 @@ transformers 5.x. Anything else is refused with :class:`UnsupportedModelError` a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.quant import Linear, check_weights
+from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -101,7 +102,8 @@ class LayerWeights:
     step projects with one matrix product instead of three; ``gate_up``: ``[2 * intermediate, hidden]``
     likewise. The Hugging Face modules' own parameters are re-pointed at row slices of these, so
     the model holds one copy of its dense weights and ``model.generate`` still works. With
-    quantized weights (:mod:`adaptive.engine.quant`) each :class:`Linear` holds the packed copy.
+    quantized weights (:mod:`adaptive.engine.quant`) each :class:`Linear` holds the packed copy; with
+    ``packed`` weights it holds the only copy (the modules' own tensors are released).
     """
 
     attn_norm: torch.Tensor  # [hidden]
@@ -204,6 +206,10 @@ class Backbone:
             gate_up = Linear.build(*_fuse([mlp.gate_proj, mlp.up_proj]), mode)
             o = Linear.build(attn.o_proj.weight, attn.o_proj.bias, mode)
             down = Linear.build(mlp.down_proj.weight, mlp.down_proj.bias, mode)
+            if mode == "packed":  # the packed copies are the only ones kept: one copy in memory
+                for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                          mlp.down_proj):
+                    m.weight.data = m.weight.data.new_empty(0)
         return LayerWeights(
             attn_norm=layer.input_layernorm.weight, attn_eps=_eps(layer.input_layernorm), qkv=qkv, o=o,
             mlp_norm=layer.post_attention_layernorm.weight, mlp_eps=_eps(layer.post_attention_layernorm),
@@ -219,9 +225,9 @@ class Backbone:
 
     @property
     def numerics(self) -> torch.dtype:
-        """The precision the step's products round to: the model's dtype, or bf16 with quantized
+        """The precision the step's products round to: the model's dtype (dense or packed), or bf16 with quantized
         weights (the packed kernels take and return bf16 activations). The audit's tolerance follows it."""
-        return self.dtype if self.weight_mode == "dense" else torch.bfloat16
+        return self.dtype if self.weight_mode in FLOAT_MODES else torch.bfloat16
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -481,6 +487,32 @@ class Backbone:
             row += b - a if s.logits else 0
         return out
 
+    @contextmanager
+    def module_weights(self) -> Iterator[None]:
+        """Within this block the Hugging Face model runs by itself (``model.generate``): with
+        ``packed`` weights its layers' released tensors are unpacked again for the block (one more
+        copy of the layers' weights meanwhile) and released after it; other modes hold them anyway."""
+        if self.weight_mode != "packed":
+            yield
+            return
+        modules = []
+        with torch.no_grad():
+            for layer, w in zip(self.layers, self.weights):
+                attn, mlp = layer.self_attn, layer.mlp
+                for group, lin in (((attn.q_proj, attn.k_proj, attn.v_proj), w.qkv), ((attn.o_proj,), w.o),
+                                   ((mlp.gate_proj, mlp.up_proj), w.gate_up), ((mlp.down_proj,), w.down)):
+                    plain, row = lin.plain(), 0
+                    for m in group:
+                        n = m.out_features
+                        m.weight.data = plain[row:row + n]
+                        modules.append(m)
+                        row += n
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.weight.data = m.weight.data.new_empty(0)
+
     @property
     def norm_eps(self) -> float:
         """The final RMSNorm's epsilon (for the functional norm distillation trains through)."""
@@ -488,14 +520,12 @@ class Backbone:
 
     def mlp_weights(self, i: int) -> dict:
         """Layer ``i``'s pre-MLP norm and gated MLP weights (``norm [H]``, ``gate``/``up [I, H]``,
-        ``down [H, I]``) and activation name: what an early-exit block is initialised from."""
-        layer = self.layers[i]
-        mlp = layer.mlp
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            if not hasattr(mlp, name):
-                raise UnsupportedModelError(f"decoder layer {i}'s MLP has no {name}: not a gated MLP")
-        return {"norm": layer.post_attention_layernorm.weight, "gate": mlp.gate_proj.weight, "up": mlp.up_proj.weight,
-                "down": mlp.down_proj.weight, "act": str(getattr(self.config, "hidden_act", "silu"))}
+        ``down [H, I]``, as the step multiplies by them) and activation name: what an early-exit
+        block is initialised from."""
+        w = self.weights[i]
+        gate, up = w.gate_up.plain().chunk(2, dim=0)
+        return {"norm": w.mlp_norm, "gate": gate, "up": up, "down": w.down.plain(),
+                "act": str(getattr(self.config, "hidden_act", "silu"))}
 
     @torch.inference_mode()
     def sublayer_influence(self, input_ids: torch.Tensor, from_position: int = 0) -> torch.Tensor:

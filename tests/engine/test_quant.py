@@ -14,8 +14,10 @@ from adaptive.engine.quant import (
     Linear,
     check_weights,
     dequantize_int4,
+    packing_supported,
     quantize_int4,
     quantize_int8,
+    resolve_weights,
 )
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import ConfigError
@@ -80,7 +82,67 @@ def test_dense_is_f_linear():
     assert torch.equal(Linear.build(w, b)(x), torch.nn.functional.linear(x, w, b))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+needs_packing = pytest.mark.skipif(not packing_supported(torch.float32), reason="PyTorch without oneDNN")
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, DENSE_ROWS + 3])
+def test_packed_multiplies_as_f_linear(dtype, rows):
+    if not packing_supported(dtype):
+        pytest.skip(f"oneDNN computes no {dtype} on this CPU")
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 64, dtype=dtype), torch.randn(40, dtype=dtype)
+    original = w.clone()
+    lin = Linear.build(w, b, "packed")
+    assert torch.equal(w, original) and lin.dense is None  # nothing rounded; the layer keeps only its packed copy
+    assert torch.equal(lin.plain(), w)  # unpacked exactly
+    x = torch.randn(rows, 64, dtype=dtype)
+    y = lin(x)
+    assert y.shape == (rows, 40) and y.dtype == dtype
+    assert torch.allclose(y.float(), torch.nn.functional.linear(x, w, b).float(), atol=1e-5 if dtype == torch.float32
+                          else 0.05, rtol=1e-4 if dtype == torch.float32 else 0.02)
+
+
+@needs_packing
+def test_packed_backbone_computes_the_dense_logits_and_holds_one_copy():
+    dense, packed = quantized_lm("dense", "qwen2"), quantized_lm("packed", "qwen2")
+    assert packed.fingerprint().same_model(dense.fingerprint())
+    bb, ref = packed.backbone, dense.backbone
+    assert bb.weight_mode == "packed" and bb.numerics == torch.float32
+    # the Hugging Face layer modules' own weights are released: the packed copies are the only ones
+    attn = packed.model.model.layers[0].self_attn
+    assert attn.q_proj.weight.numel() == 0 and packed.model.model.layers[0].mlp.down_proj.weight.numel() == 0
+    assert attn.q_proj.bias.numel() > 0  # biases stay (the fused bias is the layer's)
+    ids = torch.tensor([5, 9, 2, 7, 11, 3])
+    a = bb.forward(ids, bb.new_cache(8), 0, logits="all").logits
+    b = ref.forward(ids, ref.new_cache(8), 0, logits="all").logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    for key in ("gate", "up", "down"):  # what an early-exit block starts from: the same weights either way
+        assert torch.equal(bb.mlp_weights(1)[key], ref.mlp_weights(1)[key])
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    want = dense.model.generate(prompt, max_new_tokens=5, do_sample=False)
+    with bb.module_weights():  # Hugging Face's generate runs on the unpacked weights, then they go again
+        assert torch.equal(packed.model.generate(prompt, max_new_tokens=5, do_sample=False), want)
+    assert attn.q_proj.weight.numel() == 0
+
+
+def test_weights_auto_is_packed_where_onednn_runs_the_dtype(monkeypatch):
+    from adaptive.engine import quant
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(quant, "packing_supported", lambda dtype: dtype == torch.float32)
+    assert resolve_weights("auto", cpu, torch.float32) == "packed"
+    assert resolve_weights("auto", cpu, torch.bfloat16) == "dense"  # e.g. an AVX2-only host
+    assert resolve_weights("auto", torch.device("cuda"), torch.float32) == "dense"
+    assert resolve_weights("int4", cpu, torch.bfloat16) == "int4"
+    with pytest.raises(ConfigError, match="use --weights dense"):
+        resolve_weights("packed", cpu, torch.bfloat16)
+    with pytest.raises(ConfigError, match="CPU kernels"):
+        resolve_weights("packed", torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", pytest.param("packed", marks=needs_packing)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_speculation_equals_plain_decoding_on_the_same_weights(mode, family):
     lm = quantized_lm(mode, family, n_layers=6)

@@ -153,6 +153,15 @@ def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_
         load_model(str(tmp_path), engine="onnx")
 
 
+def test_weights_auto_loads_packed_on_the_torch_engine_and_dense_on_llama_cpp(tiny_model_dir):
+    from adaptive.engine.quant import packing_supported
+
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32", weights="auto")
+    assert lm.weights == ("packed" if packing_supported(torch.float32) else "dense")
+    assert lm.backbone.weight_mode == lm.weights
+    assert load_model(str(tiny_model_dir), device="cpu", dtype="float32").weights == "dense"  # the library's default
+
+
 def test_quantized_weights_take_the_cpu_when_the_device_is_auto(tiny_model_dir, monkeypatch):
     """On a machine with a GPU, ``device="auto"`` means CUDA, but int8/int4 weights run on PyTorch's CPU
     kernels: auto takes the CPU for them (found on an H100 run), and CUDA asked for explicitly is an error."""
