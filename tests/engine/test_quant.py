@@ -105,6 +105,29 @@ def test_packed_multiplies_as_f_linear(dtype, rows):
 
 
 @needs_packing
+def test_packed_products_of_few_rows_are_padded_without_changing_the_real_rows():
+    torch.manual_seed(1)
+    lin = Linear.build(torch.randn(24, 32), torch.randn(24), "packed")
+    lin.rows = 6  # as packed_rows() finds it on the reference host's bf16 (fp32 there: 1)
+    x = torch.randn(2, 32)
+    y = lin(x)
+    assert y.shape == (2, 24)
+    for _ in range(3):  # whatever fills the other rows of the kernel's block, the real rows are the same
+        other = torch.cat([x, torch.randn(4, 32)])
+        assert torch.equal(lin(other)[:2], y)
+    assert torch.allclose(y, torch.nn.functional.linear(x, lin.plain(), lin.bias), atol=1e-5, rtol=1e-4)
+    assert lin(torch.randn(9, 32)).shape == (9, 24)  # more rows than the block: not padded
+
+
+def test_packed_rows_is_a_candidate_or_one():
+    from adaptive.engine.quant import PACKED_ROW_CANDIDATES, packed_rows
+
+    if not packing_supported(torch.float32):
+        pytest.skip("PyTorch without oneDNN")
+    assert packed_rows(torch.float32) in (1, *PACKED_ROW_CANDIDATES)
+
+
+@needs_packing
 def test_packed_backbone_computes_the_dense_logits_and_holds_one_copy():
     dense, packed = quantized_lm("dense", "qwen2"), quantized_lm("packed", "qwen2")
     assert packed.fingerprint().same_model(dense.fingerprint())
