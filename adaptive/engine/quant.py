@@ -5,10 +5,10 @@ The engine's step multiplies through :class:`Linear`, whatever the storage:
 * ``dense``: the model's own weights in its dtype (``F.linear``);
 * ``packed``: the same values in the model's dtype, reordered once at load into oneDNN's blocked
   layout and multiplied by its CPU kernel (``mkldnn._linear_pointwise``), with the same results
-  as ``F.linear`` where we compared them (see :func:`packing_supported` for where it runs). On a
-  2-core AVX512-BF16 host a bf16 step of the 1.5B model took 141 ms against 183 ms dense, and
-  verifying 9 tokens cost one step's time against 1.15 steps dense: the layout streams the
-  weights faster at decoding sizes. The decoder layers' weights live only in that layout (the
+  as ``F.linear`` where we compared them (see :func:`packing_supported` for where it runs), and
+  products of few rows padded to oneDNN's fastest block (:func:`packed_rows`). On a 2-core
+  AVX512-BF16 host a bf16 step of the 1.5B model took 113 ms against 221 ms dense: the layout
+  streams the weights faster at decoding sizes. The decoder layers' weights live only in that layout (the
   Hugging Face modules' own tensors are released, so memory stays one copy and the module can no
   longer run by itself); the LM head is packed as a second copy, as the embedding lookup (tied
   heads) and the reduced-vocabulary heads read the plain one;
@@ -79,13 +79,14 @@ PACKED_ROW_CANDIDATES = (4, 6, 8)  # row counts a packed product of fewer rows m
 def packed_rows(dtype: torch.dtype) -> int:
     """How many rows a ``packed`` product of fewer rows is padded to (zero rows, cut off after): the
     candidate whose product with a weight larger than a cache was fastest here, if it beats one row
-    by 5%; else 1 (no padding). Probed once per process and dtype (~0.3 s). Why: oneDNN computes a block of rows
-    at once, and its kernels for 1-3 rows stream the weights slower than its block's; on the 2-core
-    AVX512-BF16 reference host a bf16 step of the 1.5B model took 133 ms with one row and 115 ms
-    with 6, so plain decoding padded to 6 rows runs 1.2x faster and a verification of up to 6 tokens
-    costs what a plain step does. Rows are computed independently, so the real rows' values do not
-    depend on the padding's; a process pads every product alike, so plain decoding and verification
-    share the kernel. fp32 on that host: 1 (no padding)."""
+    by 5%; else 1 (no padding). Probed once per process and dtype (~0.3 s).
+
+    Why: oneDNN computes a block of rows at once, and its kernels for 1-3 rows stream the weights
+    slower than its block's. On the 2-core AVX512-BF16 reference host a bf16 step of the 1.5B model
+    took 133 ms with one row and 115 ms with 6, so plain decoding padded to 6 rows runs ~1.2x faster
+    and a verification of up to 6 tokens costs ~1.09 plain steps; fp32 there: 1 (no padding). Rows
+    are computed independently: what fills the padding changes no real row, and every product of a
+    process pads alike, so plain decoding and verification share the kernel."""
     # 126 MB in bf16: larger than a cache, as a model's weights are (a cached weight streams faster)
     weight = torch.ops.mkldnn._reorder_linear_weight(torch.full((40960, 1536), 0.01, dtype=dtype), 1)
     times: dict[int, list[float]] = {m: [] for m in (1, *PACKED_ROW_CANDIDATES)}
