@@ -72,6 +72,13 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def check_packing(dtype: torch.dtype) -> None:
+    """A clear :class:`ConfigError` where ``packed`` weights cannot run in ``dtype`` (:func:`packing_supported`)."""
+    if not packing_supported(dtype):
+        raise ConfigError(f"packed weights need PyTorch's oneDNN kernels for {str(dtype).replace('torch.', '')} on "
+                          "this CPU, which it lacks: use --weights dense")
+
+
 PACKED_ROW_CANDIDATES = (4, 6, 8)  # row counts a packed product of fewer rows may be padded to (probed)
 
 
@@ -108,9 +115,8 @@ def resolve_weights(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     if mode == "auto":
         return "packed" if device.type == "cpu" and packing_supported(dtype) else "dense"
     mode = check_weights(mode, device)
-    if mode == "packed" and not packing_supported(dtype):
-        raise ConfigError(f"packed weights need PyTorch's oneDNN kernels for {str(dtype).replace('torch.', '')} on "
-                          "this CPU, which it lacks: use --weights dense")
+    if mode == "packed":
+        check_packing(dtype)
     return mode
 
 
@@ -171,8 +177,7 @@ class Linear:
             return cls("dense", weight, bias, shape=shape)
         with torch.no_grad():
             if mode == "packed":
-                if not packing_supported(weight.dtype):
-                    raise ConfigError(f"packed weights need oneDNN's {weight.dtype} kernels, which this CPU lacks")
+                check_packing(weight.dtype)
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
                 return cls("packed", packed, bias, shape=shape)
             if mode == "int8":

@@ -161,6 +161,8 @@ def test_weights_auto_is_packed_where_onednn_runs_the_dtype(monkeypatch):
     assert resolve_weights("int4", cpu, torch.bfloat16) == "int4"
     with pytest.raises(ConfigError, match="use --weights dense"):
         resolve_weights("packed", cpu, torch.bfloat16)
+    with pytest.raises(ConfigError, match="oneDNN kernels for bfloat16 .* use --weights dense"):
+        Linear.build(torch.randn(8, 16, dtype=torch.bfloat16), None, "packed")  # a model built without load_model
     with pytest.raises(ConfigError, match="CPU kernels"):
         resolve_weights("packed", torch.device("cuda"), torch.float32)
 
