@@ -127,13 +127,12 @@ def chain_nodes(propose: Propose, k: int):
 def oracle_replay(pairs, verify: Sequence[float], k: int, proposers: Sequence[Propose]) -> float:
     """Tokens per unit of cost when each step takes the proposal the text accepts most of (shortest
     among equals; none, a plain step, where no proposal's first token is right) and pays only its
-    verification (``verify``: forward costs over 1, 2, ... tokens); else as ``replay``.
+    verification (``verify``: a verify table of ``k + 1`` entries, as ``replay`` takes); else as ``replay``.
 
     Example: continuation ``[5, 6, 7]`` after ``[1]``, proposers drafting ``[9]`` and ``[6, 7]``,
     verify ``(1, 1, 1.5)``: from 6 on, ``[6, 7]`` is taken whole (2 tokens, cost 1.5) and the step
     ends the text: 2 / 1.5.
     """
-    table = verify_table(verify, k)
     tokens = cost = 0.0
     for prompt, cont in pairs:
         context, t = list(prompt) + list(cont[:1]), 1
@@ -146,7 +145,7 @@ def oracle_replay(pairs, verify: Sequence[float], k: int, proposers: Sequence[Pr
                 if n > best_n or (n == best_n and len(d) < best_len):
                     best_n, best_len = n, len(d)
             step = min(best_n + 1, left)
-            cost += table[best_len]
+            cost += verify[best_len]
             tokens += step
             context.extend(cont[t:t + step])
             t += step
@@ -229,7 +228,8 @@ def main() -> None:
     rates: dict[str, list[dict]] = defaultdict(list)
     for g in groups:
         dom = profile["domains"][g]
-        verify, k = dom["verify"], dom["cascade"]["draft_len"]
+        k = dom["cascade"]["draft_len"]
+        verify, free = verify_table(dom["verify"], k), (1.0,) * (k + 1)
         own = [(p, c[:L]) for p, c in data[g]["calib"]]
         background = [(p[-1:], c[:L]) for h in groups if h != g for p, c in data[h]["calib"]]
         calibrated = leave_one_out_table(own, -1, min_count, background)
@@ -244,9 +244,8 @@ def main() -> None:
                 sys.exit(f"prompt {qid} encodes to {len(ids)} tokens here, {ar['prompt_tokens']} in the bench")
             pair = [(ids, cont[: ar["new_tokens"]])]
             secs = ar["new_tokens"] / ar["tokens_per_s"]
-            speedups = (replay(pair, verify_table(verify, k), chain_nodes(proposers[1], k)),
-                        replay(pair, verify_table(verify, k), chain_nodes(proposers[2], k)),
-                        oracle_replay(pair, verify, k, proposers), oracle_replay(pair, [1.0] * (k + 1), k, proposers))
+            speedups = (*(replay(pair, verify, chain_nodes(p, k)) for p in proposers[1:]),
+                        oracle_replay(pair, verify, k, proposers), oracle_replay(pair, free, k, proposers))
             row = {"ar": ar["tokens_per_s"], "measured": m["tokens_per_s"] if m else float("nan"),
                    "prefill share": pre / secs, "prefill": (len(ids), pre)}
             row.update({c: predicted_rate(ar["new_tokens"], secs, pre, s) for c, s in zip(columns[1:], speedups)})
