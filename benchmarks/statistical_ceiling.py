@@ -124,32 +124,26 @@ def chain_nodes(propose: Propose, k: int):
     return nodes
 
 
-def oracle_replay(pairs, verify: Sequence[float], k: int, proposers: Sequence[Propose]) -> float:
-    """Tokens per unit of cost when each step takes the proposal the text accepts most of (shortest
-    among equals; none, a plain step, where no proposal's first token is right) and pays only its
-    verification (``verify``: a verify table of ``k + 1`` entries, as ``replay`` takes); else as ``replay``.
+def oracle_nodes(proposers: Sequence[Propose], k: int, text: Sequence[int]):
+    """A drafter for ``statistical_tables.replay`` over one prompt + continuation ``text`` that knows
+    it, as no real drafter can: each step it takes the proposal the text accepts most of (shortest
+    among equals; none, a plain step, where no proposal's first token is right), so ``replay`` pays
+    only that proposal's verification.
 
-    Example: continuation ``[5, 6, 7]`` after ``[1]``, proposers drafting ``[9]`` and ``[6, 7]``,
-    verify ``(1, 1, 1.5)``: from 6 on, ``[6, 7]`` is taken whole (2 tokens, cost 1.5) and the step
-    ends the text: 2 / 1.5.
+    Example: text ``[1, 5, 6, 7]`` (prompt ``[1]``), proposers drafting ``[9]`` and ``[6, 7]``, verify
+    ``(1, 1, 1.5)``: from 6 on, ``[6, 7]`` is taken whole (2 tokens, cost 1.5) and the step ends the
+    text: 2 / 1.5.
     """
-    tokens = cost = 0.0
-    for prompt, cont in pairs:
-        context, t = list(prompt) + list(cont[:1]), 1
-        while t < len(cont):
-            left = len(cont) - t
-            best_n, best_len = 0, 0
-            for propose in proposers:
-                d = propose(context, min(k, left))[:left]
-                n = accepted_prefix(d, cont[t:t + len(d)])
-                if n > best_n or (n == best_n and len(d) < best_len):
-                    best_n, best_len = n, len(d)
-            step = min(best_n + 1, left)
-            cost += verify[best_len]
-            tokens += step
-            context.extend(cont[t:t + step])
-            t += step
-    return tokens / cost
+    def nodes(context, left):
+        ahead = text[len(context):]
+        best, best_n = [], 0
+        for propose in proposers:
+            d = propose(context, min(k, left))[:left]
+            n = accepted_prefix(d, ahead[:len(d)])
+            if n > best_n or (n == best_n and best_n and len(d) < len(best)):
+                best, best_n = d, n
+        return {tuple(best[:j]) for j in range(1, len(best) + 1)}
+    return nodes
 
 
 def predicted_rate(new_tokens: int, ar_seconds: float, prefill_seconds: float, speedup: float) -> float:
@@ -242,10 +236,11 @@ def main() -> None:
             ids, cont, pre = data[g]["held"][qid]
             if len(ids) != ar["prompt_tokens"]:
                 sys.exit(f"prompt {qid} encodes to {len(ids)} tokens here, {ar['prompt_tokens']} in the bench")
-            pair = [(ids, cont[: ar["new_tokens"]])]
+            cont = cont[: ar["new_tokens"]]
+            pair, oracle = [(ids, cont)], oracle_nodes(proposers, k, list(ids) + list(cont))
             secs = ar["new_tokens"] / ar["tokens_per_s"]
             speedups = (*(replay(pair, verify, chain_nodes(p, k)) for p in proposers[1:]),
-                        oracle_replay(pair, verify, k, proposers), oracle_replay(pair, free, k, proposers))
+                        replay(pair, verify, oracle), replay(pair, free, oracle))
             row = {"ar": ar["tokens_per_s"], "measured": m["tokens_per_s"] if m else float("nan"),
                    "prefill share": pre / secs, "prefill": (len(ids), pre)}
             row.update({c: predicted_rate(ar["new_tokens"], secs, pre, s) for c, s in zip(columns[1:], speedups)})

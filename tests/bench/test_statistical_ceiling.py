@@ -45,12 +45,14 @@ def test_richer_draft_continues_the_lookup_with_the_chain(script):
 
 
 def test_oracle_takes_the_most_accepted_proposal_at_its_own_cost(script):
+    replay = load_benchmark("statistical_tables").replay
     pairs = [([1], [5, 6, 7])]
     wrong = lambda context, k: [9]  # noqa: E731
     right = lambda context, k: [6, 7][:k]  # noqa: E731
-    assert script.oracle_replay(pairs, (1.0, 1.0, 1.5), 2, [wrong, right]) == pytest.approx(2 / 1.5)
+    verify, text = (1.0, 1.0, 1.5), [1, 5, 6, 7]
+    assert replay(pairs, verify, script.oracle_nodes([wrong, right], 2, text)) == pytest.approx(2 / 1.5)
     # no proposal right: the oracle drafts nothing (a plain step), never pays for a wrong draft
-    assert script.oracle_replay(pairs, (1.0, 1.0, 1.5), 2, [wrong]) == pytest.approx(1.0)
+    assert replay(pairs, verify, script.oracle_nodes([wrong], 2, text)) == pytest.approx(1.0)
 
 
 def test_oracle_is_never_below_any_of_its_proposers(script):
@@ -60,7 +62,8 @@ def test_oracle_is_never_below_any_of_its_proposers(script):
     a = lambda context, k: [1, 2, 3][:k]  # noqa: E731
     b = lambda context, k: [2, 3, 4][:k]  # noqa: E731
     alone = [replay(pairs, verify, script.chain_nodes(p, 3)) for p in (a, b)]
-    assert script.oracle_replay(pairs, verify, 3, [a, b]) >= max(alone) - 1e-12
+    text = pairs[0][0] + pairs[0][1]
+    assert replay(pairs, verify, script.oracle_nodes([a, b], 3, text)) >= max(alone) - 1e-12
 
 
 def test_predicted_rate_speeds_up_the_decoding_only(script):
