@@ -80,6 +80,8 @@ def tiny_model(family: str = "llama", n_layers: int = 4, vocab: int | None = Non
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     vocab = vocab or len(SPECIALS) + len(CHARS)
@@ -88,7 +90,9 @@ def tiny_model(family: str = "llama", n_layers: int = 4, vocab: int | None = Non
               initializer_range=init, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "mistral": (MistralConfig, MistralForCausalLM)}[family]
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    if family == "qwen3":
+        kw["head_dim"] = hidden // 4  # Qwen3 states its head size apart from hidden / heads
     model = cls[1](cls[0](**kw)).eval()
     return model
 

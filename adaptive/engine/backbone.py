@@ -9,9 +9,14 @@ embedding, MLPs, LM head) in a forward of our own so that the engine can
   the drafted positions, are simply overwritten by the verification forward that follows;
 * compute LM-head logits only at the positions that need them.
 
-Supported layouts: Llama, Qwen2 and Mistral families (``model.model.layers[i]`` with
-``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp``), as in
-transformers 5.x. Anything else is refused with :class:`UnsupportedModelError` at construction.
+Supported layouts: Llama, Qwen2, Qwen3 and Mistral families (``model.model.layers[i]`` with
+``input_layernorm``, ``self_attn.{q,k,v,o}_proj`` (and Qwen3's per-head ``q_norm``/``k_norm``),
+``post_attention_layernorm``, ``mlp``), as in transformers 5.x. Anything else is refused with
+:class:`UnsupportedModelError` at construction.
+
+On CUDA, steps of up to 32 tokens (plain, draft and verification steps) replay CUDA graphs of a
+static-shape step (:mod:`adaptive.engine.graphs`) over caches from a pool of fixed-capacity slots;
+longer inputs (prefills) and the forwards that ask for more than logits run this module's eager forward.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from adaptive.engine.graphs import StepGraphs
+from adaptive.engine.norms import rms_norm
 from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def decoder_layers(model) -> list:
@@ -47,18 +54,21 @@ class KVCache:
     :attr:`Backbone.cache_dtype` (float32 on the CPU, where bf16 attention kernels are slow).
     ``length``: number of leading positions that hold the *full* model's keys. Positions beyond it
     may hold a draft's keys (from the layers the draft ran) and are overwritten before being trusted.
+    ``limit``: the positions a request may use when the tensors are a larger pooled slot (CUDA
+    graphs, :mod:`adaptive.engine.graphs`); 0: all of the tensors' positions.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    limit: int = 0
 
     def release(self) -> None:
         """Nothing to give back early: the tensors go with the object (a llama.cpp cache frees its cells)."""
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.limit or self.k.shape[2]
 
 
 ATTN_BLOCK = 128  # queries per attention block in a long forward (a prefill); fewer attend at once
@@ -115,6 +125,9 @@ class LayerWeights:
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
     act: object  # the MLP's activation module (SiLU for the supported families)
+    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm of queries (None: none)
+    k_norm: torch.Tensor | None = None  # [head_dim]: of keys
+    qk_eps: float = 1e-6
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,12 +154,6 @@ def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input's dtype."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class Backbone:
     """Functional forward over a Hugging Face decoder with per-call sublayer skipping (the ``torch``
     engine; :class:`~adaptive.engine.llamacpp.LlamaCppBackbone` is the other one)."""
@@ -158,7 +165,7 @@ class Backbone:
     carry_chunks = True
     shared_cache = False  # each cache holds its own positions (llama.cpp's share one context)
 
-    def __init__(self, model, weights: str = "dense"):
+    def __init__(self, model, weights: str = "dense", graphs: bool = True):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -172,8 +179,8 @@ class Backbone:
             for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
                 if not hasattr(layer, name):
                     raise UnsupportedModelError(f"decoder layer {i} has no {name}: unsupported layout")
-            if hasattr(layer.self_attn, "q_norm"):
-                raise UnsupportedModelError("attention with q/k norms (Qwen3-style) is not supported yet")
+            if hasattr(layer.self_attn, "q_norm") != hasattr(layer.self_attn, "k_norm"):
+                raise UnsupportedModelError(f"decoder layer {i} normalises only one of queries and keys")
             for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
                 if not hasattr(layer.mlp, name):
                     raise UnsupportedModelError(f"decoder layer {i}'s MLP has no {name}: not a gated MLP")
@@ -190,13 +197,14 @@ class Backbone:
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         window = getattr(cfg, "sliding_window", None)
-        if window and (cfg.model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
+        if window and (cfg.model_type not in ("qwen2", "qwen3") or getattr(cfg, "use_sliding_window", False)):
             self.max_positions = min(self.max_positions, int(window))
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._full = ((False,) * self.n_layers, (False,) * self.n_layers)
         self.weight_mode = check_weights(weights, self.device)
         self.weights = [self._layer_weights(layer, weights) for layer in self.layers]
         self.head = Linear.build(self.lm_head.weight, self.lm_head.bias, weights)
+        self.graphs = StepGraphs(self) if self.device.type == "cuda" and graphs else None
 
     @staticmethod
     def _layer_weights(layer, mode: str) -> LayerWeights:
@@ -210,10 +218,13 @@ class Backbone:
                 for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                           mlp.down_proj):
                     m.weight.data = m.weight.data.new_empty(0)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return LayerWeights(
             attn_norm=layer.input_layernorm.weight, attn_eps=_eps(layer.input_layernorm), qkv=qkv, o=o,
             mlp_norm=layer.post_attention_layernorm.weight, mlp_eps=_eps(layer.post_attention_layernorm),
-            gate_up=gate_up, down=down, act=mlp.act_fn)
+            gate_up=gate_up, down=down, act=mlp.act_fn,
+            q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
+            qk_eps=_eps(q_norm) if q_norm is not None else 1e-6)
 
     @property
     def device(self) -> torch.device:
@@ -236,16 +247,28 @@ class Backbone:
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
     def new_cache(self, max_len: int) -> KVCache:
-        """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context."""
+        """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context.
+        With CUDA graphs its tensors are a pooled slot of a larger capacity (``limit`` = ``max_len``)."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the model's context is {self.max_positions}"
             )
-        shape = (self.n_layers, self.n_kv_heads, max_len, self.head_dim)
-        return KVCache(
-            k=torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-            v=torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-        )
+        if self.graphs is not None and self.graphs.enabled:
+            return self.graphs.new_cache(max_len, KVCache)
+        k, v = self.allocate_kv(max_len)
+        return KVCache(k=k, v=v)
+
+    def allocate_kv(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value tensors, ``[n_layers, n_kv_heads, positions, head_dim]`` in the cache dtype."""
+        shape = (self.n_layers, self.n_kv_heads, positions, self.head_dim)
+        return (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
+
+    def rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for positions ``0 .. n-1`` (``[n, 1, head_dim]``, :meth:`_rope`'s layout),
+        as new tensors of their own (a static step's tables must not move)."""
+        cos, sin = self._rope(0, n)
+        return cos.clone(), sin.clone()
 
     def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for positions ``[start, end)``: ``[end-start, 1, head_dim]`` each, in the
@@ -300,6 +323,12 @@ class Backbone:
         end = start + T
         if end > cache.max_len:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
+        if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or pool_layers
+                                                                                   or read_only)):
+            out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits)
+            if out is not None:
+                return ForwardOutput(out)
+        ids = ids.to(self.device)
         skip_attn, skip_mlp = skip_masks or self._full
         cos, sin = self._rope(start, end)
         banned = self._banned(T, start)
@@ -312,7 +341,7 @@ class Backbone:
                 h = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, start, end, cos, sin,
                                         banned, read_only)
             if not skip_mlp[i]:
-                h = h + self._mlp(w, h)
+                h = h + self.mlp(w, h)
             if pools is not None and i + 1 in pool_layers:
                 pools[i + 1] = self._pool(h)
         residual = h if hidden else None
@@ -320,7 +349,7 @@ class Backbone:
             h = adapter(h.unsqueeze(0))[0]
         if logits == "last" and not pool:
             h = h[-1:]
-        h = rms_norm(h, self.norm.weight, self.norm_eps)
+        h = self.final_norm(h)
         pooled = h.float().mean(dim=0) if pool else None
         if logits == "none":
             return ForwardOutput(None, pooled, residual, pools)
@@ -354,8 +383,12 @@ class Backbone:
             return v[0] if pooling.mode == "mean" else v[1]
         return out.pooled
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm of the residual stream ``h`` (``[T, hidden]``)."""
+        return rms_norm(h, self.norm.weight, self.norm_eps)
+
     @staticmethod
-    def _mlp(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def mlp(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """One gated MLP sublayer on the residual ``h`` (``[T, hidden]``): its output, ``[T, hidden]``."""
         gate, up = w.gate_up(rms_norm(h, w.mlp_norm, w.mlp_eps)).chunk(2, dim=-1)
         return w.down(w.act(gate) * up)
@@ -364,10 +397,10 @@ class Backbone:
                    cos: torch.Tensor, sin: torch.Tensor, banned: torch.Tensor | None, read_only: bool = False):
         """One attention sublayer on ``x`` (``[T, hidden]``, normed): its output, ``[T, hidden]``.
 
-        Queries, keys and values come from one product with the fused weight (:meth:`_qkv`); then
+        Queries, keys and values come from one product with the fused weight (:meth:`project_qkv`); then
         :meth:`_attend` writes the keys and attends over the cache's positions ``0 .. end-1``.
         """
-        qkv = self._qkv(w, x, cache.k.dtype, cos, sin, rotate_keys=not read_only)
+        qkv = self.project_qkv(w, x, cache.k.dtype, cos, sin, rotate_keys=not read_only)
         return w.o(self._attend(qkv, cache, i, start, end, banned, write=not read_only).to(x.dtype))
 
     def _banned(self, T: int, start: int) -> torch.Tensor | None:
@@ -378,14 +411,19 @@ class Backbone:
             return None
         return torch.ones(T, start + T, dtype=torch.bool, device=self.device).triu_(start + 1)
 
-    def _qkv(self, w: LayerWeights, x: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
-             rotate_keys: bool = True) -> torch.Tensor:
+    def project_qkv(self, w: LayerWeights, x: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor,
+                    sin: torch.Tensor, rotate_keys: bool = True) -> torch.Tensor:
         """``[T, n_heads + 2 * n_kv_heads, head_dim]`` in ``dtype``: the projected queries, keys and values
         of ``x`` (``[T, hidden]``), rotary embedding applied to the queries (and the keys unless
-        ``rotate_keys=False``, when they will not be written) with ``cos``/``sin`` of each row's position."""
+        ``rotate_keys=False``, when they will not be written) with ``cos``/``sin`` of each row's position.
+        Qwen3's per-head norms of queries and keys come first, in the model's dtype, as its attention has them."""
         T = x.shape[0]
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = w.qkv(x).to(dtype).view(T, H + 2 * KV, D)  # a fresh tensor: rotated in place below
+        raw = w.qkv(x).view(T, H + 2 * KV, D)
+        if w.q_norm is not None:
+            raw = torch.cat([rms_norm(raw[:, :H], w.q_norm, w.qk_eps), rms_norm(raw[:, H:H + KV], w.k_norm, w.qk_eps),
+                             raw[:, H + KV:]], dim=1)
+        qkv = raw.to(dtype)  # a fresh tensor: rotated in place below
         rot = H + KV if rotate_keys else H
         qk = qkv[:, :rot]
         qkv[:, :rot] = qk * cos + qk.roll(D // 2, dims=-1) * sin
@@ -393,7 +431,7 @@ class Backbone:
 
     def _attend(self, qkv: torch.Tensor, cache: KVCache, i: int, start: int, end: int,
                 banned: torch.Tensor | None, write: bool = True) -> torch.Tensor:
-        """One sequence's attention in layer ``i``: ``qkv`` (``[T, H + 2 * KV, D]``, from :meth:`_qkv`) at
+        """One sequence's attention in layer ``i``: ``qkv`` (``[T, H + 2 * KV, D]``, from :meth:`project_qkv`) at
         positions ``start .. end-1``; its keys and values are written there first (``write``); queries
         attend over ``0 .. end-1`` with grouped heads as a batch (``[KV, G * T, D]``). Returns
         ``[T, H * D]`` in the cache dtype.
@@ -466,21 +504,21 @@ class Backbone:
             spans.append((row, row + T, end, self._banned(T, s.start)))
             row += T
         cos_all, sin_all = torch.cat(cos), torch.cat(sin)
-        h = F.embedding(torch.cat([s.ids.reshape(-1) for s in segments]).to(self.device), self.embed.weight)
+        h = F.embedding(torch.cat([s.ids.reshape(-1).to(self.device) for s in segments]), self.embed.weight)
         dtype = segments[0].cache.k.dtype
         skip_attn, skip_mlp = skip_masks or self._full
         for i, w in enumerate(self.weights):
             if not skip_attn[i]:
                 x = rms_norm(h, w.attn_norm, w.attn_eps)
-                qkv = self._qkv(w, x, dtype, cos_all, sin_all, rotate_keys=not read_only)
+                qkv = self.project_qkv(w, x, dtype, cos_all, sin_all, rotate_keys=not read_only)
                 out = torch.cat([self._attend(qkv[a:b], s.cache, i, s.start, end, banned, write=not read_only)
                                  for s, (a, b, end, banned) in zip(segments, spans)])
                 h = h + w.o(out.to(x.dtype))
             if not skip_mlp[i]:
-                h = h + self._mlp(w, h)
+                h = h + self.mlp(w, h)
         wanted = [(a, b) for s, (a, b, _, _) in zip(segments, spans) if s.logits]
         rows = torch.cat([h[a:b] for a, b in wanted]) if wanted else h[:0]
-        logits = self.head(rms_norm(rows, self.norm.weight, self.norm_eps)).float()
+        logits = self.head(self.final_norm(rows)).float()
         out, row = [], 0
         for s, (a, b, _, _) in zip(segments, spans):
             out.append(logits[row:row + b - a] if s.logits else None)
@@ -551,6 +589,6 @@ class Backbone:
         for i, w in enumerate(self.weights):
             nh = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, 0, T, cos, sin, banned)
             out[0, i] = turn(h, nh)
-            h = nh + self._mlp(w, nh)
+            h = nh + self.mlp(w, nh)
             out[1, i] = turn(nh, h)
         return out

@@ -19,23 +19,24 @@ import torch
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
-from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
+from adaptive.engine.sampling import greedy_accept_ids, speculative_accept, warp_probs
 from adaptive.errors import ConfigError
 
-# (draft, p_logits [k+1, V], config, generator) -> (n_accepted, next_token)
-Acceptor = Callable[[Draft, torch.Tensor, GenerationConfig, torch.Generator | None], tuple[int, int]]
+# (draft, p_logits [k+1, V], config, generator) -> (n_accepted, new ids: the n accepted drafts and the next token)
+Acceptor = Callable[[Draft, torch.Tensor, GenerationConfig, torch.Generator | None], tuple[int, list[int]]]
 
 
-def default_acceptor(draft: Draft, p_logits: torch.Tensor, cfg: GenerationConfig, gen) -> tuple[int, int]:
-    """Greedy: longest matching prefix. Sampling: speculative sampling against the warped target."""
+def default_acceptor(draft: Draft, p_logits: torch.Tensor, cfg: GenerationConfig, gen) -> tuple[int, list[int]]:
+    """Greedy: longest matching prefix (one host read). Sampling: speculative sampling against the warped target."""
     if cfg.greedy:
-        return greedy_accept(draft.tokens, p_logits.argmax(-1))
+        return greedy_accept_ids(draft.tokens, p_logits.argmax(-1))
     p = warp_probs(p_logits, cfg.temperature, cfg.top_k, cfg.top_p)
     q = draft.q
     if q is None:  # deterministic proposal: a point mass on each drafted token
         q = torch.zeros(len(draft), p.shape[-1], device=p.device)
         q[torch.arange(len(draft)), draft.tokens] = 1.0
-    return speculative_accept(draft.tokens, q, p, gen)
+    n, nxt = speculative_accept(draft.tokens, q, p, gen)
+    return n, draft.tokens[:n].tolist() + [nxt]
 
 
 @dataclass
@@ -278,15 +279,19 @@ class Lane:
             if choice.length > 0:
                 draft = self.drafter.propose(self.state, choice)
         if draft is None or len(draft) == 0:
-            draft = Draft(torch.empty(0, dtype=torch.long, device=self.state.backbone.device))
-        _sync(self.state.backbone.device)
+            draft = Draft(torch.empty(0, dtype=torch.long))  # on the host: a plain step sends one id
+        else:
+            _sync(self.state.backbone.device)  # the draft's own time (a plain step has none to wait for)
         self.stats.draft_time += time.perf_counter() - t0
         return draft
 
     def segment(self, draft: Draft) -> Segment:
         """What the verification feeds: the pending token, then the draft (``[k + 1]`` ids), at its position."""
-        dev = self.state.backbone.device
-        ids = torch.cat([torch.tensor([self.state.tokens[-1]], device=dev), draft.tokens.to(dev)])
+        pending, tokens = self.state.tokens[-1], draft.tokens
+        if tokens.device.type == "cpu":  # a statistical draft (or a CPU backbone): built here, one copy to the device
+            ids = torch.cat([torch.tensor([pending]), tokens])
+        else:  # a layer-skip draft stays where it was drafted
+            ids = torch.cat([torch.tensor([pending], device=tokens.device), tokens])
         return Segment(ids, self.state.cache, self.state.position)
 
     def accept(self, draft: Draft, p_logits: torch.Tensor) -> list[int]:
@@ -294,7 +299,7 @@ class Lane:
         drafts and the target's own next token, which become the new tokens (the last one pending)."""
         state, stats = self.state, self.stats
         remaining = self.cfg.max_new_tokens - self.produced
-        n, nxt = self.acceptor(draft, p_logits, self.cfg, state.generator)
+        n, new = self.acceptor(draft, p_logits, self.cfg, state.generator)
         # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
         # rejected drafts is this assignment: their stale keys are overwritten before being read.
         state.cache.length += n + 1
@@ -308,7 +313,6 @@ class Lane:
             stats.draft_lengths[k] += 1  # 0 when the policy chose a plain step
             if k:
                 self.length_policy.update(draft, n)
-        new = draft.tokens[:n].tolist() + [nxt]
         state.tokens.extend(new)
         self.produced += len(new)
         return new

@@ -45,12 +45,22 @@ def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int
     Example: draft ``[5, 7, 9]``, target argmax ``[5, 7, 2, 4]`` -> ``(2, 2)``: 5 and 7 are kept,
     9 is replaced by the target's 2. With target ``[5, 7, 9, 4]`` -> ``(3, 4)``: 4 is the bonus.
     """
+    n, tokens = greedy_accept_ids(draft, target_argmax)
+    return n, tokens[-1]
+
+
+def greedy_accept_ids(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, list[int]]:
+    """:func:`greedy_accept` with the step's new tokens: ``(n_accepted, ids)``, ``ids`` the ``n`` accepted
+    drafts and the target's next token (``target_argmax[: n + 1]``, which equals them). The matching
+    prefix is counted where the logits are (on the GPU) and one host read brings back the count and
+    the argmax together. Example: draft ``[5, 7, 9]``, target ``[5, 7, 2, 4]`` -> ``(2, [5, 7, 2])``."""
     k = draft.shape[0]
     if k == 0:
-        return 0, int(target_argmax[0])
-    mismatch = (draft != target_argmax[:k]).nonzero()
-    n = int(mismatch[0, 0]) if mismatch.numel() else k
-    return n, int(target_argmax[n])
+        return 0, [int(target_argmax[0])]
+    match = (draft.to(target_argmax.device) == target_argmax[:k]).long().cumprod(0).sum().reshape(1)
+    host = torch.cat([match, target_argmax]).tolist()  # the one read of the round
+    n = host[0]
+    return n, host[1:n + 2]
 
 
 def speculative_accept(

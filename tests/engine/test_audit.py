@@ -20,8 +20,8 @@ def broken_greedy(draft, p_logits, cfg, gen):
     """Deliberately wrong: accepts one more draft token than the target agrees with."""
     n, nxt = greedy_accept(draft.tokens, p_logits.argmax(-1))
     if n < len(draft):
-        return n + 1, int(p_logits[n + 1].argmax())
-    return n, nxt
+        return n + 1, draft.tokens[:n + 1].tolist() + [int(p_logits[n + 1].argmax())]
+    return n, draft.tokens.tolist() + [nxt]
 
 
 def test_audit_passes_correct_rule_and_catches_broken_rule():

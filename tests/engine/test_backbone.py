@@ -7,7 +7,7 @@ from adaptive.errors import PromptTooLongError, UnsupportedModelError
 from tests.conftest import tiny_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_forward_matches_hf_full_and_incremental(family):
     model = tiny_model(family)
     ids = torch.randint(0, model.config.vocab_size, (1, 20))
@@ -24,7 +24,7 @@ def test_forward_matches_hf_full_and_incremental(family):
     assert last.shape == (1, model.config.vocab_size) and torch.allclose(last[0], ref[-1], atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_long_forwards_attend_in_blocks_and_match_hf(family):
     """More than ATTN_BLOCK queries attend block by block: a 300-token prefill from position 0 and a
     200-token chunk after 100 cached positions give HF's logits."""

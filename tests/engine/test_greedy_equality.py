@@ -25,7 +25,7 @@ def random_skip(rng, n_layers):
     return SkipSet(pick(), pick())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_equals_hf_generate(family):
     lm = tiny_lm(family, n_layers=6)
     eng = Engine(lm)

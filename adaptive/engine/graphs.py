@@ -1,0 +1,330 @@
+"""Static-shape decode, draft and verify steps, captured once as CUDA graphs and replayed (gpt-fast's design).
+
+An eager step of a small model on a GPU is bound by launching its kernels (a thousand of them for
+30 layers), not by reading its weights. A CUDA graph records a step's kernels once and replays
+them with one launch; what it needs is a step whose every shape and address is fixed and that
+reads no value back to the host. :class:`StaticStep` is that step and :class:`StepGraphs` captures
+and replays it behind :meth:`Backbone.forward <adaptive.engine.backbone.Backbone.forward>`, so the
+engine, drafters, runtime and server call what they always called.
+
+Terms, defined once:
+
+* *bucket*: the token count a static step is built for (:data:`BUCKETS`); ``T`` fed tokens run in
+  the smallest bucket ``Tb >= T``, the last ``Tb - T`` rows padding. A plain step is bucket 1, a
+  verification of ``k`` drafts bucket ``>= k + 1``, a layer-skip draft step bucket 1 with its skip set.
+* *slot*: a KV cache's tensors of a fixed *capacity* (a power of two, :func:`capacity_for`), kept
+  in a :class:`SlotPool` and handed to requests by :meth:`Backbone.new_cache`; a graph is captured
+  for one slot and is replayed by every request that gets that slot again.
+* *position tensors*: the step's first position ``start`` and its last real row ``last`` live in
+  device buffers; the rotary tables, the cache writes (``index_copy_``) and the causal mask are
+  indexed by them, so one graph serves every position.
+
+A padded row writes keys at positions after the real ones; those lie beyond the cache's
+``length`` and are overwritten before any query may see them (every forward writes its own
+positions' keys before attending), as a rejected draft's are. Padding ids are whatever the buffer
+last held (valid ids). Example: a verification of 3 drafts feeds 4 ids at positions 100..103 in
+bucket 4; one of 4 drafts feeds 5 ids in bucket 8, rows 5..7 padding at positions 105..107.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from adaptive.engine.norms import rms_norm
+
+COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
+RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
+BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps; longer inputs (prefills) run eagerly
+MIN_CAPACITY = 256  # the smallest slot (positions)
+
+Masks = tuple[tuple[bool, ...], tuple[bool, ...]]
+
+
+def bucket_for(tokens: int) -> int | None:
+    """The smallest bucket holding ``tokens`` rows, ``None`` beyond the largest.
+    Example: ``bucket_for(1) == 1``, ``bucket_for(5) == 8``, ``bucket_for(33) is None``."""
+    for b in BUCKETS:
+        if tokens <= b:
+            return b
+    return None
+
+
+def capacity_for(max_len: int) -> int:
+    """The slot capacity for a cache of ``max_len`` positions: a power of two (at least
+    :data:`MIN_CAPACITY`) with room for the largest bucket's padding after the last position.
+    Example: ``capacity_for(100) == 256``, ``capacity_for(250) == 512``."""
+    need = max(max_len + BUCKETS[-1], MIN_CAPACITY)
+    return 1 << (need - 1).bit_length()
+
+
+class SlotPool:
+    """KV tensors of fixed capacities, reused across requests: a freed slot (its cache object gone)
+    is handed to the next request of its capacity, whose steps then replay the graphs captured for it."""
+
+    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
+        self._allocate = allocate
+        self._free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.allocated = 0  # slots made so far (tests and the device check read it)
+
+    def take(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        free = self._free.get(capacity)
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return self._allocate(capacity)
+
+    def give(self, capacity: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._free.setdefault(capacity, []).append((k, v))
+
+    def bind(self, cache, capacity: int) -> None:
+        """Return ``cache``'s tensors to the pool when the cache object is collected."""
+        weakref.finalize(cache, self.give, capacity, cache.k, cache.v)
+
+
+def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual stream after a sublayer and its RMSNorm for the next one: ``(h + delta, norm(h + delta))``.
+    One fused kernel when compiled."""
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`add_norm` with nothing to add (the first sublayer that runs)."""
+    return rms_norm(h, weight, eps)
+
+
+def split_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, qk_eps: float,
+                heads: int, kv_heads: int, dtype: torch.dtype, scaling: float):
+    """Queries, keys and values of one projection ``qkv`` (``[Tb, (H + 2 KV) * D]``): Qwen3's per-head norms
+    (if any), rotary embedding (``cos``/``sin`` ``[Tb, 1, D]``, :meth:`Backbone.rope_table`'s signed
+    layout), queries scaled by ``scaling`` and laid out for grouped attention, ``[KV, G * Tb, D]``; keys
+    and values ``[KV, Tb, D]``, all in ``dtype`` (the cache's)."""
+    Tb = qkv.shape[0]
+    H, KV = heads, kv_heads
+    x = qkv.view(Tb, H + 2 * KV, -1)
+    D = x.shape[-1]
+    q, k, v = x[:, :H], x[:, H:H + KV], x[:, H + KV:]
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q = (q * cos + q.roll(D // 2, dims=-1) * sin) * scaling
+    k = k * cos + k.roll(D // 2, dims=-1) * sin
+    q = q.reshape(Tb, KV, H // KV, D).permute(1, 2, 0, 3).reshape(KV, (H // KV) * Tb, D)
+    return q, k.transpose(0, 1), v.transpose(0, 1)
+
+
+def masked_softmax(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Attention weights from ``scores`` (``[KV, G * Tb, C]``), ``banned`` (``[Tb, C]``, True: may not look)."""
+    KV, GT, C = scores.shape
+    Tb = banned.shape[0]
+    return torch.softmax(scores.view(KV, GT // Tb, Tb, C).masked_fill(banned, float("-inf")), dim=-1).view(KV, GT, C)
+
+
+def merge_heads(out: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[KV, G * Tb, D]`` attention outputs as ``[Tb, H * D]`` rows in ``dtype`` (the o projection's input)."""
+    KV, GT, D = out.shape
+    return out.view(KV, GT // tokens, tokens, D).permute(2, 0, 1, 3).reshape(tokens, -1).to(dtype)
+
+
+def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
+    """A gated MLP's hidden rows: ``act(gate) * up`` of ``[Tb, 2 I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The static step's pieces between its matrix products, as functions: plain PyTorch
+    (:meth:`plain`), or each compiled by Inductor into one or two fused kernels (:meth:`compiled`; the
+    CUDA default), which replaces about forty small kernels a layer by about fifteen. The products stay
+    cuBLAS's; compiled pieces are shared by every bucket, skip set and slot (automatic dynamic shapes)."""
+
+    add_norm: Callable
+    norm: Callable
+    split_heads: Callable
+    masked_softmax: Callable
+    merge_heads: Callable
+    gated: Callable
+
+    @classmethod
+    def plain(cls) -> StepOps:
+        return cls(add_norm, norm, split_heads, masked_softmax, merge_heads, gated)
+
+    @classmethod
+    def compiled(cls) -> StepOps:
+        """Each piece compiled (automatic dynamic shapes: a second row count or model size recompiles it
+        once, with symbolic sizes). Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT`: one
+        piece sees one-row and many-row steps, of each model in the process (its default, 8, was hit
+        by three models' steps in one process, and the step fell back to plain kernels)."""
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        return cls(*(torch.compile(f, fullgraph=True) for f in (add_norm, norm, split_heads, masked_softmax,
+                                                                 merge_heads, gated)))
+
+
+class StaticStep:
+    """One forward of ``bucket`` tokens over a cache slot, with no shape or value that depends on data.
+
+    Inputs (device tensors, fixed addresses when captured): ``ids`` ``[bucket]`` long; ``meta``
+    ``[2]`` long, the first position and the index of the last real row; ``k``/``v`` the slot
+    ``[n_layers, n_kv_heads, capacity, head_dim]``; ``cos``/``sin`` the rotary tables
+    ``[capacity, 1, head_dim]`` (:meth:`Backbone.rope_table`). Returns float32 logits: ``[bucket, V]``
+    (``logits="all"``) or ``[1, V]`` at the last real row (``"last"``). Skipped sublayers (``masks``)
+    add nothing, as in the eager forward; attention runs over the whole slot, masked by position.
+    ``ops``: the pieces between the products (:class:`StepOps`; plain by default).
+    """
+
+    def __init__(self, backbone, bucket: int, masks: Masks, logits: str, ops: StepOps | None = None):
+        if logits not in ("all", "last"):
+            raise ValueError(f"a static step returns 'all' or 'last' logits, not {logits!r}")
+        self.bb, self.bucket, self.masks, self.logits = backbone, bucket, masks, logits
+        self.ops = ops or StepOps.plain()
+
+    def __call__(self, ids: torch.Tensor, meta: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bb, ops = self.bb, self.ops
+        Tb, C = self.bucket, k.shape[2]
+        pos = meta[0] + torch.arange(Tb, device=ids.device)  # [Tb] absolute positions
+        cos_t, sin_t = cos.index_select(0, pos), sin.index_select(0, pos)  # [Tb, 1, D]
+        banned = torch.arange(C, device=ids.device).unsqueeze(0) > pos.unsqueeze(1)  # [Tb, C]: may not look
+        skip_attn, skip_mlp = self.masks
+        h = F.embedding(ids, bb.embed.weight)  # [Tb, hidden]
+        delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
+
+        def normed(h, delta, weight, eps):
+            return (h, ops.norm(h, weight, eps)) if delta is None else ops.add_norm(h, delta, weight, eps)
+
+        for i, w in enumerate(bb.weights):
+            if not skip_attn[i]:
+                h, x = normed(h, delta, w.attn_norm, w.attn_eps)
+                q, kn, vn = ops.split_heads(w.qkv(x), cos_t, sin_t, w.q_norm, w.k_norm, w.qk_eps, bb.n_heads,
+                                            bb.n_kv_heads, k.dtype, bb.scaling)
+                k[i].index_copy_(1, pos, kn)
+                v[i].index_copy_(1, pos, vn)
+                probs = ops.masked_softmax(torch.bmm(q, k[i].transpose(1, 2)), banned)  # [KV, G * Tb, C]
+                delta = w.o(ops.merge_heads(torch.bmm(probs, v[i]), Tb, h.dtype))
+            if not skip_mlp[i]:
+                h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
+                delta = w.down(ops.gated(w.gate_up(x), w.act))
+        if self.logits == "last":
+            h = h.index_select(0, meta[1:2])
+            delta = None if delta is None else delta.index_select(0, meta[1:2])
+        _, x = normed(h, delta, bb.norm.weight, bb.norm_eps)
+        return bb.head(x).float()
+
+
+@dataclass(eq=False)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor  # the graph's output buffer, rewritten by each replay
+
+
+@dataclass(eq=False)
+class StepGraphs:
+    """The CUDA graphs of a backbone's static steps, captured lazily (per slot, bucket, skip set and
+    logits mode) and replayed by :meth:`forward`. A failed capture turns graphs off for the backbone,
+    which then runs eagerly, and says so once on stderr."""
+
+    backbone: object
+    pool: SlotPool = field(init=False)
+    enabled: bool = True
+    # what Inductor compiles before capture: "ops" (the pieces between the products, StepOps.compiled: the
+    # default), "step" (each whole step: fewer kernels, but ~50 s of compiling per bucket and skip set on an
+    # H100) or "none" (every piece a plain PyTorch kernel)
+    compile: str = "ops"
+    captures: int = 0  # graphs captured so far
+    replays: int = 0
+    _graphs: dict = field(default_factory=dict, repr=False)
+    _inputs: dict = field(default_factory=dict, repr=False)  # bucket -> [bucket + 2] long: ids, start, last row
+    _rope: dict = field(default_factory=dict, repr=False)  # capacity -> (cos, sin)
+    _mempool: object = field(default=None, repr=False)
+    _ops: StepOps | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.pool = SlotPool(self.backbone.allocate_kv)
+
+    def new_cache(self, max_len: int, cache_type):
+        """A cache of ``max_len`` positions over a pooled slot."""
+        capacity = capacity_for(max_len)
+        k, v = self.pool.take(capacity)
+        cache = cache_type(k=k, v=v, limit=max_len)
+        self.pool.bind(cache, capacity)
+        return cache
+
+    def forward(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str) -> torch.Tensor | None:
+        """The logits of feeding ``ids`` (``[T]``) at ``start`` by replaying a graph (``[T, V]`` for
+        ``"all"``, ``[1, V]`` for ``"last"``), or ``None`` when no static step serves the call (graphs
+        off, more tokens than the largest bucket, a cache that is not a slot); the caller runs eagerly."""
+        T = int(ids.shape[0])
+        Tb = bucket_for(T)
+        if not self.enabled or Tb is None or logits not in ("all", "last") or cache.limit == 0:
+            return None
+        buf = self._inputs.get(Tb)
+        if buf is None:
+            buf = self._inputs[Tb] = torch.zeros(Tb + 2, dtype=torch.long, device=self.backbone.device)
+        if ids.device.type == "cpu":  # the ids, padding and position tensors in one copy to the device
+            buf.copy_(torch.tensor(ids.tolist() + [0] * (Tb - T) + [start, T - 1]), non_blocking=True)
+        else:  # drafted on the device: stays there
+            buf[:T].copy_(ids, non_blocking=True)
+            buf[Tb:].copy_(torch.tensor([start, T - 1]), non_blocking=True)
+        key = (cache.k.data_ptr(), Tb, masks, logits)
+        cap = self._graphs.get(key)
+        if cap is None:
+            cap = self._capture(key, cache, Tb, masks, logits)
+            if cap is None:
+                return None
+        cap.graph.replay()
+        self.replays += 1
+        return cap.out.clone() if logits == "last" else cap.out[:T].clone()
+
+    def _tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._rope.get(capacity)
+        if t is None:
+            t = self._rope[capacity] = self.backbone.rope_table(capacity)
+        return t
+
+    def _capture(self, key, cache, Tb: int, masks: Masks, logits: str) -> _Captured | None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
+        cos, sin = self._tables(cache.k.shape[2])
+        buf = self._inputs[Tb]
+        args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
+        if self.compile == "ops":
+            if self._ops is None:
+                self._ops = StepOps.compiled()
+            try:  # compiled here, outside any capture (a compilation cannot run inside one)
+                StaticStep(self.backbone, Tb, masks, logits, self._ops)(*args)
+            except Exception as exc:  # noqa: BLE001 - no compiler (Triton) or a failed compilation: plain kernels
+                self.compile = "none"
+                print(f"adaptive: compiling the step's pieces failed ({type(exc).__name__}: {exc}); capturing plain "
+                      "kernels", file=sys.stderr)
+        step = StaticStep(self.backbone, Tb, masks, logits, self._ops if self.compile == "ops" else None)
+        if self.compile == "step":
+            step = torch.compile(step, fullgraph=True, dynamic=False)
+        try:
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(device=self.backbone.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces, compiling); the same step: its writes are right
+                for _ in range(2 if self.compile == "step" else 1):
+                    step(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                out = step(*args)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly from now on
+            self.enabled = False
+            print(f"adaptive: CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly",
+                  file=sys.stderr)
+            return None
+        cap = self._graphs[key] = _Captured(graph, out)
+        self.captures += 1
+        return cap
