@@ -62,10 +62,16 @@ class BenchMethod:
         return self.policy if self.policy in DISTILLED else None
 
 
+HF_STATIC_LEN = 2048  # hf-static's cache positions (more for a longer prompt): one shape, one compilation
+
+
 def _bench_methods() -> dict[str, BenchMethod]:
     table = [
         BenchMethod("ar", "our loop, plain greedy decoding (the reference)", "engine"),
         BenchMethod("hf", "transformers generate, greedy", "hf"),
+        BenchMethod("hf-static", "transformers generate, greedy, with a static cache (one of "
+                    f"{HF_STATIC_LEN}+ positions reused across prompts) and, on CUDA, its compiled decoding step "
+                    "(transformers compiles it by itself for a static cache)", "hf"),
         BenchMethod("hf-pld", "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)", "hf"),
         BenchMethod("hf-early-exit", "transformers assisted generation with assistant_early_exit = half the layers",
                     "hf"),
@@ -159,6 +165,7 @@ class _Methods:
         self.lm, self.settings = lm, settings
         self.engine = Engine(lm)
         self.profile = profile
+        self._static_cache = None  # hf-static's, reused (reset) across prompts
         self.llamacpp: dict[str, LlamaCpp] = {}
         torch_only = [name for name in methods if BENCH_METHODS[name].runs_on == "hf"]
         if torch_only and lm.model is None:
@@ -189,6 +196,18 @@ class _Methods:
                 # earlier output, and the figures measure the calibrated profile
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
                                                      reduced_vocab=m.reduced_vocab, online=False)
+
+    def static_cache(self, positions: int):
+        """hf-static's cache, reset, of :data:`HF_STATIC_LEN` positions or the next power of two above
+        ``positions`` (a new one, and a new compilation, only for a longer prompt)."""
+        from transformers import StaticCache
+
+        if self._static_cache is None or self._static_cache[0] < positions:
+            size = max(HF_STATIC_LEN, 1 << (positions - 1).bit_length())
+            self._static_cache = (size, StaticCache(config=self.lm.model.config, max_cache_len=size))
+        cache = self._static_cache[1]
+        cache.reset()
+        return cache
 
     def close(self) -> None:
         """Stop the llama-server processes."""
@@ -236,6 +255,8 @@ class _Methods:
                   or self.lm.tokenizer.eos_token_id)
         if method == "hf-pld":
             kw["prompt_lookup_num_tokens"] = 10
+        elif method == "hf-static":
+            kw["past_key_values"] = self.static_cache(len(ids) + n)
         elif method == "hf-early-exit":
             kw["assistant_early_exit"] = max(1, self.lm.n_layers // 2)
         inp = torch.tensor([ids], device=self.lm.device)
