@@ -1,0 +1,363 @@
+"""The device check's measurements (issue 42), run by ``benchmarks/device_check.sh``; one table at the end.
+
+Parts (``--parts``, comma-separated; all by default):
+
+* ``shapes``: random-weight models built from a config on the device (no download): the embedded
+  model's shape (SmolLM2-135M), Qwen2.5-1.5B's and Llama-3-8B's (``--quick``: two tiny ones). For
+  each: the plain step (one token after ``--context`` cached positions) in ms, eager and replayed as a
+  CUDA graph; the bytes it reads (every weight once, the LM head included, and the keys and values
+  of the context) over its time as a share of the device's bandwidth, measured in the same run by a
+  large device-to-device copy; and the verification table, a forward over ``k + 1`` tokens for
+  ``k = 1 .. 16`` drafts, in units of the plain step.
+* ``compile``: the embedded model's shape with torch.compile'd (Inductor) steps captured instead of
+  eager ones: compile seconds and step ms (an experiment: is compiling worth its minutes?).
+* ``embedded``: the embedded model in bf16: a profile calibrated on this device (``--quick``), then
+  ``adaptive bench`` (batch 1, 64 new tokens, ``--per-category`` prompts of each group of ``--data``
+  after the first ``--skip-first`` (16), which calibration may use) with ``ar``, the routed runtime
+  (``knn-ssd``), ``pld``, ``hf``, ``hf-static`` and ``hf-pld``, interleaved; then in fp32
+  (``--fp32-methods``, ``--fp32-per-category`` prompts) for token equality with ``ar``.
+
+Writes ``--out``/device_check.json and prints the table (Markdown).
+
+    python benchmarks/device_check.py --device cuda --data ../shared/data/spec_bench_dev.jsonl --out /tmp/dc
+    python benchmarks/device_check.py --device cpu --quick --parts shapes --out /tmp/dc
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (family, config fields): the shapes of part (b), random weights
+SHAPES = {
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                   max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                   max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6)),
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)),
+}
+QUICK_SHAPES = {
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024,
+                                 tie_word_embeddings=False)),
+    "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=1024,
+                                 tie_word_embeddings=True)),
+}
+EMBEDDED_METHODS = ("ar", "knn-ssd", "pld", "hf", "hf-static", "hf-pld")
+MAX_DRAFTS = 16
+
+
+def log(msg: str) -> None:
+    print(f"[device_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev: torch.device, repeats: int, blocks: int = 5) -> float:
+    """Median over ``blocks`` of the mean seconds of ``repeats`` calls of ``fn``."""
+    out = []
+    for _ in range(blocks):
+        sync(dev)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync(dev)
+        out.append((time.perf_counter() - t) / repeats)
+    return statistics.median(out)
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (bytes read plus written)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    return 2 * nbytes / timed(lambda: b.copy_(a), dev, repeats=5)
+
+
+def build_random(family: str, fields: dict, dev: torch.device, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **fields)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def weight_bytes(bb) -> int:
+    """Bytes one step reads of the weights: every decoder layer's, the final norm and the LM head."""
+    total = sum(t.numel() * t.element_size() for t in bb.model.model.layers.parameters())
+    return total + bb.lm_head.weight.numel() * bb.lm_head.weight.element_size()
+
+
+def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype: torch.dtype, context: int,
+                  repeats: int, bandwidth: float | None) -> dict:
+    """One shape's row: the plain step eager and replayed (plain kernels, then the default compiled pieces,
+    with the seconds its first step took: compiling and capturing), its share of ``bandwidth``, the
+    verification table and plain decoding through the loop (tokens/s, the host's work included)."""
+    from adaptive.engine.backbone import Backbone
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.graphs import StepGraphs
+    from adaptive.engine.loop import decode_steps, new_cache, prefill
+    from adaptive.engine.protocol import DecodeState
+
+    t0 = time.perf_counter()
+    model = build_random(family, fields, dev, dtype)
+    bb = Backbone(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, bb.vocab_size, (context + MAX_DRAFTS + 1,), generator=gen)
+
+    def prefilled():
+        cache = bb.new_cache(context + MAX_DRAFTS + 1)
+        bb.forward(ids[:context].to(dev), cache, 0, logits="none")
+        cache.length = context
+        return cache
+
+    cache = prefilled()
+    kv_bytes = 2 * bb.n_layers * bb.n_kv_heads * bb.head_dim * context * cache.k.element_size()
+    row = {"shape": name, "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+           "weight_MB": round(weight_bytes(bb) / 1e6, 1), "kv_MB": round(kv_bytes / 1e6, 2), "context": context}
+
+    def step(n=1):
+        return bb.forward(ids[context:context + n], cache, context, logits="all")
+
+    if bb.graphs is not None:
+        bb.graphs.enabled = False  # eager first: the same forward without graphs
+        row["eager_ms"] = round(1e3 * timed(step, dev, max(3, repeats // 10)), 3)
+        for mode in ("none", "ops"):  # plain kernels captured, then the default (compiled pieces)
+            bb.graphs = StepGraphs(bb, compile=mode)
+            cache = prefilled()
+            t = time.perf_counter()
+            step()
+            sync(dev)
+            row[f"first_{mode}_s"] = round(time.perf_counter() - t, 2)
+            row[f"graph_{mode}_ms"] = round(1e3 * timed(step, dev, repeats), 3)
+        row["compile"] = bb.graphs.compile  # "none" if compiling the pieces failed
+    plain = timed(step, dev, repeats)
+    row["step_ms"] = round(1e3 * plain, 3)
+    if bandwidth:
+        row["hbm_share"] = round((weight_bytes(bb) + kv_bytes) / plain / bandwidth, 3)
+    verify = []
+    for k in range(1, MAX_DRAFTS + 1):
+        step(k + 1)
+        verify.append(round(timed(lambda k=k: step(k + 1), dev, max(5, repeats // 4)) / plain, 3))
+    row["verify"] = verify  # verify[k - 1]: k drafts
+    cfg = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    prompt = ids[:context].tolist()
+
+    def decode():
+        c = new_cache(bb, len(prompt), cfg)
+        first = prefill(bb, prompt, c, cfg, None).first
+        sync(dev)
+        t = time.perf_counter()
+        n = sum(len(new) for new in decode_steps(bb, DecodeState(bb, c, prompt + [first], cfg, None)))
+        sync(dev)
+        return n / (time.perf_counter() - t)
+
+    decode()
+    row["loop_tok_s"] = round(statistics.median(decode() for _ in range(3)), 1)
+    if bb.graphs is not None:
+        row["captures"] = bb.graphs.captures
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def compile_experiment(dev: torch.device, dtype: torch.dtype, context: int, repeats: int) -> dict:
+    """The embedded model's shape with compiled (Inductor) steps captured instead of eager ones: plain and
+    8-draft verification ms, and the compile time of the two."""
+    from adaptive.engine.backbone import Backbone
+
+    family, fields = SHAPES["smollm2-135m"]
+    bb = Backbone(build_random(family, fields, dev, dtype))
+    if bb.graphs is None:
+        return {"skipped": "no CUDA graphs on this device"}
+    bb.graphs.compile = "step"
+    ids = torch.randint(0, bb.vocab_size, (context + 10,), generator=torch.Generator().manual_seed(0))
+    cache = bb.new_cache(context + 10)
+    bb.forward(ids[:context].to(dev), cache, 0, logits="none")
+    out = {}
+    for n in (1, 9):
+        t = time.perf_counter()
+        bb.forward(ids[context:context + n], cache, context, logits="all")
+        sync(dev)
+        out[f"T{n}_compile_s"] = round(time.perf_counter() - t, 1)
+        log(f"compiled the {n}-token step in {out[f'T{n}_compile_s']} s")
+    for n in (1, 9):
+        out[f"T{n}_ms"] = round(1e3 * timed(lambda n=n: bb.forward(ids[context:context + n], cache, context,
+                                                                   logits="all"), dev, repeats), 3)
+    out["enabled"] = bb.graphs.enabled
+    return out
+
+
+def part_shapes(args, dev: torch.device) -> dict:
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    bw = copy_bandwidth(dev, (64 << 20) if args.quick else (2 << 30))
+    log(f"device copy: {bw / 1e9:.0f} GB/s (read + written)")
+    rows = []
+    for name, (family, fields) in (QUICK_SHAPES if args.quick else SHAPES).items():
+        try:
+            rows.append(measure_shape(name, family, fields, dev, dtype, args.context, args.repeats, bw))
+            log(f"shape {name}: {rows[-1]}")
+            gc.collect()  # the backbone and its graphs hold each other: free the model before the next
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - a failed shape is a row of the table, not the end of the check
+            rows.append({"shape": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            log(f"shape {name} failed: {rows[-1]['error']}")
+    return {"bandwidth_GBps": round(bw / 1e9, 1), "dtype": str(dtype).replace("torch.", ""), "rows": rows}
+
+
+def part_compile(args, dev: torch.device) -> dict:
+    try:
+        out = compile_experiment(dev, torch.float32 if dev.type == "cpu" else torch.bfloat16, args.context,
+                                 args.repeats)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        out = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    log(f"compiled steps: {out}")
+    return out
+
+
+def run(cmd: list[str], timeout: float, log_path: Path) -> dict:
+    """Run a command (the CLI), its output to ``log_path``: ``{"ok", "seconds", "tail"}``."""
+    t = time.perf_counter()
+    log(" ".join(cmd))
+    with open(log_path, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    return {"ok": rc == 0, "rc": rc, "seconds": round(time.perf_counter() - t, 1), "tail": tail}
+
+
+def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
+    cli = [sys.executable, "-m", "adaptive.cli.main"]
+    domains = out_dir / "domains"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "specbench_domains.py"), args.data, str(domains)],
+                   check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    common = ["--model", args.model, "--engine", "torch", "--device", dev.type]
+    profile = out_dir / "profile"
+    res: dict = {}
+    cal = [*cli, "calibrate", *common, "--dtype", "bfloat16", "--quick", "--out", str(profile), "--resume"]
+    for f in sorted(domains.glob("*.jsonl")):
+        cal += ["--domains", f"{f.stem}={f}"]
+    res["calibrate"] = run(cal, args.calibrate_timeout, out_dir / "calibrate.log")
+    methods = [m for m in EMBEDDED_METHODS if res["calibrate"]["ok"] or m != "knn-ssd"]
+    fp32 = [m for m in args.fp32_methods.split(",") if m in methods]
+    for dtype, names, per, limit in (("bfloat16", methods, args.per_category, args.bench_timeout),
+                                     ("float32", fp32, args.fp32_per_category, args.fp32_timeout)):
+        report = out_dir / f"bench-{dtype}.json"
+        cmd = [*cli, "bench", *common, "--dtype", dtype, "--data", args.data, "--skip-first", str(args.skip_first),
+               "--per-category", str(per), "--max-new-tokens", "64", "--methods", ",".join(names),
+               "--out", str(report), "--quiet"]
+        if "knn-ssd" in names:
+            cmd += ["--profile", str(profile)]
+        res[f"bench_{dtype}"] = run(cmd, limit, out_dir / f"bench-{dtype}.log")
+        if report.exists():
+            res[f"bench_{dtype}"]["report"] = json.loads(report.read_text())["results"]
+    return res
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# device check: {result['device']}", ""]
+    shapes = result.get("shapes")
+    if shapes:
+        lines += [f"## (b) random-weight shapes, {shapes['dtype']}, one token after {result['context']} positions "
+                  f"(device copy {shapes['bandwidth_GBps']} GB/s)", "",
+                  "| shape | weights MB | eager ms | graph, plain kernels ms | graph, compiled pieces ms | "
+                  "HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in shapes["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | |")
+                continue
+            v = r["verify"]
+            lines.append(f"| {r['shape']} | {r['weight_MB']} | {r.get('eager_ms', r['step_ms'])} | "
+                         f"{r.get('graph_none_ms', '-')} | {r.get('graph_ops_ms', '-')} | {r.get('hbm_share', '-')} | "
+                         f"{v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']} |")
+    if "compiled" in result:
+        lines += ["", f"compiled (Inductor) steps captured, smollm2 shape: {json.dumps(result['compiled'])}"]
+    emb = result.get("embedded")
+    if emb:
+        lines += ["", "## (a) embedded model, batch 1, 64 new tokens", "",
+                  f"calibration: {'ok' if emb['calibrate']['ok'] else 'FAILED'} in {emb['calibrate']['seconds']} s",
+                  "", "| method | bf16 tok/s | bf16 speedup | fp32 tok/s | fp32 identical to ar |",
+                  "|---|---|---|---|---|"]
+        b16 = emb.get("bench_bfloat16", {}).get("report", {})
+        f32 = emb.get("bench_float32", {}).get("report", {})
+        for m in sorted(set(b16) | set(f32), key=lambda m: EMBEDDED_METHODS.index(m) if m in EMBEDDED_METHODS else 99):
+            a, b = b16.get(m, {}), f32.get(m, {})
+            lines.append(f"| {m} | {a.get('tokens_per_s')} | {a.get('speedup')} | {b.get('tokens_per_s')} | "
+                         f"{b.get('identical_to_ar')} |")
+        if "knn-ssd" in b16:
+            lines += ["", "knn-ssd by group (bf16 speedup over ar): " + ", ".join(
+                f"{g} {v['speedup']}" for g, v in b16["knn-ssd"]["by_category"].items())]
+        for key in ("calibrate", "bench_bfloat16", "bench_float32"):
+            if key in emb and not emb[key]["ok"]:
+                lines += [f"{key} failed (rc {emb[key]['rc']}): " + " / ".join(emb[key]["tail"])]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--parts", default="shapes,embedded", help="shapes, compile, embedded")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (the CPU run CI makes)")
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"))
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--per-category", type=int, default=4, help="benchmarked prompts of each group")
+    ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left to calibration")
+    ap.add_argument("--context", type=int, default=None, help="cached positions before a timed step [512; quick 32]")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per block [100; quick 3]")
+    ap.add_argument("--fp32-methods", default="ar,knn-ssd,pld,hf,hf-pld", help="the fp32 equality run's methods")
+    ap.add_argument("--fp32-per-category", type=int, default=2)
+    ap.add_argument("--calibrate-timeout", type=float, default=150, help="seconds")
+    ap.add_argument("--bench-timeout", type=float, default=270, help="seconds, the bf16 bench")
+    ap.add_argument("--fp32-timeout", type=float, default=100, help="seconds, the fp32 bench")
+    ap.add_argument("--out", default="device-check")
+    args = ap.parse_args()
+    args.context = args.context or (32 if args.quick else 512)
+    args.repeats = args.repeats or (3 if args.quick else 100)
+    dev = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    result = {"device": name, "torch": torch.__version__, "context": args.context, "quick": args.quick}
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - {"shapes", "compile", "embedded"}
+    if unknown:
+        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; choose shapes, compile, embedded")
+    t0 = time.perf_counter()
+    if "shapes" in parts:
+        result["shapes"] = part_shapes(args, dev)
+    if "compile" in parts:
+        result["compiled"] = part_compile(args, dev)
+    if "embedded" in parts:
+        result["embedded"] = part_embedded(args, dev, out_dir)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    tmp = out_dir / "device_check.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out_dir / "device_check.json")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

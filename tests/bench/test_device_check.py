@@ -1,0 +1,38 @@
+"""The device check runs on the CPU as it will on a lent GPU (``DEVICE=cpu benchmarks/device_check.sh
+--quick``), so that a GPU session's first run is not the script's first run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
+    data = tmp_path / "bench.jsonl"
+    rows = [{"question_id": f"{cat}{i}", "category": cat, "turns": [f"{cat} question {i}: say hello"]}
+            for cat in ("qa", "math_reasoning") for i in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run([str(ROOT / "benchmarks" / "device_check.sh"), "--quick", "--model", str(tiny_model_dir),
+                           "--data", str(data), "--skip-first", "2", "--per-category", "1", "--fp32-per-category", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    shapes = result["shapes"]["rows"]
+    assert [r["shape"] for r in shapes] == ["tiny-llama", "tiny-qwen3"]
+    assert all("error" not in r and r["step_ms"] > 0 and len(r["verify"]) == 16 for r in shapes)
+    emb = result["embedded"]
+    assert emb["calibrate"]["ok"], emb["calibrate"]["tail"]
+    fp32 = {"ar", "knn-ssd", "pld", "hf", "hf-pld"}  # the equality run leaves out hf-static's compilation
+    for dtype, methods in (("bfloat16", fp32 | {"hf-static"}), ("float32", fp32)):
+        report = emb[f"bench_{dtype}"]["report"]
+        assert set(report) == methods
+        assert all(r["tokens_per_s"] > 0 for r in report.values())
+    assert all(r["identical_to_ar"] for m, r in emb["bench_float32"]["report"].items() if m != "ar")
+    assert "| knn-ssd |" in proc.stdout and "(b) random-weight shapes" in proc.stdout
