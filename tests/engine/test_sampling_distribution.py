@@ -30,7 +30,7 @@ def test_wrong_acceptance_rule_is_detected(setup):
     def accept_all(draft, p_logits, cfg, gen):
         k = len(draft)
         p = warp_probs(p_logits, cfg.temperature)
-        return k, int(torch.multinomial(p[k], 1, generator=gen))
+        return k, draft.tokens.tolist() + [int(torch.multinomial(p[k], 1, generator=gen))]
 
     probs = target_joint(lm)
     counts = sample_counts(lm, drafter, accept_all)
