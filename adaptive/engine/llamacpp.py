@@ -15,14 +15,21 @@ GGUF file, with the file's own quantized weights: no float copy of the model is 
 * Threads are set explicitly (llama.cpp's own default is 4, too many on a 2-core machine) and run
   in a thread pool attached to the context for its lifetime, as llama-server does (without one,
   ggml starts its threads anew for every decode; llama-cpp-python does not bind the call).
-* The routing embedding is the final-normed hidden state at the prompt's last position
-  (``Pooling(mode="last")``). The prompt is prefilled exactly as without it; then its last token is
-  decoded once more, alone and with llama.cpp's embedding output on, in a scratch sequence that
-  shares the prompt's cached cells (``llama_memory_seq_cp``, no copy) and is dropped after: routing
-  costs one token's step and changes nothing of the request's own numerics (a prefill shape that
-  differed from plain decoding's would make the outputs part at near-ties). Intermediate layers are
-  not exposed by llama.cpp's public API for every architecture, so the layer-depth poolings of the
-  torch backbone are refused here (:meth:`pool_args`).
+* The routing embedding is any of the torch backbone's poolings (:class:`~adaptive.engine.config.Pooling`):
+  the residual stream after ``L`` layers, through the model's final RMSNorm, at the prompt's last
+  position or its mean, taken during the prompt's own prefill at no extra forward. llama.cpp
+  copies a layer's input rows out of the graph it computes when asked
+  (``llama_set_embeddings_layer_inp``: the input of layer ``L`` is the residual after ``L``
+  layers), for every fed token, from its C++ extension API (``llama-ext.h``, found in the library
+  by its mangled name); asked for only while a prompt that pools is prefilled, so a decoding step
+  never pays for it. The final norm's weight and epsilon are read from the GGUF file once. Where
+  the build lacks that API or the architecture's graph gives no rows, the engine falls back to the
+  final layer's last position, saying so once (:meth:`routing_pooling`): the prompt is prefilled
+  as without it, then its last token is decoded once more, alone and with llama.cpp's embedding
+  output on, in a scratch sequence that shares the prompt's cached cells (``llama_memory_seq_cp``,
+  no copy) and is dropped after. (llama.cpp's per-node eval callback, ``cb_eval``, was the other
+  way: set for a context's lifetime, it calls into Python at each of a step's ~940 graph nodes,
+  every decoding step included; the scheduler's own setter is reset by every graph rebuild.)
 
 What it cannot do: skip sublayers, swap the LM head, exit early or return hidden states; those stay
 with the torch backbone (``layer_skip = False`` says so to the drafter factory and calibration).
@@ -35,6 +42,7 @@ import ctypes
 import gc
 import importlib.util
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -45,6 +53,7 @@ import numpy as np
 import torch
 
 from adaptive.engine.backbone import ForwardOutput, Segment
+from adaptive.engine.norms import rms_norm
 from adaptive.errors import ConfigError, ModelNotFoundError, PromptTooLongError
 
 ENGINE = "llama.cpp"
@@ -113,6 +122,48 @@ def _threadpool_api(lib):
         return cpu.ggml_threadpool_new(ctypes.byref(params))
 
     return new, cpu.ggml_threadpool_free, llama.llama_attach_threadpool, llama.llama_detach_threadpool
+
+
+# llama.cpp's C++ extension API (src/llama-ext.h, not in llama.h): the input of a layer, per fed token
+_SET_LAYER_INP = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"  # (ctx, layer, on)
+_GET_LAYER_INP = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"  # (ctx, layer) -> float *
+
+
+def _layer_input_api(lib):
+    """``(set, get)``: llama.cpp's layer-input calls, or ``None`` when this build has none."""
+    llama = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libllama.so"))
+    try:
+        set_fn, get_fn = getattr(llama, _SET_LAYER_INP), getattr(llama, _GET_LAYER_INP)
+    except AttributeError:
+        return None
+    set_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool]
+    set_fn.restype = None
+    get_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    get_fn.restype = ctypes.POINTER(ctypes.c_float)
+    return set_fn, get_fn
+
+
+def _final_norm(path: Path, architecture: str) -> tuple[torch.Tensor, float] | None:
+    """The model's final RMSNorm (``output_norm.weight``, ``[hidden]`` float32, and its epsilon) from the
+    GGUF file, or ``None`` if the file has none in float form."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    weight = next((t for t in reader.tensors if t.name == "output_norm.weight"), None)
+    field = reader.fields.get(f"{architecture}.attention.layer_norm_rms_epsilon")
+    if weight is None or field is None or weight.tensor_type.name not in ("F32", "F16"):
+        return None
+    eps = float(field.parts[field.data[0]][0])
+    return torch.from_numpy(np.array(weight.data, dtype=np.float32).reshape(-1)), eps
+
+
+_WARNED: set[str] = set()  # what has been said once on stderr
+
+
+def _say_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"adaptive: {message}", file=sys.stderr)
 
 
 def _init_backend(lib) -> None:
@@ -219,6 +270,7 @@ class LlamaCppBackbone:
         self._closer = weakref.finalize(self, _free_native, lib, model, ctx, self._batch,
                                         (pool, free_pool, detach) if pool else None)
         self.eos = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self.vocab, t))
+        self._layers = None  # the layer-input calls and the final norm, once probed (layer_pools)
 
     # -- what the engine reads ------------------------------------------------------------------
 
@@ -285,19 +337,24 @@ class LlamaCppBackbone:
 
         ``logits``: ``"last"``, ``"all"`` or ``"none"``; ``pool_last``: also return the final-normed
         hidden state at the last position as ``pooled`` (``[hidden]``, float32; :meth:`pool_args`).
+        ``pool_layers``: as the torch backbone's, the residual stream after each of these many layers
+        through the final norm, its mean over the fed positions and its last one
+        (``ForwardOutput.layer_pools``, ``{layer: [2, hidden]}``), taken from this forward's own
+        graph (:attr:`layer_pools` says whether this build and model give them).
         The torch backbone's other options (sublayer skipping, another head, early-exit adapters,
-        hidden states, read-only forwards, layer pools) are refused with :class:`ConfigError`.
+        hidden states, read-only forwards, the final mean) are refused with :class:`ConfigError`.
         Does not change ``cache.length``.
         """
         with self._lock:
-            return self._forward(input_ids, cache, start, logits, pool_last, skip_masks is not None or head is not None
-                                 or read_only or adapter is not None or hidden or pool or bool(pool_layers))
+            return self._forward(input_ids, cache, start, logits, pool_last, tuple(pool_layers),
+                                 skip_masks is not None or head is not None or read_only or adapter is not None
+                                 or hidden or pool)
 
     def _forward(self, input_ids, cache: LlamaCache, start: int, logits: str, pool_last: bool,
-                 torch_only: bool) -> ForwardOutput:
+                 pool_layers: tuple[int, ...], torch_only: bool) -> ForwardOutput:
         if torch_only:
             raise ConfigError("the llama.cpp engine runs the whole model only (no skipped sublayers, other heads, "
-                              "exits, hidden states or layer pools): use --engine torch for that")
+                              "exits or hidden states): use --engine torch for that")
         ids = _ids(input_ids)
         T = len(ids)
         if T == 0:
@@ -306,18 +363,26 @@ class LlamaCppBackbone:
             raise PromptTooLongError(f"positions up to {start + T} exceed the cache of {cache.max_len}")
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        taps = _LayerTaps(self, pool_layers) if pool_layers else None
         self._rewind(cache, start)
         rows = []
-        for a in range(0, T, N_BATCH):
-            chunk = ids[a:a + N_BATCH]
-            last = a + N_BATCH >= T
-            flags = True if logits == "all" else ("last" if logits == "last" and last else False)
-            cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
-            r, _ = self._decode([(chunk, cache.seq, start + a, flags)])
-            if r is not None:
-                rows.append(r)
+        try:
+            for a in range(0, T, N_BATCH):
+                chunk = ids[a:a + N_BATCH]
+                last = a + N_BATCH >= T
+                flags = True if logits == "all" else ("last" if logits == "last" and last else False)
+                cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
+                r, _ = self._decode([(chunk, cache.seq, start + a, flags)])
+                if r is not None:
+                    rows.append(r)
+                if taps is not None:
+                    taps.read(len(chunk))
+        finally:
+            if taps is not None:
+                taps.close()
         pooled = self._last_hidden(cache, ids[-1], start + T - 1) if pool_last else None
-        return ForwardOutput(torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None), pooled)
+        return ForwardOutput(torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None), pooled,
+                             layer_pools=taps.pools(T) if taps is not None else None)
 
     def _last_hidden(self, cache: LlamaCache, token: int, pos: int) -> torch.Tensor:
         """``[hidden]``: the final-normed hidden state of ``token`` at ``pos`` over the sequence's cached
@@ -409,26 +474,104 @@ class LlamaCppBackbone:
 
     # -- the prompt embedding (routing) ---------------------------------------------------------
 
+    @property
+    def layer_pools(self) -> bool:
+        """Whether forwards give the residual stream after any layer (``pool_layers``): this build has
+        llama.cpp's layer-input API and this model's graph fills it (probed once, on a two-token
+        decode in the scratch sequence; the final norm read from the GGUF file)."""
+        with self._lock:
+            if self._layers is None:
+                self._layers = self._probe_layers() or False
+            return bool(self._layers)
+
+    def _probe_layers(self):
+        api = _layer_input_api(self._lib)
+        arch = self.describe()["architecture"]
+        norm = _final_norm(self.path, arch) if api is not None else None
+        if api is None or norm is None:
+            return None
+        set_fn, get_fn = api
+        layer = max(1, self.n_layers // 3)
+        set_fn(self._ctx, layer, True)
+        try:
+            self._decode([([1, 2], self._scratch, 0, "last")])
+            ok = bool(get_fn(self._ctx, layer))
+        finally:
+            set_fn(self._ctx, layer, False)
+            self._lib.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
+        return (api, norm) if ok else None
+
     def pool_args(self, pooling) -> dict:
-        """The :meth:`forward` arguments that compute ``pooling``: only the final layer's last position
-        (``Pooling(mode="last")``, or its layer given as ``n_layers``) on this engine."""
+        """The :meth:`forward` arguments that compute ``pooling``: the final layer's last position as
+        before layer pools existed here (a decode of the last token in the scratch sequence: profiles
+        calibrated with it route on the same numbers), any other from the prefill's own graph
+        (:attr:`layer_pools`; without them, a :class:`ConfigError`)."""
         layer = self.n_layers if pooling.layer is None else pooling.layer
-        if layer != self.n_layers or pooling.mode != "last":
-            raise ConfigError(f"the llama.cpp engine pools the final layer's last position only, not "
-                              f"{pooling.mode} after {layer} of {self.n_layers} layers: calibrate with this engine "
-                              "(it records that pooling) or use --engine torch")
-        return {"pool_last": True}
+        if layer > self.n_layers:
+            raise ValueError(f"pooling after layer {layer} of a {self.n_layers}-layer model")
+        if layer == self.n_layers and pooling.mode == "last":
+            return {"pool_last": True}
+        if not self.layer_pools:
+            raise ConfigError(f"this llama.cpp build gives no hidden state before the last layer of this model, so "
+                              f"not the {pooling.mode} after {layer} of {self.n_layers} layers: use --engine torch")
+        return {"pool_layers": (layer,)}
 
     def pooled(self, out: ForwardOutput, pooling) -> torch.Tensor:
         """``[hidden]`` float32: the embedding a forward with :meth:`pool_args` computed."""
+        if out.layer_pools:
+            (v,) = out.layer_pools.values()
+            return v[0] if pooling.mode == "mean" else v[1]
         return out.pooled
 
     def routing_pooling(self, pooling):
-        """The pooling this engine computes in place of ``pooling`` (the final layer's last position)."""
+        """The pooling this engine computes for ``pooling``: as asked where :attr:`layer_pools`, else
+        the final layer's last position (said once on stderr)."""
+        if self.layer_pools or ((pooling.layer in (None, self.n_layers)) and pooling.mode == "last"):
+            return pooling
+        _say_once(f"this llama.cpp build gives no hidden state before the last layer of {self.path.name}: "
+                  "routing on the final layer's last position")
         return type(pooling)(None, "last")
 
     def sublayer_influence(self, input_ids, from_position: int = 0):
         raise ConfigError("sublayer influence needs the torch engine (llama.cpp runs the whole model)")
+
+
+class _LayerTaps:
+    """The residual stream after some layers, read from llama.cpp's layer-input rows while one forward
+    runs (``read`` after each decode), through the final norm: :meth:`pools`, as the torch backbone's."""
+
+    def __init__(self, bb: LlamaCppBackbone, layers: tuple[int, ...]):
+        if not bb.layer_pools:
+            raise ConfigError("this llama.cpp build gives no hidden state before the last layer of this model: "
+                              "use --engine torch for layer pools")
+        (self.set_fn, self.get_fn), (self.weight, self.eps) = bb._layers
+        self.bb, self.layers = bb, layers
+        bad = [layer for layer in layers if not 0 <= layer <= bb.n_layers]
+        if bad:
+            raise ValueError(f"pooling after layer(s) {bad} of a {bb.n_layers}-layer model")
+        self.sums = {layer: torch.zeros(bb.hidden_size) for layer in layers}
+        self.last: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            self.set_fn(bb._ctx, layer, True)
+
+    def read(self, n: int) -> None:
+        """Take the rows of the ``n`` tokens the last decode fed."""
+        for layer in self.layers:
+            ptr = self.get_fn(self.bb._ctx, layer)
+            if not ptr:
+                raise ConfigError(f"llama.cpp gave no rows for the input of layer {layer} of this model")
+            rows = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.bb.hidden_size)).copy())
+            normed = rms_norm(rows, self.weight, self.eps)
+            self.sums[layer] += normed.sum(dim=0)
+            self.last[layer] = normed[-1]
+
+    def close(self) -> None:
+        for layer in self.layers:
+            self.set_fn(self.bb._ctx, layer, False)
+
+    def pools(self, n: int) -> dict[int, torch.Tensor]:
+        """``{layer: [2, hidden]}``: the mean over the ``n`` fed positions and the last one."""
+        return {layer: torch.stack([self.sums[layer] / n, self.last[layer]]) for layer in self.layers}
 
 
 def _ids(x) -> list[int]:

@@ -32,7 +32,7 @@ def cpp_profile(cpp_lm, tmp_path_factory):
 def test_calibration_races_only_what_the_engine_runs(cpp_profile):
     p = cpp_profile
     assert p.model.engine == "llama.cpp" and p.model.dtype == ""
-    assert p.index.pooling == Pooling(None, "last")  # the embedding llama.cpp gives
+    assert p.index.pooling == tiny_settings().pooling(p.n_layers) != Pooling(None, "last")  # as on torch
     assert p.cost_model.attn == (0.0,) * p.n_layers and p.cost_model.base == 1.0
     for d in [*p.domains.values(), p.global_set]:
         assert d.decision.drafter in ("ar", "pld", "cascade")

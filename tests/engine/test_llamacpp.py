@@ -46,12 +46,49 @@ def test_logits_and_embedding_match_the_torch_engine_on_the_same_weights(pair):
     assert ours.shape == ref.shape == (len(PROMPT), pt.vocab_size)
     assert close(ours, ref)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    pooling = cpp.routing_pooling(Pooling(2, "mean"))
-    assert pooling == Pooling(None, "last")
-    out = cpp.forward(ids, cpp.new_cache(32), 0, logits="last", **cpp.pool_args(pooling))
-    ref = pt.forward(ids, pt.new_cache(32), 0, logits="last", **pt.pool_args(Pooling(pt.n_layers, "last")))
-    assert close(cpp.pooled(out, pooling), pt.pooled(ref, Pooling(pt.n_layers, "last")))
-    assert close(out.logits, ref.logits)
+    for pooling in (Pooling(None, "last"), Pooling(2, "mean"), Pooling(2, "last"), Pooling(0, "last"),
+                    Pooling(1, "mean")):
+        assert cpp.routing_pooling(pooling) == pooling  # every pooling, as on torch
+        out = cpp.forward(ids, cpp.new_cache(32), 0, logits="last", **cpp.pool_args(pooling))
+        ref = pt.forward(ids, pt.new_cache(32), 0, logits="last", **pt.pool_args(pooling))
+        assert cpp.pooled(out, pooling).shape == (pt.config.hidden_size,)
+        assert close(cpp.pooled(out, pooling), pt.pooled(ref, pooling)), pooling
+        assert close(out.logits, ref.logits)
+
+
+def test_layer_pools_come_from_the_prefill_itself_chunk_by_chunk(pair):
+    """A layer's pool is read from the prompt's own forward (no extra decode), leaves its logits and the
+    decoding after it unchanged bit for bit, and a prompt fed in chunks (a server's chunked prefill)
+    pools to the same mean and last position as one forward."""
+    cpp, _ = pair
+    ids = torch.tensor(PROMPT)
+    a, b, c = cpp.new_cache(32), cpp.new_cache(32), cpp.new_cache(32)
+    plain = cpp.forward(ids, a, 0, logits="last").logits
+    pooled = cpp.forward(ids, b, 0, logits="last", pool_layers=(1, 2))
+    assert torch.equal(plain, pooled.logits) and set(pooled.layer_pools) == {1, 2}
+    nxt = torch.tensor([int(plain.argmax())])
+    assert torch.equal(cpp.forward(nxt, a, len(PROMPT)).logits, cpp.forward(nxt, b, len(PROMPT)).logits)
+    first = cpp.forward(ids[:6], c, 0, logits="none", pool_layers=(1,)).layer_pools[1]
+    rest = cpp.forward(ids[6:], c, 6, logits="last", pool_layers=(1,)).layer_pools[1]
+    whole = pooled.layer_pools[1]
+    assert close((6 * first[0] + (len(PROMPT) - 6) * rest[0]) / len(PROMPT), whole[0], 1e-4)
+    assert close(rest[1], whole[1], 1e-4)
+
+
+def test_without_layer_inputs_routing_falls_back_to_the_last_layer_once(tiny_gguf, monkeypatch, capsys):
+    """A build of llama.cpp without the layer-input API (or a model whose graph gives no rows) routes on
+    today's embedding, the final layer's last position, and says so once."""
+    from adaptive.engine import llamacpp
+
+    monkeypatch.setattr(llamacpp, "_layer_input_api", lambda lib: None)
+    monkeypatch.setattr(llamacpp, "_WARNED", set())
+    cpp = LlamaCppBackbone(tiny_gguf[0], threads=1, context=64, sequences=1)
+    assert not cpp.layer_pools
+    for _ in range(2):
+        assert cpp.routing_pooling(Pooling(1, "last")) == Pooling(None, "last")
+    assert capsys.readouterr().err.count("routing on the final layer's last position") == 1
+    with pytest.raises(ConfigError, match="--engine torch"):
+        cpp.pool_args(Pooling(1, "last"))
 
 
 def test_embedding_the_prompt_changes_nothing_of_its_decoding(pair):
@@ -189,8 +226,8 @@ def test_what_only_the_torch_engine_can_do_is_refused_clearly(pair):
     skip = SkipSet.from_text("attn=1")
     with pytest.raises(ConfigError, match="--engine torch"):
         cpp.forward(torch.tensor([1, 2]), cache, 0, skip_masks=skip.masks(cpp.n_layers))
-    with pytest.raises(ConfigError, match="final layer's last position"):
-        cpp.pool_args(Pooling(1, "last"))
+    with pytest.raises(ValueError, match="after layer 9 of a"):
+        cpp.pool_args(Pooling(9, "last"))
     for spec in (DrafterSpec("ssd", skip=skip), DrafterSpec("cascade", skip=skip)):
         with pytest.raises(ConfigError, match="use --engine torch"):
             build_drafter(spec, cpp)
