@@ -28,6 +28,7 @@ bucket 4; one of 4 drafts feeds 5 ids in bucket 8, rows 5..7 padding at position
 
 from __future__ import annotations
 
+import gc
 import sys
 import weakref
 from collections.abc import Callable
@@ -70,13 +71,19 @@ class SlotPool:
     def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
         self._allocate = allocate
         self._free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._made: dict[int, int] = {}  # capacity -> slots made
         self.allocated = 0  # slots made so far (tests and the device check read it)
 
     def take(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        free = self._free.get(capacity)
+        """A free slot of ``capacity``; a new one (and new graphs for it) only when none is free, even
+        after collecting finished requests' caches that a reference cycle still held."""
+        free = self._free.setdefault(capacity, [])
+        if not free and self._made.get(capacity):
+            gc.collect()
         if free:
             return free.pop()
         self.allocated += 1
+        self._made[capacity] = self._made.get(capacity, 0) + 1
         return self._allocate(capacity)
 
     def give(self, capacity: int, k: torch.Tensor, v: torch.Tensor) -> None:
