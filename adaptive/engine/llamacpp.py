@@ -495,7 +495,10 @@ class LlamaCppBackbone:
         set_fn(self._ctx, layer, True)
         try:
             self._decode([([1, 2], self._scratch, 0, "last")])
-            ok = bool(get_fn(self._ctx, layer))
+            ptr = get_fn(self._ctx, layer)
+            rows = np.ctypeslib.as_array(ptr, shape=(2, self.hidden_size)) if ptr else None
+            # filled by this forward: finite, not zero, one row per token
+            ok = rows is not None and bool(np.isfinite(rows).all() and rows.any() and (rows[0] != rows[1]).any())
         finally:
             set_fn(self._ctx, layer, False)
             self._lib.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
