@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +14,10 @@ import torch
 
 from adaptive.calibrate.parallel import Worker
 from adaptive.calibrate.settings import CalibrationSettings
-from adaptive.engine.config import GenerationConfig
+from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.engine import Engine
 from adaptive.engine.loop import cache_positions
+from adaptive.index.choice import pooling_key
 from adaptive.index.embedding import pooled_to_numpy
 from adaptive.limits import check_room
 from adaptive.models import LoadedModel
@@ -28,14 +29,25 @@ MAX_TOGETHER = 16  # continuations stepped together at most (calibration uses 6-
 @dataclass
 class Prepared:
     """One domain's calibration text: ``ids`` (encoded prompts), ``embeddings`` (``[prompts, hidden]``
-    prefill embeddings), ``sequences`` (``(prompt_ids, continuation_ids)`` pairs) and the mean
-    sublayer ``influence`` (``[2, n_layers]``) over the continuations."""
+    prefill embeddings, the default pooling's), ``sequences`` (``(prompt_ids, continuation_ids)``
+    pairs), the mean sublayer ``influence`` (``[2, n_layers]``) over the continuations, and
+    ``candidates``: every candidate pooling's embeddings from the same prefills (``{pooling_key:
+    [prompts, hidden]}``, :func:`candidate_poolings`; empty in a checkpoint written before them)."""
 
     name: str
     ids: list[list[int]]
     embeddings: np.ndarray
     sequences: list[tuple[list[int], list[int]]]
     influence: torch.Tensor
+    candidates: dict = field(default_factory=dict)
+
+
+def candidate_poolings(bb, s: CalibrationSettings) -> tuple[Pooling, ...]:
+    """The routing embeddings this calibration compares (:meth:`CalibrationSettings.pooling_candidates`)
+    that ``bb`` computes: the default first (or what the engine gives in its place)."""
+    default = bb.routing_pooling(s.pooling(bb.n_layers))
+    others = [p for p in s.pooling_candidates(bb.n_layers)[1:] if p != default and bb.routing_pooling(p) == p]
+    return (default, *others)
 
 
 def _save(path: Path, prep: Prepared) -> None:
@@ -60,10 +72,10 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
     engine = Engine(lm)
     bb = lm.backbone
     cfg = GenerationConfig(max_new_tokens=s.continuation_tokens)
-    pooling = bb.routing_pooling(s.pooling(bb.n_layers))
+    poolings = candidate_poolings(bb, s)
     bar = worker.phase("prepare", name, len(prompts))
     ids = [engine.encode(prompt, chat=s.chat) for prompt in prompts]
-    conts, pooled = continue_together(engine, ids, cfg, pooling, on_done=lambda: bar.update(1))
+    conts, pooled = continue_together(engine, ids, cfg, poolings, on_done=lambda: bar.update(1))
     influence = torch.zeros(2, bb.n_layers)
     if bb.layer_skip:  # what the skip-set search ranks sublayers by (none is searched on llama.cpp)
         for p, cont in zip(ids, conts):
@@ -71,15 +83,17 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
             influence += bb.sublayer_influence(torch.tensor(tail, device=bb.device),
                                                from_position=len(tail) - len(cont))
     bar.close()
-    embs = np.stack([pooled_to_numpy(v) for v in pooled])
-    return Prepared(name, ids, embs, list(zip(ids, conts)), influence / len(prompts))
+    candidates = {pooling_key(p): np.stack([pooled_to_numpy(v[j]) for v in pooled]) for j, p in enumerate(poolings)}
+    return Prepared(name, ids, candidates[pooling_key(poolings[0])], list(zip(ids, conts)), influence / len(prompts),
+                    candidates)
 
 
 def continue_together(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, pooling,
                       on_done: Callable[[], None] = lambda: None,
                       max_together: int = MAX_TOGETHER) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Each prompt's greedy continuation (through its first EOS or ``cfg.max_new_tokens``) and its
-    prefill's ``pooling`` embedding (as the runtime routes on), the unfinished ones stepped together,
+    prefill's ``pooling`` embedding (as the runtime routes on; a tuple of poolings gives a tuple of
+    embeddings, all from the one prefill), the unfinished ones stepped together,
     one forward per step: where verifying several rows costs about one step (a memory-bound model),
     ``n`` continuations cost about what one did alone.
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from adaptive import __version__
 from adaptive.calibrate.domain import DomainTask, calibrate_domain
 from adaptive.calibrate.parallel import Worker, in_process, run_parallel, shared_model
-from adaptive.calibrate.prepare import Prepared, check_prompt_lengths, prepare_domain
+from adaptive.calibrate.prepare import Prepared, candidate_poolings, check_prompt_lengths, prepare_domain
 from adaptive.calibrate.progress import Progress, budgets
 from adaptive.calibrate.settings import (
     BACKENDS,
@@ -42,6 +42,7 @@ from adaptive.costs import CostModel, measure_costs
 from adaptive.engine.config import Pooling
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
+from adaptive.index.choice import choose_pooling, pooling_key
 from adaptive.models import LoadedModel, ModelFingerprint
 from adaptive.profile import MeasureSettings, Profile, check_writable, save_profile
 from adaptive.workdir import CHECKPOINT_FORMAT, checkpointed
@@ -170,13 +171,12 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             costs = cost_model if cost_model is not None else CostModel.from_dict(
                 checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
             worker.bars.finish("costs", "")
-            pooling = lm.backbone.routing_pooling(s.pooling(lm.n_layers))
-            records, index = _run_phases(worker, lm, domains, costs, jobs, backend, scheduler, log, pooling)
+            records, index, pooling = _run_phases(worker, lm, domains, costs, jobs, backend, scheduler, log)
         finally:
             worker.bars.close()
             worker.bars = None
         seconds = round(time.perf_counter() - started, 1)
-        run = {"jobs": jobs, "backend": backend, "seconds": seconds}
+        run = {"jobs": jobs, "backend": backend, "seconds": seconds, "pooling": pooling}
         profile = _profile(fingerprint, s, costs, records, index, run)
         save_profile(profile, out)
     return profile
@@ -188,10 +188,10 @@ def _measure_costs(lm: LoadedModel, s: CalibrationSettings, log: Callable[[str],
 
 
 def _run_phases(worker: Worker, lm: LoadedModel, domains: dict[str, list[str]], costs: CostModel, jobs: int,
-                backend: str, scheduler: str | None, log: Callable[[str], None],
-                pooling: Pooling) -> tuple[list, AnchorIndex]:
-    """Phases 2 to 4: the domains' records (name order, then the global one) and the anchor index.
-    ``lm``: the model loaded in this process (the global task runs on it)."""
+                backend: str, scheduler: str | None, log: Callable[[str], None]) -> tuple[list, AnchorIndex, dict]:
+    """Phases 2 to 4: the domains' records (name order, then the global one), the anchor index and how
+    its pooling was chosen (:func:`_choose_pooling`). ``lm``: the model loaded in this process (the
+    global task runs on it)."""
     s = worker.settings
     names = sorted(domains)
     log(f"preparing {len(names)} domains ...")
@@ -199,8 +199,8 @@ def _run_phases(worker: Worker, lm: LoadedModel, domains: dict[str, list[str]], 
     prep = {p.name: p for p in preps}
     for n in names:  # done in worker processes, or resumed: the bar catches up
         worker.bars.finish("prepare", n)
-    index = AnchorIndex.build({n: prep[n].embeddings for n in names}, per_domain=s.anchors_per_domain, seed=s.seed,
-                              k=s.route_k, pooling=pooling)
+    pooling, embeddings, choice = _choose_pooling(prep, names, s, lm.backbone, log)
+    index = AnchorIndex.build(embeddings, per_domain=s.anchors_per_domain, seed=s.seed, k=s.route_k, pooling=pooling)
     if lm.backbone.layer_skip:
         log(f"bounding and searching skip sets (up to {s.trials} trials each), racing drafters against ar ...")
     else:
@@ -217,4 +217,23 @@ def _run_phases(worker: Worker, lm: LoadedModel, domains: dict[str, list[str]], 
     for t in tasks:
         for phase in ("verify", "search", "race"):
             worker.bars.finish(phase, t.name)
-    return records, index
+    return records, index, choice
+
+
+def _choose_pooling(prep: dict[str, Prepared], names: list[str], s: CalibrationSettings, bb,
+                    log: Callable[[str], None]) -> tuple[Pooling, dict, dict]:
+    """The routing embedding the index keeps, its domains' embeddings, and the record of the choice
+    (``{"chosen": key, "held_out_accuracy": {key: accuracy}}``): of the candidates every domain was
+    prepared with (:func:`~adaptive.calibrate.prepare.candidate_poolings`), the one that routes the
+    calibration's own prompts best held out in turn (:func:`adaptive.index.choice.choose_pooling`;
+    a tie keeps the default). A checkpoint prepared before candidates existed keeps the default."""
+    poolings = candidate_poolings(bb, s)
+    have = [p for p in poolings if all(pooling_key(p) in prep[n].candidates for n in names)]
+    if len(have) < 2:
+        return poolings[0], {n: prep[n].embeddings for n in names}, {"chosen": pooling_key(poolings[0])}
+    tables = [{n: prep[n].candidates[pooling_key(p)] for n in names} for p in have]
+    chosen, scores = choose_pooling(have, tables, per_domain=s.anchors_per_domain, k=s.route_k, seed=s.seed)
+    key, default = pooling_key(chosen), pooling_key(have[0])
+    log(f"routing embedding: {key} (held-out routing of the calibration prompts {scores[key]:.3f}; "
+        f"the default {default} {scores[default]:.3f}; {len(have)} candidates)")
+    return chosen, tables[have.index(chosen)], {"chosen": key, "held_out_accuracy": scores}

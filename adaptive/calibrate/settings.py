@@ -58,6 +58,9 @@ class CalibrationSettings:
     route_k: int = 5
     pool_depth: float = 1 / 3  # the routing embedding: the residual stream after this share of the layers ...
     pool_mode: str = "last"  # ... at the prompt's last position (docs/results.md: routing study)
+    # other depths whose last position and mean calibration compares with that default by held-out routing
+    # accuracy on its own prompts (adaptive.index.choice), keeping the best; () keeps the default
+    pool_choices: tuple = (0.2, 0.5, 2 / 3, 0.85)
     cost_context: int = 128
     chat: bool | None = _R.chat
     seed: int = _M.seed
@@ -82,6 +85,9 @@ class CalibrationSettings:
             raise ConfigError(f"pool-depth must be in (0, 1], got {self.pool_depth}")
         if self.pool_mode not in POOL_MODES:
             raise ConfigError(f"pool-mode must be one of {', '.join(POOL_MODES)}, got {self.pool_mode!r}")
+        object.__setattr__(self, "pool_choices", tuple(self.pool_choices))
+        if any(not 0 < d < 1 for d in self.pool_choices):
+            raise ConfigError(f"pool choices must be depths in (0, 1), got {self.pool_choices}")
         if not self.time_gate >= 0:
             raise ConfigError(f"time-gate must be >= 0 (0: time every skip set found), got {self.time_gate}")
         self._check_cascade_and_vocab()
@@ -124,9 +130,22 @@ class CalibrationSettings:
         """The routing embedding for a model of ``n_layers``: e.g. the last position after 10 of 30 layers."""
         return Pooling(max(1, min(n_layers, round(n_layers * self.pool_depth))), self.pool_mode)
 
+    def pooling_candidates(self, n_layers: int) -> tuple[Pooling, ...]:
+        """The default :meth:`pooling` first, then the last position and the mean after each of
+        ``pool_choices`` (layers before the last, no repeats). Example, 30 layers: last@10, mean@10,
+        last@6, mean@6, last@15, mean@15, last@20, mean@20, last@26, mean@26."""
+        out = [self.pooling(n_layers)]
+        for depth in (self.pool_depth, *self.pool_choices) if self.pool_choices else ():
+            layer = max(1, min(n_layers - 1, round(n_layers * depth)))
+            for mode in POOL_MODES[::-1]:  # last, mean
+                if Pooling(layer, mode) not in out:
+                    out.append(Pooling(layer, mode))
+        return tuple(out)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["vocab_sizes"] = list(self.vocab_sizes)  # as JSON reads it back: a resumed run compares equal
+        d["pool_choices"] = list(self.pool_choices)
         return d
 
 

@@ -377,11 +377,12 @@ class Backbone:
         return pooling
 
     def pooled(self, out: ForwardOutput, pooling) -> torch.Tensor:
-        """``[hidden]`` float32: ``pooling``'s embedding from a forward run with :meth:`pool_args`."""
-        if out.layer_pools:
-            (v,) = out.layer_pools.values()
-            return v[0] if pooling.mode == "mean" else v[1]
-        return out.pooled
+        """``[hidden]`` float32: ``pooling``'s embedding from a forward run with :meth:`pool_args` (its
+        arguments alone or merged with other poolings', :func:`adaptive.engine.loop.merge_pool_args`)."""
+        layer = self.n_layers if pooling.layer is None else pooling.layer
+        if layer == self.n_layers and pooling.mode == "mean":
+            return out.pooled
+        return out.layer_pools[layer][0 if pooling.mode == "mean" else 1]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The model's final RMSNorm of the residual stream ``h`` (``[T, hidden]``)."""

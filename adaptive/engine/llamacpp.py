@@ -520,11 +520,12 @@ class LlamaCppBackbone:
         return {"pool_layers": (layer,)}
 
     def pooled(self, out: ForwardOutput, pooling) -> torch.Tensor:
-        """``[hidden]`` float32: the embedding a forward with :meth:`pool_args` computed."""
-        if out.layer_pools:
-            (v,) = out.layer_pools.values()
-            return v[0] if pooling.mode == "mean" else v[1]
-        return out.pooled
+        """``[hidden]`` float32: the embedding a forward with :meth:`pool_args` computed (alone or merged
+        with other poolings')."""
+        layer = self.n_layers if pooling.layer is None else pooling.layer
+        if layer == self.n_layers and pooling.mode == "last":
+            return out.pooled
+        return out.layer_pools[layer][0 if pooling.mode == "mean" else 1]
 
     def routing_pooling(self, pooling):
         """The pooling this engine computes for ``pooling``: as asked where :attr:`layer_pools`, else

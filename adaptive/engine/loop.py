@@ -105,6 +105,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def merge_pool_args(args: Sequence[dict]) -> dict:
+    """One forward's keyword arguments for several poolings' (each from a backbone's ``pool_args``): the
+    union of their ``pool_layers``, any of their flags. Example: ``[{"pool_layers": (10,)},
+    {"pool_layers": (6, 10)}, {"pool": True}]`` -> ``{"pool_layers": (6, 10), "pool": True}``."""
+    out: dict = {}
+    for a in args:
+        for key, value in a.items():
+            if key == "pool_layers":
+                out[key] = tuple(sorted(set(out.get(key, ())) | set(value)))
+            else:
+                out[key] = bool(out.get(key, False) or value)
+    return out
+
+
 def new_generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator | None:
     """The request's random stream: ``None`` when greedy, else seeded with ``cfg.seed`` (random without one)."""
     if cfg.greedy:
@@ -148,7 +162,9 @@ class ChunkedPrefill:
     forward would; only the last chunk computes logits. A ``mean`` pooling is the chunks' pooled
     means weighted by their lengths (the mean over all positions); a ``last`` pooling comes from
     the last chunk. Example: a 300-token prompt with ``chunk=128`` is three forwards (128, 128, 44
-    tokens); :meth:`advance` returns ``None`` twice, then the :class:`Prefill`.
+    tokens); :meth:`advance` returns ``None`` twice, then the :class:`Prefill`. ``pool`` may be a
+    tuple of poolings, all taken from the same forwards (calibration compares candidates so);
+    ``Prefill.pooled`` is then the tuple of their embeddings.
     """
 
     backbone: object
@@ -156,11 +172,11 @@ class ChunkedPrefill:
     cache: object
     cfg: GenerationConfig
     generator: torch.Generator | None
-    pool: bool | Pooling = False
+    pool: bool | Pooling | tuple[Pooling, ...] = False
     chunk: int = 0
     position: int = 0  # prompt tokens prefilled so far
     elapsed: float = 0.0  # wall time of the forwards so far (s)
-    _pools: list = field(default_factory=list, repr=False)  # (tokens, [hidden]) per chunk that pooled
+    _pools: list = field(default_factory=list, repr=False)  # (tokens, {pooling: [hidden]}) per chunk that pooled
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -169,8 +185,13 @@ class ChunkedPrefill:
             raise ValueError(f"chunk must be >= 0, got {self.chunk}")
 
     @property
-    def pooling(self) -> Pooling | None:
-        return Pooling() if self.pool is True else (self.pool or None)
+    def poolings(self) -> tuple[Pooling, ...]:
+        """The poolings asked for (``True``: ``Pooling()``, the final mean)."""
+        if self.pool is True:
+            return (Pooling(),)
+        if not self.pool:
+            return ()
+        return tuple(self.pool) if isinstance(self.pool, tuple) else (self.pool,)
 
     @property
     def remaining(self) -> int:
@@ -179,18 +200,19 @@ class ChunkedPrefill:
     def advance(self, tokens: int | None = None) -> Prefill | None:
         """Prefill the next chunk (``tokens``: this many instead, e.g. all that remain, in one forward):
         ``None`` while prompt tokens remain, then the :class:`Prefill`."""
-        bb, pooling = self.backbone, self.pooling
+        bb = self.backbone
         t0 = time.perf_counter()
         a, n = self.position, len(self.prompt_ids)
         size = self.chunk if tokens is None else tokens
         b = min(n, a + size) if size else n
         last = b == n
-        extra = bb.pool_args(pooling) if pooling is not None and (last or pooling.mode == "mean") else {}
+        wanted = [p for p in self.poolings if last or p.mode == "mean"]
+        extra = merge_pool_args([bb.pool_args(p) for p in wanted])
         out = bb.forward(torch.tensor(self.prompt_ids[a:b], device=bb.device), self.cache, a,
                          logits="last" if last else "none", **extra)
         self.cache.length = self.position = b
-        if extra:
-            self._pools.append((b - a, bb.pooled(out, pooling)))
+        if wanted:
+            self._pools.append((b - a, {p: bb.pooled(out, p) for p in wanted}))
         first = self._first(out.logits[0]) if last else None  # [V] logits of the prompt's last position
         _sync(bb.device)
         self.elapsed += time.perf_counter() - t0
@@ -213,8 +235,7 @@ class ChunkedPrefill:
     @property
     def can_ride(self) -> bool:
         """Whether :meth:`ride` gives the next chunk (see there)."""
-        pooling = self.pooling
-        return 0 < self.chunk < self.remaining and not (pooling is not None and pooling.mode == "mean")
+        return 0 < self.chunk < self.remaining and not any(p.mode == "mean" for p in self.poolings)
 
     def rode(self, segment: Segment, seconds: float) -> None:
         """Record the chunk :meth:`ride` gave, now fed: the prompt has ``len(segment.ids)`` more
@@ -233,12 +254,17 @@ class ChunkedPrefill:
         return int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
                                      generator=self.generator))
 
-    def _pooled(self) -> torch.Tensor | None:
+    def _pooled(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         if not self._pools:
             return None
-        if len(self._pools) == 1:
-            return self._pools[0][1]
-        return sum(k * v for k, v in self._pools) / sum(k for k, _ in self._pools)
+        out = []
+        for p in self.poolings:
+            rows = [(k, d[p]) for k, d in self._pools if p in d]
+            if p.mode == "last" or len(rows) == 1:
+                out.append(rows[-1][1])
+            else:
+                out.append(sum(k * v for k, v in rows) / sum(k for k, _ in rows))
+        return tuple(out) if isinstance(self.pool, tuple) else out[0]
 
 
 @dataclass(eq=False)

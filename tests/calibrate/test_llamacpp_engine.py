@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("llama_cpp")
 
 from adaptive.calibrate.runner import calibrate  # noqa: E402
-from adaptive.engine.config import GenerationConfig, Pooling  # noqa: E402
+from adaptive.engine.config import GenerationConfig  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
 from adaptive.models import LoadedModel  # noqa: E402
 from adaptive.profile import ProfileError, load_profile  # noqa: E402
@@ -32,7 +32,9 @@ def cpp_profile(cpp_lm, tmp_path_factory):
 def test_calibration_races_only_what_the_engine_runs(cpp_profile):
     p = cpp_profile
     assert p.model.engine == "llama.cpp" and p.model.dtype == ""
-    assert p.index.pooling == tiny_settings().pooling(p.n_layers) != Pooling(None, "last")  # as on torch
+    # chosen as on torch, among the candidates (intermediate layers from llama.cpp's own prefill)
+    assert p.index.pooling in tiny_settings().pooling_candidates(p.n_layers)
+    assert p.calibration["pooling"]["chosen"] in p.calibration["pooling"]["held_out_accuracy"]
     assert p.cost_model.attn == (0.0,) * p.n_layers and p.cost_model.base == 1.0
     for d in [*p.domains.values(), p.global_set]:
         assert d.decision.drafter in ("ar", "pld", "cascade")

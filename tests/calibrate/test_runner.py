@@ -43,8 +43,22 @@ def test_settings_are_validated():
         CalibrationSettings(cascade_max_split=13)
     with pytest.raises(ConfigError, match="vocab-sizes"):
         CalibrationSettings(vocab_sizes=(8,))
+    with pytest.raises(ConfigError, match="pool choices"):
+        CalibrationSettings(pool_choices=(0.5, 1.0))
     q = CalibrationSettings.quick()
     assert q.trials < CalibrationSettings().trials
+
+
+def test_pooling_candidates_start_with_the_default():
+    from adaptive.engine.config import Pooling
+
+    keys = [f"{p.mode}@{p.layer}" for p in CalibrationSettings().pooling_candidates(30)]
+    assert keys == ["last@10", "mean@10", "last@6", "mean@6", "last@15", "mean@15", "last@20", "mean@20", "last@26",
+                    "mean@26"]
+    assert CalibrationSettings(pool_choices=()).pooling_candidates(30) == (Pooling(10, "last"),)
+    assert CalibrationSettings(pool_choices=[0.5]).to_dict()["pool_choices"] == [0.5]  # JSON's form
+    tiny = CalibrationSettings().pooling_candidates(4)  # depths meet on few layers: no repeats
+    assert len(set(tiny)) == len(tiny) and all(1 <= p.layer <= 3 for p in tiny)
 
 
 def test_global_task_name_is_on_disk():

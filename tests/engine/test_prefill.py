@@ -34,6 +34,32 @@ def test_chunks_give_the_prefill_of_one_forward_fp32(pool):
     assert decoded[0] == decoded[1] and len(decoded[0]) == 24
 
 
+def test_several_poolings_come_from_one_prefill_as_each_alone():
+    """A tuple of poolings (calibration's candidates) gives each one's embedding, in order, from the same
+    forwards, equal to a prefill pooling it alone, whole or in chunks (which cannot ride a step while
+    one of them is a mean)."""
+    lm = tiny_lm("llama")
+    eng, cfg = Engine(lm), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    pools = (Pooling(2, "last"), Pooling(1, "mean"), Pooling(None, "mean"), Pooling(None, "last"), Pooling(0, "last"))
+    for chunk in (0, 128):
+        task = eng.prefilling(PROMPT, cfg, pool=pools, chunk=chunk)
+        assert task.can_ride is False or chunk == 0
+        session = None
+        while session is None:
+            session = task.advance()
+        assert isinstance(session.pooled, tuple) and len(session.pooled) == len(pools)
+        for p, v in zip(pools, session.pooled):
+            assert torch.allclose(v, eng.start(PROMPT, cfg, pool=p).pooled, atol=1e-5, rtol=1e-5), (chunk, p)
+
+
+def test_merged_pool_args():
+    from adaptive.engine.loop import merge_pool_args
+
+    assert merge_pool_args([{"pool_layers": (10,)}, {"pool_layers": (6, 10)}, {"pool": True}]) == {
+        "pool_layers": (6, 10), "pool": True}
+    assert merge_pool_args([]) == {}
+
+
 def test_chunk_zero_is_one_forward_and_bad_chunks_are_refused():
     lm = tiny_lm("llama")
     bb, cfg = lm.backbone, GenerationConfig(max_new_tokens=4)
