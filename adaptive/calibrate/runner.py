@@ -224,9 +224,10 @@ def _choose_pooling(prep: dict[str, Prepared], names: list[str], s: CalibrationS
                     log: Callable[[str], None]) -> tuple[Pooling, dict, dict]:
     """The routing embedding the index keeps, its domains' embeddings, and the record of the choice
     (``{"chosen": key, "held_out_accuracy": {key: accuracy}}``): of the candidates every domain was
-    prepared with (:func:`~adaptive.calibrate.prepare.candidate_poolings`), the one that routes the
-    calibration's own prompts best held out in turn (:func:`adaptive.index.choice.choose_pooling`;
-    a tie keeps the default). A checkpoint prepared before candidates existed keeps the default."""
+    prepared with (:func:`~adaptive.calibrate.prepare.candidate_poolings`), the default unless another
+    routes the calibration's own prompts, held out in turn, clearly better
+    (:func:`adaptive.index.choice.choose_pooling`). A checkpoint prepared before candidates existed
+    keeps the default."""
     poolings = candidate_poolings(bb, s)
     have = [p for p in poolings if all(pooling_key(p) in prep[n].candidates for n in names)]
     if len(have) < 2:
