@@ -553,6 +553,16 @@ class Backbone:
                 m.weight.data = m.weight.data.new_empty(0)
 
     @property
+    def embed_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the token embedding table (the static step's lookup)."""
+        return self.embed.weight
+
+    @property
+    def final_norm_weight(self) -> torch.Tensor:
+        """``[hidden]``: the final RMSNorm's weight (with :attr:`norm_eps`)."""
+        return self.norm.weight
+
+    @property
     def norm_eps(self) -> float:
         """The final RMSNorm's epsilon (for the functional norm distillation trains through)."""
         return _eps(self.norm)

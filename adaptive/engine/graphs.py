@@ -202,7 +202,7 @@ class StaticStep:
         cos_t, sin_t = cos.index_select(0, pos), sin.index_select(0, pos)  # [Tb, 1, D]
         banned = torch.arange(C, device=ids.device).unsqueeze(0) > pos.unsqueeze(1)  # [Tb, C]: may not look
         skip_attn, skip_mlp = self.masks
-        h = F.embedding(ids, bb.embed.weight)  # [Tb, hidden]
+        h = F.embedding(ids, bb.embed_weight)  # [Tb, hidden]
         delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
 
         def normed(h, delta, weight, eps):
@@ -223,7 +223,7 @@ class StaticStep:
         if self.logits == "last":
             h = h.index_select(0, meta[1:2])
             delta = None if delta is None else delta.index_select(0, meta[1:2])
-        _, x = normed(h, delta, bb.norm.weight, bb.norm_eps)
+        _, x = normed(h, delta, bb.final_norm_weight, bb.norm_eps)
         return bb.head(x).float()
 
 
