@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from adaptive.engine.backbone import ForwardOutput, Segment
-from adaptive.engine.norms import rms_norm
+from adaptive.engine.formulas import rms_norm
 from adaptive.errors import ConfigError, ModelNotFoundError, PromptTooLongError
 
 ENGINE = "llama.cpp"
@@ -98,13 +98,15 @@ class _ThreadpoolParams(ctypes.Structure):
                 ("paused", ctypes.c_bool)]
 
 
+def _shared_lib(lib, name: str):
+    """One of the shared libraries llama-cpp-python ships (``libllama``, ``libggml-base``, ...)."""
+    return ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / f"{name}.so"))
+
+
 def _threadpool_api(lib):
     """``(new, free, attach, detach)``: ggml's thread-pool calls and llama.cpp's attach/detach, from the
     shared libraries llama-cpp-python ships (it binds none of them)."""
-    libdir = Path(lib.__file__).parent / "lib"
-    base = ctypes.CDLL(str(libdir / "libggml-base.so"))
-    cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"))
-    llama = ctypes.CDLL(str(libdir / "libllama.so"))
+    base, cpu, llama = (_shared_lib(lib, name) for name in ("libggml-base", "libggml-cpu", "libllama"))
     base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams), ctypes.c_int]
     base.ggml_threadpool_params_init.restype = None
     cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
@@ -131,7 +133,7 @@ _GET_LAYER_INP = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"  # (ctx, 
 
 def _layer_input_api(lib):
     """``(set, get)``: llama.cpp's layer-input calls, or ``None`` when this build has none."""
-    llama = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libllama.so"))
+    llama = _shared_lib(lib, "libllama")
     try:
         set_fn, get_fn = getattr(llama, _SET_LAYER_INP), getattr(llama, _GET_LAYER_INP)
     except AttributeError:
@@ -338,11 +340,11 @@ class LlamaCppBackbone:
         ``logits``: ``"last"``, ``"all"`` or ``"none"``; ``pool_last``: also return the final-normed
         hidden state at the last position as ``pooled`` (``[hidden]``, float32; :meth:`pool_args`).
         ``pool_layers``: as the torch backbone's, the residual stream after each of these many layers
-        through the final norm, its mean over the fed positions and its last one
-        (``ForwardOutput.layer_pools``, ``{layer: [2, hidden]}``), taken from this forward's own
+        (``0 .. n_layers - 1``) through the final norm, its mean over the fed positions and its last
+        one (``ForwardOutput.layer_pools``, ``{layer: [2, hidden]}``), taken from this forward's own
         graph (:attr:`layer_pools` says whether this build and model give them).
         The torch backbone's other options (sublayer skipping, another head, early-exit adapters,
-        hidden states, read-only forwards, the final mean) are refused with :class:`ConfigError`.
+        hidden states, read-only forwards, the final layer's mean) are refused with :class:`ConfigError`.
         Does not change ``cache.length``.
         """
         with self._lock:
@@ -363,8 +365,8 @@ class LlamaCppBackbone:
             raise PromptTooLongError(f"positions up to {start + T} exceed the cache of {cache.max_len}")
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
-        taps = _LayerTaps(self, pool_layers) if pool_layers else None
         self._rewind(cache, start)
+        taps = _LayerTaps(self, pool_layers) if pool_layers else None  # capture on: closed below, whatever happens
         rows = []
         try:
             for a in range(0, T, N_BATCH):
@@ -481,7 +483,10 @@ class LlamaCppBackbone:
         decode in the scratch sequence; the final norm read from the GGUF file)."""
         with self._lock:
             if self._layers is None:
-                self._layers = self._probe_layers() or False
+                try:
+                    self._layers = self._probe_layers() or False
+                except PromptTooLongError:  # no cell free for the probe now: ask again later
+                    return False
             return bool(self._layers)
 
     def _probe_layers(self):
@@ -514,6 +519,9 @@ class LlamaCppBackbone:
             raise ValueError(f"pooling after layer {layer} of a {self.n_layers}-layer model")
         if layer == self.n_layers and pooling.mode == "last":
             return {"pool_last": True}
+        if layer == self.n_layers:  # the input of no layer: llama.cpp gives the last one's output at one position only
+            raise ConfigError("the llama.cpp engine pools the final layer at the last position only, not its mean: "
+                              "use --engine torch, or a pooling of an earlier layer")
         if not self.layer_pools:
             raise ConfigError(f"this llama.cpp build gives no hidden state before the last layer of this model, so "
                               f"not the {pooling.mode} after {layer} of {self.n_layers} layers: use --engine torch")
@@ -530,10 +538,12 @@ class LlamaCppBackbone:
     def routing_pooling(self, pooling):
         """The pooling this engine computes for ``pooling``: as asked where :attr:`layer_pools`, else
         the final layer's last position (said once on stderr)."""
-        if self.layer_pools or ((pooling.layer in (None, self.n_layers)) and pooling.mode == "last"):
+        final = pooling.layer in (None, self.n_layers)
+        if (final and pooling.mode == "last") or (not final and self.layer_pools):
             return pooling
-        _say_once(f"this llama.cpp build gives no hidden state before the last layer of {self.path.name}: "
-                  "routing on the final layer's last position")
+        if not final:
+            _say_once(f"this llama.cpp build gives no hidden state before the last layer of {self.path.name}: "
+                      "routing on the final layer's last position")
         return type(pooling)(None, "last")
 
     def sublayer_influence(self, input_ids, from_position: int = 0):
@@ -550,7 +560,7 @@ class _LayerTaps:
                               "use --engine torch for layer pools")
         (self.set_fn, self.get_fn), (self.weight, self.eps) = bb._layers
         self.bb, self.layers = bb, layers
-        bad = [layer for layer in layers if not 0 <= layer <= bb.n_layers]
+        bad = [layer for layer in layers if not 0 <= layer < bb.n_layers]  # the input of layer L: L < n_layers
         if bad:
             raise ValueError(f"pooling after layer(s) {bad} of a {bb.n_layers}-layer model")
         self.sums = {layer: torch.zeros(bb.hidden_size) for layer in layers}

@@ -75,6 +75,20 @@ def test_layer_pools_come_from_the_prefill_itself_chunk_by_chunk(pair):
     assert close(rest[1], whole[1], 1e-4)
 
 
+def test_layer_pools_of_a_prompt_longer_than_llama_cpp_s_micro_batch(tiny_gguf):
+    """A forward of 700 tokens runs as two of llama.cpp's 512-token micro-batches: its layer rows are
+    the whole batch's, in order (the same mean and last position as two forwards of 350)."""
+    cpp = LlamaCppBackbone(tiny_gguf[0], threads=2, context=1200, sequences=2)
+    ids = torch.tensor((PROMPT * 60)[:700])
+    whole = cpp.forward(ids, cpp.new_cache(720), 0, logits="last", pool_layers=(1, 3)).layer_pools
+    c = cpp.new_cache(720)
+    first = cpp.forward(ids[:350], c, 0, logits="none", pool_layers=(1, 3)).layer_pools
+    rest = cpp.forward(ids[350:], c, 350, logits="last", pool_layers=(1, 3)).layer_pools
+    for layer in (1, 3):
+        assert close((first[layer][0] + rest[layer][0]) / 2, whole[layer][0], 1e-3)
+        assert close(rest[layer][1], whole[layer][1], 1e-3)
+
+
 def test_without_layer_inputs_routing_falls_back_to_the_last_layer_once(tiny_gguf, monkeypatch, capsys):
     """A build of llama.cpp without the layer-input API (or a model whose graph gives no rows) routes on
     today's embedding, the final layer's last position, and says so once."""
@@ -228,6 +242,9 @@ def test_what_only_the_torch_engine_can_do_is_refused_clearly(pair):
         cpp.forward(torch.tensor([1, 2]), cache, 0, skip_masks=skip.masks(cpp.n_layers))
     with pytest.raises(ValueError, match="after layer 9 of a"):
         cpp.pool_args(Pooling(9, "last"))
+    with pytest.raises(ConfigError, match="final layer at the last position only"):
+        cpp.pool_args(Pooling(None, "mean"))  # llama.cpp has no layer after the last one to read the input of
+    assert cpp.routing_pooling(Pooling(None, "mean")) == Pooling(None, "last")
     for spec in (DrafterSpec("ssd", skip=skip), DrafterSpec("cascade", skip=skip)):
         with pytest.raises(ConfigError, match="use --engine torch"):
             build_drafter(spec, cpp)
