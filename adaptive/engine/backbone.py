@@ -14,9 +14,10 @@ Supported layouts: Llama, Qwen2, Qwen3 and Mistral families (``model.model.layer
 ``post_attention_layernorm``, ``mlp``), as in transformers 5.x. Anything else is refused with
 :class:`UnsupportedModelError` at construction.
 
-On CUDA, steps of up to 32 tokens (plain, draft and verification steps) replay CUDA graphs of a
-static-shape step (:mod:`adaptive.engine.graphs`) over caches from a pool of fixed-capacity slots;
-longer inputs (prefills) and the forwards that ask for more than logits run this module's eager forward.
+On CUDA, forwards of up to 32 tokens that ask for logits only (plain, draft and verification
+steps, short prefills) replay CUDA graphs of a static-shape step (:mod:`adaptive.engine.graphs`)
+over caches from a pool of fixed-capacity slots; longer inputs, ``logits="none"``, pooled, hidden
+or read-only forwards, another head and an adapter run this module's eager forward.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.graphs import StepGraphs
-from adaptive.engine.norms import rms_norm
+from adaptive.engine.formulas import gated, rms_norm, rotate
+from adaptive.engine.graphs import StepGraphs, zeros_kv
 from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 
@@ -64,7 +65,8 @@ class KVCache:
     limit: int = 0
 
     def release(self) -> None:
-        """Nothing to give back early: the tensors go with the object (a llama.cpp cache frees its cells)."""
+        """Nothing to give back early: the tensors go with the object, or back to the slot pool when it is
+        collected (CUDA graphs); a llama.cpp cache frees its cells here."""
 
     @property
     def max_len(self) -> int:
@@ -260,9 +262,7 @@ class Backbone:
 
     def allocate_kv(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value tensors, ``[n_layers, n_kv_heads, positions, head_dim]`` in the cache dtype."""
-        shape = (self.n_layers, self.n_kv_heads, positions, self.head_dim)
-        return (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
+        return zeros_kv((self.n_layers, self.n_kv_heads), self.head_dim, self.cache_dtype, self.device, positions)
 
     def rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for positions ``0 .. n-1`` (``[n, 1, head_dim]``, :meth:`_rope`'s layout),
@@ -360,7 +360,7 @@ class Backbone:
     def _pool(self, h: torch.Tensor) -> torch.Tensor:
         """``[2, hidden]`` float32: the residual stream ``h`` (``[T, hidden]``) through the final norm,
         its mean over positions and its last position."""
-        x = rms_norm(h, self.norm.weight, self.norm_eps).float()
+        x = self.final_norm(h).float()
         return torch.stack([x.mean(dim=0), x[-1]])
 
     def pool_args(self, pooling) -> dict:
@@ -391,8 +391,7 @@ class Backbone:
     @staticmethod
     def mlp(w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """One gated MLP sublayer on the residual ``h`` (``[T, hidden]``): its output, ``[T, hidden]``."""
-        gate, up = w.gate_up(rms_norm(h, w.mlp_norm, w.mlp_eps)).chunk(2, dim=-1)
-        return w.down(w.act(gate) * up)
+        return w.down(gated(w.gate_up(rms_norm(h, w.mlp_norm, w.mlp_eps)), w.act))
 
     def _attention(self, w: LayerWeights, x: torch.Tensor, cache: KVCache, i: int, start: int, end: int,
                    cos: torch.Tensor, sin: torch.Tensor, banned: torch.Tensor | None, read_only: bool = False):
@@ -426,8 +425,7 @@ class Backbone:
                              raw[:, H + KV:]], dim=1)
         qkv = raw.to(dtype)  # a fresh tensor: rotated in place below
         rot = H + KV if rotate_keys else H
-        qk = qkv[:, :rot]
-        qkv[:, :rot] = qk * cos + qk.roll(D // 2, dims=-1) * sin
+        qkv[:, :rot] = rotate(qkv[:, :rot], cos, sin)
         return qkv
 
     def _attend(self, qkv: torch.Tensor, cache: KVCache, i: int, start: int, end: int,
@@ -505,7 +503,12 @@ class Backbone:
             spans.append((row, row + T, end, self._banned(T, s.start)))
             row += T
         cos_all, sin_all = torch.cat(cos), torch.cat(sin)
-        h = F.embedding(torch.cat([s.ids.reshape(-1).to(self.device) for s in segments]), self.embed.weight)
+        ids = [s.ids.reshape(-1) for s in segments]
+        if all(i.device == ids[0].device for i in ids):  # one copy to the device (drafts built on the host)
+            ids = torch.cat(ids).to(self.device)
+        else:
+            ids = torch.cat([i.to(self.device) for i in ids])
+        h = F.embedding(ids, self.embed.weight)
         dtype = segments[0].cache.k.dtype
         skip_attn, skip_mlp = skip_masks or self._full
         for i, w in enumerate(self.weights):

@@ -21,28 +21,32 @@ Terms, defined once:
 
 A padded row writes keys at positions after the real ones; those lie beyond the cache's
 ``length`` and are overwritten before any query may see them (every forward writes its own
-positions' keys before attending), as a rejected draft's are. Padding ids are whatever the buffer
-last held (valid ids). Example: a verification of 3 drafts feeds 4 ids at positions 100..103 in
-bucket 4; one of 4 drafts feeds 5 ids in bucket 8, rows 5..7 padding at positions 105..107.
+positions' keys before attending), as a rejected draft's are. Padding ids are 0 (for ids drafted
+on the device, whatever the buffer last held: valid ids either way). Example: a verification of
+3 drafts feeds 4 ids at positions 100..103 in bucket 4; one of 4 drafts feeds 5 ids in bucket 8,
+rows 5..7 padding at positions 105..107.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
+import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.norms import rms_norm
+from adaptive.engine.formulas import gated, rms_norm, rotate
 
 COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
 RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps; longer inputs (prefills) run eagerly
 MIN_CAPACITY = 256  # the smallest slot (positions)
+GC_INTERVAL = 1.0  # seconds between the collections a slot pool makes before making a slot
 
 Masks = tuple[tuple[bool, ...], tuple[bool, ...]]
 
@@ -56,12 +60,24 @@ def bucket_for(tokens: int) -> int | None:
     return None
 
 
-def capacity_for(max_len: int) -> int:
+def zeros_kv(lead: tuple[int, int], head_dim: int, dtype: torch.dtype, device: torch.device,
+             positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed keys and values of a cache, ``[*lead, positions, head_dim]`` (``lead``: layers, kv heads)."""
+    shape = (*lead, positions, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def capacity_for(max_len: int, context: int | None = None) -> int:
     """The slot capacity for a cache of ``max_len`` positions: a power of two (at least
-    :data:`MIN_CAPACITY`) with room for the largest bucket's padding after the last position.
-    Example: ``capacity_for(100) == 256``, ``capacity_for(250) == 512``."""
+    :data:`MIN_CAPACITY`) with room for the largest bucket's padding after the last position, at
+    most the model's ``context`` with that room, in whole 256s (no slot twice a long context).
+    Example: ``capacity_for(100) == 256``, ``capacity_for(250) == 512``,
+    ``capacity_for(8190, 8192) == 8448`` (not 16384)."""
     need = max(max_len + BUCKETS[-1], MIN_CAPACITY)
-    return 1 << (need - 1).bit_length()
+    capacity = 1 << (need - 1).bit_length()
+    if context is not None:
+        capacity = min(capacity, -(-(context + BUCKETS[-1]) // 256) * 256)
+    return max(capacity, need)
 
 
 class SlotPool:
@@ -71,19 +87,22 @@ class SlotPool:
     def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
         self._allocate = allocate
         self._free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._made: dict[int, int] = {}  # capacity -> slots made
+        self._made: set[int] = set()  # capacities of the slots made
+        self._collected = float("-inf")  # when take() last collected garbage (time.monotonic)
         self.allocated = 0  # slots made so far (tests and the device check read it)
 
     def take(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A free slot of ``capacity``; a new one (and new graphs for it) only when none is free, even
-        after collecting finished requests' caches that a reference cycle still held."""
+        after collecting finished requests' caches that a reference cycle still held (at most once every
+        :data:`GC_INTERVAL` seconds: a busy server's admissions do not each pay a collection)."""
         free = self._free.setdefault(capacity, [])
-        if not free and self._made.get(capacity):
+        if not free and capacity in self._made and time.monotonic() - self._collected > GC_INTERVAL:
+            self._collected = time.monotonic()
             gc.collect()
         if free:
             return free.pop()
         self.allocated += 1
-        self._made[capacity] = self._made.get(capacity, 0) + 1
+        self._made.add(capacity)
         return self._allocate(capacity)
 
     def give(self, capacity: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -120,8 +139,7 @@ def split_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm,
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    q = (q * cos + q.roll(D // 2, dims=-1) * sin) * scaling
-    k = k * cos + k.roll(D // 2, dims=-1) * sin
+    q, k = rotate(q, cos, sin) * scaling, rotate(k, cos, sin)
     q = q.reshape(Tb, KV, H // KV, D).permute(1, 2, 0, 3).reshape(KV, (H // KV) * Tb, D)
     return q, k.transpose(0, 1), v.transpose(0, 1)
 
@@ -137,12 +155,6 @@ def merge_heads(out: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Ten
     """``[KV, G * Tb, D]`` attention outputs as ``[Tb, H * D]`` rows in ``dtype`` (the o projection's input)."""
     KV, GT, D = out.shape
     return out.view(KV, GT // tokens, tokens, D).permute(2, 0, 1, 3).reshape(tokens, -1).to(dtype)
-
-
-def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
-    """A gated MLP's hidden rows: ``act(gate) * up`` of ``[Tb, 2 I]``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return act(gate) * up
 
 
 @dataclass(frozen=True)
@@ -171,7 +183,9 @@ class StepOps:
         by three models' steps in one process, and the step fell back to plain kernels)."""
         import torch._dynamo
 
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.6
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         return cls(*(torch.compile(f, fullgraph=True) for f in (add_norm, norm, split_heads, masked_softmax,
                                                                  merge_heads, gated)))
 
@@ -239,7 +253,7 @@ class StepGraphs:
     logits mode) and replayed by :meth:`forward`. A failed capture turns graphs off for the backbone,
     which then runs eagerly, and says so once on stderr."""
 
-    backbone: object
+    owner: InitVar[object]  # the backbone, held weakly (it holds its graphs: no cycle, they go together)
     pool: SlotPool = field(init=False)
     enabled: bool = True
     # what Inductor compiles before capture: "ops" (the pieces between the products, StepOps.compiled: the
@@ -254,12 +268,18 @@ class StepGraphs:
     _mempool: object = field(default=None, repr=False)
     _ops: StepOps | None = field(default=None, repr=False)
 
-    def __post_init__(self):
-        self.pool = SlotPool(self.backbone.allocate_kv)
+    def __post_init__(self, owner):
+        self._owner = weakref.ref(owner)
+        self.pool = SlotPool(functools.partial(zeros_kv, (owner.n_layers, owner.n_kv_heads), owner.head_dim,
+                                               owner.cache_dtype, owner.device))
+
+    @property
+    def backbone(self):
+        return self._owner()
 
     def new_cache(self, max_len: int, cache_type):
         """A cache of ``max_len`` positions over a pooled slot."""
-        capacity = capacity_for(max_len)
+        capacity = capacity_for(max_len, self.backbone.max_positions)
         k, v = self.pool.take(capacity)
         cache = cache_type(k=k, v=v, limit=max_len)
         self.pool.bind(cache, capacity)
@@ -304,9 +324,9 @@ class StepGraphs:
         buf = self._inputs[Tb]
         args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
         if self.compile == "ops":
-            if self._ops is None:
-                self._ops = StepOps.compiled()
             try:  # compiled here, outside any capture (a compilation cannot run inside one)
+                if self._ops is None:
+                    self._ops = StepOps.compiled()
                 StaticStep(self.backbone, Tb, masks, logits, self._ops)(*args)
             except Exception as exc:  # noqa: BLE001 - no compiler (Triton) or a failed compilation: plain kernels
                 self.compile = "none"
@@ -320,10 +340,12 @@ class StepGraphs:
                 self._mempool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(device=self.backbone.device)
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces, compiling); the same step: its writes are right
-                for _ in range(2 if self.compile == "step" else 1):
-                    step(*args)
-            torch.cuda.current_stream().wait_stream(side)
+            try:
+                with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces, compiling); the same step: writes are right
+                    for _ in range(2 if self.compile == "step" else 1):
+                        step(*args)
+            finally:  # the eager fallback must not race the warm-up's kernels
+                torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
                 out = step(*args)

@@ -128,7 +128,7 @@ def test_layer_pools_match_the_pooled_embedding_and_the_hidden_state():
     assert all(v.shape == (2, bb.config.hidden_size) and v.dtype == torch.float32 for v in out.layer_pools.values())
     final = out.layer_pools[bb.n_layers]
     torch.testing.assert_close(final[0], out.pooled)  # the mean after every layer is the routing embedding
-    from adaptive.engine.backbone import rms_norm
+    from adaptive.engine.formulas import rms_norm
 
     last = rms_norm(out.hidden, bb.norm.weight, bb.norm_eps).float()[-1]
     torch.testing.assert_close(final[1], last)

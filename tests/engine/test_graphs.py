@@ -22,6 +22,7 @@ def test_buckets_and_capacities():
     assert [bucket_for(t) for t in (1, 2, 3, 5, 9, 16, 17, 32)] == [1, 2, 4, 8, 16, 16, 32, 32]
     assert bucket_for(33) is None
     assert capacity_for(1) == 256 and capacity_for(100) == 256 and capacity_for(250) == 512
+    assert capacity_for(8190, 8192) == 8448 and capacity_for(300, 8192) == 512  # capped by the context
     for n in (1, 200, 224, 225, 1000, 5000):  # room for the largest bucket's padding after the last position
         c = capacity_for(n)
         assert c >= n + BUCKETS[-1] and c & (c - 1) == 0 and (c // 2 < n + BUCKETS[-1] or c == 256)
