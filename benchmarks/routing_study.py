@@ -39,8 +39,10 @@ def features(path: Path, cache: Path, layers: list[int], engine_name: str = "tor
     groups = [group_of(r["category"]) for r in rows]
     if cache.exists():
         data = np.load(cache)
-        if all(f"{layer}/last" in data for layer in layers) and len(data[f"{layers[0]}/last"]) == len(rows):
-            return {k: data[k] for k in data.files}, groups
+        same_engine = str(data["engine"]) == engine_name if "engine" in data else engine_name == "torch"
+        if same_engine and all(f"{layer}/last" in data for layer in layers) and \
+                len(data[f"{layers[0]}/last"]) == len(rows):
+            return {k: data[k] for k in data.files if k != "engine"}, groups
     import torch
 
     from adaptive.engine.engine import Engine
@@ -65,7 +67,7 @@ def features(path: Path, cache: Path, layers: list[int], engine_name: str = "tor
         if i % 48 == 47:
             print(f"  {i + 1}/{len(rows)} prompts embedded ({time.perf_counter() - t0:.0f} s)", flush=True)
     feats = {k: np.stack(v).astype(np.float32) for k, v in out.items()}
-    np.savez(cache, **feats)
+    np.savez(cache, **feats, engine=np.array(engine_name))  # features of another engine are not reused
     return feats, groups
 
 

@@ -90,7 +90,7 @@ def _prepare(worker: Worker, name: str, prompts: list[str]) -> Prepared:
 
 def continue_together(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, pooling,
                       on_done: Callable[[], None] = lambda: None,
-                      max_together: int = MAX_TOGETHER) -> tuple[list[list[int]], list[torch.Tensor]]:
+                      max_together: int = MAX_TOGETHER) -> tuple[list[list[int]], list]:
     """Each prompt's greedy continuation (through its first EOS or ``cfg.max_new_tokens``) and its
     prefill's ``pooling`` embedding (as the runtime routes on; a tuple of poolings gives a tuple of
     embeddings, all from the one prefill), the unfinished ones stepped together,

@@ -207,8 +207,9 @@ class Session:
     decoded: bool = False
 
     @property
-    def pooled(self) -> torch.Tensor | None:
-        """``[hidden]`` the prompt's embedding (``None`` unless started with ``pool``)."""
+    def pooled(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """``[hidden]`` the prompt's embedding (a tuple of them when started with a tuple of poolings;
+        ``None`` unless started with ``pool``)."""
         return self.prefill.pooled
 
 
@@ -318,15 +319,16 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def start(self, prompt_ids: list[int], config: GenerationConfig | None = None,
-              pool: bool | Pooling = False) -> Session:
+              pool: bool | Pooling | tuple[Pooling, ...] = False) -> Session:
         """Prefill ``prompt_ids`` (with the prompt's embedding when ``pool``: ``True`` for the final mean,
-        or a :class:`~adaptive.engine.config.Pooling`): a :class:`Session` to decode."""
+        a :class:`~adaptive.engine.config.Pooling`, or a tuple of them, all from the one prefill): a
+        :class:`Session` to decode."""
         session = self.prefilling(prompt_ids, config, pool).advance()
         assert session is not None
         return session
 
     def prefilling(self, prompt_ids: list[int], config: GenerationConfig | None = None,
-                   pool: bool | Pooling = False, chunk: int = 0) -> Prefilling:
+                   pool: bool | Pooling | tuple[Pooling, ...] = False, chunk: int = 0) -> Prefilling:
         """:meth:`start` a chunk at a time: a :class:`Prefilling` whose :meth:`~Prefilling.advance`
         prefills ``chunk`` more prompt tokens (``0``: all of them) and returns the :class:`Session`
         after the last chunk (``None`` before). The cache is allocated now."""

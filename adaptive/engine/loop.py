@@ -93,7 +93,8 @@ class GenerationStats:
 @dataclass(frozen=True)
 class Prefill:
     """What a prefill produced: the ``first`` generated token, the prompt's ``pooled`` embedding
-    (``[hidden]``, the mean final hidden state; ``None`` unless asked for) and its wall time (s)."""
+    (``[hidden]``, as its :class:`Pooling` says; a tuple of them for a tuple of poolings; ``None``
+    unless asked for) and its wall time (s)."""
 
     first: int
     pooled: torch.Tensor | None

@@ -5,14 +5,14 @@ Every domain's prompts are split into ``folds`` by position (prompt ``j`` in fol
 for each fold an :class:`~adaptive.index.anchors.AnchorIndex` is built from the other folds
 exactly as calibration builds the profile's (anchors, out-of-domain radii), and routes the fold's
 prompts; a prompt counts as right when it is routed to its own domain (out-of-domain is wrong).
-A candidate replaces the default (the first, calibration's) only when it routes clearly more of
-them right: on the prompts where the two disagree, it must win ``b`` against the default's ``c``
-with ``b - c >= 2 * sqrt(b + c)`` (a sign test at about 95%, one-sided); of those that do, the
-most accurate wins. With a few dozen prompts per calibration a difference of two or three is
-noise (measured: a candidate 3 prompts better held out on 96 calibration prompts routed 2 fewer
-of 160 new ones), so the default stands unless the evidence is clear. Example: two domains of 4
-prompts each, 2 folds: each index is fitted on 2 prompts a domain and routes the other 2; 8
-routed prompts per candidate.
+The most accurate other candidate (the earliest of a tie) replaces the default (the first,
+calibration's) only when it routes clearly more of them right: on the prompts where the two
+disagree, it must win ``b`` against the default's ``c`` with ``b - c >= 2 * sqrt(b + c)`` (a sign
+test at about 95%, one-sided; one test, of the best, not one per candidate). With a few dozen
+prompts per calibration a difference of two or three is noise (measured: a candidate 3 prompts
+better held out on 96 calibration prompts routed 2 fewer of 160 new ones), so the default stands
+unless the evidence is clear. Example: two domains of 4 prompts each, 2 folds: each index is
+fitted on 2 prompts a domain and routes the other 2; 8 routed prompts per candidate.
 """
 
 from __future__ import annotations
@@ -67,18 +67,17 @@ def clearly_better(hits: np.ndarray, default: np.ndarray) -> bool:
 def choose_pooling(candidates: Sequence[Pooling], embeddings: Sequence[dict[str, np.ndarray]], folds: int = 2,
                    per_domain: int = 10, k: int = 5, seed: int = 0) -> tuple[Pooling, dict[str, float]]:
     """The candidate kept (``embeddings[i]``: ``{domain: [n, d]}`` of ``candidates[i]``; the first is
-    the default): the most accurate on the calibration's held-out prompts of those
+    the default): the most accurate other one on the calibration's held-out prompts if it is
     :func:`clearly_better` than the default, else the default; and every candidate's accuracy
     (keyed by :func:`pooling_key`)."""
     if not candidates or len(candidates) != len(embeddings):
         raise ValueError("choose_pooling needs one embedding table per candidate, and at least one")
     hits = [held_out_hits(table, folds, per_domain, k, seed) for table in embeddings]
     scores = {pooling_key(p): round(float(h.mean()) if len(h) else 0.0, 4) for p, h in zip(candidates, hits)}
-    best, best_right = candidates[0], -1
-    for i, (pooling, h) in enumerate(zip(candidates, hits)):
-        if (i == 0 or clearly_better(h, hits[0])) and int(h.sum()) > best_right:
-            best, best_right = pooling, int(h.sum())
-    return best, scores
+    if len(candidates) == 1:
+        return candidates[0], scores
+    best = max(range(1, len(candidates)), key=lambda i: (int(hits[i].sum()), -i))
+    return (candidates[best] if clearly_better(hits[best], hits[0]) else candidates[0]), scores
 
 
 def pooling_key(pooling: Pooling) -> str:

@@ -63,3 +63,12 @@ def test_speculative_accept_single_position_matches_p():
         counts[int(x) if acc else nxt] += 1
     # 4 standard errors of a binomial proportion
     assert torch.all((counts / n - p).abs() < 4 * torch.sqrt(p * (1 - p) / n))
+
+
+def test_greedy_accept_ids_gives_the_step_s_new_tokens():
+    from adaptive.engine.sampling import greedy_accept_ids
+
+    assert greedy_accept_ids(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 2, 4])) == (2, [5, 7, 2])
+    assert greedy_accept_ids(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 9, 4])) == (3, [5, 7, 9, 4])
+    assert greedy_accept_ids(torch.tensor([8]), torch.tensor([5, 7])) == (0, [5])
+    assert greedy_accept_ids(torch.empty(0, dtype=torch.long), torch.tensor([3])) == (0, [3])
