@@ -32,7 +32,7 @@ class Prepared:
     prefill embeddings, the default pooling's), ``sequences`` (``(prompt_ids, continuation_ids)``
     pairs), the mean sublayer ``influence`` (``[2, n_layers]``) over the continuations, and
     ``candidates``: every candidate pooling's embeddings from the same prefills (``{pooling_key:
-    [prompts, hidden]}``, :func:`candidate_poolings`; empty in a checkpoint written before them)."""
+    [prompts, hidden]}``, :func:`candidate_poolings`, the default's included)."""
 
     name: str
     ids: list[list[int]]

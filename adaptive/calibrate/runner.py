@@ -171,12 +171,12 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             costs = cost_model if cost_model is not None else CostModel.from_dict(
                 checkpointed(work.file("costs"), lambda: _measure_costs(lm, s, log)))
             worker.bars.finish("costs", "")
-            records, index, pooling = _run_phases(worker, lm, domains, costs, jobs, backend, scheduler, log)
+            records, index, choice = _run_phases(worker, lm, domains, costs, jobs, backend, scheduler, log)
         finally:
             worker.bars.close()
             worker.bars = None
         seconds = round(time.perf_counter() - started, 1)
-        run = {"jobs": jobs, "backend": backend, "seconds": seconds, "pooling": pooling}
+        run = {"jobs": jobs, "backend": backend, "seconds": seconds, "pooling": choice}
         profile = _profile(fingerprint, s, costs, records, index, run)
         save_profile(profile, out)
     return profile
@@ -226,8 +226,8 @@ def _choose_pooling(prep: dict[str, Prepared], names: list[str], s: CalibrationS
     (``{"chosen": key, "held_out_accuracy": {key: accuracy}}``): of the candidates every domain was
     prepared with (:func:`~adaptive.calibrate.prepare.candidate_poolings`), the default unless another
     routes the calibration's own prompts, held out in turn, clearly better
-    (:func:`adaptive.index.choice.choose_pooling`). A checkpoint prepared before candidates existed
-    keeps the default."""
+    (:func:`adaptive.index.choice.choose_pooling`). With no other candidate (``pool_choices=()``, or an
+    engine that computes none, such as llama.cpp without layer inputs) the default is kept unscored."""
     poolings = candidate_poolings(bb, s)
     have = [p for p in poolings if all(pooling_key(p) in prep[n].candidates for n in names)]
     if len(have) < 2:

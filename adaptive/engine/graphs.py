@@ -260,7 +260,6 @@ class StepGraphs:
     # default), "step" (each whole step: fewer kernels, but ~50 s of compiling per bucket and skip set on an
     # H100) or "none" (every piece a plain PyTorch kernel)
     compile: str = "ops"
-    captures: int = 0  # graphs captured so far
     replays: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _inputs: dict = field(default_factory=dict, repr=False)  # bucket -> [bucket + 2] long: ids, start, last row
@@ -276,6 +275,11 @@ class StepGraphs:
     @property
     def backbone(self):
         return self._owner()
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far."""
+        return len(self._graphs)
 
     def new_cache(self, max_len: int, cache_type):
         """A cache of ``max_len`` positions over a pooled slot."""
@@ -355,5 +359,4 @@ class StepGraphs:
                   file=sys.stderr)
             return None
         cap = self._graphs[key] = _Captured(graph, out)
-        self.captures += 1
         return cap
