@@ -256,11 +256,12 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
     common = ["--model", args.model, "--engine", "torch", "--device", dev.type]
     profile = out_dir / "profile"
     res: dict = {}
-    cal = [*cli, "calibrate", *common, "--dtype", "bfloat16", "--quick", "--out", str(profile), "--resume"]
+    cal = [*cli, "calibrate", *common, "--dtype", "bfloat16", *(["--quick"] if args.calibration == "quick" else []),
+           "--out", str(profile), "--resume"]
     for f in sorted(domains.glob("*.jsonl")):
         cal += ["--domains", f"{f.stem}={f}"]
     res["calibrate"] = run(cal, args.calibrate_timeout, out_dir / "calibrate.log")
-    methods = [m for m in EMBEDDED_METHODS if res["calibrate"]["ok"] or m != "knn-ssd"]
+    methods = [m for m in args.methods.split(",") if res["calibrate"]["ok"] or m != "knn-ssd"]
     fp32 = [m for m in args.fp32_methods.split(",") if m in methods]
     for dtype, names, per, limit in (("bfloat16", methods, args.per_category, args.bench_timeout),
                                      ("float32", fp32, args.fp32_per_category, args.fp32_timeout)):
@@ -327,6 +328,9 @@ def main() -> None:
     ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left to calibration")
     ap.add_argument("--context", type=int, default=None, help="cached positions before a timed step [512; quick 32]")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per block [100; quick 3]")
+    ap.add_argument("--methods", default=",".join(EMBEDDED_METHODS), help="the bf16 bench's methods")
+    ap.add_argument("--calibration", choices=("quick", "full"), default="quick",
+                    help="quick: 6 prompts a group (about 1 min on an H100); full: the default calibration")
     ap.add_argument("--fp32-methods", default="ar,knn-ssd,pld,hf,hf-pld", help="the fp32 equality run's methods")
     ap.add_argument("--fp32-per-category", type=int, default=2)
     ap.add_argument("--calibrate-timeout", type=float, default=150, help="seconds")
