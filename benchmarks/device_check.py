@@ -273,7 +273,9 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
             cmd += ["--profile", str(profile)]
         res[f"bench_{dtype}"] = run(cmd, limit, out_dir / f"bench-{dtype}.log")
         if report.exists():
-            res[f"bench_{dtype}"]["report"] = json.loads(report.read_text())["results"]
+            data = json.loads(report.read_text())
+            res[f"bench_{dtype}"]["report"] = data["results"]
+            res[f"bench_{dtype}"]["runs"] = data["runs"]
     return res
 
 
@@ -308,6 +310,12 @@ def markdown(result: dict) -> str:
             a, b = b16.get(m, {}), f32.get(m, {})
             lines.append(f"| {m} | {a.get('tokens_per_s')} | {a.get('speedup')} | {b.get('tokens_per_s')} | "
                          f"{b.get('identical_to_ar')} |")
+        runs = emb.get("bench_bfloat16", {}).get("runs", [])
+        for m in sorted({r["method"] for r in runs if r.get("prefill_time_s") is not None}):
+            mine = [r for r in runs if r["method"] == m]
+            pre = statistics.mean(r["prefill_time_s"] for r in mine)
+            lines.append(f"{m}: prefill {1e3 * pre:.1f} ms a prompt on average; "
+                         f"{sum(1 for r in mine if r.get('graph_captures'))} of {len(mine)} runs captured graphs")
         if "knn-ssd" in b16:
             lines += ["", "knn-ssd by group (bf16 speedup over ar): " + ", ".join(
                 f"{g} {v['speedup']}" for g, v in b16["knn-ssd"]["by_category"].items())]

@@ -209,6 +209,11 @@ class _Methods:
         cache.reset()
         return cache
 
+    def captures(self) -> int | None:
+        """CUDA graphs the engine's backbone has captured so far (``None`` without graphs)."""
+        graphs = getattr(self.lm.backbone, "graphs", None)
+        return None if graphs is None else graphs.captures
+
     def close(self) -> None:
         """Stop the llama-server processes."""
         for server in self.servers.values():
@@ -297,7 +302,8 @@ def _from_result(r) -> dict:
     if s.draft_lengths:
         info["draft_lengths"] = {str(k): v for k, v in sorted(s.draft_lengths.items())}
     return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "steps": s.steps, "drafted": s.drafted,
-            "accepted": s.accepted, "draft_time_s": round(s.draft_time, 5), "info": info}
+            "accepted": s.accepted, "draft_time_s": round(s.draft_time, 5),
+            "prefill_time_s": round(s.prefill_time, 5), "info": info}
 
 
 def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: BenchSettings, profile=None,
@@ -312,10 +318,15 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
         torch.set_num_threads(settings.threads)
     runner = _Methods(lm, profile, settings, methods)
     try:
-        first = [{"role": "user", "content": prompts[0].turns[0]}]
-        for _ in range(settings.warmup):  # warm-up: every method once, not measured
-            for m in methods:
-                runner.run(m, first)
+        # warm-up, not measured: every method on the first prompt and on the longest, so that one-time work
+        # (CUDA graph captures and compilations for the short and the long slots) precedes the timing, as a
+        # server's happens at its first requests; what is still captured later is counted per run
+        firsts = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
+        longest = max(range(len(firsts)), key=lambda i: len(runner.ids(firsts[i])))
+        for _ in range(settings.warmup):
+            for messages in (firsts[0], firsts[longest]) if longest else (firsts[0],):
+                for m in methods:
+                    runner.run(m, messages)
         items = [(p, t) for p in prompts for t in range(len(p.turns))]
         bar = None
         if progress:
@@ -335,12 +346,15 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
             ref = None
             ids = runner.ids(messages)
             for m in methods:  # interleaved: every method on this prompt before the next prompt
+                captured = runner.captures()
                 out = runner.run(m, messages)
                 rec = {"id": item_id, "group": p.group, "category": p.category, "method": m,
                        "prompt_tokens": len(ids), "new_tokens": len(out["token_ids"]),
                        "tokens_per_s": round(out["tokens_per_s"], 4), "steps": out["steps"],
                        "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
-                       **out["info"]}
+                       "prefill_time_s": out.get("prefill_time_s"), **out["info"]}
+                if captured is not None and runner.captures() > captured:
+                    rec["graph_captures"] = runner.captures() - captured  # one-time work inside this run's time
                 if m == "ar":
                     ref = out["token_ids"]
                     replies[(p.id, t)] = runner.engine.text(ref)

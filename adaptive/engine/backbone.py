@@ -323,11 +323,12 @@ class Backbone:
         end = start + T
         if end > cache.max_len:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
-        if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or pool_layers
-                                                                                   or read_only)):
-            out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits)
-            if out is not None:
-                return ForwardOutput(out)
+        if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or read_only)
+                and len(pool_layers) <= 1):
+            layer = pool_layers[0] if pool_layers else None
+            out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits, layer)
+            if out is not NotImplemented:
+                return ForwardOutput(out) if layer is None else ForwardOutput(out[0], layer_pools={layer: out[1]})
         ids = ids.to(self.device)
         skip_attn, skip_mlp = skip_masks or self._full
         cos, sin = self._rope(start, end)

@@ -12,6 +12,9 @@ Terms, defined once:
 * *bucket*: the token count a static step is built for (:data:`BUCKETS`); ``T`` fed tokens run in
   the smallest bucket ``Tb >= T``, the last ``Tb - T`` rows padding. A plain step is bucket 1, a
   verification of ``k`` drafts bucket ``>= k + 1``, a layer-skip draft step bucket 1 with its skip set.
+* *prefill bucket*: a bucket of :data:`PREFILL_BUCKETS` (64 to 256 tokens) for a prompt's rows, which
+  returns only the last real row's logits; a longer prompt (or one with logits ``"none"``) is fed in
+  chunks of at most 256 (:func:`prefill_plan`), each a replay.
 * *slot*: a KV cache's tensors of a fixed *capacity* (a power of two, :func:`capacity_for`), kept
   in a :class:`SlotPool` and handed to requests by :meth:`Backbone.new_cache`; a graph is captured
   for one slot and is replayed by every request that gets that slot again.
@@ -44,7 +47,8 @@ from adaptive.engine.formulas import gated, rms_norm, rotate
 
 COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
 RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
-BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps; longer inputs (prefills) run eagerly
+BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps (decode, draft, verify)
+PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last real row only)
 MIN_CAPACITY = 256  # the smallest slot (positions)
 GC_INTERVAL = 1.0  # seconds between the collections a slot pool makes before making a slot
 
@@ -58,6 +62,25 @@ def bucket_for(tokens: int) -> int | None:
         if tokens <= b:
             return b
     return None
+
+
+def prefill_plan(tokens: int, start: int, capacity: int) -> list[tuple[int, int, int]]:
+    """How a prefill of ``tokens`` rows at ``start`` runs as static steps in a slot of ``capacity``
+    positions: ``(offset, rows, bucket)`` chunks of at most 256 rows (the largest prefill bucket), each
+    in the smallest bucket holding it whose padding stays inside the slot (a slot keeps room for the
+    largest decoding bucket's padding only: near its end a chunk is cut to 32 rows).
+    Example: ``prefill_plan(300, 0, 512) == [(0, 256, 256), (256, 44, 64)]``;
+    ``prefill_plan(100, 400, 512) == [(0, 32, 32), (32, 32, 32), (64, 32, 32), (96, 4, 4)]``."""
+    plan, done = [], 0
+    while done < tokens:
+        rows = min(tokens - done, PREFILL_BUCKETS[-1])
+        bucket = bucket_for(rows) or next(b for b in PREFILL_BUCKETS if rows <= b)
+        if start + done + bucket > capacity:  # padding would pass the slot's end: 32 rows at most
+            rows = min(rows, BUCKETS[-1])
+            bucket = bucket_for(rows)
+        plan.append((done, rows, bucket))
+        done += rows
+    return plan
 
 
 def zeros_kv(lead: tuple[int, int], head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -199,14 +222,20 @@ class StaticStep:
     ``[capacity, 1, head_dim]`` (:meth:`Backbone.rope_table`). Returns float32 logits: ``[bucket, V]``
     (``logits="all"``) or ``[1, V]`` at the last real row (``"last"``). Skipped sublayers (``masks``)
     add nothing, as in the eager forward; attention runs over the whole slot, masked by position.
-    ``ops``: the pieces between the products (:class:`StepOps`; plain by default).
+    ``ops``: the pieces between the products (:class:`StepOps`; plain by default). ``pool_layer``: also
+    return the routing pool of the residual stream after that many layers (a prefill that routes):
+    ``(logits, [2, hidden])``, the final-normed rows' float32 sum over the real rows (row 0; the caller
+    divides by the prompt's length, summed over chunks) and the last real row (row 1), as
+    :meth:`Backbone._pool <adaptive.engine.backbone.Backbone>` computes them eagerly (plain kernels).
     """
 
-    def __init__(self, backbone, bucket: int, masks: Masks, logits: str, ops: StepOps | None = None):
+    def __init__(self, backbone, bucket: int, masks: Masks, logits: str, ops: StepOps | None = None,
+                 pool_layer: int | None = None):
         if logits not in ("all", "last"):
             raise ValueError(f"a static step returns 'all' or 'last' logits, not {logits!r}")
         self.bb, self.bucket, self.masks, self.logits = backbone, bucket, masks, logits
         self.ops = ops or StepOps.plain()
+        self.pool_layer = pool_layer
 
     def __call__(self, ids: torch.Tensor, meta: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,6 +247,7 @@ class StaticStep:
         skip_attn, skip_mlp = self.masks
         h = F.embedding(ids, bb.embed_weight)  # [Tb, hidden]
         delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
+        pooled = self._pool(h, meta) if self.pool_layer == 0 else None
 
         def normed(h, delta, weight, eps):
             return (h, ops.norm(h, weight, eps)) if delta is None else ops.add_norm(h, delta, weight, eps)
@@ -234,17 +264,26 @@ class StaticStep:
             if not skip_mlp[i]:
                 h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(ops.gated(w.gate_up(x), w.act))
+            if self.pool_layer == i + 1:
+                pooled = self._pool(h if delta is None else h + delta, meta)
         if self.logits == "last":
             h = h.index_select(0, meta[1:2])
             delta = None if delta is None else delta.index_select(0, meta[1:2])
         _, x = normed(h, delta, bb.final_norm_weight, bb.norm_eps)
-        return bb.head(x).float()
+        out = bb.head(x).float()
+        return out if self.pool_layer is None else (out, pooled)
+
+    def _pool(self, h: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """``[2, hidden]`` float32: the final-normed rows of ``h`` summed over the real ones, and the last real one."""
+        x = rms_norm(h, self.bb.final_norm_weight, self.bb.norm_eps).float()
+        real = (torch.arange(self.bucket, device=h.device) <= meta[1]).unsqueeze(1)  # [Tb, 1]
+        return torch.stack([(x * real).sum(dim=0), x.index_select(0, meta[1:2])[0]])
 
 
 @dataclass(eq=False)
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    out: torch.Tensor  # the graph's output buffer, rewritten by each replay
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # the graph's output buffers, rewritten by each replay
 
 
 @dataclass(eq=False)
@@ -289,14 +328,35 @@ class StepGraphs:
         self.pool.bind(cache, capacity)
         return cache
 
-    def forward(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str) -> torch.Tensor | None:
-        """The logits of feeding ``ids`` (``[T]``) at ``start`` by replaying a graph (``[T, V]`` for
-        ``"all"``, ``[1, V]`` for ``"last"``), or ``None`` when no static step serves the call (graphs
-        off, more tokens than the largest bucket, a cache that is not a slot); the caller runs eagerly."""
+    def forward(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str,
+                pool_layer: int | None = None):
+        """The logits of feeding ``ids`` (``[T]``) at ``start`` by replaying graphs (``[T, V]`` for
+        ``"all"``, ``[1, V]`` for ``"last"``, ``None`` for ``"none"``), or ``NotImplemented`` when no
+        static step serves the call (graphs off, ``"all"`` logits of more rows than the largest bucket,
+        a cache that is not a slot); the caller runs eagerly. More than 32 rows, ``"none"`` logits or a
+        ``pool_layer`` (a prefill) run in chunks (:func:`prefill_plan`). With ``pool_layer``: ``(logits,
+        [2, hidden])``, the routing pool after that many layers (mean over the rows, last row; float32)."""
         T = int(ids.shape[0])
-        Tb = bucket_for(T)
-        if not self.enabled or Tb is None or logits not in ("all", "last") or cache.limit == 0:
-            return None
+        if not self.enabled or logits not in ("all", "last", "none") or cache.limit == 0:
+            return NotImplemented
+        if T <= BUCKETS[-1] and logits != "none" and pool_layer is None:
+            return self._replay(ids, cache, start, masks, logits, bucket_for(T))
+        if logits == "all":
+            return NotImplemented
+        out, total = None, None
+        for offset, rows, bucket in prefill_plan(T, start, cache.k.shape[2]):
+            out = self._replay(ids[offset:offset + rows], cache, start + offset, masks, "last", bucket, pool_layer)
+            if out is NotImplemented:  # a failed capture turned graphs off: the caller runs the whole prefill
+                return out               # eagerly, rewriting the keys of the chunks replayed so far
+            if pool_layer is not None:
+                total = out[1][0] if total is None else total + out[1][0]
+        if pool_layer is None:
+            return out if logits == "last" else None
+        return (out[0] if logits == "last" else None), torch.stack([total / T, out[1][1]])
+
+    def _replay(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str, Tb: int,
+                pool_layer: int | None = None):
+        T = int(ids.shape[0])
         buf = self._inputs.get(Tb)
         if buf is None:
             buf = self._inputs[Tb] = torch.zeros(Tb + 2, dtype=torch.long, device=self.backbone.device)
@@ -305,14 +365,16 @@ class StepGraphs:
         else:  # drafted on the device: stays there
             buf[:T].copy_(ids, non_blocking=True)
             buf[Tb:].copy_(torch.tensor([start, T - 1]), non_blocking=True)
-        key = (cache.k.data_ptr(), Tb, masks, logits)
+        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer)
         cap = self._graphs.get(key)
         if cap is None:
-            cap = self._capture(key, cache, Tb, masks, logits)
+            cap = self._capture(key, cache, Tb, masks, logits, pool_layer)
             if cap is None:
-                return None
+                return NotImplemented
         cap.graph.replay()
         self.replays += 1
+        if pool_layer is not None:
+            return cap.out[0].clone(), cap.out[1].clone()
         return cap.out.clone() if logits == "last" else cap.out[:T].clone()
 
     def _tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,7 +383,8 @@ class StepGraphs:
             t = self._rope[capacity] = self.backbone.rope_table(capacity)
         return t
 
-    def _capture(self, key, cache, Tb: int, masks: Masks, logits: str) -> _Captured | None:
+    def _capture(self, key, cache, Tb: int, masks: Masks, logits: str, pool_layer: int | None = None
+                 ) -> _Captured | None:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
         cos, sin = self._tables(cache.k.shape[2])
@@ -331,12 +394,12 @@ class StepGraphs:
             try:  # compiled here, outside any capture (a compilation cannot run inside one)
                 if self._ops is None:
                     self._ops = StepOps.compiled()
-                StaticStep(self.backbone, Tb, masks, logits, self._ops)(*args)
+                StaticStep(self.backbone, Tb, masks, logits, self._ops, pool_layer)(*args)
             except Exception as exc:  # noqa: BLE001 - no compiler (Triton) or a failed compilation: plain kernels
                 self.compile = "none"
                 print(f"adaptive: compiling the step's pieces failed ({type(exc).__name__}: {exc}); capturing plain "
                       "kernels", file=sys.stderr)
-        step = StaticStep(self.backbone, Tb, masks, logits, self._ops if self.compile == "ops" else None)
+        step = StaticStep(self.backbone, Tb, masks, logits, self._ops if self.compile == "ops" else None, pool_layer)
         if self.compile == "step":
             step = torch.compile(step, fullgraph=True, dynamic=False)
         try:

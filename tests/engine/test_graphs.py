@@ -10,7 +10,16 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.backbone import Backbone, KVCache
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.engine.graphs import BUCKETS, SlotPool, StaticStep, bucket_for, capacity_for
+from adaptive.engine.graphs import (
+    BUCKETS,
+    SlotPool,
+    StaticStep,
+    StepGraphs,
+    _Captured,
+    bucket_for,
+    capacity_for,
+    prefill_plan,
+)
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
 from tests.conftest import char_tokenizer, tiny_model
@@ -26,6 +35,19 @@ def test_buckets_and_capacities():
     for n in (1, 200, 224, 225, 1000, 5000):  # room for the largest bucket's padding after the last position
         c = capacity_for(n)
         assert c >= n + BUCKETS[-1] and c & (c - 1) == 0 and (c // 2 < n + BUCKETS[-1] or c == 256)
+
+
+def test_prefill_plans():
+    assert prefill_plan(300, 0, 512) == [(0, 256, 256), (256, 44, 64)]
+    assert prefill_plan(100, 400, 512) == [(0, 32, 32), (32, 32, 32), (64, 32, 32), (96, 4, 4)]
+    assert prefill_plan(20, 0, 256) == [(0, 20, 32)]
+    assert prefill_plan(129, 0, 512) == [(0, 129, 256)]
+    for tokens, start in ((1, 0), (700, 3), (1000, 0), (90, 900)):  # every row once, padding inside the slot
+        cap = capacity_for(start + tokens)
+        plan = prefill_plan(tokens, start, cap)
+        assert [o for o, _, _ in plan] == [sum(r for _, r, _ in plan[:i]) for i in range(len(plan))]
+        assert sum(r for _, r, _ in plan) == tokens
+        assert all(r <= b and start + o + b <= cap for o, r, b in plan)
 
 
 def test_slot_pool_reuses_a_freed_slot():
@@ -88,6 +110,73 @@ def test_static_step_equals_the_eager_forward(family):
             assert torch.allclose(slot.k[ran][:, :, :30 + T], eager_cache.k[ran][:, :, :30 + T], atol=1e-5)
 
 
+class _EagerReplay:
+    """A stand-in for a captured graph on the CPU: replaying runs the static step into the output buffer."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        new = self.fn()
+        for buf, val in zip(self.out, new) if isinstance(new, tuple) else ((self.out, new),):
+            buf.copy_(val)
+
+
+def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
+    """StepGraphs.forward on the CPU, each 'graph' a static step run when replayed: prompts of one chunk,
+    several chunks and a chunk cut near the slot's end give the eager path's tokens (fp32), and the
+    captures are one per bucket used."""
+
+    def capture(self, key, cache, Tb, masks, logits, pool_layer=None):
+        cos, sin = self._tables(cache.k.shape[2])
+        buf = self._inputs[Tb]
+        step = StaticStep(self.backbone, Tb, masks, logits, pool_layer=pool_layer)
+
+        def fn():
+            return step(buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
+
+        cap = self._graphs[key] = _Captured(_EagerReplay(fn, fn()), None)
+        cap.out = cap.graph.out
+        return cap
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    model = tiny_model("qwen2", n_layers=3)
+    lm = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    eager = Engine(lm)
+    static_bb = Backbone(model)
+    static_bb.graphs = StepGraphs(static_bb)
+    lm2 = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    lm2.__dict__["backbone"] = static_bb
+    static = Engine(lm2)
+    torch.manual_seed(0)
+    for n_prompt, new in ((40, 6), (300, 6), (215, 9)):  # 215 + 9 positions: the slot of 256 cuts the last chunk
+        prompt = torch.randint(3, static_bb.vocab_size, (n_prompt,)).tolist()
+        cfg = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+        assert static.generate(prompt, cfg).token_ids == eager.generate(prompt, cfg).token_ids, n_prompt
+    assert static_bb.graphs.replays > 0
+    assert {key[1] for key in static_bb.graphs._graphs} >= {1, 64, 256}
+    ids = torch.randint(3, static_bb.vocab_size, (215,))
+    slot = static_bb.new_cache(220)  # a slot of 256 positions: 65 rows at 150 are cut into 32 and 33 (bucket 64)
+    plain = Backbone(model).new_cache(220)
+    assert slot.k.shape[2] == 256 and prefill_plan(65, 150, 256) == [(0, 32, 32), (32, 33, 64)]
+    for start, end in ((0, 150), (150, 215)):
+        got = static_bb.forward(ids[start:end], slot, start, logits="last").logits
+        want = lm.backbone.forward(ids[start:end], plain, start, logits="last").logits
+        assert torch.allclose(got, want, atol=1e-5) and torch.equal(got.argmax(-1), want.argmax(-1))
+    # a prefill that routes: the pools of one layer (mean and last rows) as the eager forward's, over chunks
+    for layer, T in ((0, 20), (1, 300), (3, 70)):
+        slot, plain = static_bb.new_cache(T + 4), Backbone(model).new_cache(T + 4)
+        ids = torch.randint(3, static_bb.vocab_size, (T,))
+        for logits in ("last", "none"):
+            got = static_bb.forward(ids, slot, 0, logits=logits, pool_layers=(layer,))
+            want = lm.backbone.forward(ids, plain, 0, logits=logits, pool_layers=(layer,))
+            assert torch.allclose(got.layer_pools[layer], want.layer_pools[layer], atol=1e-5), (layer, T)
+            assert (got.logits is None) == (logits == "none")
+            if logits == "last":
+                assert torch.allclose(got.logits, want.logits, atol=1e-5)
+    assert any(key[4] is not None for key in static_bb.graphs._graphs)
+
+
 @pytest.mark.slow
 def test_static_step_compiles_whole_on_the_cpu():
     """torch.compile(fullgraph=True) traces the static step with no graph break (a host read such as
@@ -147,6 +236,15 @@ def test_graphs_decode_as_the_eager_path(family):
     ref = eager.generate(prompt, cfg).token_ids
     assert eng.generate(prompt, cfg).token_ids == ref
     assert bb.graphs.replays > 0 and bb.graphs.enabled
+    long = [3 + (i * 7) % 50 for i in range(300)]  # a prefill in chunks of 256 and 44 rows (buckets 256, 64)
+    assert eng.generate(long, cfg).token_ids == eager.generate(long, cfg).token_ids
+    assert {key[1] for key in bb.graphs._graphs} >= {256, 64}
+    ids = torch.tensor(long, device="cuda")
+    ours = bb.forward(ids, bb.new_cache(310), 0, logits="last", pool_layers=(2,))  # a routing prefill, replayed
+    ref_bb = Backbone(bb.model, graphs=False)
+    theirs = ref_bb.forward(ids, ref_bb.new_cache(310), 0, logits="last", pool_layers=(2,))
+    assert torch.allclose(ours.layer_pools[2], theirs.layer_pools[2], atol=1e-4)
+    assert torch.allclose(ours.logits, theirs.logits, atol=1e-4)
     for k in (1, 3, 8, 20, 40):
         c = GenerationConfig(max_new_tokens=40, draft_len=k, ignore_eos=True)
         d = build_drafter(DrafterSpec("ssd", skip=SkipSet(attn=(1, 3), mlp=(4,))), bb)
