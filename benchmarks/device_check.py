@@ -212,7 +212,10 @@ def part_shapes(args, dev: torch.device) -> dict:
     bw = copy_bandwidth(dev, (64 << 20) if args.quick else (2 << 30))
     log(f"device copy: {bw / 1e9:.0f} GB/s (read + written)")
     rows = []
-    for name, (family, fields) in (QUICK_SHAPES if args.quick else SHAPES).items():
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    for name, (family, fields) in shapes.items():
+        if args.shapes and name not in args.shapes.split(","):
+            continue
         try:
             rows.append(measure_shape(name, family, fields, dev, dtype, args.context, args.repeats, bw))
             log(f"shape {name}: {rows[-1]}")
@@ -332,6 +335,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (the CPU run CI makes)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"))
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--shapes", default="", help="only these shapes of part shapes (comma-separated names)")
     ap.add_argument("--per-category", type=int, default=4, help="benchmarked prompts of each group")
     ap.add_argument("--skip-first", type=int, default=16, help="prompts of each group left to calibration")
     ap.add_argument("--context", type=int, default=None, help="cached positions before a timed step [512; quick 32]")
