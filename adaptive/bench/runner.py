@@ -321,6 +321,12 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
         # warm-up, not measured: every method on the first prompt and on the longest, so that one-time work
         # (CUDA graph captures and compilations for the short and the long slots) precedes the timing, as a
         # server's happens at its first requests; what is still captured later is counted per run
+        if settings.warmup:  # the graphs a server captures at startup (AdaptiveRuntime.warm): none on a CPU
+            warm = getattr(lm.backbone, "warm_graphs", None)
+            if warm is not None:
+                warm()
+            for rt in runner.runtimes.values():
+                rt.warm()
         firsts = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
         longest = max(range(len(firsts)), key=lambda i: len(runner.ids(firsts[i])))
         for _ in range(settings.warmup):

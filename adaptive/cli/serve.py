@@ -89,6 +89,9 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
                       online=OnlineSettings(enabled=online, path=online_path), goodput=goodput)
+    captured = rt.warm()
+    if captured:
+        info(f"captured {captured} CUDA graphs of the model's steps")
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
                      prefill_chunk=prefill_chunk, max_body=max_body, default_max_tokens=default_max_tokens,
                      drain_timeout=drain_timeout)

@@ -260,6 +260,19 @@ class Backbone:
         k, v = self.allocate_kv(max_len)
         return KVCache(k=k, v=v)
 
+    def warm_graphs(self, pooling=None, max_len: int = 1) -> int:
+        """With CUDA graphs: capture the steps a request of up to ``max_len`` positions replays (decode,
+        verify and prefill buckets; the routing prefill's with ``pooling``, a
+        :class:`~adaptive.engine.config.Pooling`) now, as a server does at startup, instead of inside
+        the first requests. Returns the graphs captured (0 without graphs, or when all were)."""
+        if self.graphs is None or not self.graphs.enabled:
+            return 0
+        layer = None
+        if pooling is not None:
+            layers = self.pool_args(pooling).get("pool_layers", ())
+            layer = layers[0] if len(layers) == 1 else None
+        return self.graphs.warm(self.new_cache(max_len), self._full, layer)
+
     def allocate_kv(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value tensors, ``[n_layers, n_kv_heads, positions, head_dim]`` in the cache dtype."""
         return zeros_kv((self.n_layers, self.n_kv_heads), self.head_dim, self.cache_dtype, self.device, positions)

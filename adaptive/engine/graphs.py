@@ -49,7 +49,10 @@ COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
 RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps (decode, draft, verify)
 PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last real row only)
-MIN_CAPACITY = 256  # the smallest slot (positions)
+# the smallest slot (positions). Every slot's capacity has its own graphs, and on an H100 a capture cost
+# ~130 ms of the first request that needed it (the embedded model, 2026-11-26): few, larger slots. Attending
+# over 2048 positions instead of 256 reads ~47 MB more a step for the embedded model (~16 us at 3 TB/s)
+MIN_CAPACITY = 2048
 GC_INTERVAL = 1.0  # seconds between the collections a slot pool makes before making a slot
 
 Masks = tuple[tuple[bool, ...], tuple[bool, ...]]
@@ -94,10 +97,10 @@ def capacity_for(max_len: int, context: int | None = None) -> int:
     """The slot capacity for a cache of ``max_len`` positions: a power of two (at least
     :data:`MIN_CAPACITY`) with room for the largest bucket's padding after the last position, at
     most the model's ``context`` with that room, in whole 256s (no slot twice a long context).
-    Example: ``capacity_for(100) == 256``, ``capacity_for(250) == 512``,
-    ``capacity_for(8190, 8192) == 8448`` (not 16384)."""
-    need = max(max_len + BUCKETS[-1], MIN_CAPACITY)
-    capacity = 1 << (need - 1).bit_length()
+    Example: ``capacity_for(100) == 2048``, ``capacity_for(2100) == 4096``,
+    ``capacity_for(8190, 8192) == 8448`` (not 16384), ``capacity_for(100, 512) == 768``."""
+    need = max_len + BUCKETS[-1]
+    capacity = 1 << (max(need, MIN_CAPACITY) - 1).bit_length()
     if context is not None:
         capacity = min(capacity, -(-(context + BUCKETS[-1]) // 256) * 256)
     return max(capacity, need)
@@ -376,6 +379,21 @@ class StepGraphs:
         if pool_layer is not None:
             return cap.out[0].clone(), cap.out[1].clone()
         return cap.out.clone() if logits == "last" else cap.out[:T].clone()
+
+    def warm(self, cache, masks: Masks, pool_layer: int | None = None) -> int:
+        """Capture, before any request needs them, the steps of ``masks`` (the full model's) on ``cache``'s
+        slot (a fresh one, as :meth:`new_cache` gives): decoding and verification (``"all"`` logits, every bucket) and
+        prefill chunks (``"last"``, every bucket and prefill bucket, with ``pool_layer``'s routing pool
+        if given). Writes keys the next request overwrites. Returns the graphs captured now."""
+        before = self.captures
+        ids = torch.zeros(PREFILL_BUCKETS[-1], dtype=torch.long)
+        for Tb in BUCKETS:
+            if self._replay(ids[:Tb], cache, 0, masks, "all", Tb) is NotImplemented:
+                return self.captures - before
+        for Tb in BUCKETS + PREFILL_BUCKETS:
+            if self._replay(ids[:Tb], cache, 0, masks, "last", Tb, pool_layer) is NotImplemented:
+                break
+        return self.captures - before
 
     def _tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._rope.get(capacity)

@@ -259,6 +259,16 @@ class AdaptiveRuntime:
                             weights=weights or profile.model.weights, engine=eng)
         return cls(profile, lm, **kwargs)
 
+    def warm(self) -> int:
+        """Capture the CUDA graphs of plain decoding, verification and the routing prefill now (a server's
+        startup) rather than inside its first requests: :meth:`Backbone.warm_graphs
+        <adaptive.engine.backbone.Backbone.warm_graphs>`. The graphs captured (0 without CUDA graphs)."""
+        warm = getattr(self.engine.backbone, "warm_graphs", None)  # the llama.cpp engine has none
+        if warm is None:
+            return 0
+        with self._lock:
+            return warm(self.profile.index.pooling)
+
     # -- routing and planning ------------------------------------------------------------------
 
     def route(self, prompt: str | Sequence[dict]) -> RouteDecision:

@@ -8,10 +8,11 @@ import torch
 
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.backbone import Backbone, KVCache
-from adaptive.engine.config import GenerationConfig
+from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.engine import Engine
 from adaptive.engine.graphs import (
     BUCKETS,
+    PREFILL_BUCKETS,
     SlotPool,
     StaticStep,
     StepGraphs,
@@ -30,11 +31,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_buckets_and_capacities():
     assert [bucket_for(t) for t in (1, 2, 3, 5, 9, 16, 17, 32)] == [1, 2, 4, 8, 16, 16, 32, 32]
     assert bucket_for(33) is None
-    assert capacity_for(1) == 256 and capacity_for(100) == 256 and capacity_for(250) == 512
-    assert capacity_for(8190, 8192) == 8448 and capacity_for(300, 8192) == 512  # capped by the context
-    for n in (1, 200, 224, 225, 1000, 5000):  # room for the largest bucket's padding after the last position
+    assert capacity_for(1) == 2048 and capacity_for(2000) == 2048 and capacity_for(2100) == 4096
+    assert capacity_for(8190, 8192) == 8448 and capacity_for(300, 8192) == 2048  # capped by the context
+    assert capacity_for(100, 512) == 768  # a short context: its positions and the largest bucket's padding
+    for n in (1, 200, 2016, 2017, 5000, 9000):  # room for the largest bucket's padding after the last position
         c = capacity_for(n)
-        assert c >= n + BUCKETS[-1] and c & (c - 1) == 0 and (c // 2 < n + BUCKETS[-1] or c == 256)
+        assert c >= n + BUCKETS[-1] and c & (c - 1) == 0 and (c // 2 < n + BUCKETS[-1] or c == 2048)
 
 
 def test_prefill_plans():
@@ -131,15 +133,17 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
         cos, sin = self._tables(cache.k.shape[2])
         buf = self._inputs[Tb]
         step = StaticStep(self.backbone, Tb, masks, logits, pool_layer=pool_layer)
+        k, v = cache.k, cache.v  # the slot's tensors, not the cache (as a graph holds them)
 
         def fn():
-            return step(buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
+            return step(buf[:Tb], buf[Tb:], k, v, cos, sin)
 
         cap = self._graphs[key] = _Captured(_EagerReplay(fn, fn()), None)
         cap.out = cap.graph.out
         return cap
 
     monkeypatch.setattr(StepGraphs, "_capture", capture)
+    monkeypatch.setattr("adaptive.engine.graphs.MIN_CAPACITY", 256)  # slots of the tiny model's 512 positions
     model = tiny_model("qwen2", n_layers=3)
     lm = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
     eager = Engine(lm)
@@ -175,6 +179,19 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
             if logits == "last":
                 assert torch.allclose(got.logits, want.logits, atol=1e-5)
     assert any(key[4] is not None for key in static_bb.graphs._graphs)
+    # warming captures every bucket's step on a fresh slot; the next request on that slot captures nothing
+    warm_bb = Backbone(model)
+    warm_bb.graphs = StepGraphs(warm_bb)
+    n_all, n_last = len(BUCKETS), len(BUCKETS) + len(PREFILL_BUCKETS)
+    assert warm_bb.warm_graphs() == n_all + n_last
+    lm3 = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    lm3.__dict__["backbone"] = warm_bb
+    prompt = torch.randint(3, warm_bb.vocab_size, (100,)).tolist()
+    cfg = GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    assert Engine(lm3).generate(prompt, cfg).token_ids == eager.generate(prompt, cfg).token_ids
+    assert warm_bb.graphs.captures == n_all + n_last  # plain decoding of a new request: all were warm
+    assert warm_bb.warm_graphs(Pooling(layer=2, mode="last")) == n_last  # the routing prefill's own
+    assert warm_bb.warm_graphs(Pooling(layer=2, mode="last")) == 0
 
 
 @pytest.mark.slow
@@ -236,7 +253,7 @@ def test_graphs_decode_as_the_eager_path(family):
     ref = eager.generate(prompt, cfg).token_ids
     assert eng.generate(prompt, cfg).token_ids == ref
     assert bb.graphs.replays > 0 and bb.graphs.enabled
-    long = [3 + (i * 7) % 50 for i in range(300)]  # a prefill in chunks of 256 and 44 rows (buckets 256, 64)
+    long = [3 + (i * 7) % (bb.vocab_size - 3) for i in range(300)]  # a prefill in chunks of 256 and 44 rows
     assert eng.generate(long, cfg).token_ids == eager.generate(long, cfg).token_ids
     assert {key[1] for key in bb.graphs._graphs} >= {256, 64}
     ids = torch.tensor(long, device="cuda")
