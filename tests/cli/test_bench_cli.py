@@ -30,6 +30,9 @@ def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_pro
     assert res["knn-ssd"]["mean_accepted_tokens"] >= 1.0
     knn_runs = [r for r in report["runs"] if r["method"] == "knn-ssd"]
     assert all("applied" in r and "decision" in r for r in knn_runs)
+    assert all(r["prefill_time_s"] > 0 for r in report["runs"] if r["method"] in ("ar", "pld", "knn-ssd"))
+    assert all(r["prefill_time_s"] is None for r in report["runs"] if r["method"].startswith("hf"))
+    assert not any("graph_captures" in r for r in report["runs"])  # no CUDA graphs on a CPU
     assert all(isinstance(r["skip_text"], str) for r in report["runs"] if r.get("decision") == "ssd")
     assert {r["decision"] for r in report["runs"] if r["method"].startswith("cascade")} == {"cascade"}
     assert "| **overall** |" in table and md.read_text().strip() == table.strip()
