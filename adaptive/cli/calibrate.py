@@ -31,7 +31,14 @@ from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt
 from adaptive.profile import SCHEMA_VERSION, load_profile, profile_json
-from adaptive.profile.overlay import load_overlay, overlay_path, profile_digest, remove_overlay
+from adaptive.profile.overlay import (
+    load_replicas,
+    merge_overlays,
+    overlay_path,
+    profile_digest,
+    remove_overlay,
+    replica_dir,
+)
 
 SUMMARY_COLUMNS = {  # header -> (summary_rows() key, decimals or None)
     "domain": ("domain", None), "prompts": ("prompts", None), "bound": ("bound", 2), "ref": ("reference", 2),
@@ -150,9 +157,16 @@ def profile_show(directory, online_path, as_json):
     """Print a profile: model, costs, routing, and per domain its decision, skip set and measurements;
     then what serving learned online (the overlay beside it), if anything."""
     p, ov_path = profile_and_overlay(directory, online_path)
-    ov = load_overlay(ov_path)
-    stale = ov is not None and ov.profile != profile_digest(p.path)
-    online = None if ov is None else {"path": str(ov_path), "stale": stale, **ov.summary()}
+    everyone = load_replicas(ov_path)  # every replica's, this calibration's or not
+    digest = profile_digest(p.path)
+    current = {r: ov for r, ov in everyone.items() if ov.profile == digest}
+    stale = sorted(r for r in everyone if r not in current)
+    online = None
+    if everyone:
+        merged = merge_overlays(current)
+        online = {"path": str(ov_path), "replicas_dir": str(replica_dir(ov_path)), "stale": stale,
+                  **merged.summary(), "replica": None,
+                  "replicas": {r: ov.summary() for r, ov in sorted(everyone.items())}}
     if as_json:
         echo_json({"profile": str(p.path), **profile_json(p), "online": online})
         return
@@ -185,11 +199,16 @@ def profile_show(directory, online_path, as_json):
                    f"{b['sampling']:.3f} -> {a['sampling']:.3f}, draft cost {d.draft_cost:.2f} of a step")
     click.echo("")
     if online is None:
-        click.echo(f"online  nothing learned yet ({ov_path} does not exist)")
+        click.echo(f"online  nothing learned yet (no overlay at {ov_path} or in {replica_dir(ov_path)})")
         return
-    click.echo(f"online  {ov_path}: generation {online['generation']}, saved {online['saved']}, "
-               f"{online['requests']} requests learned from"
-               + (" (STALE: made for an earlier calibration of this profile; it is not applied)" if stale else ""))
+    click.echo(f"online  {len(current)} replica(s) merged, last saved {online['saved']}: {online['requests']} "
+               f"requests learned from")
+    for r, part in online["replicas"].items():
+        click.echo(f"  replica {r}: {part['requests']} requests, generation {part['generation']}, saved "
+                   f"{part['saved']}, {part['buffered']} buffered, learned "
+                   f"{', '.join(d['name'] for d in part['learned']) or 'none'}"
+                   + (" (STALE: made for an earlier calibration of this profile; it is not applied)"
+                      if r in stale else ""))
     for name, t in online["tables"].items():
         click.echo(f"  table {name}: {t['pairs']} pairs from {t['tokens']:.0f} accepted tokens")
     click.echo(f"  bandits saved: {len(online['bandits'])}; out-of-domain requests buffered: {online['buffered']}")
@@ -205,13 +224,13 @@ def profile_show(directory, online_path, as_json):
 @click.argument("directory", type=click.Path())
 @online_path_option
 def profile_reset_online(directory, online_path):
-    """Forget what serving learned: remove the profile's online overlay (the profile is untouched).
-    Stop servers using it first, or they save it again."""
+    """Forget what serving learned: remove the profile's online overlay, every replica's (the profile is
+    untouched). Stop servers using it first, or they save it again."""
     _, path = profile_and_overlay(directory, online_path)
     if remove_overlay(path):
-        info(f"removed {path}")
+        info(f"removed {path} and {replica_dir(path)}")
     else:
-        info(f"nothing to remove: {path} does not exist")
+        info(f"nothing to remove: no overlay at {path} or in {replica_dir(path)}")
 
 
 @command("route", examples=(

@@ -18,10 +18,25 @@ from adaptive.errors import ConfigError
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 
 
+class ReplicaId(click.ParamType):
+    """A replica id: letters, digits, '.', '_' or '-' (it names a file)."""
+
+    name = "replica-id"
+
+    def convert(self, value, param, ctx):
+        from adaptive.profile.overlay import check_replica_id
+
+        try:
+            return check_replica_id(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 @command("serve", examples=(
     "adaptive serve --profile my-profile",
     "adaptive serve --profile my-profile --port 8001 --api-key \"$KEY\" --max-queue 16 --max-batch 4",
     "adaptive serve --profile my-profile --host 0.0.0.0 --served-model-name assistant --drain-timeout 60",
+    "adaptive serve --profile /shared/my-profile --replica-id web-1 --port 8001",
 ), hints={"--policy": "choose speculation per request: the body's \"speculation\" field (auto, off or a policy)"})
 @click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
               help="Calibration profile (`adaptive calibrate`) that routes each request.")
@@ -55,10 +70,14 @@ from adaptive.serve import DEFAULT_PREFILL_CHUNK
 @click.option("--online/--no-online", default=True, show_default=True,
               help="Learn from the traffic served (bigram tables, bandits, new domains), saved beside the profile.")
 @click.option("--online-path", type=click.Path(dir_okay=False), default=None,
-              help="The online overlay file [default: PROFILE.online beside the profile].")
+              help="The online overlay [default: PROFILE.online beside the profile; each replica writes "
+              "PROFILE.online.d/REPLICA.online].")
+@click.option("--replica-id", type=ReplicaId(), default=None,
+              help="This server's name among replicas sharing the profile (its own overlay file) "
+              "[default: HOST-PID]. Give a stable one to continue a replica's learning after a restart.")
 def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
               goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online,
-              online_path):
+              online_path, replica_id):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -71,7 +90,9 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     Online learning (on by default) updates each domain's bigram table and bandits from the
     accepted output, discovers new domains among out-of-domain requests (measured in the
     background within a tenth of the model's time while serving is busy) and saves it all to
-    PROFILE.online (see `adaptive profile show`, `adaptive profile reset-online`).
+    PROFILE.online.d/REPLICA.online; several servers over one profile directory (replicas behind a
+    load balancer) each write their own and merge the others' (see docs/deployment.md,
+    `adaptive profile show`, `adaptive profile reset-online`).
     Needs the serve extra: pip install 'adaptive[serve]'.
 
     \b
@@ -88,7 +109,7 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     from adaptive.runtime.online import OnlineSettings
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
-                      online=OnlineSettings(enabled=online, path=online_path), goodput=goodput)
+                      online=OnlineSettings(enabled=online, path=online_path, replica=replica_id), goodput=goodput)
     captured = rt.warm()
     if captured:
         info(f"captured {captured} CUDA graphs of the model's steps")

@@ -21,6 +21,9 @@ Example: calibrated ``{5: (6, 0.5)}``, ``prior_weight = 4`` (two observations of
 5 -> other), then output ``[5, 7, 5, 7, 5, 7]``: 5 -> 7 three times. Merged: 6 has 2, 7 has 3 of a
 total 7: ``get(5) == (7, 3/7)``; and ``7 -> 5`` twice reaches ``min_count = 2``: ``get(7) == (5, 1.0)``.
 
+Replicas (issue 45): :meth:`set_others` adds other servers' counts to the answers (their sum, kept
+apart): :meth:`counts` and decay are this table's own observations only, which is what a replica saves.
+
 Not locked: one thread observes (the server's decoding worker); lookups from the same or another
 thread see each entry either before or after an update (single dictionary operations).
 """
@@ -53,6 +56,7 @@ class LiveBigramTable:
         self._base = dict(base._map) if base is not None else {}  # token -> (successor, probability)
         self._map = dict(self._base)  # what get() answers
         self._counts: dict[int, dict[int, float]] = {}  # token -> successor -> observed count (decayed)
+        self._others: dict[int, dict[int, float]] = {}  # the same, other replicas' (set_others)
         self._pairs = 0
         self.observed = 0.0  # pairs observed (decayed like the counts)
         self.decays = 0
@@ -88,7 +92,12 @@ class LiveBigramTable:
         return n
 
     def _refresh(self, a: int, succ: dict[int, float]) -> None:
-        """Recompute ``a``'s entry from its merged counts."""
+        """Recompute ``a``'s entry from its merged counts (``succ``: its own; other replicas' added)."""
+        theirs = self._others.get(a)
+        if theirs:
+            succ = dict(succ)
+            for b, c in theirs.items():
+                succ[b] = succ.get(b, 0.0) + c
         base = self._base.get(a)
         total = sum(succ.values())
         best, best_count = None, 0.0
@@ -121,7 +130,7 @@ class LiveBigramTable:
             self._map.pop(a, None)
             if a in self._base:
                 self._map[a] = self._base[a]
-            if succ:
+            if succ or a in self._others:
                 self._refresh(a, succ)
         self._pairs = sum(len(s) for s in self._counts.values())
 
@@ -144,9 +153,29 @@ class LiveBigramTable:
         self._pairs = sum(len(s) for s in self._counts.values())
         for a, s in self._counts.items():
             self._refresh(a, s)
+        for a in self._others.keys() - self._counts.keys():
+            self._refresh(a, {})
         self.observed = float(sum(count)) if observed is None else float(observed)
         while self._pairs > self.max_pairs:
             self._decay()
+
+    def set_others(self, prev: np.ndarray, succ: np.ndarray, count: np.ndarray) -> None:
+        """Other replicas' counts (summed), in place of the ones set before: :meth:`get` answers from
+        the base, this table's counts and theirs; :meth:`counts` stays this table's own."""
+        new: dict[int, dict[int, float]] = {}
+        for a, b, c in zip(np.asarray(prev).tolist(), np.asarray(succ).tolist(), np.asarray(count).tolist()):
+            new.setdefault(int(a), {})[int(b)] = float(c)
+        touched = set(self._others) | set(new)
+        self._others = new
+        for a in touched:
+            self._map.pop(a, None)
+            if a in self._base:
+                self._map[a] = self._base[a]
+            self._refresh(a, self._counts.get(a, {}))
+
+    def others(self) -> float:
+        """Pairs other replicas observed (the sum of :meth:`set_others`' counts)."""
+        return float(sum(sum(s.values()) for s in self._others.values()))
 
     def snapshot(self, without: Sequence[int] = ()) -> BigramTable:
         """A frozen :class:`BigramTable` of what :meth:`get` answers now; with ``without``, what it
@@ -165,6 +194,7 @@ class LiveBigramTable:
                     held[a][b] = max(0.0, held[a][b] - 1.0)
             rows = [(a, b, c) for a, succ in held.items() for b, c in succ.items() if c > 0]
             other = LiveBigramTable(self.base, self.prior_weight, self.min_count, self.max_pairs)
+            other._others = self._others
             other.load(*(np.array(col) for col in zip(*rows)) if rows else (np.zeros(0), np.zeros(0), np.zeros(0)))
             return other.snapshot()
         keys = sorted(self._map)

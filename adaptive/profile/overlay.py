@@ -11,6 +11,16 @@ time, the bandits' posteriors, the learned domains' records, the buffer's token 
 each table's bigram counts (``counts/I/prev``, ``succ``, ``count``), the out-of-domain buffer's
 embeddings (``buffer/vectors``) and each learned domain's anchors (``learned/I/anchors``).
 
+**Replicas** (issue 45). Several servers over one profile each write only their own overlay,
+``PROFILE.online.d/REPLICA.online`` (:func:`replica_path`; ``REPLICA`` is ``--replica-id``, by default
+host and pid), holding only what *that* replica observed: its requests, its pair counts, the evidence
+its bandits gathered beyond their prior, its buffered requests (each with an id) and the domains it
+measured (with their members' ids). Every replica reads the others' files and merges
+(:func:`merge_overlays`): a sum over replicas of contributions each kept under its replica's id,
+as a G-counter, so merging is order-free and merging a file twice changes nothing. The single
+``PROFILE.online`` file of earlier versions is read as one more replica's contribution (its
+``replica`` field, or ``legacy``) and never written again.
+
 Writes are atomic (a temporary sibling, fsynced, renamed over the file, the directory fsynced):
 a process killed while saving leaves the previous complete overlay, never a torn one. The header's
 checksum catches a file damaged afterwards; a damaged, foreign or newer overlay is an
@@ -22,6 +32,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +50,10 @@ OVERLAY_VERSION = 1
 SUFFIX = ".online"
 
 
+LEGACY_REPLICA = "legacy"  # the replica a single-file overlay of earlier versions is read as
+_REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
 class OverlayError(AdaptiveError, ValueError):
     """An online overlay is truncated, corrupt, of another format or version, or of another profile."""
 
@@ -45,6 +62,32 @@ def overlay_path(profile_dir: str | Path) -> Path:
     """Where a profile's overlay lives by default: ``PROFILE.online`` beside the directory."""
     p = Path(profile_dir)
     return p.with_name(p.name + SUFFIX)
+
+
+def replica_dir(path: str | Path) -> Path:
+    """The directory of the replicas' overlays for the overlay ``path``: ``PROFILE.online.d``."""
+    p = Path(path)
+    return p.with_name(p.name + ".d")
+
+
+def check_replica_id(replica: str) -> str:
+    """``replica`` if it can name a file (letters, digits, ``.``, ``_``, ``-``; 1-64 characters, not
+    starting with a punctuation mark), else a ``ValueError`` saying so."""
+    if not isinstance(replica, str) or not _REPLICA_ID.match(replica):
+        raise ValueError(f"replica id {replica!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+                         "letter or digit")
+    return replica
+
+
+def default_replica_id() -> str:
+    """``HOST-PID``, made a valid replica id: a server's own unless ``--replica-id`` names one."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40].strip(".-_") or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def replica_path(path: str | Path, replica: str) -> Path:
+    """Where replica ``replica`` of the overlay ``path`` writes: ``PROFILE.online.d/REPLICA.online``."""
+    return replica_dir(path) / f"{check_replica_id(replica)}{SUFFIX}"
 
 
 def profile_digest(profile_dir: str | Path) -> str:
@@ -83,6 +126,7 @@ class BufferedRequest:
     vector: np.ndarray
     prompt: tuple[int, ...]
     output: tuple[int, ...]
+    id: str = ""  # "REPLICA:N": unique over the replicas (a learned domain names its members by it)
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +141,7 @@ class LearnedDomain:
     record: DomainRecord
     members: int
     created: str = ""
+    member_ids: tuple[str, ...] = ()  # the buffered requests (of any replica) that formed it
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,10 +159,11 @@ class OnlineOverlay:
     bandits: dict[str, dict] = field(default_factory=dict)
     buffer: tuple[BufferedRequest, ...] = ()
     learned: tuple[LearnedDomain, ...] = ()
+    replica: str = ""  # who wrote it (its contribution alone); "" in a merged view
 
     def summary(self) -> dict:
         """What ``adaptive profile show`` prints: sizes and the learned domains' decisions."""
-        return {"generation": self.generation, "saved": self.saved, "requests": self.requests,
+        return {"replica": self.replica, "generation": self.generation, "saved": self.saved, "requests": self.requests,
                 "tables": {n: {"pairs": len(c), "tokens": round(float(c.count.sum()), 1)}
                            for n, c in sorted(self.counts.items())},
                 "bandits": sorted(self.bandits), "buffered": len(self.buffer),
@@ -140,10 +186,10 @@ def encode_overlay(ov: OnlineOverlay) -> bytes:
     for i, d in enumerate(ov.learned):
         arrays[f"learned/{i}/anchors"] = d.anchors.astype(np.float32)
         learned.append({"name": d.name, "members": d.members, "created": d.created,
-                        "record": to_json(d.record)})
+                        "record": to_json(d.record), "member_ids": list(d.member_ids)})
     meta = {"profile": ov.profile, "generation": ov.generation, "saved": ov.saved, "requests": ov.requests,
-            "tables": tables, "bandits": ov.bandits, "learned": learned,
-            "buffer": [{"prompt": list(b.prompt), "output": list(b.output)} for b in ov.buffer]}
+            "tables": tables, "bandits": ov.bandits, "learned": learned, "replica": ov.replica,
+            "buffer": [{"prompt": list(b.prompt), "output": list(b.output), "id": b.id} for b in ov.buffer]}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     body = io.BytesIO()
     np.savez(body, **arrays)
@@ -178,14 +224,19 @@ def decode_overlay(data: bytes, where: str = "overlay") -> OnlineOverlay:
             vectors = z["buffer/vectors"] if entries else np.zeros((0, 0), np.float32)
             if len(vectors) != len(entries):
                 raise ValueError(f"{len(vectors)} buffered embeddings for {len(entries)} requests")
+            replica = str(meta.get("replica") or "")
             buffer = tuple(BufferedRequest(vectors[i].copy(), tuple(int(t) for t in e["prompt"]),
-                                           tuple(int(t) for t in e["output"])) for i, e in enumerate(entries))
+                                           tuple(int(t) for t in e["output"]),
+                                           str(e.get("id") or f"{replica or LEGACY_REPLICA}:{i}"))
+                           for i, e in enumerate(entries))
             learned = tuple(LearnedDomain(d["name"], z[f"learned/{i}/anchors"].copy(),
                                           from_json(DomainRecord, d["record"], f"learned domain {d['name']}"),
-                                          int(d["members"]), d.get("created", ""))
+                                          int(d["members"]), d.get("created", ""),
+                                          tuple(str(m) for m in d.get("member_ids", ())))
                             for i, d in enumerate(meta["learned"]))
             return OnlineOverlay(str(meta["profile"]), int(meta["generation"]), str(meta.get("saved", "")),
-                                 int(meta.get("requests", 0)), counts, dict(meta["bandits"]), buffer, learned)
+                                 int(meta.get("requests", 0)), counts, dict(meta["bandits"]), buffer, learned,
+                                 replica)
     except OverlayError:
         raise
     except Exception as exc:  # numpy, zipfile and json raise many types for a damaged archive
@@ -217,11 +268,99 @@ def load_overlay(path: str | Path, profile: str | None = None) -> OnlineOverlay 
 
 
 def remove_overlay(path: str | Path) -> bool:
-    """Delete the overlay at ``path`` and any temporary files a killed save left; ``True`` if one was there."""
+    """Delete the overlay at ``path``, every replica's (``PROFILE.online.d``) and any temporary files a
+    killed save left; ``True`` if any overlay was there."""
     path = Path(path)
-    for tmp in path.parent.glob(path.name + ".tmp-*"):
-        tmp.unlink(missing_ok=True)
-    if path.is_file():
-        path.unlink()
-        return True
-    return False
+    found = False
+    folder = replica_dir(path)
+    files = [path] + (sorted(folder.iterdir()) if folder.is_dir() else [])
+    for f in files:
+        for tmp in f.parent.glob(f.name + ".tmp-*"):
+            tmp.unlink(missing_ok=True)
+        if f.is_file():
+            found = found or f.name.endswith(SUFFIX)
+            f.unlink()
+    try:
+        folder.rmdir()
+    except OSError:  # none there, or a server still running wrote again meanwhile: its file stays
+        pass
+    return found
+
+
+def load_replicas(path: str | Path, profile: str | None = None, skip: str | None = None,
+                  on_error=None) -> dict[str, OnlineOverlay]:
+    """Every replica's overlay for the overlay ``path`` (``{replica: overlay}``): the files of
+    ``PROFILE.online.d`` and the single file of earlier versions (as its ``replica``, else
+    ``legacy``), but not ``skip``'s. Files of another calibration (``profile``: the digest) are left
+    out. A damaged file is an :class:`OverlayError`, or, with ``on_error``, reported to it
+    (``on_error(path, error)``) and left out: one replica's bad file must not stop the others."""
+    path = Path(path)
+    folder = replica_dir(path)
+    files = [path] + (sorted(folder.glob(f"*{SUFFIX}")) if folder.is_dir() else [])
+    out: dict[str, OnlineOverlay] = {}
+    for f in files:
+        replica = f.name[: -len(SUFFIX)] if f.parent == folder else None
+        if skip is not None and replica == skip:
+            continue
+        try:
+            ov = load_overlay(f)
+        except OverlayError as exc:
+            if on_error is None:
+                raise
+            on_error(f, exc)
+            continue
+        if ov is None:
+            continue
+        if profile is not None and ov.profile != profile:
+            if on_error is not None:
+                on_error(f, OverlayError(f"{f}: belongs to another calibration of the profile; left out"))
+            continue
+        name = replica or ov.replica or LEGACY_REPLICA
+        if name == skip:
+            continue
+        out[name] = ov
+    return out
+
+
+def add_pair_counts(parts: list[PairCounts]) -> PairCounts:
+    """The sum of pair counts (each pair's counts added): ``add_pair_counts([a, b])`` has every pair of
+    ``a`` and ``b``, a pair in both with the sum of its counts; sorted by ``(prev, succ)``."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return PairCounts(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+    prev = np.concatenate([p.prev for p in parts])
+    succ = np.concatenate([p.succ for p in parts])
+    count = np.concatenate([p.count for p in parts]).astype(np.float64)
+    keys, inverse = np.unique(np.stack([prev, succ], axis=1), axis=0, return_inverse=True)
+    total = np.zeros(len(keys), np.float64)
+    np.add.at(total, inverse.reshape(-1), count)
+    return PairCounts(keys[:, 0], keys[:, 1], total.astype(np.float32))
+
+
+def merge_overlays(replicas: dict[str, OnlineOverlay]) -> OnlineOverlay:
+    """One view of several replicas' overlays (``replica`` ``""``): requests and each table's pair counts
+    summed, the buffers pooled (less the requests some learned domain took as members), the learned
+    domains of all of them in the order they were made (a name made twice keeps its first making;
+    nearness of anchors is the runtime's to judge, :class:`~adaptive.runtime.online.OnlineLearner`),
+    and each bandit's saved states in a list by replica (:func:`bandit_evidence` adds them up). Order-
+    free: the result depends only on the set of replicas' files."""
+    names = sorted(replicas)
+    counts: dict[str, list[PairCounts]] = {}
+    for r in names:
+        for table, c in replicas[r].counts.items():
+            counts.setdefault(table, []).append(c)
+    learned: dict[str, LearnedDomain] = {}
+    for d in sorted((d for r in names for d in replicas[r].learned), key=lambda d: (d.created, d.name)):
+        learned.setdefault(d.name, d)
+    taken = {m for d in learned.values() for m in d.member_ids}
+    buffer = tuple(b for r in names for b in replicas[r].buffer if b.id not in taken)
+    bandits: dict[str, dict] = {}
+    for r in names:
+        for key, state in replicas[r].bandits.items():
+            bandits.setdefault(key, {"kind": "replicas", "states": []})["states"].append(state)
+    profile = replicas[names[0]].profile if names else ""
+    return OnlineOverlay(profile, max((replicas[r].generation for r in names), default=0),
+                         max((replicas[r].saved for r in names), default=""),
+                         sum(replicas[r].requests for r in names),
+                         {t: add_pair_counts(c) for t, c in sorted(counts.items())}, bandits, buffer,
+                         tuple(learned.values()))

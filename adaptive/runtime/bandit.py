@@ -23,13 +23,21 @@ class BetaPosterior:
 
     When ``alpha + beta`` exceeds ``window`` both are scaled down, keeping their ratio: memory stays
     bounded and the posterior follows drift. Not thread-safe on its own (its owner locks).
+
+    *Evidence* is what the observations added beyond the ``prior``: ``own`` (this process's, scaled
+    down with the rest) and ``others`` (other replicas', :meth:`rebase`). The posterior is the prior
+    plus both, window-bounded; a replica saves only its own evidence, so adding the replicas' up
+    counts each observation once (issue 45).
     """
 
     def __init__(self, prior: tuple[float, float] = (1.0, 1.0), window: float = 500.0):
         if min(prior) <= 0 or window <= 2:
             raise ValueError("prior counts must be positive and the window above 2")
-        self.alpha, self.beta = map(float, prior)
+        self.prior = tuple(map(float, prior))
+        self.alpha, self.beta = self.prior
         self.window = float(window)
+        self.own = [0.0, 0.0]
+        self.others = [0.0, 0.0]
 
     @property
     def mean(self) -> float:
@@ -41,11 +49,37 @@ class BetaPosterior:
     def update(self, successes: float, failures: float) -> None:
         self.alpha += successes
         self.beta += failures
+        self.own[0] += successes
+        self.own[1] += failures
         total = self.alpha + self.beta
         if total > self.window:
             scale = self.window / total
             self.alpha *= scale
             self.beta *= scale
+            self.own = [x * scale for x in self.own]
+
+    def evidence_of(self, saved) -> list[float]:
+        """The evidence in a saved state (:meth:`counts` and :meth:`evidence` as a bandit's
+        ``posteriors`` keep them): its ``evidence`` if it has one, else what its counts hold beyond
+        this prior (a state saved before replicas: all of it this replica's)."""
+        if isinstance(saved, dict) and "evidence" in saved:
+            return [max(0.0, float(x)) for x in saved["evidence"]]
+        counts = saved["counts"] if isinstance(saved, dict) else saved
+        return [max(0.0, float(c) - p) for c, p in zip(counts, self.prior)]
+
+    def evidence(self) -> list[float]:
+        """This process's evidence (what a replica saves as its own)."""
+        return list(self.own)
+
+    def rebase(self, others: list[float]) -> None:
+        """Take ``others`` (``[successes, failures]``: the other replicas' evidence, summed) in place of
+        what it was: the posterior becomes prior + others + own, window-bounded. Idempotent."""
+        self.others = [max(0.0, float(x)) for x in others]
+        alpha = self.prior[0] + self.others[0] + self.own[0]
+        beta = self.prior[1] + self.others[1] + self.own[1]
+        total = alpha + beta
+        scale = min(1.0, self.window / total)
+        self.alpha, self.beta = alpha * scale, beta * scale
 
     def state(self) -> dict:
         return {"alpha": round(self.alpha, 3), "beta": round(self.beta, 3), "mean_acceptance": round(self.mean, 4)}
@@ -54,11 +88,15 @@ class BetaPosterior:
         """``[alpha, beta]``: what :meth:`restore` takes back (an overlay saves it)."""
         return [self.alpha, self.beta]
 
-    def restore(self, counts) -> None:
+    def restore(self, counts, evidence=None) -> None:
+        """Continue from saved :meth:`counts` (and this process's saved :meth:`evidence`; without it,
+        what the counts hold beyond the prior is taken as its own)."""
         alpha, beta = (float(x) for x in counts)
         if min(alpha, beta) <= 0:
             raise ValueError(f"saved Beta counts must be positive, got {alpha}, {beta}")
         self.alpha, self.beta = alpha, beta
+        self.own = self.evidence_of({"evidence": evidence} if evidence is not None else list(counts))
+        self.others = [0.0, 0.0]
 
 
 def _chain_observation(drafted: int, accepted: int) -> tuple[int, int]:
@@ -134,16 +172,27 @@ class ThompsonDraftLength(DraftLengthPolicy):
             return {**self.posterior.state(), "chosen": dict(sorted(self.chosen.items()))}
 
     def posteriors(self) -> dict:
-        """What the bandit learned, as :meth:`restore` takes it back (saved in the online overlay)."""
+        """What the bandit learned, as :meth:`restore` takes it back (saved in the online overlay):
+        its posterior's counts and this process's evidence (what a replica contributes)."""
         with self._lock:
-            return {"kind": "length", "acceptance": self.posterior.counts()}
+            return {"kind": "length", "acceptance": self.posterior.counts(), "evidence": self.posterior.evidence()}
 
     def restore(self, saved: dict) -> None:
         """Continue from :meth:`posteriors` (a bandit of another kind: ``ValueError``)."""
         if saved.get("kind") != "length":
             raise ValueError(f"not a draft-length bandit's state: {saved.get('kind')!r}")
         with self._lock:
-            self.posterior.restore(saved["acceptance"])
+            self.posterior.restore(saved["acceptance"], saved.get("evidence"))
+
+    def rebase(self, others: list[dict]) -> None:
+        """Fold in other replicas' saved :meth:`posteriors` (their evidence, summed; states of another
+        kind are skipped): prior + theirs + this process's own. Idempotent."""
+        states = [o for o in others if o.get("kind") == "length"]
+        with self._lock:
+            ev = [self.posterior.evidence_of({"counts": o["acceptance"], **({"evidence": o["evidence"]}
+                                                                           if "evidence" in o else {})})
+                  for o in states]
+            self.posterior.rebase([sum(e[0] for e in ev), sum(e[1] for e in ev)])
 
 
 class ThompsonCascade(DraftLengthPolicy):
@@ -237,18 +286,40 @@ class ThompsonCascade(DraftLengthPolicy):
                     "chosen": dict(sorted(self.chosen.items()))}
 
     def posteriors(self) -> dict:
-        """What the bandit learned, as :meth:`restore` takes it back (saved in the online overlay)."""
+        """What the bandit learned, as :meth:`restore` takes it back (saved in the online overlay), with
+        this process's evidence per posterior (what a replica contributes)."""
         with self._lock:
             return {"kind": "cascade", "layer_skip": self.layer_skip.counts(),
                     "tail": [b.counts() for b in self.tail], "forwards": self._forwards,
-                    "layer_skip_tokens": self._layer_skip_tokens}
+                    "layer_skip_tokens": self._layer_skip_tokens,
+                    "evidence": {"layer_skip": self.layer_skip.evidence(), "tail": [b.evidence() for b in self.tail]}}
 
     def restore(self, saved: dict) -> None:
         """Continue from :meth:`posteriors` (another kind, or another number of tail positions: ``ValueError``)."""
         if saved.get("kind") != "cascade" or len(saved["tail"]) != len(self.tail):
             raise ValueError("not this cascade bandit's state (kind or tail length differs)")
+        ev = saved.get("evidence") or {}
         with self._lock:
-            self.layer_skip.restore(saved["layer_skip"])
-            for b, c in zip(self.tail, saved["tail"]):
-                b.restore(c)
+            self.layer_skip.restore(saved["layer_skip"], ev.get("layer_skip"))
+            for i, (b, c) in enumerate(zip(self.tail, saved["tail"])):
+                b.restore(c, ev["tail"][i] if "tail" in ev else None)
             self._forwards, self._layer_skip_tokens = int(saved["forwards"]), int(saved["layer_skip_tokens"])
+
+    def rebase(self, others: list[dict]) -> None:
+        """Fold in other replicas' saved :meth:`posteriors` (their evidence per posterior, summed; states of
+        another kind or tail length are skipped). Idempotent."""
+        states = [o for o in others if o.get("kind") == "cascade" and len(o.get("tail", ())) == len(self.tail)]
+
+        def summed(post: BetaPosterior, pick) -> list[float]:
+            ev = [post.evidence_of(pick(o)) for o in states]
+            return [sum(e[0] for e in ev), sum(e[1] for e in ev)]
+
+        def layer_skip(o):
+            return {"counts": o["layer_skip"], **({"evidence": o["evidence"]["layer_skip"]} if "evidence" in o else {})}
+
+        with self._lock:
+            self.layer_skip.rebase(summed(self.layer_skip, layer_skip))
+            for i, b in enumerate(self.tail):
+                b.rebase(summed(b, lambda o, i=i: {"counts": o["tail"][i],
+                                                   **({"evidence": o["evidence"]["tail"][i]} if "evidence" in o
+                                                      else {})}))

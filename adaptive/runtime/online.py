@@ -23,14 +23,30 @@ Three things are learned, all from what the target model itself accepted, so dra
    measurement costs a busy server about that share of its throughput.
 
 What was learned is saved beside the profile (:mod:`adaptive.profile.overlay`) every ``save_every``
-requests, when a domain is learned and on :meth:`OnlineLearner.close`; the calibrated profile is
-never written. Everything here only changes what is *drafted*: verification still decides every
+requests, when a request is buffered, when a domain is learned and on :meth:`OnlineLearner.close`;
+the calibrated profile is never written.
+
+**Replicas** (issue 45). Each server is a *replica* (``replica``: ``--replica-id``, by default host
+and pid) and writes only its own contribution, ``PROFILE.online.d/REPLICA.online``. At start and
+then every ``merge_interval`` seconds while serving it reads the other replicas' files that changed
+and merges them (:func:`~adaptive.profile.overlay.merge_overlays`): their pair counts are added to
+its tables' answers (:meth:`LiveBigramTable.set_others`), their bandits' evidence to its bandits'
+(``rebase``), their buffered requests join the pool that discovery clusters (so a domain seen a
+little by every replica is found), and the domains they learned are adopted (a domain whose anchors
+lie within the out-of-domain threshold of an earlier one is left out: one domain per traffic). One
+replica measures a proposed domain at a time: it holds ``PROFILE.online.d/measuring.lock``
+(``lock_timeout`` makes a dead holder's lock stale); the others adopt its record at their next merge,
+and drop their buffered requests it took as members.
+
+Everything here only changes what is *drafted*: verification still decides every
 token, so outputs stay those of plain decoding.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -52,10 +68,17 @@ from adaptive.profile.overlay import (
     BufferedRequest,
     LearnedDomain,
     OnlineOverlay,
+    OverlayError,
     PairCounts,
+    check_replica_id,
+    default_replica_id,
     load_overlay,
+    load_replicas,
+    merge_overlays,
     overlay_path,
     profile_digest,
+    replica_dir,
+    replica_path,
     save_overlay,
 )
 from adaptive.runtime.turns import ShareGuard
@@ -63,6 +86,7 @@ from adaptive.runtime.turns import ShareGuard
 log = logging.getLogger("adaptive.online")
 
 LEARNED_PREFIX = "learned-"
+LOCK_NAME = "measuring.lock"  # in PROFILE.online.d: the replica measuring a proposed domain
 
 
 @dataclass(frozen=True)
@@ -77,7 +101,10 @@ class OnlineSettings:
     tables and bandits only. ``background=False``: measure a proposed domain in the observing thread
     (tests). ``measure_prompts``: members a new domain is raced on. ``share``: the most of the
     model's time a measurement takes while serving is busy; ``idle_s``: how long serving must have
-    left the model alone for a measurement to run freely (:class:`~adaptive.runtime.turns.ShareGuard`)."""
+    left the model alone for a measurement to run freely (:class:`~adaptive.runtime.turns.ShareGuard`).
+    ``replica``: this server's replica id (``None``: host and pid); ``merge_interval``: seconds between
+    merges of the other replicas' files while serving (0: before every request's learning);
+    ``lock_timeout``: seconds after which another replica's measuring lock is taken as a dead one's."""
 
     enabled: bool = True
     path: str | Path | None = None
@@ -93,8 +120,15 @@ class OnlineSettings:
     measure_prompts: int = 6
     share: float = 0.1
     idle_s: float = 0.2
+    replica: str | None = None
+    merge_interval: float = 2.0
+    lock_timeout: float = 900.0
 
     def __post_init__(self):
+        if self.replica is not None:
+            check_replica_id(self.replica)
+        if self.merge_interval < 0 or self.lock_timeout <= 0:
+            raise ValueError("merge_interval must be >= 0 and lock_timeout > 0")
         if self.save_every < 1 or self.buffer_size < 1 or self.max_pairs < 1 or self.measure_prompts < 1:
             raise ValueError("save_every, buffer_size, max_pairs and measure_prompts must be >= 1")
         if not 2 <= self.min_cluster <= self.buffer_size:
@@ -139,6 +173,13 @@ def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[i
     return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)
 
 
+def _near(a: np.ndarray, b: np.ndarray, threshold: float) -> bool:
+    """Whether two domains' anchors (unit rows, ``[m, d]`` and ``[n, d]``) come within ``threshold``
+    (squared L2, the index's out-of-domain radius): the same traffic learned twice."""
+    d = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * a @ b.T
+    return bool(d.min() <= threshold)
+
+
 class _Stopped(Exception):
     """The learner was closed while a measurement ran."""
 
@@ -177,53 +218,139 @@ class OnlineLearner:
         self.settings = settings
         self._guard = guard
         self._bandits = bandits
-        self._lock = threading.Lock()  # the tables' counts, the buffer, the learned domains
+        # the tables' counts, the buffer, the learned domains (re-entrant: a merge makes tables)
+        self._lock = threading.RLock()
         self._save_lock = threading.Lock()  # one save at a time (the serving and the measuring threads both save)
         self._stop = threading.Event()
+        self.replica = settings.replica or default_replica_id()
         self.path = Path(settings.path) if settings.path is not None else (
             overlay_path(profile.path) if profile.path is not None else None)
+        self.own_path = replica_path(self.path, self.replica) if self.path is not None else None
         self.persist = settings.persist and self.path is not None and profile.path is not None
         self._digest = profile_digest(profile.path) if profile.path is not None else ""
         self.tables: dict[str, LiveBigramTable] = {}
-        self.learned: dict[str, LearnedDomain] = {}
+        self.learned: dict[str, LearnedDomain] = {}  # this replica's and those adopted from others
+        self._own_learned: set[str] = set()  # the ones this replica measured (what it saves)
         self._learned_index: AnchorIndex | None = None
-        self.buffer: deque[BufferedRequest] = deque(maxlen=settings.buffer_size)
+        self.buffer: deque[BufferedRequest] = deque(maxlen=settings.buffer_size)  # this replica's
         self._pending: _Pending | None = None
         self._since_attempt = 0  # requests buffered since the last clustering attempt
         self.saved_bandits: dict[str, dict] = {}
-        self.requests = 0
+        self.requests = 0  # this replica's
         self.generation = 0
         self._since_save = 0
+        self._seq = 0  # buffered requests so far (their ids: REPLICA:N)
+        self.others: dict[str, OnlineOverlay] = {}  # the other replicas' overlays, as last read
+        self._others_merged = merge_overlays({})
+        self._seen: dict[str, tuple[int, int]] = {}  # file -> (mtime_ns, size) when last read
+        self._merged_at = 0.0
+        self.merges = 0
+        self.merge_seconds = 0.0
         self.update_seconds = 0.0  # time spent in observe() (tables, buffer, discovery; not measuring)
         self.measure_seconds = 0.0  # model time taken by finished measurements' race blocks
         self.measure_waits = 0  # race blocks that waited for their share while serving was busy
         self.saves = 0
         self.errors: list[str] = []
-        if self.path is not None and self.path.exists():
+        if self.own_path is not None and self.own_path.exists():
             self._load()
+        if self.path is not None:
+            self.merge(force=True)
 
-    # -- loading and saving ------------------------------------------------------------------
+    # -- loading, saving and merging -------------------------------------------------------------
 
     def _load(self) -> None:
-        ov = load_overlay(self.path)  # a damaged one: OverlayError, and the runtime does not start
+        """This replica's own overlay (a replica restarted with its id continues from it)."""
+        ov = load_overlay(self.own_path)  # a damaged one: OverlayError, and the runtime does not start
         if ov is None:
             return
         if self._digest and ov.profile != self._digest:
             log.warning("%s: belongs to another calibration of the profile; starting afresh (the next save "
-                        "replaces it)", self.path)
+                        "replaces it)", self.own_path)
             return
         self.generation, self.requests = ov.generation, ov.requests
         for d in ov.learned:
             self.learned[d.name] = d
+            self._own_learned.add(d.name)
         self._rebuild_index()
         for name, c in ov.counts.items():
             if name in self.profile.domains or name == GLOBAL or name in self.learned:
                 self.table(name).load(c.prev, c.succ, c.count)
         self.buffer.extend(ov.buffer)
+        self._seq = 1 + max((int(b.id.rsplit(":", 1)[1]) for b in ov.buffer
+                             if b.id.rsplit(":", 1)[-1].isdigit()), default=-1)
+        self._seq = max(self._seq, ov.requests)
         self.saved_bandits = dict(ov.bandits)
 
+    def _bad_file(self, path: Path, exc: OverlayError) -> None:
+        log.warning("another replica's overlay left out: %s", exc)
+        self.errors.append(f"merge: {exc}")
+
+    def merge(self, force: bool = False) -> bool:
+        """Read the other replicas' overlays that changed since the last read and fold them in (see the
+        module doc); ``force``: now, else at most every ``merge_interval`` seconds. ``True`` if anything
+        changed. A damaged file of another replica is left out and reported in :meth:`state`."""
+        if self.path is None:
+            return False
+        now = time.monotonic()
+        if not force and now - self._merged_at < self.settings.merge_interval:
+            return False
+        self._merged_at = now
+        t0 = time.perf_counter()
+        files = [self.path] + sorted(replica_dir(self.path).glob("*.online"))
+        stamp = {}
+        for f in files:
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            if f != self.own_path:
+                stamp[str(f)] = (st.st_mtime_ns, st.st_size)
+        if stamp == self._seen and not force:
+            self.merge_seconds += time.perf_counter() - t0
+            return False
+        others = load_replicas(self.path, self._digest or None, skip=self.replica, on_error=self._bad_file)
+        self._seen = stamp
+        merged = merge_overlays(others)
+        with self._lock:
+            self.others, self._others_merged = others, merged
+            self._adopt(merged)
+            for name, c in merged.counts.items():
+                if name in self.profile.domains or name == GLOBAL or name in self.learned:
+                    self.table(name).set_others(c.prev, c.succ, c.count)
+        for key, b in self._bandits().items():
+            if hasattr(b, "rebase"):
+                b.rebase(merged.bandits.get(key, {}).get("states", []))
+        self.merges += 1
+        self.merge_seconds += time.perf_counter() - t0
+        return True
+
+    def _adopt(self, merged: OnlineOverlay) -> None:
+        """Take the other replicas' learned domains in (caller holds the lock): a domain of a name this
+        replica does not have, whose anchors are not within the out-of-domain threshold of one it has
+        (a second domain of the same traffic), is routed to from now on; this replica's buffered
+        requests that it took as members leave the buffer, those that route to it feed its table."""
+        threshold = self.profile.index.ood_threshold
+        added = []
+        for d in merged.learned:
+            if d.name in self.learned or d.name in self.profile.domains:
+                continue
+            if any(_near(d.anchors, k.anchors, threshold) for k in self.learned.values()):
+                continue  # another replica learned this traffic again: one domain for it
+            self.learned[d.name] = d
+            added.append(d.name)
+        if not added:
+            return
+        self._rebuild_index()
+        taken = {m for d in self.learned.values() for m in d.member_ids}
+        kept = [b for b in self.buffer if b.id not in taken]
+        self.buffer.clear()
+        self.buffer.extend(kept)
+        for name in added:
+            self._absorb(name, self.table(name))
+
     def snapshot(self) -> OnlineOverlay:
-        """What :meth:`save` writes: the learner's state now (the live bandits' posteriors included)."""
+        """What :meth:`save` writes: this replica's own contribution now (the live bandits' posteriors
+        and own evidence included)."""
         bandits = dict(self.saved_bandits)
         for key, b in self._bandits().items():
             if hasattr(b, "posteriors"):
@@ -232,20 +359,78 @@ class OnlineLearner:
             counts = {n: PairCounts(*t.counts()) for n, t in self.tables.items() if t.pairs}
             return OnlineOverlay(self._digest, self.generation + 1, time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                  self.requests, counts, bandits, tuple(self.buffer),
-                                 tuple(self.learned.values()))
+                                 tuple(d for n, d in self.learned.items() if n in self._own_learned), self.replica)
 
     def save(self) -> Path | None:
-        """Write the overlay now (atomically); ``None`` when this learner does not persist."""
+        """Write this replica's overlay now (atomically); ``None`` when this learner does not persist."""
         if not self.persist:
             return None
         with self._save_lock:
             ov = self.snapshot()
-            save_overlay(ov, self.path)
+            save_overlay(ov, self.own_path)
             with self._lock:
                 self.generation = ov.generation
                 self._since_save = 0
                 self.saves += 1
-        return self.path
+        return self.own_path
+
+    def _pooled(self) -> list[BufferedRequest]:
+        """This replica's buffered requests and the other replicas' (less any a learned domain took or
+        that now route to one): what discovery clusters (caller holds the lock)."""
+        taken = {m for d in self.learned.values() for m in d.member_ids}
+        mine = {b.id for b in self.buffer}
+        theirs = [b for b in self._others_merged.buffer if b.id not in taken and b.id not in mine]
+        if theirs and self._learned_index is not None:
+            theirs = [b for b in theirs if self._learned_index.route(b.vector).out_of_domain]
+        return list(self.buffer) + theirs
+
+    def _lock_path(self) -> Path | None:
+        return replica_dir(self.path) / LOCK_NAME if self.persist else None
+
+    def _measuring_elsewhere(self) -> bool:
+        """Whether another replica holds a live measuring lock."""
+        lock = self._lock_path()
+        if lock is None:
+            return False
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            return False
+        return age < self.settings.lock_timeout
+
+    def _take_lock(self) -> bool:
+        """Take the measuring lock (``True``), or learn that another replica holds it; a stale one
+        (older than ``lock_timeout``) is taken over. Without persistence there is no one to share with."""
+        lock = self._lock_path()
+        if lock is None:
+            return True
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"replica": self.replica, "pid": os.getpid(), "time": time.time()}).encode()
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    if time.time() - lock.stat().st_mtime < self.settings.lock_timeout:
+                        return False
+                    lock.unlink()  # a dead holder's: take it over
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            return True
+        return False
+
+    def _release_lock(self) -> None:
+        lock = self._lock_path()
+        if lock is None:
+            return
+        try:
+            if json.loads(lock.read_bytes()).get("replica") == self.replica:
+                lock.unlink()
+        except (OSError, ValueError):
+            pass
 
     # -- routing and tables ------------------------------------------------------------------
 
@@ -297,22 +482,27 @@ class OnlineLearner:
                                self.settings.max_pairs)
 
     def restore_bandit(self, key: str, bandit) -> None:
-        """Continue ``bandit`` from its saved posteriors, if the overlay has them (a mismatch is ignored)."""
+        """Continue ``bandit`` from its saved posteriors, if this replica's overlay has them, and fold in
+        the other replicas' evidence for it (a mismatch is ignored)."""
         saved = self.saved_bandits.get(key)
-        if saved is not None and hasattr(bandit, "restore"):
-            try:
+        try:
+            if saved is not None and hasattr(bandit, "restore"):
                 bandit.restore(saved)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("saved bandit %s not restored (%s)", key, exc)
+            theirs = self._others_merged.bandits.get(key, {}).get("states", [])
+            if theirs and hasattr(bandit, "rebase"):
+                bandit.rebase(theirs)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("saved bandit %s not restored (%s)", key, exc)
 
     # -- learning ------------------------------------------------------------------------------
 
     def observe(self, obs: Observation) -> None:
         """Learn from one finished request; may save, and may start measuring a new domain."""
         t0 = time.perf_counter()
+        self.merge()  # the other replicas' files, at most every merge_interval seconds
         tokens = accepted_text(obs.prompt, obs.output)
         table = self.table(obs.applied)
-        start = None
+        start, buffered = None, False
         with self._lock:  # a save's snapshot reads the counts from another thread
             table.observe(tokens)
             self.requests += 1
@@ -323,37 +513,43 @@ class OnlineLearner:
             elif obs.flagged and not obs.learned and self.settings.discover:
                 self.buffer.append(BufferedRequest(np.asarray(obs.vector, dtype=np.float32).copy(),
                                                    tuple(int(t) for t in obs.prompt),
-                                                   tuple(int(t) for t in obs.output)))
+                                                   tuple(int(t) for t in obs.output), f"{self.replica}:{self._seq}"))
+                self._seq += 1
                 self._since_attempt += 1
+                buffered = True
                 start = self._propose()
-            due = self._since_save >= self.settings.save_every
+            due = self._since_save >= self.settings.save_every or (buffered and self.persist)
         self.update_seconds += time.perf_counter() - t0
         if start is not None:
             self._start_measuring(start)
-        elif due:
+        elif due:  # a buffered request is published at once: other replicas pool it for discovery
             self._save_quietly()
 
     def _propose(self) -> _Pending | None:
         """A new domain from the buffer, if a coherent group is there (caller holds the lock). Tried
         once ``min_cluster`` requests are pending, then after every ``min_cluster // 2`` more (a full
         buffer of unrelated requests takes about 0.1 s to search, so not at every request)."""
-        if (self._pending is not None or len(self.buffer) < self.settings.min_cluster
-                or self._since_attempt < max(1, self.settings.min_cluster // 2)):
+        if self._pending is not None or self._since_attempt < max(1, self.settings.min_cluster // 2):
+            return None
+        entries = self._pooled()  # this replica's buffered requests and the other replicas'
+        if len(entries) < self.settings.min_cluster or self._measuring_elsewhere():
             return None
         self._since_attempt = 0
-        entries = list(self.buffer)
         x = self.profile.index.transform(np.stack([b.vector for b in entries]))
         found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster,
                              self.profile.settings.anchors_per_domain, self.settings.coherence, seed=len(self.learned))
-        if found is None:
+        if found is None or not self._take_lock():
             return None
         idx, anchors = found
-        chosen = set(idx.tolist())
-        members = [entries[i] for i in sorted(chosen)]
+        chosen = {entries[i].id for i in idx.tolist()}
+        members = [e for e in entries if e.id in chosen]
+        kept = [b for b in self.buffer if b.id not in chosen]
         self.buffer.clear()
-        self.buffer.extend(e for i, e in enumerate(entries) if i not in chosen)
-        n = len(self.learned) + 1
-        while f"{LEARNED_PREFIX}{n}" in self.learned or f"{LEARNED_PREFIX}{n}" in self.profile.domains:
+        self.buffer.extend(kept)
+        learned = set(self.learned) | {d.name for d in self._others_merged.learned}
+        taken = learned | set(self.profile.domains)
+        n = len(learned) + 1
+        while f"{LEARNED_PREFIX}{n}" in taken:
             n += 1
         self._pending = _Pending(f"{LEARNED_PREFIX}{n}", anchors, members)
         return self._pending
@@ -389,28 +585,36 @@ class OnlineLearner:
                     self.measure_seconds += share.used_s
                     self.measure_waits += share.waits
         except _Stopped:
-            with self._lock:
-                self.buffer.extendleft(reversed(pending.members))
-                self._pending = None
+            self._give_back(pending)
             return
         except (AdaptiveError, ValueError, RuntimeError) as exc:  # a failed measurement must not stop serving
             log.warning("measuring %s failed: %s", pending.name, exc)
             with self._lock:
                 self.errors.append(f"{pending.name}: {type(exc).__name__}: {exc}")
-                self.buffer.extendleft(reversed(pending.members))
-                self._pending = None
+            self._give_back(pending)
             return
         domain = LearnedDomain(pending.name, pending.anchors, rec, len(pending.members),
-                               time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                               time.strftime("%Y-%m-%dT%H:%M:%S%z"), tuple(m.id for m in pending.members))
         with self._lock:
             self.learned[domain.name] = domain
+            self._own_learned.add(domain.name)
             self.tables[domain.name] = table
             self._rebuild_index()
             self._pending = None
             self._absorb(domain.name, table)
         log.info("learned domain %s from %d requests: %s at %.2fx", domain.name, domain.members,
                  rec.decision.drafter, rec.decision.speedup)
-        self._save_quietly()
+        self._save_quietly()  # saved before the lock goes: the others adopt it at their next merge
+        self._release_lock()
+
+    def _give_back(self, pending: _Pending) -> None:
+        """A measurement that did not finish: this replica's members go back to its buffer (the other
+        replicas' never left theirs), and the lock goes."""
+        mine = [m for m in pending.members if m.id.startswith(f"{self.replica}:")]
+        with self._lock:
+            self.buffer.extendleft(reversed(mine))
+            self._pending = None
+        self._release_lock()
 
     def _joins_learned(self, obs: Observation) -> LiveBigramTable | None:
         """The table of a domain learned after ``obs`` was routed out-of-domain, if it now routes there:
@@ -461,7 +665,7 @@ class OnlineLearner:
         return True
 
     def close(self) -> None:
-        """Stop a running measurement (its members return to the buffer) and save."""
+        """Stop a running measurement (its members return to the buffer, the measuring lock goes) and save."""
         self._stop.set()
         p = self._pending
         if p is not None and p.thread is not None:
@@ -470,11 +674,23 @@ class OnlineLearner:
         self._save_quietly()
 
     def state(self) -> dict:
-        """A summary for ``/v1/adaptive/online`` and logs."""
+        """A summary for ``/v1/adaptive/online`` and logs: the merged state (``requests``: every
+        replica's; ``buffered``: the pooled buffer), and each replica's part (``replicas``)."""
+        self.merge()
         with self._lock:
-            return {"requests": self.requests, "generation": self.generation, "saves": self.saves,
-                    "path": str(self.path) if self.path else None, "persist": self.persist,
-                    "buffered": len(self.buffer), "measuring": self.measuring,
+            others = self.others
+            replicas = {self.replica: {"requests": self.requests, "saved": "", "generation": self.generation,
+                                       "buffered": len(self.buffer), "learned": sorted(self._own_learned),
+                                       "self": True}}
+            for r, ov in sorted(others.items()):
+                replicas[r] = {"requests": ov.requests, "saved": ov.saved, "generation": ov.generation,
+                               "buffered": len(ov.buffer), "learned": [d.name for d in ov.learned]}
+            return {"replica": self.replica, "requests": self.requests + sum(o.requests for o in others.values()),
+                    "own_requests": self.requests, "generation": self.generation, "saves": self.saves,
+                    "path": str(self.own_path) if self.own_path else None, "persist": self.persist,
+                    "buffered": len(self._pooled()), "measuring": self.measuring,
+                    "replicas": replicas, "merges": self.merges,
+                    "merge_ms": round(1e3 * self.merge_seconds, 3),
                     "tables": {n: {"entries": len(t), "pairs": t.pairs, "observed": round(t.observed, 1)}
                                for n, t in sorted(self.tables.items())},
                     "learned": {n: {"members": d.members, "decision": d.record.decision.drafter,

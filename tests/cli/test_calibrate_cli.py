@@ -114,31 +114,36 @@ def test_profile_show_and_reset_online(capsys, tiny_profile, tiny_model_dir, tmp
     import shutil
 
     from adaptive.models import load_model
-    from adaptive.profile.overlay import overlay_path
-    from adaptive.runtime import AdaptiveRuntime
+    from adaptive.profile.overlay import overlay_path, replica_path
+    from adaptive.runtime import AdaptiveRuntime, OnlineSettings
 
     prof = tmp_path / "prof"
     shutil.copytree(tiny_profile, prof)
     text, _ = run_ok(capsys, "profile", "show", str(prof))
-    assert f"nothing learned yet ({prof}.online does not exist)" in text
-    rt = AdaptiveRuntime.from_profile(prof, model=load_model(str(tiny_model_dir), dtype="float32"))
-    rt.generate(TINY_DOMAINS["code"][0], max_new_tokens=8)
-    rt.close()
-    before = overlay_path(prof).read_bytes()
+    assert f"nothing learned yet (no overlay at {prof}.online or in {prof}.online.d)" in text
+    model = load_model(str(tiny_model_dir), dtype="float32")
+    for replica in ("web-1", "web-2"):  # two replicas over one profile: each its own file, shown merged
+        rt = AdaptiveRuntime.from_profile(prof, model=model, online=OnlineSettings(replica=replica))
+        rt.generate(TINY_DOMAINS["code"][0], max_new_tokens=8)
+        rt.close()
+    own = replica_path(overlay_path(prof), "web-1")
+    before = own.read_bytes()
     text, _ = run_ok(capsys, "profile", "show", str(prof))
-    assert f"online  {prof}.online: generation 1" in text and "1 requests learned from" in text
+    assert "online  2 replica(s) merged" in text and "2 requests learned from" in text
+    assert "replica web-1: 1 requests, generation 1" in text and "replica web-2: 1 requests" in text
     assert "accepted tokens" in text
     data = json.loads(run_ok(capsys, "profile", "show", str(prof), "--json")[0])
-    assert data["online"]["requests"] == 1 and data["online"]["stale"] is False
+    assert data["online"]["requests"] == 2 and data["online"]["stale"] == []
+    assert set(data["online"]["replicas"]) == {"web-1", "web-2"}
     out, _ = run_ok(capsys, "generate", "hello", "--profile", str(prof), "--model", str(tiny_model_dir),
                     "--dtype", "float32", "--max-new-tokens", "4", "--json")
     assert "online" in json.loads(out)
-    assert overlay_path(prof).read_bytes() == before  # generate saves nothing
+    assert own.read_bytes() == before and len(list(own.parent.glob("*.online"))) == 2  # generate saves nothing
     _, err = run_ok(capsys, "profile", "reset-online", str(prof))
-    assert f"removed {prof}.online" in err and not overlay_path(prof).exists()
+    assert f"removed {prof}.online" in err and not own.parent.exists()
     _, err = run_ok(capsys, "profile", "reset-online", str(prof))
     assert "nothing to remove" in err
-    overlay_path(prof).write_bytes(before[:-5])
+    overlay_path(prof).write_bytes(before[:-5])  # a damaged file of an earlier version: said, in one line
     code, _, err = run(capsys, "profile", "show", str(prof))
     assert code == 1 and "does not match its checksum" in err and "Traceback" not in err
     assert (prof / "profile.json").is_file()  # the profile itself is untouched

@@ -70,9 +70,11 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_connections(tiny
         assert proc.wait(60) == 0
         with pytest.raises(OSError):  # nothing listens any more
             http.client.HTTPConnection("127.0.0.1", port, timeout=5).request("GET", "/health")
-        from adaptive.profile.overlay import load_overlay, overlay_path
+        from adaptive.profile.overlay import load_replicas, overlay_path, remove_overlay
 
-        assert load_overlay(overlay_path(tiny_profile)).requests == 1  # online learning saved at shutdown
+        saved = load_replicas(overlay_path(tiny_profile))  # online learning saved at shutdown, as its replica
+        assert [ov.requests for ov in saved.values()] == [1] and next(iter(saved)).endswith(f"-{proc.pid}")
+        remove_overlay(overlay_path(tiny_profile))
     finally:
         if proc.poll() is None:
             proc.kill()

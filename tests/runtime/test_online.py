@@ -9,7 +9,15 @@ from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.index.anchors import AnchorIndex
 from adaptive.profile import load_profile
-from adaptive.profile.overlay import OverlayError, load_overlay, overlay_path, save_overlay
+from adaptive.profile.overlay import (
+    OverlayError,
+    load_overlay,
+    overlay_path,
+    remove_overlay,
+    replica_dir,
+    replica_path,
+    save_overlay,
+)
 from adaptive.runtime import AdaptiveRuntime, OnlineSettings
 from adaptive.runtime.online import Observation
 from tests.conftest import TINY_DOMAINS
@@ -89,11 +97,13 @@ def test_runtime_learns_tables_bandits_and_a_new_domain_losslessly(tiny_profile,
     bandits = {k: b.posteriors() for k, b in rt._live_bandits().items()}
     assert "knn-ssd:learned-1" in bandits or rec.decision.drafter == "ar"
     rt.close()
-    ov = load_overlay(settings.path)
+    ov = load_overlay(learner.own_path)
+    assert learner.own_path == replica_path(settings.path, learner.replica) and ov.replica == learner.replica
     assert ov.requests == len(traffic) + 1 and [d.name for d in ov.learned] == ["learned-1"]
     assert ov.bandits == bandits
-    # a new runtime starts where this one stopped
-    rt2 = AdaptiveRuntime(p, lm, seed=0, online=dataclasses.replace(settings, persist=False))
+    # a new runtime (the same replica id) starts where this one stopped
+    rt2 = AdaptiveRuntime(p, lm, seed=0, online=dataclasses.replace(settings, persist=False,
+                                                                     replica=learner.replica))
     assert set(rt2.online.learned) == {"learned-1"} and rt2.online.saved_bandits == bandits
     np.testing.assert_array_equal(rt2.online.tables["math"].counts()[2], learner.tables["math"].counts()[2])
     r2 = rt2.generate(OOD[7], max_new_tokens=16)
@@ -118,7 +128,7 @@ def test_background_measurement_takes_turns_with_serving(tiny_profile, lm, tmp_p
     assert not rt.online.buffer  # those flagged while it was measured joined it (or routed to it)
     assert rt.generate(OOD[7], max_new_tokens=12).applied == "learned-1"
     rt.close()
-    assert load_overlay(tmp_path / "b.online").learned[0].name == "learned-1"
+    assert load_overlay(rt.online.own_path).learned[0].name == "learned-1"
 
 
 def test_close_stops_a_measurement_and_keeps_its_requests(tiny_profile, lm, tmp_path):
@@ -131,8 +141,9 @@ def test_close_stops_a_measurement_and_keeps_its_requests(tiny_profile, lm, tmp_
         assert rt.online.measuring == "learned-1"
         rt.online._stop.set()
     rt.close()
-    ov = load_overlay(tmp_path / "c.online")
+    ov = load_overlay(rt.online.own_path)
     assert not ov.learned and len(ov.buffer) == 4  # back in the buffer, saved
+    assert not (tmp_path / "c.online.d" / "measuring.lock").exists()  # the measuring lock went with it
 
 
 def test_online_off_learns_and_writes_nothing(tiny_profile, lm):
@@ -149,22 +160,29 @@ def test_default_overlay_is_beside_the_profile_and_saved_on_close(tiny_profile, 
     r = rt.generate(TINY_DOMAINS["code"][0], max_new_tokens=8)
     assert r.online is not None and r.to_dict()["online"] == r.online
     rt.close()
-    ov = load_overlay(overlay_path(tiny_profile))
+    assert rt.online.own_path.parent == replica_dir(overlay_path(tiny_profile))
+    ov = load_overlay(rt.online.own_path)
     assert ov.requests == 1 and sum(c.count.sum() for c in ov.counts.values()) >= 1
+    remove_overlay(overlay_path(tiny_profile))
 
 
 def test_a_bad_or_stale_overlay(tiny_profile, lm, tmp_path, caplog):
     path = tmp_path / "bad.online"
-    path.write_bytes(b"garbage")
+    own = replica_path(path, "r1")
+    own.parent.mkdir()
+    own.write_bytes(b"garbage")  # this replica's own file: it does not start
     with pytest.raises(OverlayError, match="not an adaptive online overlay"):
-        AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path))
-    # another calibration's overlay: ignored (with a warning), replaced on the next save
+        AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path, replica="r1"))
+    # another replica's damaged file: left out, said, and serving goes on
+    rt = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path, replica="r2"))
+    assert rt.online.requests == 0 and "not an adaptive online overlay" in rt.online.state()["errors"][0]
+    # another calibration's overlay (here the single file of earlier versions): left out with a warning
     rt = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=tmp_path / "a.online"))
     rt.generate(TINY_DOMAINS["math"][0], max_new_tokens=4)
     ov = rt.online.snapshot()
-    save_overlay(dataclasses.replace(ov, profile="0" * 64), path)
-    rt2 = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path))
-    assert rt2.online.requests == 0 and "another calibration" in caplog.text
+    save_overlay(dataclasses.replace(ov, profile="0" * 64), tmp_path / "s.online")
+    rt2 = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=tmp_path / "s.online"))
+    assert rt2.online.state()["requests"] == 0 and "another calibration" in caplog.text
 
 
 def test_observe_counts_the_output_with_the_prompt_s_last_token(tiny_profile, lm):
