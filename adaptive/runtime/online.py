@@ -239,6 +239,7 @@ class OnlineLearner:
         self.requests = 0  # this replica's
         self.generation = 0
         self._since_save = 0
+        self._saved_at = time.monotonic()
         self._seq = 0  # buffered requests so far (their ids: REPLICA:N)
         self.others: dict[str, OnlineOverlay] = {}  # the other replicas' overlays, as last read
         self._others_merged = merge_overlays({})
@@ -371,8 +372,13 @@ class OnlineLearner:
             with self._lock:
                 self.generation = ov.generation
                 self._since_save = 0
+                self._saved_at = time.monotonic()
                 self.saves += 1
         return self.own_path
+
+    def _others_exist(self) -> bool:
+        """Whether other replicas' overlays were seen (a lone server saves every ``save_every`` requests)."""
+        return bool(self._seen)
 
     def _pooled(self) -> list[BufferedRequest]:
         """This replica's buffered requests and the other replicas' (less any a learned domain took or
@@ -518,7 +524,10 @@ class OnlineLearner:
                 self._since_attempt += 1
                 buffered = True
                 start = self._propose()
-            due = self._since_save >= self.settings.save_every or (buffered and self.persist)
+            # published when save_every requests are unsaved, when a request was buffered (discovery pools
+            # the replicas' buffers), and when one is unsaved for merge_interval (the others see it by then)
+            due = self.persist and (self._since_save >= self.settings.save_every or buffered or (
+                time.monotonic() - self._saved_at >= self.settings.merge_interval and self._others_exist()))
         self.update_seconds += time.perf_counter() - t0
         if start is not None:
             self._start_measuring(start)
