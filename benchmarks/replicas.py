@@ -14,12 +14,17 @@ evaluation. Reported: the requests the fourth replica counts, the learned domain
 evaluation prompts, both speedups and their ratio, every HTTP status (a 5xx is a failure), whether
 every overlay file loads, and each replica's merges (count, milliseconds, share of its requests' time).
 
+Part C (``--cost-rounds``, after A): merging's cost. One more server over A's directory, whose other
+replicas' files a thread rewrites every second, serves ``--clients`` concurrent clients with merging
+every 2 s and with merging only at start, in alternating rounds: aggregate tokens per second.
+
     python benchmarks/replicas.py --profile /tmp/p43/no-tr --data /tmp/sb/translation.jsonl --out /tmp/replicas.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
@@ -129,6 +134,57 @@ def evaluate(server: Server, prompts: list[str], max_tokens: int, statuses: list
             "routed": [r["applied"] for r in runs], "same_text": sum(r["same_text"] for r in runs)}
 
 
+def throughput_with_merging(prof: Path, prompts: list[str], clients: int, per_client: int, max_tokens: int,
+                            extra: list[str], statuses: list[int], rounds: int) -> dict:
+    """Part C: one server over ``prof`` (whose other replicas' files a thread rewrites every second, as
+    live replicas would) serves ``clients`` concurrent clients, ``per_client`` requests each, with
+    merging every 2 s (``on``) and only at start (``off``), in alternating rounds: tokens per second.
+    The server's own file is removed after each round, so every round starts from the same state."""
+    from adaptive.profile.overlay import load_overlay, overlay_path, replica_dir, save_overlay
+
+    folder = replica_dir(overlay_path(prof))
+    others = sorted(folder.glob("*.online"))
+    stop = threading.Event()
+
+    def churn():
+        while not stop.wait(1.0):
+            for f in others:
+                ov = load_overlay(f)
+                save_overlay(dataclasses.replace(ov, generation=ov.generation + 1), f)
+
+    threading.Thread(target=churn, daemon=True).start()
+    out: dict = {"on": [], "off": [], "merges": {"on": [], "off": []}}
+    try:
+        for i in range(rounds):
+            for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                interval = "2" if mode == "on" else "1e9"
+                server = Server(prof, "cost", [*extra, "--merge-interval", interval])
+                chat(server, prompts[0], max_tokens, "auto", statuses)  # warm-up
+                tokens: list[int] = []
+
+                def client(c: int, server=server, tokens=tokens):
+                    for j in range(per_client):
+                        r = chat(server, prompts[(c * per_client + j) % len(prompts)], max_tokens, "auto", statuses)
+                        tokens.append(r["tokens"] or 0)
+
+                t = time.perf_counter()
+                threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                dt = time.perf_counter() - t
+                out[mode].append(round(sum(tokens) / dt, 3))
+                out["merges"][mode].append(server.online().get("merges"))
+                server.stop()
+                (folder / "cost.online").unlink(missing_ok=True)
+    finally:
+        stop.set()
+    on, off = sum(out["on"]) / len(out["on"]), sum(out["off"]) / len(out["off"])
+    out["on_over_off"] = round(on / off, 4)
+    return out
+
+
 def merge_cost(server: Server, request_s: float) -> dict:
     st = server.online()
     return {"merges": st.get("merges"), "merge_ms": st.get("merge_ms"), "request_s": round(request_s, 2),
@@ -145,6 +201,9 @@ def main() -> None:
     ap.add_argument("--eval", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--wait", type=float, default=300, help="seconds to wait for the domain to be learned")
+    ap.add_argument("--clients", type=int, default=8, help="part C's concurrent clients")
+    ap.add_argument("--per-client", type=int, default=4, help="part C's requests per client and round")
+    ap.add_argument("--cost-rounds", type=int, default=2, help="part C's rounds of merging on and off (0: no C)")
     ap.add_argument("--serve-args", default="", help="more `adaptive serve` options, one string")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -191,6 +250,9 @@ def main() -> None:
             s.stop()
         report["a_files_load"] = sorted(load_replicas(overlay_path(prof)))  # raises on a torn or damaged file
         servers = []
+        if args.cost_rounds:  # C: merging's cost at --clients concurrent clients
+            report["c_merging"] = throughput_with_merging(prof, held + learn, args.clients, args.per_client,
+                                                          args.max_tokens, extra, statuses, args.cost_rounds)
         # B: one replica sees it all
         prof_b = work / "b" / Path(args.profile).name
         shutil.copytree(args.profile, prof_b)
@@ -216,7 +278,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text)
     summary = {k: report.get(k) for k in ("a_learned", "a_fourth", "b_learned", "speedup_ratio", "statuses",
-                                          "a_merge_cost", "a_files_load")}
+                                          "a_merge_cost", "a_files_load", "c_merging")}
     summary["a_routed"] = report.get("a_eval", {}).get("routed")
     summary["speedups"] = [a, b]
     print(json.dumps(summary, indent=1))

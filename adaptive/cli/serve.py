@@ -75,9 +75,12 @@ class ReplicaId(click.ParamType):
 @click.option("--replica-id", type=ReplicaId(), default=None,
               help="This server's name among replicas sharing the profile (its own overlay file) "
               "[default: HOST-PID]. Give a stable one to continue a replica's learning after a restart.")
+@click.option("--merge-interval", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Seconds between reads of the other replicas' overlays while serving (0: before every "
+              "request's learning).")
 def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
               goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online,
-              online_path, replica_id):
+              online_path, replica_id, merge_interval):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -109,7 +112,8 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     from adaptive.runtime.online import OnlineSettings
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
-                      online=OnlineSettings(enabled=online, path=online_path, replica=replica_id), goodput=goodput)
+                      online=OnlineSettings(enabled=online, path=online_path, replica=replica_id,
+                                            merge_interval=merge_interval), goodput=goodput)
     captured = rt.warm()
     if captured:
         info(f"captured {captured} CUDA graphs of the model's steps")

@@ -245,6 +245,9 @@ class OnlineLearner:
         self._others_merged = merge_overlays({})
         self._seen: dict[str, tuple[int, int]] = {}  # file -> (mtime_ns, size) when last read
         self._merged_at = 0.0
+        self._publisher: threading.Thread | None = None
+        self._merge_lock = threading.Lock()
+        self._closing = threading.Event()
         self.merges = 0
         self.merge_seconds = 0.0
         self.update_seconds = 0.0  # time spent in observe() (tables, buffer, discovery; not measuring)
@@ -292,6 +295,14 @@ class OnlineLearner:
         changed. A damaged file of another replica is left out and reported in :meth:`state`."""
         if self.path is None:
             return False
+        if not self._merge_lock.acquire(blocking=force):
+            return False  # another thread is merging now
+        try:
+            return self._merge(force)
+        finally:
+            self._merge_lock.release()
+
+    def _merge(self, force: bool) -> bool:
         now = time.monotonic()
         if not force and now - self._merged_at < self.settings.merge_interval:
             return False
@@ -311,6 +322,8 @@ class OnlineLearner:
             return False
         others = load_replicas(self.path, self._digest or None, skip=self.replica, on_error=self._bad_file)
         self._seen = stamp
+        if stamp and self.persist:
+            self._start_publisher()
         merged = merge_overlays(others)
         with self._lock:
             self.others, self._others_merged = others, merged
@@ -375,6 +388,26 @@ class OnlineLearner:
                 self._saved_at = time.monotonic()
                 self.saves += 1
         return self.own_path
+
+    def _start_publisher(self) -> None:
+        """Among other replicas: a thread that, every ``merge_interval`` (at least 0.5 s), merges and saves
+        what is unsaved, so an idle replica's last requests and the others' domains do not wait for its
+        next request."""
+        if self._publisher is not None:
+            return
+
+        def run():
+            while not self._closing.wait(max(self.settings.merge_interval, 0.5)):
+                try:
+                    self.merge()
+                    if self._since_save > 0:
+                        self._save_quietly()
+                except Exception as exc:  # noqa: BLE001 - a background thread must not die silently
+                    log.warning("publishing the online overlay failed: %s", exc)
+                    self.errors.append(f"publish: {type(exc).__name__}: {exc}")
+
+        self._publisher = threading.Thread(target=run, name="adaptive-online-publish", daemon=True)
+        self._publisher.start()
 
     def _others_exist(self) -> bool:
         """Whether other replicas' overlays were seen (a lone server saves every ``save_every`` requests)."""
@@ -680,6 +713,11 @@ class OnlineLearner:
         if p is not None and p.thread is not None:
             p.thread.join()
         self._stop.clear()  # a runtime used after close() may measure again
+        self._closing.set()
+        if self._publisher is not None:
+            self._publisher.join()
+            self._publisher = None
+        self._closing.clear()
         self._save_quietly()
 
     def state(self) -> dict:

@@ -31,11 +31,14 @@ def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tiny_profile):
 
 
 def test_bad_options_are_usage_errors(capsys, tiny_profile):
-    for args in (["--max-queue", "0"], ["--port", "70000"], ["--policy", "ar"]):
+    for args in (["--max-queue", "0"], ["--port", "70000"], ["--policy", "ar"], ["--replica-id", "../x"],
+                 ["--merge-interval", "-1"]):
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--profile", str(tiny_profile), *args])
         assert exc.value.code == 2, args
-    assert "speculation" in capsys.readouterr().err  # --policy's hint: speculation is per request
+    err = capsys.readouterr().err
+    assert "speculation" in err  # --policy's hint: speculation is per request
+    assert "replica id '../x'" in err
 
 
 def test_sigterm_lets_the_running_stream_finish_and_refuses_new_connections(tiny_profile, tiny_model_dir):

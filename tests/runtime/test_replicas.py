@@ -242,3 +242,23 @@ def test_in_domain_traffic_tables_merge(tiny_profile, lm, tmp_path):
     assert b.online.table(name).others() > 0 and b.online.table(name).counts()[0].size == 0
     a.close()
     b.close()
+
+
+def test_an_idle_replica_publishes_its_last_requests(tiny_profile, lm, tmp_path):
+    """Among other replicas, what a replica learned reaches its file within about a merge interval even
+    if no request follows (a background thread publishes), and close() stops that thread."""
+    import time
+
+    path = tmp_path / "idle.online"
+    b = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path, replica="b"))
+    b.generate(TINY_DOMAINS["code"][0], max_new_tokens=4)
+    b.close()
+    a = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path, replica="a",
+                                                                           merge_interval=0.2))
+    a.generate(TINY_DOMAINS["math"][0], max_new_tokens=4)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not replica_path(path, "a").exists():
+        time.sleep(0.1)
+    assert load_overlay(replica_path(path, "a")).requests == 1
+    a.close()
+    assert a.online._publisher is None
