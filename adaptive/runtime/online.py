@@ -239,7 +239,6 @@ class OnlineLearner:
         self.requests = 0  # this replica's
         self.generation = 0
         self._since_save = 0
-        self._saved_at = time.monotonic()
         self._seq = 0  # buffered requests so far (their ids: REPLICA:N)
         self.others: dict[str, OnlineOverlay] = {}  # the other replicas' overlays, as last read
         self._others_merged = merge_overlays({})
@@ -247,6 +246,7 @@ class OnlineLearner:
         self._merged_at = 0.0
         self._publisher: threading.Thread | None = None
         self._merge_lock = threading.Lock()
+        self._others_keys: dict[str, int] = {}  # table -> hash of the others' counts it was given
         self._closing = threading.Event()
         self.merges = 0
         self.merge_seconds = 0.0
@@ -330,7 +330,10 @@ class OnlineLearner:
             self._adopt(merged)
             for name, c in merged.counts.items():
                 if name in self.profile.domains or name == GLOBAL or name in self.learned:
-                    self.table(name).set_others(c.prev, c.succ, c.count)
+                    key = hash((c.prev.tobytes(), c.succ.tobytes(), c.count.tobytes()))
+                    if self._others_keys.get(name) != key:  # only a table whose others' counts changed
+                        self.table(name).set_others(c.prev, c.succ, c.count)
+                        self._others_keys[name] = key
         for key, b in self._bandits().items():
             if hasattr(b, "rebase"):
                 b.rebase(merged.bandits.get(key, {}).get("states", []))
@@ -385,7 +388,6 @@ class OnlineLearner:
             with self._lock:
                 self.generation = ov.generation
                 self._since_save = 0
-                self._saved_at = time.monotonic()
                 self.saves += 1
         return self.own_path
 
@@ -408,10 +410,6 @@ class OnlineLearner:
 
         self._publisher = threading.Thread(target=run, name="adaptive-online-publish", daemon=True)
         self._publisher.start()
-
-    def _others_exist(self) -> bool:
-        """Whether other replicas' overlays were seen (a lone server saves every ``save_every`` requests)."""
-        return bool(self._seen)
 
     def _pooled(self) -> list[BufferedRequest]:
         """This replica's buffered requests and the other replicas' (less any a learned domain took or
@@ -538,10 +536,11 @@ class OnlineLearner:
     def observe(self, obs: Observation) -> None:
         """Learn from one finished request; may save, and may start measuring a new domain."""
         t0 = time.perf_counter()
-        self.merge()  # the other replicas' files, at most every merge_interval seconds
+        if self._publisher is None:  # else that thread merges, off the serving thread
+            self.merge()  # the other replicas' files, at most every merge_interval seconds
         tokens = accepted_text(obs.prompt, obs.output)
         table = self.table(obs.applied)
-        start, buffered = None, False
+        start, buffered, attempt = None, False, False
         with self._lock:  # a save's snapshot reads the counts from another thread
             table.observe(tokens)
             self.requests += 1
@@ -556,31 +555,54 @@ class OnlineLearner:
                 self._seq += 1
                 self._since_attempt += 1
                 buffered = True
-                start = self._propose()
-            # published when save_every requests are unsaved, when a request was buffered (discovery pools
-            # the replicas' buffers), and when one is unsaved for merge_interval (the others see it by then)
-            due = self.persist and (self._since_save >= self.settings.save_every or buffered or (
-                time.monotonic() - self._saved_at >= self.settings.merge_interval and self._others_exist()))
+                attempt = self._attempt_due()
+            # saved when save_every requests are unsaved and when a request was buffered (discovery pools the
+            # replicas' buffers); among other replicas the publishing thread also saves what is unsaved
+            # every merge_interval, off the serving thread
+            due = self.persist and (self._since_save >= self.settings.save_every or buffered)
+        if attempt:  # outside the lock: proposing merges the other replicas' files first
+            start = self._propose()
         self.update_seconds += time.perf_counter() - t0
         if start is not None:
             self._start_measuring(start)
         elif due:  # a buffered request is published at once: other replicas pool it for discovery
             self._save_quietly()
 
-    def _propose(self) -> _Pending | None:
-        """A new domain from the buffer, if a coherent group is there (caller holds the lock). Tried
-        once ``min_cluster`` requests are pending, then after every ``min_cluster // 2`` more (a full
-        buffer of unrelated requests takes about 0.1 s to search, so not at every request)."""
+    def _attempt_due(self) -> bool:
+        """Whether to look for a new domain now (caller holds the lock): once ``min_cluster`` requests are
+        pending (this replica's and the others'), then after every ``min_cluster // 2`` more (a full buffer
+        of unrelated requests takes about 0.1 s to search, so not at every request), and not while
+        another replica measures."""
         if self._pending is not None or self._since_attempt < max(1, self.settings.min_cluster // 2):
-            return None
-        entries = self._pooled()  # this replica's buffered requests and the other replicas'
-        if len(entries) < self.settings.min_cluster or self._measuring_elsewhere():
-            return None
+            return False
+        if len(self._pooled()) < self.settings.min_cluster or self._measuring_elsewhere():
+            return False
         self._since_attempt = 0
-        x = self.profile.index.transform(np.stack([b.vector for b in entries]))
-        found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster,
-                             self.profile.settings.anchors_per_domain, self.settings.coherence, seed=len(self.learned))
-        if found is None or not self._take_lock():
+        return True
+
+    def _propose(self) -> _Pending | None:
+        """A new domain from the pooled buffer, if a coherent group is there: under the measuring lock,
+        after a merge (so a domain another replica just learned is not proposed again). The caller does
+        not hold the learner's lock."""
+        if not self._take_lock():
+            return None
+        self.merge(force=True)  # holding the lock: the domains learned and requests buffered up to now
+        with self._lock:
+            pending = self._cluster() if self._pending is None else None
+        if pending is None:
+            self._release_lock()
+        return pending
+
+    def _cluster(self) -> _Pending | None:
+        """The proposal itself (caller holds the learner's lock and the measuring lock)."""
+        entries = self._pooled()  # this replica's buffered requests and the other replicas'
+        found = None
+        if len(entries) >= self.settings.min_cluster:
+            x = self.profile.index.transform(np.stack([b.vector for b in entries]))
+            found = find_cluster(x, self.profile.index.ood_threshold, self.settings.min_cluster,
+                                 self.profile.settings.anchors_per_domain, self.settings.coherence,
+                                 seed=len(self.learned))
+        if found is None:
             return None
         idx, anchors = found
         chosen = {entries[i].id for i in idx.tolist()}

@@ -262,3 +262,42 @@ def test_an_idle_replica_publishes_its_last_requests(tiny_profile, lm, tmp_path)
     assert load_overlay(replica_path(path, "a")).requests == 1
     a.close()
     assert a.online._publisher is None
+
+
+def test_two_replicas_saving_at_once_never_tear_a_file(tiny_profile, lm, tmp_path):
+    """Two replicas saving in a loop while a third merges in a loop: every read loads (no torn or
+    damaged file), and the merged requests only grow."""
+    import threading
+
+    path = tmp_path / "busy.online"
+    reps = [AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path, replica=f"w{i}"))
+            for i in range(2)]
+    for rt in reps:
+        rt.generate(TINY_DOMAINS["math"][0], max_new_tokens=4)
+    stop = threading.Event()
+    errors: list = []
+
+    def saver(rt):
+        while not stop.is_set():
+            try:
+                rt.online.requests += 1  # as if another request had been learned from
+                rt.online.save()
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=saver, args=(rt,)) for rt in reps]
+    for t in threads:
+        t.start()
+    reader = AdaptiveRuntime(cascades(tiny_profile), lm, online=OnlineSettings(path=path, replica="r"))
+    seen = []
+    try:
+        for _ in range(40):
+            reader.online.merge(force=True)
+            seen.append(reader.online.state()["requests"])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors and not reader.online.errors, (errors, reader.online.errors)
+    assert seen == sorted(seen) and seen[-1] > 2
+    assert sorted(load_replicas(path)) == ["w0", "w1"]
