@@ -90,7 +90,9 @@ def summary_table(profile) -> str:
 @click.option("--jobs", type=int, default=1, show_default=True, help="Domains searched in parallel.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=BACKENDS[0], show_default=True,
               help="joblib backend for --jobs > 1 (dask/ray: an existing cluster, or a local one).")
-@click.option("--scheduler", default=None, help="dask scheduler (or ray) address, e.g. tcp://host:8786.")
+@click.option("--scheduler", "--address", "scheduler", default=None,
+              help="An existing cluster: a dask scheduler's address (tcp://host:8786) or a Ray cluster's "
+              "(ray://host:10001, or auto on a node of it); without it a local cluster of --jobs workers.")
 @click.option("--vocab-sizes", type=SizeList(), default=None,
               help="Reduced draft-vocabulary sizes to try, e.g. 2048,4096 ('none': full head only) "
                    f"[{','.join(map(str, CalibrationSettings().vocab_sizes))}].")

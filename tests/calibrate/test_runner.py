@@ -580,3 +580,19 @@ def test_race_vocabs_rank_without_the_raced_prompts_text():
     assert v.tolist() == [4, 5, 0]
     a, b = race_vocabs(seqs, [[4], [9]], vocab_size=6, size=2)
     assert a.tolist() == [2, 1] and b.tolist() == [2, 1]  # 2 twice, then 1 (ties: smaller id); [9] is no sequence's
+
+
+@pytest.mark.slow
+def test_ray_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
+    """`--backend ray --scheduler ADDRESS`: calibration on a local Ray cluster started here (as on an
+    existing cluster, whose address the command takes), the same profile as the other backends."""
+    ray = pytest.importorskip("ray")
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        p = calibrate(str(tiny_model_dir), TINY_DOMAINS, tmp_path / "p", _no_bound(trials=3, init_trials=2),
+                      jobs=2, backend="ray", dtype="float32", progress=False)
+    finally:
+        ray.shutdown()
+    assert sorted(p.domains) == sorted(TINY_DOMAINS)
+    assert load_profile(tmp_path / "p").global_set.layer_skip.trials == 3
