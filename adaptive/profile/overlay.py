@@ -342,8 +342,9 @@ def merge_overlays(replicas: dict[str, OnlineOverlay]) -> OnlineOverlay:
     summed, the buffers pooled (less the requests some learned domain took as members), the learned
     domains of all of them in the order they were made (a name made twice keeps its first making;
     nearness of anchors is the runtime's to judge, :class:`~adaptive.runtime.online.OnlineLearner`),
-    and each bandit's saved states in a list by replica (:func:`bandit_evidence` adds them up). Order-
-    free: the result depends only on the set of replicas' files."""
+    and each bandit's saved states in a list by replica (``{"kind": "replicas", "states": [...]}``; a live
+    bandit's ``rebase`` adds their evidence up). Order-free: the result depends only on the set of
+    replicas' files."""
     names = sorted(replicas)
     counts: dict[str, list[PairCounts]] = {}
     for r in names:

@@ -239,7 +239,6 @@ class OnlineLearner:
         self.requests = 0  # this replica's
         self.generation = 0
         self._since_save = 0
-        self._seq = 0  # buffered requests so far (their ids: REPLICA:N)
         self.others: dict[str, OnlineOverlay] = {}  # the other replicas' overlays, as last read
         self._others_merged = merge_overlays({})
         self._seen: dict[str, tuple[int, int]] = {}  # file -> (mtime_ns, size) when last read
@@ -280,9 +279,6 @@ class OnlineLearner:
             if name in self.profile.domains or name == GLOBAL or name in self.learned:
                 self.table(name).load(c.prev, c.succ, c.count)
         self.buffer.extend(ov.buffer)
-        self._seq = 1 + max((int(b.id.rsplit(":", 1)[1]) for b in ov.buffer
-                             if b.id.rsplit(":", 1)[-1].isdigit()), default=-1)
-        self._seq = max(self._seq, ov.requests)
         self.saved_bandits = dict(ov.bandits)
 
     def _bad_file(self, path: Path, exc: OverlayError) -> None:
@@ -551,8 +547,8 @@ class OnlineLearner:
             elif obs.flagged and not obs.learned and self.settings.discover:
                 self.buffer.append(BufferedRequest(np.asarray(obs.vector, dtype=np.float32).copy(),
                                                    tuple(int(t) for t in obs.prompt),
-                                                   tuple(int(t) for t in obs.output), f"{self.replica}:{self._seq}"))
-                self._seq += 1
+                                                   tuple(int(t) for t in obs.output),
+                                                   f"{self.replica}:{self.requests}"))  # this request's number: unique
                 self._since_attempt += 1
                 buffered = True
                 attempt = self._attempt_due()
