@@ -1,7 +1,7 @@
 """Aggregating benchmark runs into Spec-Bench's metrics; Markdown and PNG renderings.
 
-A *run* is one (prompt, method) measurement: ``{"id", "group", "method", "tokens_per_s",
-"steps", "drafted", "accepted", "identical", "violation"}`` (``steps`` is ``None`` for methods
+A *run* is one (prompt, method) measurement: ``{"id", "group", "method", "new_tokens", "tokens_per_s",
+"seconds", "steps", "drafted", "accepted", "identical", "violation"}`` (``steps`` is ``None`` for methods
 that do not report them, e.g. Hugging Face's).
 """
 
@@ -16,10 +16,15 @@ def summarize(runs: list[dict], methods: list[str], reference: str = REFERENCE) 
 
     speedup = mean over prompts of the method's tokens/s / the same mean for ``reference``
     (``ar``; another method's name gives speedups over that method, the rest is unchanged);
+    aggregate tokens/s = all new tokens / all the runs' seconds (prefill included: the mix's
+    throughput, where a long prompt weighs by its time), ``aggregate_speedup`` its ratio to the
+    reference's (runs without ``seconds``, from reports before it was recorded: ``None``);
     mean accepted tokens = (accepted + steps) / steps over all prompts (``ar`` = 1.0);
     acceptance rate = accepted / drafted.
 
-    Example: ar at 10 and 20 tok/s, ssd at 15 and 20: speedup ``17.5 / 15 = 1.1667``.
+    Example: ar at 10 and 20 tok/s, ssd at 15 and 20: speedup ``17.5 / 15 = 1.1667``. With 60 tokens
+    each, ar took 6 + 3 s and ssd 4 + 3 s: aggregate 120 / 9 = 13.333 and 120 / 7 = 17.143 tok/s,
+    ``aggregate_speedup`` 1.2857.
     """
     out = {}
     for m in methods:
@@ -38,6 +43,14 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _aggregate(runs: list[dict]) -> float | None:
+    """All new tokens over all seconds (``None`` unless every run recorded its seconds)."""
+    if not runs or any(r.get("seconds") is None for r in runs):
+        return None
+    seconds = sum(r["seconds"] for r in runs)
+    return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else None
+
+
 def _fields(mine: list[dict], ref: list[dict]) -> dict:
     tps = _mean(r["tokens_per_s"] for r in mine)
     ref_tps = _mean(r["tokens_per_s"] for r in ref)
@@ -49,10 +62,13 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
     compared = [r for r in mine if r.get("identical") is not None]  # methods on other weights are not
     agreement = [r["agreement"] for r in mine if r.get("agreement") is not None]
     draft_s = sum(r.get("draft_time_s") or 0.0 for r in stepped)
+    agg, ref_agg = _aggregate(mine), _aggregate(ref)
     return {
         "prompts": len(mine),
         "tokens_per_s": round(tps, 3) if tps is not None else None,
         "speedup": round(tps / ref_tps, 4) if tps is not None and ref_tps else None,
+        "aggregate_tokens_per_s": round(agg, 3) if agg is not None else None,
+        "aggregate_speedup": round(agg / ref_agg, 4) if agg is not None and ref_agg else None,
         "mean_accepted_tokens": round((accepted + steps) / steps, 4) if steps else None,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else (0.0 if stepped else None),
         # drafting time per drafted token (a layer-skip draft forward; near 0 for prompt lookup)
@@ -79,9 +95,9 @@ def markdown(summary: dict, methods: list[str]) -> str:
         name = "**overall**" if g == "overall" else g
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     detail = ["",
-              "| method | mean accepted tokens | acceptance rate | draft ms/token | identical to ar "
-              "| lossless violations |",
-              "|---|---|---|---|---|---|"]
+              "| method | aggregate tok/s (over ar) | mean accepted tokens | acceptance rate | draft ms/token "
+              "| identical to ar | lossless violations |",
+              "|---|---|---|---|---|---|---|"]
     for m in methods:
         f = summary[m]
         mat = "-" if f["mean_accepted_tokens"] is None else f"{f['mean_accepted_tokens']:.2f}"
@@ -91,7 +107,9 @@ def markdown(summary: dict, methods: list[str]) -> str:
             same = "other weights" + (f": first {f['agreement_tokens']:.0f} tokens agree on average"
                                       if f.get("agreement_tokens") is not None else "")
         dms = "-" if f.get("draft_ms_per_token") is None else f"{f['draft_ms_per_token']:.2f}"
-        detail.append(f"| {m} | {mat} | {acc} | {dms} | {same} | {f['lossless_violations']} |")
+        agg = ("-" if f.get("aggregate_tokens_per_s") is None else f"{f['aggregate_tokens_per_s']:.1f}"
+               + (f" ({f['aggregate_speedup']:.2f}x)" if f.get("aggregate_speedup") is not None else ""))
+        detail.append(f"| {m} | {agg} | {mat} | {acc} | {dms} | {same} | {f['lossless_violations']} |")
     return head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n"
 
 

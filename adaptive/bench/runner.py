@@ -237,14 +237,14 @@ class _Methods:
             return self._hf(method, self.ids(messages), n)
         if m.runs_on == "llamacpp":
             out, dt = self.llamacpp[method].generate(self.ids(messages), n, self.engine.eos)
-            return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
+            return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "seconds": dt, "steps": None,
                     "drafted": None, "accepted": None, "info": {}}
         if m.runs_on == "llama-server":
             server = self.servers[method]
             out, dt = server.generate(self.ids(messages), n, self.engine.eos)
             drafted = None if m.drafter == "ar" else server.last_timings.get("draft_n", 0)
             accepted = None if m.drafter == "ar" else server.last_timings.get("draft_n_accepted", 0)
-            return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
+            return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "seconds": dt, "steps": None,
                     "drafted": drafted, "accepted": accepted, "info": {}}
         if m.runs_on == "engine":
             cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
@@ -278,7 +278,7 @@ class _Methods:
             if tok in eos:
                 out = out[: j + 1]
                 break
-        return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "steps": None,
+        return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "seconds": dt, "steps": None,
                 "drafted": None, "accepted": None, "info": {}}
 
 
@@ -301,7 +301,8 @@ def _from_result(r) -> dict:
             info["domain"] = r.domain
     if s.draft_lengths:
         info["draft_lengths"] = {str(k): v for k, v in sorted(s.draft_lengths.items())}
-    return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "steps": s.steps, "drafted": s.drafted,
+    return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "seconds": s.total_time, "steps": s.steps,
+            "drafted": s.drafted,
             "accepted": s.accepted, "draft_time_s": round(s.draft_time, 5),
             "prefill_time_s": round(s.prefill_time, 5), "info": info}
 
@@ -356,7 +357,8 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                 out = runner.run(m, messages)
                 rec = {"id": item_id, "group": p.group, "category": p.category, "method": m,
                        "prompt_tokens": len(ids), "new_tokens": len(out["token_ids"]),
-                       "tokens_per_s": round(out["tokens_per_s"], 4), "steps": out["steps"],
+                       "tokens_per_s": round(out["tokens_per_s"], 4), "seconds": round(out["seconds"], 5),
+                       "steps": out["steps"],
                        "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
                        "prefill_time_s": out.get("prefill_time_s"), **out["info"]}
                 if captured is not None and runner.captures() > captured:

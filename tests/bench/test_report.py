@@ -44,6 +44,19 @@ def test_summarize_worked_example():
     assert s["hf"]["speedup"] == pytest.approx(1.0)
 
 
+def test_aggregate_throughput_weighs_each_run_by_its_time():
+    """The docstring's example: 60 tokens each; ar took 6 and 3 s, ssd 4 and 3 s."""
+    runs = [{"id": i, "group": "g", "method": m, "new_tokens": 60, "tokens_per_s": 60 / t, "seconds": t,
+             "steps": None} for m, times in (("ar", (6.0, 3.0)), ("ssd", (4.0, 3.0))) for i, t in zip("ab", times)]
+    s = summarize(runs, ["ar", "ssd"])
+    assert s["ar"]["aggregate_tokens_per_s"] == pytest.approx(120 / 9, abs=1e-3)
+    assert s["ssd"]["aggregate_tokens_per_s"] == pytest.approx(120 / 7, abs=1e-3)
+    assert s["ssd"]["aggregate_speedup"] == pytest.approx(9 / 7, abs=1e-4)
+    assert s["ssd"]["speedup"] == pytest.approx((15 + 20) / (10 + 20), abs=1e-4)  # the per-prompt mean differs
+    assert "| ssd | 17.1 (1.29x) |" in markdown(s, ["ar", "ssd"])
+    assert summarize(RUNS, ["ar"])["ar"]["aggregate_tokens_per_s"] is None  # runs without seconds
+
+
 def test_summarize_over_another_reference():
     s = summarize(RUNS, ["ar", "ssd", "hf"], reference="hf")
     # hf at 9 and 21 tok/s: qa 15 / 9, rag 20 / 21; overall mean(15, 20) / mean(9, 21)
@@ -59,7 +72,7 @@ def test_markdown_and_plot(tmp_path):
     md = markdown(s, ["ar", "ssd", "hf"])
     assert "| qa | 1.00x (10.0) | 1.50x (15.0) | 0.90x (9.0) |" in md
     # 0.2 s of drafting over 10 drafted tokens: 20 ms per draft token
-    assert "| ssd | 2.20 | 0.60 | 20.00 | no (1 prompts) | 0 |" in md
+    assert "| ssd | - | 2.20 | 0.60 | 20.00 | no (1 prompts) | 0 |" in md  # no seconds recorded: no aggregate
     plot(s, ["ar", "ssd", "hf"], tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

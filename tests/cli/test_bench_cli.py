@@ -27,6 +27,8 @@ def test_bench_every_method_is_lossless_in_fp32(capsys, tiny_model_dir, tiny_pro
         assert r["identical_to_ar"], (m, r["differing_prompts"])  # fp32: every method token for token
         assert set(r["by_category"]) == {"math_reasoning", "chat", "code"}
     assert res["ar"]["speedup"] == 1.0 and res["ar"]["mean_accepted_tokens"] == 1.0
+    assert res["ar"]["aggregate_speedup"] == 1.0 and all(r["aggregate_tokens_per_s"] > 0 for r in res.values())
+    assert all(r["seconds"] > 0 for r in report["runs"])
     assert res["knn-ssd"]["mean_accepted_tokens"] >= 1.0
     knn_runs = [r for r in report["runs"] if r["method"] == "knn-ssd"]
     assert all("applied" in r and "decision" in r for r in knn_runs)
