@@ -7,12 +7,14 @@ alone sees ``min_cluster`` of them); then ``r1`` is SIGKILLed and restarted. The
 ``--wait`` s) until every replica reports exactly one learned domain, starts a fourth replica
 ``r3`` on the same directory, reads its merged state, and sends it the next ``--eval`` prompts twice
 each, with speculation ``auto`` and ``off`` (plain decoding), in alternating order, after one unmeasured
-request of each (a prompt it learned from): the speedup is the ratio of their summed client-side wall times.
+request of each (a prompt it learned from): the speedup is the ratio of their summed client-side wall
+times.
 
 Scenario B (one replica): a fresh copy, one server that sees the same prompts alone, then the same
 evaluation. Reported: the requests the fourth replica counts, the learned domains, the routes of the
-evaluation prompts, both speedups and their ratio, every HTTP status (a 5xx is a failure), whether
-every overlay file loads, and each replica's merges (count, milliseconds, share of its requests' time).
+evaluation prompts, both speedups and their ratio, every HTTP status (a 5xx is a failure; in A each
+request is followed by a malformed one from ``serve_load.py``, which must get a 4xx), whether every
+overlay file loads, and each replica's merges (count, milliseconds, share of its requests' time).
 
 Part C (``--cost-rounds``, after A): merging's cost. One more server over A's directory, whose other
 replicas' files a thread rewrites every second, serves ``--clients`` concurrent clients with merging
@@ -39,6 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from serve_load import invalid_bodies  # noqa: E402  (its malformed requests)
 
 
 def prompts_of(path: Path, skip: int) -> list[str]:
@@ -84,6 +88,14 @@ class Server:
             return resp.status, json.loads(data), dt
         except ValueError:
             return resp.status, {"raw": data[:200].decode(errors="replace")}, dt
+
+    def post_raw(self, path: str, body: bytes) -> int:
+        """POST raw bytes (a malformed request): the status."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
 
     def online(self) -> dict:
         return self.call("GET", "/v1/adaptive/online")[1]
@@ -224,12 +236,19 @@ def main() -> None:
         servers = [Server(prof, f"r{i}", extra) for i in range(args.replicas)]
         spent = {s.replica: 0.0 for s in servers}
         sent = []
+        model = servers[0].call("GET", "/v1/models")[1]["data"][0]["id"]
+        probes = [b for _, b in invalid_bodies(model)]
+        probe_statuses: list[int] = []
         for i, p in enumerate(learn):
             s = servers[i % args.replicas]
             r = chat(s, p, args.max_tokens, "auto", statuses)
             spent[s.replica] += r["seconds"]
             sent.append({"replica": s.replica, "applied": r["applied"], "domain": r["domain"]})
+            # a hostile probe (serve_load.py's malformed bodies) while the replicas save their buffers
+            probe_statuses.append(s.post_raw("/v1/chat/completions", probes[i % len(probes)]))
         report["a_sent"] = sent
+        report["a_probes"] = {str(c): probe_statuses.count(c) for c in sorted(set(probe_statuses))}
+        statuses += [c for c in probe_statuses if c >= 500]
         report["a_before_kill"] = {s.replica: s.online() for s in servers}
         killed = servers[1]
         before = report["a_before_kill"][killed.replica]
@@ -278,7 +297,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text)
     summary = {k: report.get(k) for k in ("a_learned", "a_fourth", "b_learned", "speedup_ratio", "statuses",
-                                          "a_merge_cost", "a_files_load", "c_merging")}
+                                          "a_probes", "a_merge_cost", "a_files_load", "c_merging")}
     summary["a_routed"] = report.get("a_eval", {}).get("routed")
     summary["speedups"] = [a, b]
     print(json.dumps(summary, indent=1))
