@@ -246,6 +246,7 @@ class OnlineLearner:
         self._publisher: threading.Thread | None = None
         self._merge_lock = threading.Lock()
         self._others_keys: dict[str, int] = {}  # table -> hash of the others' counts it was given
+        self._unadopted: dict[str, PairCounts] = {}  # own counts of tables of domains not adopted yet
         self._closing = threading.Event()
         self.merges = 0
         self.merge_seconds = 0.0
@@ -278,6 +279,8 @@ class OnlineLearner:
         for name, c in ov.counts.items():
             if name in self.profile.domains or name == GLOBAL or name in self.learned:
                 self.table(name).load(c.prev, c.succ, c.count)
+            else:  # a domain another replica learned: loaded when it is adopted (the merge below)
+                self._unadopted[name] = c
         self.buffer.extend(ov.buffer)
         self.saved_bandits = dict(ov.bandits)
 
@@ -359,6 +362,9 @@ class OnlineLearner:
         self.buffer.clear()
         self.buffer.extend(kept)
         for name in added:
+            own = self._unadopted.pop(name, None)
+            if own is not None:  # what this replica had taught it before a restart
+                self.table(name).load(own.prev, own.succ, own.count)
             self._absorb(name, self.table(name))
 
     def snapshot(self) -> OnlineOverlay:
@@ -369,7 +375,7 @@ class OnlineLearner:
             if hasattr(b, "posteriors"):
                 bandits[key] = b.posteriors()
         with self._lock:
-            counts = {n: PairCounts(*t.counts()) for n, t in self.tables.items() if t.pairs}
+            counts = {**self._unadopted, **{n: PairCounts(*t.counts()) for n, t in self.tables.items() if t.pairs}}
             return OnlineOverlay(self._digest, self.generation + 1, time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                  self.requests, counts, bandits, tuple(self.buffer),
                                  tuple(d for n, d in self.learned.items() if n in self._own_learned), self.replica)

@@ -150,6 +150,10 @@ def test_three_replicas_discover_one_domain_none_saw_enough_of(tiny_profile, lm,
     assert state["requests"] == 9 and set(state["replicas"]) == {"r0", "r1", "r2"}
     assert sum(len(load_overlay(replica_path(path, f"r{i}")).learned) for i in range(3)) == 1
     assert all(not load_overlay(replica_path(path, f"r{i}")).buffer for i in range(3))  # members left the buffers
+    taught = {i: rt.online.tables["learned-1"].counts()[2].sum() for i, rt in enumerate(reps)}
+    again = _replica(p, lm, path, "r1")  # a restart under its id: its own counts of the adopted domain's table
+    assert again.online.tables["learned-1"].counts()[2].sum() == taught[1] > 0
+    again.close()
     fourth = _replica(p, lm, path, "r3")
     assert fourth.online.state()["requests"] == 9 and set(fourth.online.learned) == {"learned-1"}
     assert fourth.generate(OOD[5], max_new_tokens=12).applied == "learned-1"
