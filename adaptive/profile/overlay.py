@@ -288,12 +288,14 @@ def remove_overlay(path: str | Path) -> bool:
 
 
 def load_replicas(path: str | Path, profile: str | None = None, skip: str | None = None,
-                  on_error=None) -> dict[str, OnlineOverlay]:
+                  on_error=None, cache: dict | None = None) -> dict[str, OnlineOverlay]:
     """Every replica's overlay for the overlay ``path`` (``{replica: overlay}``): the files of
     ``PROFILE.online.d`` and the single file of earlier versions (as its ``replica``, else
     ``legacy``), but not ``skip``'s. Files of another calibration (``profile``: the digest) are left
     out. A damaged file is an :class:`OverlayError`, or, with ``on_error``, reported to it
-    (``on_error(path, error)``) and left out: one replica's bad file must not stop the others."""
+    (``on_error(path, error)``) and left out: one replica's bad file must not stop the others.
+    ``cache`` (a dict kept by the caller between calls): a file whose size and modification time are
+    those of its last read is not read again (nor, if damaged, reported again)."""
     path = Path(path)
     folder = replica_dir(path)
     files = [path] + (sorted(folder.glob(f"*{SUFFIX}")) if folder.is_dir() else [])
@@ -302,24 +304,40 @@ def load_replicas(path: str | Path, profile: str | None = None, skip: str | None
         replica = f.name[: -len(SUFFIX)] if f.parent == folder else None
         if skip is not None and replica == skip:
             continue
-        try:
-            ov = load_overlay(f)
-        except OverlayError as exc:
-            if on_error is None:
-                raise
-            on_error(f, exc)
-            continue
+        if cache is None:
+            ov = _read_replica(f, profile, on_error)
+        else:
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            hit = cache.get(str(f))
+            if hit is None or hit[0] != (st.st_mtime_ns, st.st_size):
+                hit = cache[str(f)] = ((st.st_mtime_ns, st.st_size), _read_replica(f, profile, on_error))
+            ov = hit[1]
         if ov is None:
             continue
-        if profile is not None and ov.profile != profile:
-            if on_error is not None:
-                on_error(f, OverlayError(f"{f}: belongs to another calibration of the profile; left out"))
-            continue
         name = replica or ov.replica or LEGACY_REPLICA
-        if name == skip:
-            continue
-        out[name] = ov
+        if name != skip:
+            out[name] = ov
     return out
+
+
+def _read_replica(f: Path, profile: str | None, on_error) -> OnlineOverlay | None:
+    """One replica's overlay for :func:`load_replicas`: ``None`` when absent, damaged (reported to
+    ``on_error``, else raised) or of another calibration (reported)."""
+    try:
+        ov = load_overlay(f)
+    except OverlayError as exc:
+        if on_error is None:
+            raise
+        on_error(f, exc)
+        return None
+    if ov is not None and profile is not None and ov.profile != profile:
+        if on_error is not None:
+            on_error(f, OverlayError(f"{f}: belongs to another calibration of the profile; left out"))
+        return None
+    return ov
 
 
 def add_pair_counts(parts: list[PairCounts]) -> PairCounts:

@@ -247,6 +247,7 @@ class OnlineLearner:
         self._merge_lock = threading.Lock()
         self._others_keys: dict[str, int] = {}  # table -> hash of the others' counts it was given
         self._unadopted: dict[str, PairCounts] = {}  # own counts of tables of domains not adopted yet
+        self._files: dict = {}  # load_replicas' cache: file -> ((mtime_ns, size), overlay)
         self._closing = threading.Event()
         self.merges = 0
         self.merge_seconds = 0.0
@@ -319,7 +320,8 @@ class OnlineLearner:
         if stamp == self._seen and not force:
             self.merge_seconds += time.perf_counter() - t0
             return False
-        others = load_replicas(self.path, self._digest or None, skip=self.replica, on_error=self._bad_file)
+        others = load_replicas(self.path, self._digest or None, skip=self.replica, on_error=self._bad_file,
+                               cache=self._files)  # only the files that changed are read
         self._seen = stamp
         if stamp and self.persist:
             self._start_publisher()

@@ -305,3 +305,21 @@ def test_two_replicas_saving_at_once_never_tear_a_file(tiny_profile, lm, tmp_pat
     assert not errors and not reader.online.errors, (errors, reader.online.errors)
     assert seen == sorted(seen) and seen[-1] > 2
     assert sorted(load_replicas(path)) == ["w0", "w1"]
+
+
+def test_a_merge_reads_only_the_files_that_changed(tmp_path, monkeypatch):
+    from adaptive.profile import overlay as overlay_mod
+
+    path = tmp_path / "c.online"
+    for name in ("a", "b"):
+        save_overlay(_overlay(name, 1, [(1, 2)]), replica_path(path, name))
+    reads = []
+    real = overlay_mod.load_overlay
+    monkeypatch.setattr(overlay_mod, "load_overlay", lambda f, *a: reads.append(f.name) or real(f, *a))
+    cache: dict = {}
+    assert sorted(load_replicas(path, cache=cache)) == ["a", "b"] and sorted(reads) == ["a.online", "b.online"]
+    reads.clear()
+    assert sorted(load_replicas(path, cache=cache)) == ["a", "b"] and reads == []  # nothing changed: nothing read
+    save_overlay(_overlay("b", 2, [(1, 2)]), replica_path(path, "b"))
+    merged = merge_overlays(load_replicas(path, cache=cache))
+    assert reads == ["b.online"] and merged.requests == 3
