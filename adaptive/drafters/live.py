@@ -167,10 +167,7 @@ class LiveBigramTable:
             new.setdefault(int(a), {})[int(b)] = float(c)
         touched = set(self._others) | set(new)
         self._others = new
-        for a in touched:
-            self._map.pop(a, None)
-            if a in self._base:
-                self._map[a] = self._base[a]
+        for a in touched:  # _refresh sets each entry whole (the base's where no count wins)
             self._refresh(a, self._counts.get(a, {}))
 
     def others(self) -> float:

@@ -58,27 +58,25 @@ class BetaPosterior:
             self.beta *= scale
             self.own = [x * scale for x in self.own]
 
-    def evidence_of(self, saved) -> list[float]:
-        """The evidence in a saved state (:meth:`counts` and :meth:`evidence` as a bandit's
-        ``posteriors`` keep them): its ``evidence`` if it has one, else what its counts hold beyond
-        this prior (a state saved before replicas: all of it this replica's)."""
-        if isinstance(saved, dict) and "evidence" in saved:
-            return [max(0.0, float(x)) for x in saved["evidence"]]
-        counts = saved["counts"] if isinstance(saved, dict) else saved
+    def evidence_of(self, counts, evidence=None) -> list[float]:
+        """The evidence of a saved state: its ``evidence`` if it kept one, else what its ``counts`` hold
+        beyond this prior (a state saved before replicas: all of it that replica's)."""
+        if evidence is not None:
+            return [max(0.0, float(x)) for x in evidence]
         return [max(0.0, float(c) - p) for c, p in zip(counts, self.prior)]
 
     def evidence(self) -> list[float]:
         """This process's evidence (what a replica saves as its own)."""
         return list(self.own)
 
-    def rebase(self, others: list[float]) -> None:
-        """Take ``others`` (``[successes, failures]``: the other replicas' evidence, summed) in place of
-        what it was: the posterior becomes prior + others + own, window-bounded. Idempotent."""
-        self.others = [max(0.0, float(x)) for x in others]
+    def rebase(self, others: list[tuple]) -> None:
+        """Take the other replicas' saved states (``(counts, evidence or None)`` each) in place of those
+        taken before: the posterior becomes prior + their evidence + its own, window-bounded. Idempotent."""
+        ev = [self.evidence_of(c, e) for c, e in others]
+        self.others = [sum(x[0] for x in ev), sum(x[1] for x in ev)]
         alpha = self.prior[0] + self.others[0] + self.own[0]
         beta = self.prior[1] + self.others[1] + self.own[1]
-        total = alpha + beta
-        scale = min(1.0, self.window / total)
+        scale = min(1.0, self.window / (alpha + beta))
         self.alpha, self.beta = alpha * scale, beta * scale
 
     def state(self) -> dict:
@@ -95,7 +93,7 @@ class BetaPosterior:
         if min(alpha, beta) <= 0:
             raise ValueError(f"saved Beta counts must be positive, got {alpha}, {beta}")
         self.alpha, self.beta = alpha, beta
-        self.own = self.evidence_of({"evidence": evidence} if evidence is not None else list(counts))
+        self.own = self.evidence_of(counts, evidence)
         self.others = [0.0, 0.0]
 
 
@@ -187,12 +185,8 @@ class ThompsonDraftLength(DraftLengthPolicy):
     def rebase(self, others: list[dict]) -> None:
         """Fold in other replicas' saved :meth:`posteriors` (their evidence, summed; states of another
         kind are skipped): prior + theirs + this process's own. Idempotent."""
-        states = [o for o in others if o.get("kind") == "length"]
         with self._lock:
-            ev = [self.posterior.evidence_of({"counts": o["acceptance"], **({"evidence": o["evidence"]}
-                                                                           if "evidence" in o else {})})
-                  for o in states]
-            self.posterior.rebase([sum(e[0] for e in ev), sum(e[1] for e in ev)])
+            self.posterior.rebase([(o["acceptance"], o.get("evidence")) for o in others if o.get("kind") == "length"])
 
 
 class ThompsonCascade(DraftLengthPolicy):
@@ -309,17 +303,8 @@ class ThompsonCascade(DraftLengthPolicy):
         """Fold in other replicas' saved :meth:`posteriors` (their evidence per posterior, summed; states of
         another kind or tail length are skipped). Idempotent."""
         states = [o for o in others if o.get("kind") == "cascade" and len(o.get("tail", ())) == len(self.tail)]
-
-        def summed(post: BetaPosterior, pick) -> list[float]:
-            ev = [post.evidence_of(pick(o)) for o in states]
-            return [sum(e[0] for e in ev), sum(e[1] for e in ev)]
-
-        def layer_skip(o):
-            return {"counts": o["layer_skip"], **({"evidence": o["evidence"]["layer_skip"]} if "evidence" in o else {})}
-
+        kept = [o.get("evidence") or {} for o in states]  # absent: a state saved before replicas
         with self._lock:
-            self.layer_skip.rebase(summed(self.layer_skip, layer_skip))
+            self.layer_skip.rebase([(o["layer_skip"], e.get("layer_skip")) for o, e in zip(states, kept)])
             for i, b in enumerate(self.tail):
-                b.rebase(summed(b, lambda o, i=i: {"counts": o["tail"][i],
-                                                   **({"evidence": o["evidence"]["tail"][i]} if "evidence" in o
-                                                      else {})}))
+                b.rebase([(o["tail"][i], e["tail"][i] if "tail" in e else None) for o, e in zip(states, kept)])
