@@ -382,17 +382,15 @@ class StepGraphs:
 
     def warm(self, cache, masks: Masks, pool_layer: int | None = None) -> int:
         """Capture, before any request needs them, the steps of ``masks`` (the full model's) on ``cache``'s
-        slot (a fresh one, as :meth:`new_cache` gives): decoding and verification (``"all"`` logits, every bucket) and
-        prefill chunks (``"last"``, every bucket and prefill bucket, with ``pool_layer``'s routing pool
+        slot (a fresh one, as :meth:`new_cache` gives): decoding and verification (``"all"`` logits, every
+        bucket) and prefill chunks (``"last"``, every bucket and prefill bucket, with ``pool_layer``'s routing pool
         if given). Writes keys the next request overwrites. Returns the graphs captured now."""
         before = self.captures
         ids = torch.zeros(PREFILL_BUCKETS[-1], dtype=torch.long)
-        for Tb in BUCKETS:
-            if self._replay(ids[:Tb], cache, 0, masks, "all", Tb) is NotImplemented:
-                return self.captures - before
-        for Tb in BUCKETS + PREFILL_BUCKETS:
-            if self._replay(ids[:Tb], cache, 0, masks, "last", Tb, pool_layer) is NotImplemented:
-                break
+        steps = [(Tb, "all", None) for Tb in BUCKETS] + [(Tb, "last", pool_layer) for Tb in BUCKETS + PREFILL_BUCKETS]
+        for Tb, logits, layer in steps:
+            if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, layer) is NotImplemented:
+                break  # a failed capture turned graphs off
         return self.captures - before
 
     def _tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

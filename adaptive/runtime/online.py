@@ -359,7 +359,7 @@ class OnlineLearner:
         if not added:
             return
         self._rebuild_index()
-        taken = {m for d in self.learned.values() for m in d.member_ids}
+        taken = self._members()
         kept = [b for b in self.buffer if b.id not in taken]
         self.buffer.clear()
         self.buffer.extend(kept)
@@ -415,10 +415,14 @@ class OnlineLearner:
         self._publisher = threading.Thread(target=run, name="adaptive-online-publish", daemon=True)
         self._publisher.start()
 
+    def _members(self) -> set[str]:
+        """The ids of the buffered requests (of any replica) that formed the domains held (caller holds the lock)."""
+        return {m for d in self.learned.values() for m in d.member_ids}
+
     def _pooled(self) -> list[BufferedRequest]:
         """This replica's buffered requests and the other replicas' (less any a learned domain took or
         that now route to one): what discovery clusters (caller holds the lock)."""
-        taken = {m for d in self.learned.values() for m in d.member_ids}
+        taken = self._members()
         mine = {b.id for b in self.buffer}
         theirs = [b for b in self._others_merged.buffer if b.id not in taken and b.id not in mine]
         if theirs and self._learned_index is not None:
