@@ -396,6 +396,31 @@ def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, 
     return engine
 
 
+def gguf_of(spec: str) -> Path | None:
+    """The GGUF file a spec names (an embedded model's, a parted model's joined file, a ``.gguf``
+    path), or ``None`` for a Hugging Face model."""
+    if spec in _EMBEDDED:
+        return _embedded_gguf(spec)
+    if spec in _PARTED:
+        return _assembled_gguf(spec)
+    if spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
+            raise ModelNotFoundError(f"GGUF file {spec} does not exist")
+        return gguf
+    return None
+
+
+def auto_engines(spec: str, device: str | torch.device = "auto", dtype: str = "auto",
+                 weights: str = "auto") -> tuple[str, ...]:
+    """The engines ``--engine auto`` calibrates ``spec`` on: llama.cpp and torch where llama.cpp runs
+    it (:func:`resolve_engine`: a GGUF model on the CPU, llama-cpp-python installed, no torch dtype
+    or quantization asked for), else the one engine ``auto`` resolves to."""
+    dev = resolve_device("cpu" if str(device) == "auto" and weights not in ("auto", "dense") else device)
+    engine = resolve_engine("auto", gguf_of(spec), dev, dtype, weights)
+    return (llamacpp.ENGINE, "torch") if engine == llamacpp.ENGINE else (engine,)
+
+
 def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
     """Load a local directory or a hub id from the local cache only: never a download."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -430,17 +455,8 @@ def load_model(
     dev = resolve_device("cpu" if str(device) == "auto" and weights not in ("auto", "dense") else device)
     if weights != "auto":
         check_weights(weights, dev)  # packed/int8/int4 asked for on CUDA explicitly: a clear error
-    gguf: Path | None = None
-    name = spec
-    if spec in _EMBEDDED:
-        gguf = _embedded_gguf(spec)
-    elif spec in _PARTED:
-        gguf = _assembled_gguf(spec)
-    elif spec.endswith(".gguf"):
-        gguf = Path(spec).expanduser()
-        if not gguf.is_file():
-            raise ModelNotFoundError(f"GGUF file {spec} does not exist")
-        name = gguf.stem
+    gguf = gguf_of(spec)
+    name = gguf.stem if spec.endswith(".gguf") else spec
     if resolve_engine(engine, gguf, dev, dtype, weights) == llamacpp.ENGINE:
         return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, "dense",
                            engine=llamacpp.ENGINE, threads=threads)

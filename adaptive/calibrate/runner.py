@@ -38,13 +38,22 @@ from adaptive.calibrate.settings import (
     check_domains,
     domains_digest,
 )
-from adaptive.costs import CostModel, measure_costs
+from adaptive.costs import CostModel, measure_costs, measure_prefill
 from adaptive.engine.config import Pooling
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.index.choice import choose_pooling, pooling_key
 from adaptive.models import LoadedModel, ModelFingerprint
-from adaptive.profile import MeasureSettings, Profile, check_writable, save_profile
+from adaptive.profile import (
+    EngineSet,
+    MeasureSettings,
+    Profile,
+    ProfileError,
+    check_writable,
+    load_profile,
+    save_profile,
+    write_engines,
+)
 from adaptive.workdir import CHECKPOINT_FORMAT, checkpointed
 
 __all__ = ["BACKENDS", "CalibrationError", "CalibrationSettings", "calibrate", "check_domains", "model_spec"]
@@ -184,7 +193,8 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
 
 def _measure_costs(lm: LoadedModel, s: CalibrationSettings, log: Callable[[str], None]) -> dict:
     log("measuring the cost model ...")
-    return measure_costs(lm.backbone, context=s.cost_context).to_dict()
+    costs = measure_costs(lm.backbone, context=s.cost_context)
+    return replace(costs, prefill=measure_prefill(lm.backbone)).to_dict()
 
 
 def _run_phases(worker: Worker, lm: LoadedModel, domains: dict[str, list[str]], costs: CostModel, jobs: int,
@@ -238,3 +248,39 @@ def _choose_pooling(prep: dict[str, Prepared], names: list[str], s: CalibrationS
     log(f"routing embedding: {key} (held-out routing of the calibration prompts {scores[key]:.3f}; "
         f"the default {default} {scores[default]:.3f}; {len(have)} candidates)")
     return chosen, tables[have.index(chosen)], {"chosen": key, "held_out_accuracy": scores}
+
+
+def calibrate_engines(models: dict[str, str | LoadedModel], domains: dict[str, list[str]], out: str | Path,
+                      settings: CalibrationSettings | None = None, *, default: str | None = None,
+                      resume: bool = False, log: Callable[[str], None] = lambda msg: None,
+                      **kwargs) -> dict[str, Profile]:
+    """Calibrate one model on several engines into a two-engine profile (:mod:`adaptive.profile.engines`):
+    ``models`` maps each engine to the model to run there (a spec, loaded on that engine, or a loaded
+    model), each calibrated by :func:`calibrate` into ``out/ENGINE``, one after the other (each uses
+    the machine's cores); ``engines.json`` is written last, so ``out`` is a profile only once all
+    are. With ``resume`` a member already written is kept and an interrupted one continues.
+    ``default``: the member a reader of one profile gets (default: the first). ``kwargs``: as
+    :func:`calibrate`'s."""
+    out = Path(out)
+    engines = EngineSet(tuple(models), default or next(iter(models)))
+    ours = {name + suffix for name in engines.engines for suffix in ("", ".work")}
+    if not (out.is_dir() and {p.name for p in out.iterdir()} <= ours):  # an interrupted run's members: continue
+        check_writable(out)
+    if (out / "profile.json").exists():
+        raise ProfileError(f"{out} holds a one-engine profile: write the two-engine profile elsewhere or remove it")
+    profiles = {}
+    for engine, model in models.items():
+        member = out / engine
+        if resume and (member / "profile.json").is_file():
+            try:
+                profiles[engine] = load_profile(member)
+                log(f"keeping the {engine} profile already in {member}")
+                continue
+            except ProfileError as exc:
+                log(f"calibrating {engine} again: {exc}")
+        log(f"calibrating on the {engine} engine into {member} ...")
+        spec_engine = {} if isinstance(model, LoadedModel) else {"engine": engine}
+        profiles[engine] = calibrate(model, domains, member, settings, resume=resume, log=log,
+                                     **{**kwargs, **spec_engine})
+    write_engines(out, engines)
+    return profiles

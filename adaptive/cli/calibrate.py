@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from adaptive.calibrate.runner import BACKENDS, CalibrationSettings, calibrate
+from adaptive.calibrate.runner import BACKENDS, CalibrationSettings, calibrate, calibrate_engines
 from adaptive.calibrate.search import SPACES
 from adaptive.calibrate.sources import read_prompt_rows
 from adaptive.cli.common import (
@@ -30,7 +30,8 @@ from adaptive.cli.common import (
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt
-from adaptive.profile import SCHEMA_VERSION, load_profile, profile_json
+from adaptive.models import auto_engines
+from adaptive.profile import SCHEMA_VERSION, is_two_engine, load_profile, profile_json, read_engines
 from adaptive.profile.overlay import (
     load_replicas,
     merge_overlays,
@@ -112,7 +113,10 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     Per domain: a Bayesian search of the best skip set, then prompt lookup, the cascade and a
     reduced draft vocabulary, all timed against plain decoding; the fastest is the domain's
     decision (see `adaptive profile show`). On the llama.cpp engine (no layer skipping) only
-    prompt lookup and the cascade are raced, and the profile serves on that engine only.
+    prompt lookup and the cascade are raced. With --engine auto on a CPU where llama.cpp runs the
+    model (a GGUF file, llama-cpp-python installed), both engines are calibrated into one
+    two-engine profile (OUT/llama.cpp, OUT/torch): each request then runs on the engine expected
+    to finish it first (llama.cpp decodes faster, torch prefills faster); --engine picks one.
     """
     over = {k: v for k, v in dict(prompts_per_domain=prompts_per_domain, anchors_per_domain=anchors_per_domain,
                                   trials=trials, vocab_sizes=vocab_sizes).items() if v is not None}
@@ -122,6 +126,21 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
         over["init_trials"] = min(base.init_trials, trials)
     settings = CalibrationSettings.quick(**over) if quick else CalibrationSettings(**over)
     domains = domain_prompts(domain_args, "--domains")
+    engines = auto_engines(model_spec, device, dtype, weights) if engine == "auto" else (engine,)
+    if len(engines) > 1:
+        profiles = calibrate_engines({e: model_spec for e in engines}, domains, out_dir, settings, jobs=jobs,
+                                     backend=backend, scheduler=scheduler, resume=resume, device=device, dtype=dtype,
+                                     progress=not quiet, log=info, weights=weights)
+        seconds = sum(p.calibration.get("seconds") or 0 for p in profiles.values())
+        if as_json:
+            echo_json({"profile": str(out_dir), "engines": {e: {"profile": str(p.path), **profile_json(p)}
+                                                            for e, p in profiles.items()}})
+            return
+        for e, p in profiles.items():
+            click.echo(f"{e} engine:\n{summary_table(p)}\n")
+        click.echo(f"two-engine profile written to {out_dir} ({round(seconds, 1)} s): each request runs on the "
+                   f"engine expected to finish it first")
+        return
     profile = calibrate(model_spec, domains, out_dir, settings, jobs=jobs, backend=backend, scheduler=scheduler,
                         resume=resume, device=device, dtype=dtype, progress=not quiet, log=info,
                         weights=weights, engine=engine)
@@ -142,9 +161,15 @@ online_path_option = click.option(
     help="The online overlay (what serving learned) [default: DIRECTORY.online, beside the profile].")
 
 
-def profile_and_overlay(directory, online_path):
-    """The profile at ``directory`` and where its online overlay is (``--online-path`` or beside it)."""
-    p = load_profile(directory)
+member_option = click.option(
+    "--engine", "member", default=None,
+    help="Of a two-engine profile, the member to use (llama.cpp or torch) [default: its default member].")
+
+
+def profile_and_overlay(directory, online_path, member: str | None = None):
+    """The profile at ``directory`` (a two-engine profile's ``member``) and where its online overlay is
+    (``--online-path`` or beside it)."""
+    p = load_profile(directory, member)
     return p, Path(online_path) if online_path else overlay_path(p.path)
 
 
@@ -154,11 +179,14 @@ def profile_and_overlay(directory, online_path):
 ))
 @click.argument("directory", type=click.Path())
 @online_path_option
+@member_option
 @json_option
-def profile_show(directory, online_path, as_json):
+def profile_show(directory, online_path, member, as_json):
     """Print a profile: model, costs, routing, and per domain its decision, skip set and measurements;
-    then what serving learned online (the overlay beside it), if anything."""
-    p, ov_path = profile_and_overlay(directory, online_path)
+    then what serving learned online (the overlay beside it), if anything. A two-engine profile:
+    its default member, or --engine's."""
+    p, ov_path = profile_and_overlay(directory, online_path, member)
+    members = read_engines(directory) if is_two_engine(directory) else None
     everyone = load_replicas(ov_path)  # every replica's, this calibration's or not
     digest = profile_digest(p.path)
     current = {r: ov for r, ov in everyone.items() if ov.profile == digest}
@@ -170,9 +198,14 @@ def profile_show(directory, online_path, as_json):
                   **merged.summary(), "replica": None,
                   "replicas": {r: ov.summary() for r, ov in sorted(everyone.items())}}
     if as_json:
-        echo_json({"profile": str(p.path), **profile_json(p), "online": online})
+        echo_json({"profile": str(p.path), **profile_json(p), "online": online,
+                   **({"engines": members.to_dict()} if members is not None else {})})
         return
     m, c, s = p.model, p.cost_model, p.calibration
+    if members is not None:
+        others = [e for e in members.engines if e != m.engine]
+        click.echo(f"two-engine profile {directory}: {', '.join(members.engines)} (default {members.default}); "
+                   f"showing {m.engine} (--engine {others[0]} for the other)")
     click.echo(f"profile {p.path} (schema {SCHEMA_VERSION}, adaptive {p.version}, created {p.created})")
     click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.engine} engine, {m.dtype or 'GGUF'}, "
                f"{m.weights} weights; "
@@ -180,6 +213,9 @@ def profile_show(directory, online_path, as_json):
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
                + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))))
+    if c.prefill:
+        click.echo("prefill " + ", ".join(f"{n} tokens {ms:.0f} ms" for n, ms in c.prefill)
+                   + f"; expected {p.seconds_per_token() * 1e3:.1f} ms a new token over the domains")
     pool = p.index.pooling
     radii = (", ".join(f"{d} {t:.3f}" for d, t in sorted(p.index.ood_thresholds.items())) if p.index.ood_thresholds
              else f"{p.index.ood_threshold:.3f}")
@@ -225,10 +261,12 @@ def profile_show(directory, online_path, as_json):
 ))
 @click.argument("directory", type=click.Path())
 @online_path_option
-def profile_reset_online(directory, online_path):
+@member_option
+def profile_reset_online(directory, online_path, member):
     """Forget what serving learned: remove the profile's online overlay, every replica's (the profile is
-    untouched). Stop servers using it first, or they save it again."""
-    _, path = profile_and_overlay(directory, online_path)
+    untouched; of a two-engine profile, the default member's or --engine's). Stop servers using it
+    first, or they save it again."""
+    _, path = profile_and_overlay(directory, online_path, member)
     if remove_overlay(path):
         info(f"removed {path} and {replica_dir(path)}")
     else:

@@ -190,7 +190,9 @@ engine_option = click.option(
     "--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
     help="torch: our backbone (layer skipping, early exit, CUDA); llama.cpp: llama.cpp's kernels on the GGUF file "
          "itself (faster on a CPU; statistical drafters only). auto: llama.cpp for a GGUF model on the CPU when "
-         "llama-cpp-python is installed and neither --dtype nor --weights is set; with a profile, its engine.")
+         "llama-cpp-python is installed and neither --dtype nor --weights is set (calibrate: both engines, one "
+         "two-engine profile); with a profile, its engine (a two-engine profile: each request on the engine "
+         "expected to finish it first).")
 device_option = click.option("--device", type=Device(), default="auto", show_default=True,
                              help="auto: CUDA when present, else the CPU; cuda:N picks a GPU.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -253,14 +255,15 @@ def model_given(model_spec: str) -> bool:
 def load_runtime(profile_dir, model_spec: str, device: str, dtype: str, weights: str = "auto", engine: str = "auto",
                  **kwargs):
     """The runtime of a profile, with the model, dtype, weights and engine it names unless ``--model``/
-    ``--dtype``/``--weights``/``--engine`` say otherwise (``kwargs``: :class:`AdaptiveRuntime`'s own options)."""
-    from adaptive.runtime import AdaptiveRuntime
+    ``--dtype``/``--weights``/``--engine`` say otherwise (``kwargs``: :class:`AdaptiveRuntime`'s own options);
+    both engines of a two-engine profile unless ``--engine`` names one."""
+    from adaptive.runtime.engines import open_runtime
 
     info(f"loading profile {profile_dir} ...")
-    return AdaptiveRuntime.from_profile(profile_dir, model=model_spec if model_given(model_spec) else None,
-                                        device=device, dtype=None if dtype == "auto" else dtype,
-                                        weights=None if weights == "auto" else weights,
-                                        engine=None if engine == "auto" else engine, **kwargs)
+    return open_runtime(profile_dir, model=model_spec if model_given(model_spec) else None,
+                        device=device, dtype=None if dtype == "auto" else dtype,
+                        weights=None if weights == "auto" else weights,
+                        engine=None if engine == "auto" else engine, **kwargs)
 
 
 def profile_model(profile, model_spec: str, dtype: str, weights: str = "auto",

@@ -5,17 +5,21 @@
 2. Route a built-in prompt that calibration did not use, decode it with plain decoding (``ar``)
    and with the runtime (``AdaptiveRuntime``: the profile's choice for that domain, bandit draft
    lengths), interleaved, and print the speedup.
+3. Where both engines run the model (a GGUF model on a CPU with llama-cpp-python: a two-engine
+   profile), a short and a long prompt through the two-engine runtime: the engine each ran on,
+   the expected times that chose it, and the measured time against plain decoding on each engine.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 from pathlib import Path
 
 import click
 
 from adaptive.calibrate.prompts import builtin_domains
-from adaptive.calibrate.runner import CalibrationSettings, calibrate
+from adaptive.calibrate.runner import CalibrationSettings, calibrate, calibrate_engines
 from adaptive.cli.calibrate import summary_table
 from adaptive.cli.common import (
     command,
@@ -33,7 +37,8 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
-from adaptive.profile import ProfileError, load_profile
+from adaptive.models import auto_engines
+from adaptive.profile import ProfileError, is_two_engine, load_profile, read_engines
 from adaptive.runtime import AdaptiveRuntime
 
 DEMO_DOMAIN = "math"
@@ -61,9 +66,19 @@ DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first 
 def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtype, engine, device, quiet,
              as_json):
     """Calibrate on the built-in domains (quick), then route and decode a prompt and print the speedup."""
-    lm = load(model_spec, device, dtype, engine=engine)
+    engines = auto_engines(model_spec, device, dtype) if engine == "auto" else (engine,)
+    lm = load(model_spec, device, dtype, engine=engines[0])
     profile = None
-    if (Path(profile_dir) / "profile.json").exists() and not recalibrate:
+    if recalibrate and ((Path(profile_dir) / "profile.json").exists() or is_two_engine(profile_dir)):
+        shutil.rmtree(profile_dir)  # a profile (one or two engines) this command is asked to redo
+    if is_two_engine(profile_dir):
+        profile = load_profile(profile_dir, engines[0])
+        try:
+            profile.check_model(lm.fingerprint())
+        except ProfileError as exc:
+            raise ProfileError(f"{exc}; pass --recalibrate to replace it") from None
+        info(f"reusing the two-engine profile in {profile_dir} (--recalibrate to redo it)")
+    elif (Path(profile_dir) / "profile.json").exists():
         profile = load_profile(profile_dir)
         try:
             profile.check_model(lm.fingerprint())
@@ -73,8 +88,14 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     if profile is None:
         domains = builtin_domains()
         click.echo(f"calibrating on {len(domains)} built-in domains (quick preset) ...", err=True)
-        profile = calibrate(lm, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
-                            progress=not quiet, log=lambda m: click.echo(m, err=True))
+        log = lambda m: click.echo(m, err=True)  # noqa: E731
+        if len(engines) > 1:
+            profile = calibrate_engines({e: lm if e == engines[0] else model_spec for e in engines}, domains,
+                                        profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
+                                        progress=not quiet, log=log)[engines[0]]
+        else:
+            profile = calibrate(lm, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
+                                progress=not quiet, log=log)
     engine = Engine(lm)
     runtime = AdaptiveRuntime(profile, lm, online=False)  # timed with repeats: nothing learned from them
     prompt = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
@@ -110,6 +131,8 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
         "acceptance_rate": {m: round(results[m].stats.acceptance_rate, 3) for m in methods if m != "ar"},
         "text": results["routed"].text,
     }
+    if is_two_engine(profile_dir):
+        out["engines"] = engine_choices(profile_dir, runtime, model_spec, device, max_new_tokens, repeats)
     if as_json:
         echo_json(out)
         return
@@ -153,3 +176,62 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
                    f"acceptance {results[m].stats.acceptance_rate:.2f}, {same}")
     if "ssd" in methods:
         click.echo("  * ssd with the domain's best skip set, shown for comparison; the runtime would not use it")
+    if "engines" in out:
+        click.echo(f"\neach request on the engine expected to finish it first (two-engine profile; whole requests, "
+                   f"prefill included, median of {repeats}):")
+        for row in out["engines"]:
+            plain = ", ".join(f"{e} {t:.2f} s" for e, t in row["plain_s"].items())
+            click.echo(f"  {row['prompt']} prompt ({row['prompt_tokens']} tokens): ran on {row['engine']}, "
+                       f"{row['reason']}; measured {row['measured_s']:.2f} s (plain decoding: {plain}); "
+                       + ("identical to plain decoding there" if row["identical"] else "DIFFERS from plain decoding"))
+
+
+LONG_PROMPT_TOKENS = 600  # the demo's long prompt: about as long as a Spec-Bench summarization or RAG prompt
+
+
+def _long_prompt(encode) -> str:
+    """A summarization request of about :data:`LONG_PROMPT_TOKENS` tokens made of built-in prompts,
+    taken in turn from each domain."""
+    head = "Summarize the following requests in three sentences:\n\n"
+    pools = [list(prompts) for prompts in builtin_domains().values()]
+    texts: list[str] = []
+    while any(pools) and len(encode(head + "\n".join(texts))) < LONG_PROMPT_TOKENS:
+        pool = next(p for p in pools[len(texts) % len(pools):] + pools if p)
+        texts.append(pool.pop(0))
+    return head + "\n".join(texts)
+
+
+def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, device: str, max_new_tokens: int,
+                   repeats: int) -> list[dict]:
+    """A short and a long prompt through the two-engine runtime: where each ran and why (expected
+    times), its measured time against plain decoding on each engine, and whether its tokens are plain
+    decoding's on the engine that ran it."""
+    from adaptive.runtime.engines import TwoEngineRuntime
+
+    members = read_engines(profile_dir)
+    runtimes = {primary.lm.engine: primary}
+    for e in members.engines:
+        if e not in runtimes:
+            p = load_profile(profile_dir, e)
+            lm = load(model_spec, device, p.model.dtype or "auto", p.model.weights, engine=e)
+            runtimes[e] = AdaptiveRuntime(p, lm, online=False)
+    two = TwoEngineRuntime(runtimes, members.default)
+    rows = []
+    for label, prompt in (("short", builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]), ("long", _long_prompt(primary.encode))):
+        ids = two.encode(prompt)
+        engines = {e: Engine(rt.lm) for e, rt in runtimes.items()}
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+        two.generate(prompt, max_new_tokens=4)  # warm-up
+        times, plain, results, refs = [], {e: [] for e in engines}, None, {}
+        for _ in range(repeats):  # interleaved
+            results = two.generate(prompt, max_new_tokens=max_new_tokens)
+            times.append(results.stats.total_time)
+            for e, eng in engines.items():
+                refs[e] = eng.generate(ids, cfg)
+                plain[e].append(refs[e].stats.total_time)
+        choice = results.engine_choice
+        rows.append({"prompt": label, "prompt_tokens": len(ids), "engine": results.engine, "reason": choice["reason"],
+                     "estimates": choice["estimates"], "measured_s": round(statistics.median(times), 3),
+                     "plain_s": {e: round(statistics.median(v), 3) for e, v in plain.items()},
+                     "identical": results.token_ids == refs[results.engine].token_ids})
+    return rows

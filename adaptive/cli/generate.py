@@ -127,8 +127,9 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
     """Decode PROMPT through a profile (the runtime) and print the text.
 
     The prompt is routed to its domain (or out-of-domain: the global record), which says what
-    drafts and how long. With --json: one object with the text, token_ids, stats, the route, the
-    domain applied, the drafter and its draft lengths.
+    drafts and how long. With a two-engine profile the prompt first goes to the engine expected to
+    finish it first (`engine`, `engine_choice` with the expected times). With --json: one object
+    with the text, token_ids, stats, the route, the domain applied, the drafter and its draft lengths.
     """
     sampling_config(sampling)  # validated before the model loads
     from adaptive.runtime.online import OnlineSettings
@@ -146,6 +147,9 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
         how.append(f"skip {result.skip.to_text()}")
     if result.draft_lengths:
         how.append(f"draft lengths {dict(sorted(result.draft_lengths.items()))}")
+    if result.engine_choice is not None:
+        info(f"on the {result.engine} engine: {result.engine_choice['reason']} "
+             f"({result.engine_choice['prompt_tokens']} prompt tokens, {result.engine_choice['new_tokens']} new)")
     info(f"[{policy}] {where}, decoded with {result.drafter}" + (f" ({', '.join(how)})" if how else "")
          + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}")
 
@@ -161,7 +165,7 @@ def _print_stream(items, lm, stream: bool, as_json: bool):
         else:
             result = item
     if as_json:
-        echo_json({**result.to_dict(), "model": lm.name, "engine": lm.engine,
+        echo_json({**result.to_dict(), "model": lm.name, "engine": result.engine or lm.engine,
                    "dtype": lm.dtype_name,
                    "weights": lm.weights})
     elif stream:

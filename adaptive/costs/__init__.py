@@ -1,6 +1,12 @@
 """Costs: the pure arithmetic of speculative decoding (:mod:`.model`) and its measurement (:mod:`.measure`)."""
 
-from adaptive.costs.measure import measure_costs, measure_draft_cost, measure_head_costs, measure_verify_costs
+from adaptive.costs.measure import (
+    measure_costs,
+    measure_draft_cost,
+    measure_head_costs,
+    measure_prefill,
+    measure_verify_costs,
+)
 from adaptive.costs.model import (
                                     STAT_DRAFT_COST,
                                     CostModel,
@@ -12,11 +18,13 @@ from adaptive.costs.model import (
                                     expected_speedup,
                                     expected_tokens_per_step,
                                     extrapolate,
+                                    interpolate_points,
                                     reach,
                                     verify_table,
 )
 
 __all__ = ["STAT_DRAFT_COST", "CostModel", "acceptance_needed", "best_draft_length", "best_split",
            "cascade_expected_tokens", "cascade_speedup", "expected_speedup", "expected_tokens_per_step",
-           "extrapolate", "measure_costs", "measure_draft_cost", "measure_head_costs", "measure_verify_costs",
+           "extrapolate", "interpolate_points", "measure_costs", "measure_draft_cost", "measure_head_costs",
+           "measure_prefill", "measure_verify_costs",
            "reach", "verify_table"]

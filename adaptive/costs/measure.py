@@ -4,7 +4,9 @@ Every decoder layer of a model has the same shape, so one attention sublayer cos
 any other (and likewise MLPs); what differs between machines and dtypes is the split between
 attention, MLP and the fixed rest (embeddings, final norm, LM head, framework overhead), which
 every draft token pays whatever is skipped. :func:`measure_costs` times one-token forwards with
-all attention, all MLP, or nothing skipped, and multi-token verification forwards.
+all attention, all MLP, or nothing skipped, and multi-token verification forwards;
+:func:`measure_prefill` times whole-prompt prefills at a few lengths (what choosing an engine per
+request weighs against decoding).
 """
 
 from __future__ import annotations
@@ -131,3 +133,30 @@ def measure_draft_cost(backbone, draft_step, context: int = 128, repeats: int = 
         draft_step(one, context, cache)
     full = _time(full_step, repeats, sync)
     return round(_time(lambda: draft_step(one, context, cache), repeats, sync) / full, 4)
+
+
+PREFILL_LENGTHS = (32, 128, 512, 1024)  # prompt lengths a prefill is timed at (those that fit the context)
+
+
+@torch.inference_mode()
+def measure_prefill(backbone, lengths: tuple[int, ...] = PREFILL_LENGTHS, repeats: int = 3
+                    ) -> tuple[tuple[int, float], ...]:
+    """``((tokens, ms), ...)``: the median time of prefilling a prompt of each length into a fresh
+    cache (random ids, fixed seed; the last position's logits, as a request's prefill), for the
+    lengths that fit the backbone's context with room to decode. A first prefill of the shortest
+    length warms the engine up untimed."""
+    dev = backbone.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    fits = [n for n in lengths if n <= backbone.max_positions // 2] or [max(1, backbone.max_positions // 2)]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, backbone.vocab_size, (fits[-1],), generator=gen).to(dev)
+
+    def prefill(n: int):
+        cache = backbone.new_cache(n + 1)
+        try:
+            backbone.forward(ids[:n], cache, 0, logits="last")
+        finally:
+            cache.release()  # a llama.cpp sequence goes back to the context now
+
+    prefill(fits[0])
+    return tuple((n, round(_time(lambda n=n: prefill(n), repeats, sync) * 1e3, 3)) for n in fits)

@@ -47,6 +47,25 @@ def extrapolate(verify: Sequence[float], k: int) -> float:
     return float(verify[-1]) + max(float(verify[-1]) - float(verify[-2]), 0.0) * (n - len(verify))
 
 
+def interpolate_points(points: Sequence[tuple[int, float]], x: float) -> float:
+    """The value at ``x`` of the piecewise-linear curve through ``points`` (``(x, y)`` by increasing
+    ``x``): the line through the origin and the first point below it, the last segment's slope past
+    the end (never decreasing). Example: ``((100, 50.0), (400, 170.0))`` at 40 -> 20.0, at 250 ->
+    110.0, at 1000 -> 410.0."""
+    if not points:
+        raise ValueError("no points to interpolate")
+    (x0, y0), *_ = points
+    if x <= x0:
+        return y0 * x / x0
+    for (xa, ya), (xb, yb) in zip(points, points[1:]):
+        if x <= xb:
+            return ya + (yb - ya) * (x - xa) / (xb - xa)
+    if len(points) == 1:
+        return y0 * x / x0
+    (xa, ya), (xb, yb) = points[-2], points[-1]
+    return yb + max(yb - ya, 0.0) / (xb - xa) * (x - xb)
+
+
 def verify_table(verify: Sequence[float], max_len: int) -> tuple[float, ...]:
     """Verification costs of ``0 .. max_len`` drafts from forward costs over 1, 2, ... tokens.
     Example: ``verify_table([1.0, 1.0, 1.1], 3)`` -> ``(1.0, 1.0, 1.1, 1.2)``."""
@@ -152,8 +171,9 @@ class CostModel:
     """Relative costs. ``attn``/``mlp``: per sublayer (``[n_layers]`` each); ``base``: the rest.
 
     ``verify``: ``verify[n-1]`` is the cost of a full forward over ``n`` tokens (``verify[0] == 1``).
-    ``step_ms``: the measured time of one full one-token step, for reference; ``context``: the
-    cached positions it was measured at.
+    ``step_ms``: the measured time of one full one-token step; ``context``: the cached positions it
+    was measured at. ``prefill``: measured prefills, ``((prompt_tokens, ms), ...)`` by increasing
+    length (empty in profiles calibrated before it was measured); :meth:`prefill_seconds` reads it.
     """
 
     attn: tuple[float, ...]
@@ -162,8 +182,12 @@ class CostModel:
     verify: tuple[float, ...]
     step_ms: float = 0.0
     context: int = 0
+    prefill: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        lengths = [n for n, _ in self.prefill]
+        if any(n <= 0 or ms <= 0 for n, ms in self.prefill) or lengths != sorted(set(lengths)):
+            raise ValueError(f"prefill points need increasing positive lengths and positive times, got {self.prefill}")
         if len(self.attn) != len(self.mlp) or not self.attn:
             raise ValueError("attn and mlp costs need one value per layer")
         if not self.verify or any(v <= 0 for v in self.verify):
@@ -192,14 +216,24 @@ class CostModel:
     def verify_table(self, max_len: int) -> tuple[float, ...]:
         return verify_table(self.verify, max_len)
 
+    def prefill_seconds(self, tokens: int) -> float:
+        """Seconds to prefill a prompt of ``tokens`` tokens: :func:`interpolate_points` over the
+        measured :attr:`prefill` points. Raises ``ValueError`` when none were measured."""
+        if not self.prefill:
+            raise ValueError("this cost model has no measured prefill times (calibrated before they were measured)")
+        return interpolate_points(self.prefill, tokens) / 1e3
+
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        d["prefill"] = [[n, ms] for n, ms in self.prefill]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(attn=tuple(map(float, d["attn"])), mlp=tuple(map(float, d["mlp"])), base=float(d["base"]),
                    verify=tuple(map(float, d["verify"])), step_ms=float(d.get("step_ms", 0.0)),
-                   context=int(d.get("context", 0)))
+                   context=int(d.get("context", 0)),
+                   prefill=tuple((int(n), float(ms)) for n, ms in d.get("prefill", ())))
 
     @classmethod
     def uniform(cls, n_layers: int, attn_share: float = 0.48, mlp_share: float = 0.32,

@@ -1,5 +1,13 @@
 """Calibration profiles: the typed records (:mod:`.records`) and their directory (:mod:`.store`)."""
 
+from adaptive.profile.engines import (
+                                      ENGINES_FILE,
+                                      EngineSet,
+                                      is_two_engine,
+                                      member_dir,
+                                      read_engines,
+                                      write_engines,
+)
 from adaptive.profile.records import (
                                       DECISIONS,
                                       GLOBAL,
@@ -31,7 +39,8 @@ from adaptive.profile.store import (
                                       save_profile,
 )
 
-__all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "FORMAT", "GLOBAL", "SCHEMA_VERSION", "VOCAB", "Decision",
-           "DistilledRecord", "DomainRecord", "Interval", "MeasureSettings", "Measurement", "ModelFingerprint", "Prior",
-           "Priors", "Profile", "ProfileError", "RuntimeSettings", "SkipSearch", "StatisticalAcceptance", "VocabChoice",
-           "check_writable", "load_profile", "profile_json", "save_profile"]
+__all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "ENGINES_FILE", "FORMAT", "GLOBAL", "SCHEMA_VERSION", "VOCAB",
+           "Decision", "DistilledRecord", "DomainRecord", "EngineSet", "Interval", "MeasureSettings", "Measurement",
+           "ModelFingerprint", "Prior", "Priors", "Profile", "ProfileError", "RuntimeSettings", "SkipSearch",
+           "StatisticalAcceptance", "VocabChoice", "check_writable", "is_two_engine", "load_profile", "member_dir",
+           "profile_json", "read_engines", "save_profile", "write_engines"]

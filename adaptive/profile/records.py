@@ -223,6 +223,14 @@ class DomainRecord:
         """Layer-skip drafts of this domain run over its reduced vocabulary (measured faster)."""
         return self.vocab is not None and self.vocab.use and self.draft_vocab is not None
 
+    def seconds_per_token(self, cost_model: CostModel) -> float:
+        """Expected seconds per new token under this domain's decision: plain decoding's measured pace
+        (the mean ``ar_tokens_per_s`` of its races, whole decoding loop; the cost model's step where
+        none was timed) over the decision's measured speedup."""
+        rates = [m.ar_tokens_per_s for m in self.measurements if m.ar_tokens_per_s > 0]
+        plain = len(rates) / sum(rates) if rates else cost_model.step_ms / 1e3
+        return plain / max(self.decision.speedup, 1e-6)
+
     def layer_skip_cost(self, reduced: bool) -> float:
         """A layer-skip draft token's cost: over the reduced head where ``reduced`` and chosen."""
         if reduced and self.reduced_vocab and self.priors.reduced_head_cost is not None:
@@ -394,6 +402,14 @@ class Profile:
             raise ProfileError(
                 f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}"
             ) from None
+
+    def seconds_per_token(self) -> float:
+        """Expected seconds per new token before the request is routed: each domain's
+        :meth:`DomainRecord.seconds_per_token` weighted by its calibration prompts (the global
+        record's without domains)."""
+        doms = [d for d in self.domains.values() if d.prompts > 0] or [self.global_set]
+        weights = [max(d.prompts, 1) for d in doms]
+        return sum(w * d.seconds_per_token(self.cost_model) for w, d in zip(weights, doms)) / sum(weights)
 
     def check_model(self, fingerprint: ModelFingerprint) -> None:
         """Raise :class:`ProfileError` unless ``fingerprint`` is this profile's model, on its engine."""

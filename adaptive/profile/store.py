@@ -34,6 +34,7 @@ from adaptive.costs import CostModel
 from adaptive.drafters.ngram import BigramTable
 from adaptive.errors import ConfigError, SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
+from adaptive.profile.engines import is_two_engine, member_dir
 from adaptive.profile.records import (
     DistilledRecord,
     DomainRecord,
@@ -79,7 +80,8 @@ def profile_json(profile: Profile) -> dict:
 def check_writable(out: Path) -> None:
     """Refuse an output path that exists and is not a profile (nothing of the user's is overwritten)."""
     out = Path(out)
-    if out.exists() and (out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists())):
+    if out.exists() and (out.is_file() or (any(out.iterdir()) and not (out / "profile.json").exists()
+                                           and not is_two_engine(out))):
         raise ProfileError(f"{out}: exists and is not a profile; choose another --out or remove it")
 
 
@@ -223,11 +225,14 @@ def _load_tables(kind: str, path: Path, entries: dict) -> dict:
         raise ProfileError(f"{f}: unreadable or inconsistent ({type(exc).__name__}: {exc})") from None
 
 
-def load_profile(path: str | Path) -> Profile:
-    """Load and verify a profile directory; every problem is a :class:`ProfileError` naming the file."""
+def load_profile(path: str | Path, engine: str | None = None) -> Profile:
+    """Load and verify a profile directory; every problem is a :class:`ProfileError` naming the file.
+    A two-engine profile (:mod:`adaptive.profile.engines`) loads its member of ``engine`` (``None``:
+    its default member)."""
     path = Path(path)
     if not path.exists():
         raise ProfileError(f"{path}: no such profile directory")
+    path = member_dir(path, engine)
     if not path.is_dir():
         raise ProfileError(f"{path}: a profile is a directory (written by `adaptive calibrate`)")
     pj = path / "profile.json"

@@ -94,6 +94,8 @@ class RuntimeResult(GenerationResult):
     draft_policy: str = ""
     bandit: dict | None = None
     online: dict | None = None
+    engine: str = ""
+    engine_choice: dict | None = None
 
     @property
     def domain(self) -> str | None:
@@ -128,6 +130,10 @@ class RuntimeResult(GenerationResult):
             d["bandit"] = self.bandit
         if self.online is not None:
             d["online"] = self.online
+        if self.engine:
+            d["engine"] = self.engine
+        if self.engine_choice is not None:
+            d["engine_choice"] = self.engine_choice
         return d
 
 
@@ -141,6 +147,8 @@ class RoutedDecoding:
     plan: RoutedPlan
     observation: Observation | None = None  # what the online learner learns from once it is done
     observed: bool = False
+    engine: str = ""  # the engine that decodes it
+    engine_choice: dict | None = None  # why it runs there, when a two-engine runtime chose (EngineChoice.to_dict)
 
     @property
     def first(self) -> str:
@@ -159,7 +167,8 @@ class RoutedDecoding:
         online = {"flagged": obs.flagged, "learned_domain": obs.learned} if obs is not None else None
         return RuntimeResult(r.text, r.token_ids, r.finish_reason, r.stats, r.drafter, r.drafter_info,
                              policy=plan.policy, route=plan.route, applied=plan.applied, skip=plan.skip,
-                             draft_policy=plan.draft_policy, bandit=bandit, online=online)
+                             draft_policy=plan.draft_policy, bandit=bandit, online=online, engine=self.engine,
+                             engine_choice=self.engine_choice)
 
 
 @dataclass(eq=False)
@@ -460,7 +469,7 @@ class AdaptiveRuntime:
             drafter = self._draft_model  # its own KV cache, reused across one-at-a-time requests (common prefix)
         else:
             drafter = build_drafter(plan.spec, self.engine.backbone)
-        run = RoutedDecoding(self.engine.begin(session, drafter, plan.length_policy), plan, obs)
+        run = RoutedDecoding(self.engine.begin(session, drafter, plan.length_policy), plan, obs, engine=self.lm.engine)
         self._observe(run)  # done at the prefill already (its one token was EOS, or one was asked for)
         return run
 
@@ -513,13 +522,25 @@ class AdaptiveRuntime:
                chat: bool | None = None) -> Iterator[str | RuntimeResult]:
         """Yield text deltas, then the final :class:`RuntimeResult`. ``policy``: one of ``POLICIES``;
         ``chat``: see :meth:`encode`."""
+        return self.stream_ids(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k, stop, seed,
+                               policy, confidence_threshold)
+
+    def stream_ids(self, ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                   top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
+                   policy: str = "knn-ssd", confidence_threshold: float | None = None,
+                   engine_choice: dict | None = None) -> Iterator[str | RuntimeResult]:
+        """:meth:`stream` of encoded prompt ``ids`` (``engine_choice``: recorded on the result)."""
         pol = get_policy(policy)
         cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
-        ids = self.encode(prompt, chat)
+        return self._stream(list(ids), cfg, pol, engine_choice)
+
+    def _stream(self, ids: list[int], cfg: GenerationConfig, pol: Policy,
+                engine_choice: dict | None) -> Iterator[str | RuntimeResult]:
         # One request at a time on the model. The lock is held while the caller iterates and released
         # when the generator finishes or is closed (or garbage-collected, if abandoned).
         with self._lock:
             run = self._start(ids, cfg, pol, shared_draft_model=True)
+            run.engine_choice = engine_choice
             if run.first:
                 yield run.first
             while not run.done:

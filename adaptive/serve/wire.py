@@ -332,12 +332,17 @@ def extension(result) -> dict:
     ``domain`` (``None``: out-of-domain), the ``applied`` record, the ``policy``, the ``drafter``
     that decoded, the ``skip`` set it drafted with (text form, ``None`` without a layer-skip level),
     ``drafted``/``accepted`` tokens, ``acceptance_rate`` and ``mean_accepted_tokens``
-    (tokens per verification step, the target's own included)."""
+    (tokens per verification step, the target's own included), the ``engine`` that decoded it and,
+    from a two-engine profile, ``engine_choice`` (why: each engine's expected seconds)."""
     s = result.stats
-    return {"domain": result.domain, "applied": result.applied, "policy": result.policy,
-            "drafter": result.decision, "skip": result.skip.to_text() if result.skip is not None else None,
-            "drafted": s.drafted, "accepted": s.accepted,
-            "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_tokens": round(s.mean_accepted_tokens, 4)}
+    out = {"domain": result.domain, "applied": result.applied, "policy": result.policy,
+           "drafter": result.decision, "skip": result.skip.to_text() if result.skip is not None else None,
+           "drafted": s.drafted, "accepted": s.accepted,
+           "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_tokens": round(s.mean_accepted_tokens, 4),
+           "engine": result.engine or None}
+    if result.engine_choice is not None:
+        out["engine_choice"] = result.engine_choice
+    return out
 
 
 def completion_body(req: ServeRequest, model: str, text: str, finish_reason: str, usage: dict) -> dict:

@@ -1,0 +1,302 @@
+"""Two engines in one runtime: each request decoded on the engine expected to finish it first.
+
+On these CPUs llama.cpp's quantized step decodes ~3x faster than the torch engine's bf16 step, and
+the torch engine's packed bf16 prefill is several times faster than llama.cpp's (see
+``docs/design.md``, "Two engines"). A two-engine profile (:mod:`adaptive.profile.engines`) holds
+each engine's calibration of the same model; :class:`TwoEngineRuntime` loads both (each its own
+:class:`~adaptive.runtime.AdaptiveRuntime`: model, caches, bandits, online overlay) and sends each
+request, tokenized once, to one of them for its whole life (no KV cache moves between engines).
+
+The choice (:func:`estimate`, :func:`choose`), for a prompt of ``P`` tokens and ``N`` new tokens
+(the request's ``max_new_tokens``: at admission nothing says where it will stop)::
+
+    expected_s(engine) = prefill_s(P) + N * seconds_per_token * load
+
+``prefill_s``: the engine's prefill times measured by calibration at a few prompt lengths,
+interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`);
+``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup,
+averaged over the profile's domains by their calibration prompts
+(:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`): the choice is made
+before the prompt is prefilled, so before any embedding routes it; each engine then routes the
+request with its own prefill's embedding, as a one-engine runtime does, at no extra cost. ``load``
+prices the other requests the runtime is decoding: a step of an engine serves its running batch
+(``b`` requests: its verify table's cost of ``b + 1`` rows against one), and the engines take turns
+(:meth:`TwoEngineRuntime.step`), so a busy other engine adds its own step to every token.
+
+Worked example (the embedded model on a 2-core EPYC; figures as measured by one calibration):
+llama.cpp prefills 128 tokens in 0.38 s and 512 in 1.63 s and decodes at 9.0 ms a token; the torch
+engine 0.13 s and 0.53 s, at 25 ms a token. A 100-token prompt and 64 new tokens: llama.cpp
+0.30 + 0.58 = 0.88 s, torch 0.10 + 1.60 = 1.70 s: llama.cpp. A 700-token prompt: llama.cpp
+2.28 + 0.58 = 2.86 s, torch 0.77 + 1.60 = 2.37 s: torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from adaptive.errors import ConfigError
+from adaptive.index.router import RouteDecision
+from adaptive.models import load_model
+from adaptive.profile import Profile, ProfileError, is_two_engine, load_profile, member_dir, read_engines
+from adaptive.runtime.online import OnlineSettings
+from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
+
+
+@dataclass(frozen=True)
+class EngineEstimate:
+    """One engine's expected time for a request: ``prefill_s`` + ``decode_s`` (``N`` tokens at the
+    engine's pace, its load included), in seconds."""
+
+    engine: str
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def expected_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
+                "expected_s": round(self.expected_s, 4)}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Where a request runs and why: the ``engine`` with the least expected time among ``estimates``
+    (ties: the first), for ``prompt_tokens`` and ``new_tokens``."""
+
+    engine: str
+    estimates: tuple[EngineEstimate, ...]
+    prompt_tokens: int
+    new_tokens: int
+
+    @property
+    def reason(self) -> str:
+        """E.g. ``"expected 0.88 s on llama.cpp, 1.70 s on torch"`` (the chosen engine first)."""
+        ordered = sorted(self.estimates, key=lambda e: e.engine != self.engine)
+        return "expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered)
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
+                "new_tokens": self.new_tokens, "estimates": [e.to_dict() for e in self.estimates]}
+
+
+def step_load(verify: Sequence[float], running: int) -> float:
+    """The cost of one step of an engine decoding ``running`` requests besides a new one, in its
+    one-request steps: its verify table's forward over ``running + 1`` rows (a batched step).
+    Example: ``verify = (1.0, 1.2, 1.5)``: ``running = 0`` -> 1.0, ``2`` -> 1.5."""
+    n = running + 1
+    if n <= len(verify):
+        return float(verify[n - 1])
+    step = (float(verify[-1]) - float(verify[-2])) if len(verify) > 1 else float(verify[0])
+    return float(verify[-1]) + max(step, 0.0) * (n - len(verify))
+
+
+def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0,
+             other_step_s: float = 0.0) -> EngineEstimate:
+    """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
+    and ``new_tokens`` at its expected pace, each step slowed by ``running`` other requests in its
+    batch and lengthened by ``other_step_s`` (the other engine's step, taken in turn)."""
+    per_token = profile.seconds_per_token() * step_load(profile.cost_model.verify, running) + other_step_s
+    return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(prompt_tokens),
+                          new_tokens * per_token)
+
+
+def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int) -> EngineChoice:
+    """The engine with the least expected time (the first among equals)."""
+    if not estimates:
+        raise ValueError("no engine to choose from")
+    best = min(estimates, key=lambda e: e.expected_s)
+    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens)
+
+
+class TwoEngineRuntime:
+    """A request on the engine that serves it fastest: one :class:`AdaptiveRuntime` per engine of a
+    two-engine profile, the same interface (``stream``, ``generate``, ``prefilling``, ``step``,
+    ...). ``runtimes``: engine -> its runtime, the ``default`` one's tokenizer and chat setting
+    encode every prompt (the same model's). Safe to share between threads as a one-engine runtime is."""
+
+    def __init__(self, runtimes: dict[str, AdaptiveRuntime], default: str):
+        if len(runtimes) < 2 or default not in runtimes:
+            raise ValueError(f"a two-engine runtime needs two runtimes and a default among them, got "
+                             f"{sorted(runtimes)} and {default!r}")
+        for name, rt in runtimes.items():
+            if rt.lm.engine != name:
+                raise ValueError(f"the runtime given for {name} runs on {rt.lm.engine}")
+            if not rt.profile.cost_model.prefill:
+                raise ProfileError(f"the {name} profile ({rt.profile.path}) has no measured prefill times, which "
+                                   "choosing an engine needs: calibrate it again with this adaptive")
+        self.runtimes = dict(runtimes)
+        self.default = default
+        self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}
+        self._live_lock = threading.Lock()
+        self._turn = 0  # which engine's batch the next step serves when both have running requests
+
+    @classmethod
+    def from_profile(cls, directory: str | Path, model: str | None = None, device: str = "auto",
+                     online: bool | OnlineSettings = True, **kwargs) -> TwoEngineRuntime:
+        """Load each member of a two-engine profile and its model on its engine (``model``: another
+        spec of the same model, e.g. a path to its GGUF file). An explicit online overlay ``path``
+        becomes one per engine (``PATH.ENGINE``)."""
+        members = read_engines(directory)
+        settings = OnlineSettings.coerce(online)
+        runtimes = {}
+        for engine in members.engines:
+            profile = load_profile(directory, engine)
+            spec = model or profile.model.spec or profile.model.name
+            lm = load_model(spec, device=device, dtype=(profile.model.dtype or "auto") if engine == "torch" else "auto",
+                            weights=profile.model.weights, engine=engine)
+            own = settings if settings.path is None else replace(settings, path=Path(f"{settings.path}.{engine}"))
+            runtimes[engine] = AdaptiveRuntime(profile, lm, online=own, **kwargs)
+        return cls(runtimes, members.default)
+
+    # -- what a one-engine runtime offers, from the default member ----------------------------------
+
+    @property
+    def primary(self) -> AdaptiveRuntime:
+        return self.runtimes[self.default]
+
+    @property
+    def profile(self) -> Profile:
+        return self.primary.profile
+
+    @property
+    def lm(self):
+        return self.primary.lm
+
+    @property
+    def engine(self):
+        return self.primary.engine
+
+    @property
+    def online(self):
+        """The default engine's online learner (each engine learns from the requests it decodes)."""
+        return self.primary.online
+
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        return self.primary.encode(prompt, chat)
+
+    def room(self, prompt_ids: Sequence[int]) -> int:
+        """The most new tokens the prompt leaves room for on every engine (either may decode it)."""
+        return min(rt.room(prompt_ids) for rt in self.runtimes.values())
+
+    def route(self, prompt) -> RouteDecision:
+        return self.primary.route(prompt)
+
+    def warm(self) -> int:
+        return sum(rt.warm() for rt in self.runtimes.values())
+
+    def bandit_state(self) -> dict:
+        return {f"{name}/{k}": v for name, rt in self.runtimes.items() for k, v in rt.bandit_state().items()}
+
+    def close(self) -> None:
+        for rt in self.runtimes.values():
+            rt.close()
+
+    # -- the choice ------------------------------------------------------------------------------
+
+    def choose(self, prompt_tokens: int, new_tokens: int) -> EngineChoice:
+        """Where a request of ``prompt_tokens`` and ``new_tokens`` runs, with the requests this runtime
+        is decoding now in the cost (see the module docstring)."""
+        with self._live_lock:
+            running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
+        steps = {name: rt.profile.seconds_per_token() * step_load(rt.profile.cost_model.verify, running[name] - 1)
+                 for name, rt in self.runtimes.items() if running[name]}
+        estimates = [estimate(rt.profile, prompt_tokens, new_tokens, running[name],
+                              sum(s for other, s in steps.items() if other != name))
+                     for name, rt in self.runtimes.items()]
+        return choose(estimates, prompt_tokens, new_tokens)
+
+    def _track(self, engine: str, run: RoutedDecoding, choice: EngineChoice) -> RoutedDecoding:
+        run.engine_choice = choice.to_dict()
+        with self._live_lock:
+            self._live[engine].add(run)
+        return run
+
+    # -- decoding ----------------------------------------------------------------------------------
+
+    def stream(self, prompt, max_new_tokens: int = 128, chat: bool | None = None,
+               **options) -> Iterator[str | RuntimeResult]:
+        """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
+        (``engine``, ``engine_choice``)."""
+        ids = self.encode(prompt, chat)
+        choice = self.choose(len(ids), max_new_tokens)
+        return self.runtimes[choice.engine].stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(),
+                                                       **options)
+
+    def generate(self, prompt, **kwargs) -> RuntimeResult:
+        result = None
+        for item in self.stream(prompt, **kwargs):
+            result = item
+        return result
+
+    def start(self, prompt, max_new_tokens: int = 128, chat: bool | None = None, **options) -> RoutedDecoding:
+        """Prefill, route and plan one request on the chosen engine (:meth:`AdaptiveRuntime.start`)."""
+        run = self.prefilling(self.encode(prompt, chat), max_new_tokens, **options).advance()
+        assert run is not None  # one chunk: the whole prompt
+        return run
+
+    def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> RoutedPrefilling:
+        """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
+        choice = self.choose(len(prompt_ids), max_new_tokens)
+        task = self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options)
+        return _ChosenPrefilling(task, self, choice)
+
+    def step(self, decodings: Sequence[RoutedDecoding], riders: Sequence[RoutedPrefilling] = ()) -> list[str]:
+        """One step of one engine's requests among ``decodings`` (with that engine's ``riders``): the
+        engines take turns while both have requests running. The others' deltas are empty this call."""
+        engines = [name for name in self.runtimes if any(d.engine == name for d in decodings)]
+        if not engines:
+            return ["" for _ in decodings]
+        engine = engines[self._turn % len(engines)]
+        self._turn += 1
+        mine = [i for i, d in enumerate(decodings) if d.engine == engine]
+        ride = [r.task for r in riders if isinstance(r, _ChosenPrefilling) and r.engine == engine]
+        deltas = self.runtimes[engine].step([decodings[i] for i in mine], ride)
+        out = [""] * len(decodings)
+        for i, delta in zip(mine, deltas):
+            out[i] = delta
+        return out
+
+
+@dataclass(eq=False)
+class _ChosenPrefilling:
+    """A request being prefilled on the engine :meth:`TwoEngineRuntime.prefilling` chose (the
+    scheduler's view is a :class:`RoutedPrefilling`'s)."""
+
+    task: RoutedPrefilling
+    owner: TwoEngineRuntime
+    choice: EngineChoice
+
+    @property
+    def engine(self) -> str:
+        return self.choice.engine
+
+    @property
+    def remaining(self) -> int:
+        return self.task.remaining
+
+    @property
+    def can_ride(self) -> bool:
+        return self.task.can_ride
+
+    def advance(self, tokens: int | None = None) -> RoutedDecoding | None:
+        run = self.task.advance(tokens)
+        return None if run is None else self.owner._track(self.engine, run, self.choice)
+
+
+def open_runtime(directory: str | Path, model: str | None = None, device: str = "auto", dtype: str | None = None,
+                 weights: str | None = None, engine: str | None = None, **kwargs):
+    """The runtime of a profile directory: a :class:`TwoEngineRuntime` for a two-engine profile unless
+    ``engine`` names one of its members (then that member's :class:`AdaptiveRuntime`), else the
+    profile's :class:`AdaptiveRuntime` (:meth:`AdaptiveRuntime.from_profile`)."""
+    if is_two_engine(directory) and engine is None:
+        if dtype is not None or weights is not None:
+            raise ConfigError("--dtype and --weights choose one engine's numerics: give --engine torch with them")
+        return TwoEngineRuntime.from_profile(directory, model=model, device=device, **kwargs)
+    return AdaptiveRuntime.from_profile(member_dir(directory, engine), model=model, device=device, dtype=dtype,
+                                        weights=weights, engine=engine, **kwargs)

@@ -1,0 +1,175 @@
+"""Two engines in one runtime (adaptive.runtime.engines): the choice's arithmetic on literal costs,
+then a two-engine profile of the tiny GGUF (llama.cpp and torch) calibrated, loaded and decoded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from adaptive.costs import CostModel
+from adaptive.profile import ProfileError, is_two_engine, load_profile, read_engines
+from adaptive.runtime.engines import EngineEstimate, choose, step_load
+
+
+def _costs(prefill, verify=(1.0, 1.2, 1.5)) -> CostModel:
+    return CostModel((0.0,), (0.0,), 1.0, verify, step_ms=10.0, prefill=prefill)
+
+
+def test_step_load_prices_a_batch_from_the_verify_table():
+    assert step_load((1.0, 1.2, 1.5), 0) == 1.0
+    assert step_load((1.0, 1.2, 1.5), 2) == 1.5
+    assert step_load((1.0, 1.2, 1.5), 4) == pytest.approx(2.1)  # extended by the last step: 1.5 + 2 * 0.3
+
+
+def test_choose_takes_the_least_expected_time_and_says_why():
+    fast_decode = EngineEstimate("llama.cpp", prefill_s=0.30, decode_s=0.58)
+    fast_prefill = EngineEstimate("torch", prefill_s=0.10, decode_s=1.60)
+    c = choose([fast_decode, fast_prefill], 100, 64)
+    assert c.engine == "llama.cpp" and c.reason == "expected 0.88 s on llama.cpp, 1.70 s on torch"
+    long = choose([replace(fast_decode, prefill_s=2.28), replace(fast_prefill, prefill_s=0.77)], 700, 64)
+    assert long.engine == "torch" and long.reason == "expected 2.37 s on torch, 2.86 s on llama.cpp"
+    d = long.to_dict()
+    assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37}
+    assert choose([fast_decode, replace(fast_decode, engine="torch")], 1, 1).engine == "llama.cpp"  # ties: first
+    with pytest.raises(ValueError):
+        choose([], 1, 1)
+
+
+def test_cost_model_prefill_is_interpolated_validated_and_round_trips():
+    c = _costs(((100, 50.0), (400, 170.0)))
+    assert c.prefill_seconds(40) == pytest.approx(0.020)
+    assert c.prefill_seconds(250) == pytest.approx(0.110)
+    assert c.prefill_seconds(1000) == pytest.approx(0.410)
+    assert CostModel.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    old = c.to_dict()
+    del old["prefill"]
+    assert CostModel.from_dict(old).prefill == ()  # a profile from before: no prefill times
+    with pytest.raises(ValueError, match="no measured prefill"):
+        CostModel.from_dict(old).prefill_seconds(10)
+    with pytest.raises(ValueError, match="increasing"):
+        _costs(((400, 1.0), (100, 2.0)))
+
+
+# -- a two-engine profile of the tiny GGUF ---------------------------------------------------------
+
+pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def two(tiny_gguf, tmp_path_factory):
+    """``(directory, {engine: LoadedModel})``: the tiny GGUF calibrated on llama.cpp and on torch."""
+    from adaptive.calibrate.runner import calibrate_engines
+    from adaptive.models import LoadedModel
+    from tests.conftest import TINY_DOMAINS, char_tokenizer, tiny_settings
+
+    path, torch_lm = tiny_gguf
+    cpp = LoadedModel(None, char_tokenizer(), "tiny-gguf", str(path), torch.device("cpu"), torch.float32,
+                      engine="llama.cpp", threads=1)
+    lms = {"llama.cpp": cpp, "torch": torch_lm}
+    out = tmp_path_factory.mktemp("two") / "p"
+    calibrate_engines(lms, TINY_DOMAINS, out, tiny_settings(), progress=False)
+    return out, lms
+
+
+def _runtime(two, **kw):
+    from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
+
+    out, lms = two
+    return TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False, **kw) for e, lm in lms.items()},
+                            "llama.cpp")
+
+
+def _set_costs(rt, llama_prefill_ms_per_token: float, torch_prefill_ms_per_token: float):
+    """Literal costs: llama.cpp decodes at 9 ms a token, torch at 25; prefill rates as given."""
+    for engine, per_token, step in (("llama.cpp", llama_prefill_ms_per_token, 9.0),
+                                    ("torch", torch_prefill_ms_per_token, 25.0)):
+        p = rt.runtimes[engine].profile
+        p.cost_model = replace(p.cost_model, step_ms=step, prefill=((100, 100 * per_token),),
+                               verify=(1.0, 1.5, 2.0))
+        p.domains = {n: replace(d, measurements=(), decision=replace(d.decision, drafter="ar", speedup=1.0))
+                     for n, d in p.domains.items()}
+
+
+def test_two_engine_profile_layout_and_members(two):
+    out, _ = two
+    assert is_two_engine(out) and read_engines(out).engines == ("llama.cpp", "torch")
+    assert load_profile(out).model.engine == "llama.cpp"  # the default member
+    t = load_profile(out, "torch")
+    assert t.model.engine == "torch" and t.path == out / "torch"
+    for e in ("llama.cpp", "torch"):
+        c = load_profile(out, e).cost_model
+        assert c.prefill and all(ms > 0 for _, ms in c.prefill)  # measured by calibration
+    with pytest.raises(ProfileError, match="not on vllm"):
+        load_profile(out, "vllm")
+
+
+def test_each_request_runs_on_the_engine_expected_first_and_decodes_losslessly(two):
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+
+    rt = _runtime(two)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    short, long = "what is 2 plus 5? answer:", "hello there friend " * 15
+    # short: the prefills differ by little, 16 tokens at 9 ms against 25 ms: llama.cpp
+    r = rt.generate(short, max_new_tokens=16)
+    assert r.engine == "llama.cpp" and r.engine_choice["engine"] == "llama.cpp"
+    long_ids = rt.encode(long)
+    # long: the prefill gap (2 ms a token) outweighs 16 tokens' decoding gap (16 ms a token x 16)
+    assert len(long_ids) * 2.0 > 16 * 16.0
+    r2 = rt.generate(long, max_new_tokens=16)
+    assert r2.engine == "torch"
+    est = {e["engine"]: e for e in r2.engine_choice["estimates"]}
+    assert est["torch"]["expected_s"] < est["llama.cpp"]["expected_s"]
+    assert est["torch"]["prefill_s"] == pytest.approx(len(long_ids) * 1e-3, rel=1e-3)
+    for res, text in ((r, short), (r2, long)):  # lossless on the engine that decoded it (fp32)
+        plain = Engine(two[1][res.engine]).generate(rt.encode(text), GenerationConfig(max_new_tokens=16))
+        assert res.token_ids == plain.token_ids
+    assert r2.to_dict()["engine"] == "torch" and "engine_choice" in r2.to_dict()
+
+
+def test_steps_take_turns_between_engines_and_load_moves_the_choice(two):
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+
+    rt = _runtime(two)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    a = rt.prefilling(rt.encode("what is 3 plus 6? answer:"), max_new_tokens=12).advance()
+    b = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=12).advance()
+    assert (a.engine, b.engine) == ("llama.cpp", "torch")
+    runs = [a, b]
+    stepped = []
+    while not all(r.done for r in runs):
+        deltas = rt.step([r for r in runs if not r.done])
+        stepped.append(sum(1 for d in deltas if d))
+    assert max(stepped) == 1  # one engine's batch per step
+    for run, text in ((a, "what is 3 plus 6? answer:"), (b, "hello there friend " * 15)):
+        plain = Engine(two[1][run.engine]).generate(rt.encode(text), GenerationConfig(max_new_tokens=12))
+        assert run.result().token_ids == plain.token_ids
+    # load: with requests decoding on llama.cpp, a mid-length prompt that would go there alone goes to torch
+    mid = 60
+    alone = rt.choose(mid, 16)
+    busy = [rt.prefilling(rt.encode(f"what is {i} plus 1? answer:"), max_new_tokens=64).advance() for i in range(3)]
+    assert all(r.engine == "llama.cpp" for r in busy[:1])
+    loaded = rt.choose(mid, 16)
+    llama_alone = {e.engine: e for e in alone.estimates}["llama.cpp"].expected_s
+    llama_loaded = {e.engine: e for e in loaded.estimates}["llama.cpp"].expected_s
+    assert llama_loaded > llama_alone  # the running batch is in the cost
+
+
+def test_resume_keeps_a_finished_member(two, tmp_path):
+    import shutil
+
+    from adaptive.calibrate.runner import calibrate_engines
+    from tests.conftest import TINY_DOMAINS, tiny_settings
+
+    out, lms = two
+    part = tmp_path / "p"
+    shutil.copytree(out / "llama.cpp", part / "llama.cpp")  # interrupted after the first member
+    assert not is_two_engine(part)
+    logs = []
+    calibrate_engines(lms, TINY_DOMAINS, part, tiny_settings(), resume=True, progress=False, log=logs.append)
+    assert any("keeping the llama.cpp profile" in m for m in logs)
+    assert is_two_engine(part) and load_profile(part, "torch").model.engine == "torch"
