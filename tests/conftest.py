@@ -241,6 +241,21 @@ def tiny_profile(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def two_engine_profile(tiny_gguf, tmp_path_factory):
+    """``(directory, {engine: LoadedModel})``: the tiny GGUF calibrated on llama.cpp and on torch."""
+    pytest.importorskip("llama_cpp")
+    from adaptive.calibrate.runner import calibrate_engines
+
+    path, torch_lm = tiny_gguf
+    cpp = LoadedModel(None, char_tokenizer(), "tiny-gguf", str(path), torch.device("cpu"), torch.float32,
+                      engine="llama.cpp", threads=1)
+    lms = {"llama.cpp": cpp, "torch": torch_lm}
+    out = tmp_path_factory.mktemp("two") / "p"
+    calibrate_engines(lms, TINY_DOMAINS, out, tiny_settings(), progress=False)
+    return out, lms
+
+
 # Runtimes learn online and save an overlay beside their profile (PROFILE.online). The session's
 # shared tiny profile must not carry one test's learning into another's runtime: its overlay is
 # removed around every module and every test (module-scoped runtimes are built after the first).

@@ -26,9 +26,12 @@ from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
 from adaptive.engine.audit import audit_divergence, first_difference
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
+from adaptive.engine.llamacpp import ENGINE as LLAMA_CPP
 from adaptive.engine.quant import FLOAT_MODES
 from adaptive.errors import ConfigError
-from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult
+from adaptive.models import load_model
+from adaptive.profile import is_two_engine, load_profile, read_engines
+from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult, TwoEngineRuntime
 from adaptive.runtime.policies import DISTILLED
 
 FIXED_VARIANTS = ("knn-ssd", "cascade", "early-exit")  # policies benchmarked also with the bandit off (`-fixed`)
@@ -41,8 +44,10 @@ class BenchMethod:
     """One benchmarked method. ``runs_on``: ``"engine"`` (our loop with ``drafter``: ``ar`` or ``pld``,
     no profile), ``"hf"`` (transformers ``generate``), ``"llamacpp"`` (llama-cpp-python on the model's
     GGUF file; ``drafter`` ``pld`` for its prompt lookup), ``"llama-server"`` (llama.cpp's C++ server on
-    that file; ``drafter`` its ``--spec-type``, ``ar`` for none) or ``"runtime"`` (an :class:`AdaptiveRuntime`
-    with ``policy``, ``bandit`` on or off and the reduced vocabulary or not; needs a profile)."""
+    that file; ``drafter`` its ``--spec-type``, ``ar`` for none), ``"runtime"`` (an :class:`AdaptiveRuntime`
+    with ``policy``, ``bandit`` on or off and the reduced vocabulary or not; needs a profile),
+    ``"engines"`` (the :class:`~adaptive.runtime.TwoEngineRuntime` of a two-engine profile) or
+    ``"torch"`` (a two-engine profile's torch member alone: plain decoding, or its runtime with ``policy``)."""
 
     name: str
     description: str
@@ -54,7 +59,11 @@ class BenchMethod:
 
     @property
     def needs_profile(self) -> bool:
-        return self.runs_on == "runtime"
+        return self.runs_on in ("runtime", "engines", "torch")
+
+    @property
+    def needs_two_engines(self) -> bool:
+        return self.runs_on in ("engines", "torch")
 
     @property
     def distilled(self) -> str | None:
@@ -88,6 +97,12 @@ def _bench_methods() -> dict[str, BenchMethod]:
           for kind, what in SPEC_TYPES.items()),
         BenchMethod("pld", f"our loop with prompt-lookup drafts (n-gram 3..1), fixed draft length {PLD_DRAFT_LEN}",
                     "engine", drafter="pld"),
+        BenchMethod("engines", "the two-engine runtime (a two-engine profile): each request on the engine expected "
+                    "to finish it first, routed there as knn-ssd", "engines", policy="knn-ssd"),
+        BenchMethod("torch-ar", "plain greedy decoding on the torch engine (a two-engine profile's torch member; "
+                    "the other engine's reference)", "torch", drafter="ar"),
+        BenchMethod("torch-knn-ssd", "the runtime's knn-ssd on the torch engine alone (a two-engine profile's torch "
+                    "member)", "torch", policy="knn-ssd"),
     ]
     for name, policy in POLICIES.items():
         if name == "ar":  # the engine's own `ar` is the reference
@@ -189,13 +204,40 @@ class _Methods:
             self.close()
             raise
         self.runtimes: dict[tuple[bool, bool], AdaptiveRuntime] = {}  # (bandit, reduced_vocab) -> runtime
+        self.two = self.other = None  # the two-engine runtime and its torch member's plain engine
+        self._other_refs: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> plain decoding on the torch engine
+        if any(BENCH_METHODS[name].needs_two_engines for name in methods):
+            self._two_engines(lm, profile)
         for m in (BENCH_METHODS[name] for name in methods):
             key = (m.bandit, m.reduced_vocab)
-            if m.needs_profile and key not in self.runtimes:
+            if m.runs_on == "runtime" and key not in self.runtimes:
                 # online learning off: a repeated prompt would otherwise be drafted from its own
                 # earlier output, and the figures measure the calibrated profile
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
                                                      reduced_vocab=m.reduced_vocab, online=False)
+
+    def _two_engines(self, lm, profile) -> None:
+        """Load the torch member of the two-engine profile ``profile`` belongs to (``lm``: its
+        llama.cpp member's model) and the two-engine runtime over both."""
+        home = profile.path.parent if profile is not None and profile.path is not None else None
+        if home is None or not is_two_engine(home) or lm.engine != LLAMA_CPP:
+            raise ConfigError("methods engines, torch-ar and torch-knn-ssd need a two-engine profile "
+                              "(`adaptive calibrate --engine auto` on a CPU with llama-cpp-python) loaded on llama.cpp")
+        tp = load_profile(home, "torch")
+        tlm = load_model(tp.model.spec or lm.name, device="cpu", dtype=tp.model.dtype or "auto",
+                         weights=tp.model.weights, engine="torch")
+        mine = AdaptiveRuntime(profile, lm, seed=0, online=False)
+        self.torch_runtime = AdaptiveRuntime(tp, tlm, seed=0, online=False)
+        self.two = TwoEngineRuntime({lm.engine: mine, "torch": self.torch_runtime}, read_engines(home).default)
+        self.other = Engine(tlm)
+
+    def other_reference(self, ids: list[int]) -> list[int]:
+        """Plain greedy decoding of ``ids`` on the torch engine (computed once per prompt, untimed)."""
+        key = tuple(ids)
+        if key not in self._other_refs:
+            cfg = GenerationConfig(max_new_tokens=self.settings.max_new_tokens)
+            self._other_refs[key] = self.other.generate(list(ids), cfg).token_ids
+        return self._other_refs[key]
 
     def static_cache(self, positions: int):
         """hf-static's cache, reset, of :data:`HF_STATIC_LEN` positions or the next power of two above
@@ -250,6 +292,14 @@ class _Methods:
             cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
             drafter = build_drafter(DrafterSpec(m.drafter), self.lm.backbone)
             return _from_result(self.engine.generate(self.ids(messages), cfg, drafter=drafter))
+        if m.runs_on == "engines":
+            return _from_result(self.two.generate(messages, max_new_tokens=n, policy=m.policy))
+        if m.runs_on == "torch":
+            if m.policy is None:
+                out = _from_result(self.other.generate(self.ids(messages), GenerationConfig(max_new_tokens=n)))
+                self._other_refs[tuple(self.ids(messages))] = out["token_ids"]
+                return out
+            return _from_result(self.torch_runtime.generate(messages, max_new_tokens=n, policy=m.policy))
         runtime = self.runtimes[(m.bandit, m.reduced_vocab)]
         return _from_result(runtime.generate(messages, max_new_tokens=n, policy=m.policy))
 
@@ -299,6 +349,10 @@ def _from_result(r) -> dict:
             info["draft_vocab"] = r.drafter_info["draft_vocab"]
         if r.route is not None:
             info["domain"] = r.domain
+        if r.engine_choice is not None:
+            info["engine"] = r.engine
+            info["engine_reason"] = r.engine_choice["reason"]
+            info["expected_s"] = {e["engine"]: e["expected_s"] for e in r.engine_choice["estimates"]}
     if s.draft_lengths:
         info["draft_lengths"] = {str(k): v for k, v in sorted(s.draft_lengths.items())}
     return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "seconds": s.total_time, "steps": s.steps,
@@ -367,6 +421,14 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                     ref = out["token_ids"]
                     replies[(p.id, t)] = runner.engine.text(ref)
                     rec["identical"] = True
+                elif BENCH_METHODS[m].needs_two_engines and out["info"].get("engine", "torch") == "torch":
+                    # decoded on the torch engine: lossless against plain decoding there
+                    other_ref = runner.other_reference(ids)
+                    a = audit_divergence(runner.other.backbone, ids, other_ref, out["token_ids"])
+                    rec["identical"] = a.identical
+                    rec["violation"] = bool(a.violation)
+                    if not a.identical:
+                        rec["divergence"] = a.to_dict()
                 elif not runner.same_weights(m):  # other numbers: agreement with ar, never a lossless check
                     rec["identical"] = None
                     rec["agreement"] = common_prefix(ref, out["token_ids"])

@@ -75,7 +75,7 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
     if order == "mixed":
         prompts = mixed_stream(prompts)
-    profile = load_profile(profile_dir) if profile_dir else None
+    profile = load_profile(profile_dir, None if engine == "auto" else engine) if profile_dir else None
     for m in method_list:  # before the model loads: a missing distilled drafter is a one-line error
         if m in DISTILLED_KIND:
             profile.distilled_drafter(DISTILLED_KIND[m])

@@ -217,7 +217,8 @@ def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, devic
             runtimes[e] = AdaptiveRuntime(p, lm, online=False)
     two = TwoEngineRuntime(runtimes, members.default)
     rows = []
-    for label, prompt in (("short", builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]), ("long", _long_prompt(primary.encode))):
+    short = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
+    for label, prompt in (("short", short), ("long", _long_prompt(primary.encode))):
         ids = two.encode(prompt)
         engines = {e: Engine(rt.lm) for e, rt in runtimes.items()}
         cfg = GenerationConfig(max_new_tokens=max_new_tokens)

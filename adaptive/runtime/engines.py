@@ -13,7 +13,8 @@ The choice (:func:`estimate`, :func:`choose`), for a prompt of ``P`` tokens and 
     expected_s(engine) = prefill_s(P) + N * seconds_per_token * load
 
 ``prefill_s``: the engine's prefill times measured by calibration at a few prompt lengths,
-interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`);
+interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`), plus
+those of the prompts still being prefilled there (a server's queue ahead of it);
 ``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup,
 averaged over the profile's domains by their calibration prompts
 (:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`): the choice is made
@@ -132,7 +133,8 @@ class TwoEngineRuntime:
                                    "choosing an engine needs: calibrate it again with this adaptive")
         self.runtimes = dict(runtimes)
         self.default = default
-        self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}
+        self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}  # decoding
+        self._filling: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}  # prefilling
         self._live_lock = threading.Lock()
         self._turn = 0  # which engine's batch the next step serves when both have running requests
 
@@ -173,9 +175,11 @@ class TwoEngineRuntime:
         return self.primary.engine
 
     @property
-    def online(self):
-        """The default engine's online learner (each engine learns from the requests it decodes)."""
-        return self.primary.online
+    def online(self) -> _Learners | None:
+        """Each engine's online learner (each learns from the requests it decodes), as one: ``None``
+        when learning is off."""
+        learners = {name: rt.online for name, rt in self.runtimes.items() if rt.online is not None}
+        return _Learners(learners, self.default) if learners else None
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         return self.primary.encode(prompt, chat)
@@ -204,11 +208,15 @@ class TwoEngineRuntime:
         is decoding now in the cost (see the module docstring)."""
         with self._live_lock:
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
+            queued = {name: [t.remaining for t in tasks if t.remaining > 0] for name, tasks in self._filling.items()}
         steps = {name: rt.profile.seconds_per_token() * step_load(rt.profile.cost_model.verify, running[name] - 1)
                  for name, rt in self.runtimes.items() if running[name]}
-        estimates = [estimate(rt.profile, prompt_tokens, new_tokens, running[name],
-                              sum(s for other, s in steps.items() if other != name))
-                     for name, rt in self.runtimes.items()]
+        estimates = []
+        for name, rt in self.runtimes.items():
+            e = estimate(rt.profile, prompt_tokens, new_tokens, running[name],
+                         sum(s for other, s in steps.items() if other != name))
+            waiting = sum(rt.profile.cost_model.prefill_seconds(n) for n in queued[name])  # prompts ahead of it
+            estimates.append(replace(e, prefill_s=e.prefill_s + waiting))
         return choose(estimates, prompt_tokens, new_tokens)
 
     def _track(self, engine: str, run: RoutedDecoding, choice: EngineChoice) -> RoutedDecoding:
@@ -243,8 +251,11 @@ class TwoEngineRuntime:
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> RoutedPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
         choice = self.choose(len(prompt_ids), max_new_tokens)
-        task = self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options)
-        return _ChosenPrefilling(task, self, choice)
+        task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
+                                 self, choice)
+        with self._live_lock:
+            self._filling[choice.engine].add(task)
+        return task
 
     def step(self, decodings: Sequence[RoutedDecoding], riders: Sequence[RoutedPrefilling] = ()) -> list[str]:
         """One step of one engine's requests among ``decodings`` (with that engine's ``riders``): the
@@ -261,6 +272,26 @@ class TwoEngineRuntime:
         for i, delta in zip(mine, deltas):
             out[i] = delta
         return out
+
+
+@dataclass(frozen=True)
+class _Learners:
+    """The engines' online learners behind the one learner's reporting interface (the server's
+    ``/v1/adaptive/online`` and metrics): the default engine's state with every engine's under
+    ``engines``, the races' costs summed."""
+
+    learners: dict
+    default: str
+
+    def state(self) -> dict:
+        states = {name: learner.state() for name, learner in self.learners.items()}
+        first = states.get(self.default) or next(iter(states.values()))
+        return {**first, "requests": sum(st["requests"] for st in states.values()), "engines": states}
+
+    def measure_cost(self) -> dict:
+        costs = [learner.measure_cost() for learner in self.learners.values()]
+        return {"measure_seconds": round(sum(c["measure_seconds"] for c in costs), 3),
+                "measure_waits": sum(c["measure_waits"] for c in costs)}
 
 
 @dataclass(eq=False)

@@ -59,19 +59,8 @@ pytest.importorskip("llama_cpp")
 
 
 @pytest.fixture(scope="module")
-def two(tiny_gguf, tmp_path_factory):
-    """``(directory, {engine: LoadedModel})``: the tiny GGUF calibrated on llama.cpp and on torch."""
-    from adaptive.calibrate.runner import calibrate_engines
-    from adaptive.models import LoadedModel
-    from tests.conftest import TINY_DOMAINS, char_tokenizer, tiny_settings
-
-    path, torch_lm = tiny_gguf
-    cpp = LoadedModel(None, char_tokenizer(), "tiny-gguf", str(path), torch.device("cpu"), torch.float32,
-                      engine="llama.cpp", threads=1)
-    lms = {"llama.cpp": cpp, "torch": torch_lm}
-    out = tmp_path_factory.mktemp("two") / "p"
-    calibrate_engines(lms, TINY_DOMAINS, out, tiny_settings(), progress=False)
-    return out, lms
+def two(two_engine_profile):
+    return two_engine_profile
 
 
 def _runtime(two, **kw):
@@ -173,3 +162,36 @@ def test_resume_keeps_a_finished_member(two, tmp_path):
     calibrate_engines(lms, TINY_DOMAINS, part, tiny_settings(), resume=True, progress=False, log=logs.append)
     assert any("keeping the llama.cpp profile" in m for m in logs)
     assert is_two_engine(part) and load_profile(part, "torch").model.engine == "torch"
+
+
+def test_bench_runs_the_two_engine_methods_and_checks_each_on_its_engine(two, monkeypatch):
+    import adaptive.bench.runner as runner
+    from adaptive.bench.data import BenchPrompt
+    from adaptive.bench.runner import BenchSettings, run_bench
+    from tests.conftest import TINY_DOMAINS
+
+    out, lms = two
+    monkeypatch.setattr(runner, "load_model", lambda *a, **kw: lms["torch"])  # the tiny model is built in-process
+    prompts = [BenchPrompt("a", "math", "math", (TINY_DOMAINS["math"][5],)),
+               BenchPrompt("b", "chat", "chat", (TINY_DOMAINS["chat"][5] * 6,))]
+    report = run_bench(lms["llama.cpp"], prompts, ["ar", "engines", "torch-ar", "torch-knn-ssd"],
+                       BenchSettings(max_new_tokens=8, warmup=0), load_profile(out), progress=False)
+    runs = {(r["id"], r["method"]): r for r in report["runs"]}
+    for pid in ("a", "b"):
+        e = runs[(pid, "engines")]
+        assert e["engine"] in ("llama.cpp", "torch") and e["engine_reason"].startswith("expected ")
+        assert set(e["expected_s"]) == {"llama.cpp", "torch"}
+        assert e["identical"] is True  # against plain decoding on the engine that ran it (fp32 tiny model)
+        assert runs[(pid, "torch-knn-ssd")]["identical"] is True
+    assert {runs[(p, "engines")]["engine"] for p in ("a", "b")} <= {"llama.cpp", "torch"}
+    assert report["results"]["engines"]["aggregate_tokens_per_s"] > 0
+
+
+def test_bench_refuses_the_two_engine_methods_without_a_two_engine_profile(tiny_profile, tiny_model_dir):
+    from adaptive.bench.runner import BenchSettings, run_bench
+    from adaptive.errors import ConfigError
+    from adaptive.models import load_model
+
+    with pytest.raises(ConfigError, match="two-engine profile"):
+        run_bench(load_model(str(tiny_model_dir), dtype="float32"), [], ["ar", "engines"], BenchSettings(max_new_tokens=4, warmup=0), load_profile(tiny_profile),
+                  progress=False)

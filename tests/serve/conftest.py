@@ -75,7 +75,8 @@ class ScriptedRun:
         stats = GenerationStats(tokens=len(self.pieces), steps=2, drafted=4, accepted=3, prompt_tokens=5,
                                 total_time=1.0, prefill_time=0.2)
         return SimpleNamespace(stats=stats, domain="maths", decision="ssd", token_ids=[1, 2, 3], finish_reason="length",
-                               text="".join(self.pieces), applied="maths", policy="knn-ssd", skip=SkipSet((1,)))
+                               text="".join(self.pieces), applied="maths", policy="knn-ssd", skip=SkipSet((1,)),
+                               engine="torch", engine_choice=None)
 
 
 class ScriptedPrefill:

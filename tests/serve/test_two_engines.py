@@ -1,0 +1,76 @@
+"""A two-engine runtime behind the server: concurrent requests on both engines in one scheduler,
+each answered as plain greedy decoding on the engine that decoded it, and the engine in usage."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llama_cpp")
+
+from adaptive.engine.config import GenerationConfig  # noqa: E402
+from adaptive.engine.engine import Engine  # noqa: E402
+from adaptive.profile import load_profile  # noqa: E402
+from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime  # noqa: E402
+from adaptive.serve.app import create_app  # noqa: E402
+from tests.conftest import TINY_DOMAINS  # noqa: E402
+from tests.runtime.test_engines import _set_costs  # noqa: E402
+from tests.serve.conftest import Server  # noqa: E402
+
+SHORT, LONG = TINY_DOMAINS["math"][5], "hello there friend " * 14
+
+
+@pytest.fixture(scope="module")
+def served(two_engine_profile):
+    out, lms = two_engine_profile
+    rt = TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, seed=0) for e, lm in lms.items()},
+                          "llama.cpp")
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    s = Server(create_app(rt, max_queue=8, max_batch=4, prefill_chunk=64))
+    yield s, rt, lms
+    s.stop()
+    rt.close()
+
+
+def _post(server, prompt: str, n: int) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_concurrent_requests_on_both_engines_are_plain_decoding_there(served):
+    server, rt, lms = served
+    prompts = [SHORT, LONG, SHORT, LONG, TINY_DOMAINS["code"][5]]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _post(server, p, 10), prompts))
+    engines = set()
+    for prompt, (status, body) in zip(prompts, answers):
+        assert status == 200, body
+        ext = body["usage"]["adaptive"]
+        engines.add(ext["engine"])
+        assert ext["engine_choice"]["engine"] == ext["engine"] and ext["engine_choice"]["reason"].startswith("expected")
+        ids = rt.encode([{"role": "user", "content": prompt}])
+        ref = Engine(lms[ext["engine"]]).generate(ids, GenerationConfig(max_new_tokens=10))
+        assert body["choices"][0]["message"]["content"] == ref.text
+    assert engines == {"llama.cpp", "torch"}  # both engines served in the one scheduler
+
+
+def test_online_state_reports_each_engine(served):
+    server, _, _ = served
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/v1/adaptive/online")
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 200 and body["enabled"] and set(body["engines"]) == {"llama.cpp", "torch"}
+    conn.request("GET", "/metrics")
+    assert conn.getresponse().status == 200
