@@ -7,7 +7,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 
 from adaptive.costs import CostModel
 from adaptive.profile import ProfileError, is_two_engine, load_profile, read_engines
