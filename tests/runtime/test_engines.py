@@ -192,5 +192,6 @@ def test_bench_refuses_the_two_engine_methods_without_a_two_engine_profile(tiny_
     from adaptive.models import load_model
 
     with pytest.raises(ConfigError, match="two-engine profile"):
-        run_bench(load_model(str(tiny_model_dir), dtype="float32"), [], ["ar", "engines"], BenchSettings(max_new_tokens=4, warmup=0), load_profile(tiny_profile),
+        run_bench(load_model(str(tiny_model_dir), dtype="float32"), [], ["ar", "engines"],
+                  BenchSettings(max_new_tokens=4, warmup=0), load_profile(tiny_profile),
                   progress=False)

@@ -41,7 +41,8 @@ def _post(server, prompt: str, n: int) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         return r.status, json.loads(r.read())
     finally:
