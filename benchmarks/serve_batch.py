@@ -9,7 +9,9 @@ model process at a time. The settings: ``adaptive serve --profile DIR --max-batc
 learning off unless ``--online``, then what the learner did during each load is reported); with
 ``--llama-server``, llama.cpp's C++ ``llama-server`` on the same GGUF (``--gguf``) and threads,
 ``-np`` the largest batch (continuous batching), plain and with each ``--llama-server-spec`` type
-(``benchmarks/build_llama_server.sh`` builds it).
+(``benchmarks/build_llama_server.sh`` builds it). With ``--members``, a two-engine profile's
+engines are also served each alone (``adaptive serve --engine E``, the largest batch), and each
+row counts the requests each engine decoded (``engines``, from ``usage.adaptive.engine``).
 
 Reports, as JSON (and a Markdown table with ``--md``): per (setting, N) the median over repeats of
 aggregate tokens/s, TTFT and latency, the throughput against ``adaptive --max-batch 1`` at the same
@@ -40,6 +42,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from adaptive.profile import read_engines
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -49,11 +53,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(args, batch: int, engine: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
            "--max-batch", str(batch), "--max-queue", "256", "--prefill-chunk", str(args.prefill_chunk)] + \
-        ([] if args.goodput else ["--no-goodput"])
+        ([] if args.goodput else ["--no-goodput"]) + (["--engine", engine] if engine else [])
     if getattr(args, "online", False):  # learning from this run only: a fresh overlay per server
         cmd += ["--online", "--online-path", os.path.join(tempfile.mkdtemp(prefix="serve-batch-"), "overlay")]
     else:
@@ -122,6 +126,9 @@ def main() -> None:
     ap.add_argument("--no-goodput", dest="goodput", action="store_false", help="adaptive serve --no-goodput")
     ap.add_argument("--online", action="store_true",
                     help="adaptive serve with online learning on (a fresh overlay each start; default: off)")
+    ap.add_argument("--members", action="store_true",
+                    help="a two-engine profile: also serve each of its engines alone, at the largest batch "
+                         "(adaptive-ENGINE-bB)")
     ap.add_argument("--llama-server", action="store_true", help="also llama.cpp's llama-server, -np the largest batch")
     ap.add_argument("--llama-server-spec", nargs="*", default=[], help="and with these --spec-type values")
     ap.add_argument("--gguf", default=None, help="the GGUF file llama-server serves (the profile's model)")
@@ -160,6 +167,12 @@ def main() -> None:
                         measure(label, url, tmp, rep, None if spec == "auto" else spec)
                 finally:
                     stop_server(proc)
+            for engine in (read_engines(args.profile).engines if args.members else ()):
+                proc, url = start_server(args, slots, engine)
+                try:
+                    measure(f"adaptive-{engine}-b{slots}", url, tmp, rep)
+                finally:
+                    stop_server(proc)
             for spec_type in peers:
                 from adaptive.bench.llama_server import LlamaServer
 
@@ -189,6 +202,7 @@ def main() -> None:
             "latency_median_s": med([r["latency_s"]["median"] for r in rs if r["latency_s"]["median"] is not None]),
             "latency_p90_s": med([r["latency_s"]["p90"] for r in rs if r["latency_s"]["p90"] is not None]),
             "server_errors": sum(r["server_errors"] for r in rs),
+            "engines": [r.get("engines") for r in rs] if any(r.get("engines") for r in rs) else None,
             "online": [r["online"] for r in rs if "online" in r] or None,
             "texts": total, "texts_differing_from_one_at_a_time": differ,
         })

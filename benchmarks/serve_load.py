@@ -69,6 +69,7 @@ class Stats:
         self.ttft: list[float] = []
         self.latency: list[float] = []
         self.texts: list[tuple[int, str]] = []  # (prompt index, streamed text) of each valid request
+        self.engines: dict[str, int] = {}  # requests per engine that decoded them (usage.adaptive.engine)
 
     def add(self, key: str, error: str | None = None):
         with self.lock:
@@ -91,7 +92,7 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int 
         if r.status != 200:
             stats.add(f"valid {r.status}", f"valid request answered {r.status}: {r.read()[:200]!r}")
             return
-        first, tokens, done, pieces = None, 0, False, []
+        first, tokens, done, pieces, engine = None, 0, False, [], None
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: "):
@@ -110,6 +111,7 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int 
                     first = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                engine = (chunk["usage"].get("adaptive") or {}).get("engine")
             elif chunk.get("timings", {}).get("predicted_n"):  # llama-server's own count, when it sends no usage
                 tokens = chunk["timings"]["predicted_n"]
         if not done:
@@ -119,6 +121,8 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int 
             stats.tokens += tokens
             stats.latency.append(time.perf_counter() - t0)
             stats.texts.append((index, "".join(pieces)))
+            if engine is not None:  # the engine that decoded it (adaptive serve's usage.adaptive)
+                stats.engines[engine] = stats.engines.get(engine, 0) + 1
             if first is not None:
                 stats.ttft.append(first)
         stats.add("valid 200")
@@ -209,6 +213,7 @@ def main() -> None:
                    "p90": pct(stats.ttft, 9)},
         "latency_s": {"median": round(statistics.median(stats.latency), 3) if stats.latency else None,
                       "p90": pct(stats.latency, 9)},
+        "engines": dict(sorted(stats.engines.items())),
     }, indent=1))
 
 

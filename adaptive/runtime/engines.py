@@ -8,21 +8,25 @@ each engine's calibration of the same model; :class:`TwoEngineRuntime` loads bot
 request, tokenized once, to one of them for its whole life (no KV cache moves between engines).
 
 The choice (:func:`estimate`, :func:`choose`), for a prompt of ``P`` tokens and ``N`` new tokens
-(the request's ``max_new_tokens``: at admission nothing says where it will stop)::
+(the request's ``max_new_tokens``: at admission nothing says where it will stop), is the engine
+that adds the least time to the machine's work::
 
-    expected_s(engine) = prefill_s(P) + N * seconds_per_token * load
+    expected_s(engine) = prefill_s(P) + N * seconds_per_token * added_step(running)
 
 ``prefill_s``: the engine's prefill times measured by calibration at a few prompt lengths,
-interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`), plus
-those of the prompts still being prefilled there (a server's queue ahead of it);
+interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`);
 ``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup,
 averaged over the profile's domains by their calibration prompts
 (:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`): the choice is made
 before the prompt is prefilled, so before any embedding routes it; each engine then routes the
-request with its own prefill's embedding, as a one-engine runtime does, at no extra cost. ``load``
-prices the other requests the runtime is decoding: a step of an engine serves its running batch
-(``b`` requests: its verify table's cost of ``b + 1`` rows against one), and the engines take turns
-(:meth:`TwoEngineRuntime.step`), so a busy other engine adds its own step to every token.
+request with its own prefill's embedding, as a one-engine runtime does, at no extra cost.
+``added_step`` (:func:`added_step`) prices the load: an idle engine's step is a whole step (1); an
+engine already decoding ``b`` requests (those admitted and still prefilling included) steps them
+with this one in one forward over ``b + 1`` rows, so the request adds only its verify table's
+increment from ``b`` to ``b + 1`` rows. For one request alone that is its expected time; under
+load it is the time it adds to the machine (the engines take turns, :meth:`TwoEngineRuntime.step`):
+on these CPUs a torch batch costs ~1.1 steps for 8 rows and a llama.cpp one ~4.7, so a busy server
+fills the torch batch and keeps llama.cpp for the requests that find it idle or nearly.
 
 Worked example (the embedded model on a 2-core EPYC; figures as measured by one calibration):
 llama.cpp prefills 128 tokens in 0.38 s and 512 in 1.63 s and decodes at 9.0 ms a token; the torch
@@ -34,11 +38,13 @@ engine 0.13 s and 0.53 s, at 25 ms a token. A 100-token prompt and 64 new tokens
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from adaptive.costs import extrapolate
 from adaptive.errors import ConfigError
 from adaptive.index.router import RouteDecision
 from adaptive.models import load_model
@@ -86,23 +92,21 @@ class EngineChoice:
                 "new_tokens": self.new_tokens, "estimates": [e.to_dict() for e in self.estimates]}
 
 
-def step_load(verify: Sequence[float], running: int) -> float:
-    """The cost of one step of an engine decoding ``running`` requests besides a new one, in its
-    one-request steps: its verify table's forward over ``running + 1`` rows (a batched step).
-    Example: ``verify = (1.0, 1.2, 1.5)``: ``running = 0`` -> 1.0, ``2`` -> 1.5."""
-    n = running + 1
-    if n <= len(verify):
-        return float(verify[n - 1])
-    step = (float(verify[-1]) - float(verify[-2])) if len(verify) > 1 else float(verify[0])
-    return float(verify[-1]) + max(step, 0.0) * (n - len(verify))
+def added_step(verify: Sequence[float], running: int) -> float:
+    """What one more request adds to a step of an engine decoding ``running`` requests, in its
+    one-request steps: a whole step when it is idle, else its verify table's increment from
+    ``running`` to ``running + 1`` rows (:func:`~adaptive.costs.extrapolate` past the table's end).
+    Example: ``verify = (1.0, 1.2, 1.5)``: ``running = 0`` -> 1.0, ``1`` -> 0.2, ``2`` -> 0.3."""
+    if running <= 0:
+        return 1.0
+    return max(extrapolate(verify, running) - extrapolate(verify, running - 1), 0.0)
 
 
-def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0,
-             other_step_s: float = 0.0) -> EngineEstimate:
+def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0) -> EngineEstimate:
     """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
-    and ``new_tokens`` at its expected pace, each step slowed by ``running`` other requests in its
-    batch and lengthened by ``other_step_s`` (the other engine's step, taken in turn)."""
-    per_token = profile.seconds_per_token() * step_load(profile.cost_model.verify, running) + other_step_s
+    and ``new_tokens`` at its expected pace, each step priced by :func:`added_step` with ``running``
+    requests already decoding there."""
+    per_token = profile.seconds_per_token() * added_step(profile.cost_model.verify, running)
     return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(prompt_tokens),
                           new_tokens * per_token)
 
@@ -134,9 +138,8 @@ class TwoEngineRuntime:
         self.runtimes = dict(runtimes)
         self.default = default
         self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}  # decoding
-        self._filling: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}  # prefilling
         self._live_lock = threading.Lock()
-        self._turn = 0  # which engine's batch the next step serves when both have running requests
+        self._pass = {name: 0.0 for name in runtimes}  # machine seconds per request each engine's steps took
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | None = None, device: str = "auto",
@@ -205,18 +208,11 @@ class TwoEngineRuntime:
 
     def choose(self, prompt_tokens: int, new_tokens: int) -> EngineChoice:
         """Where a request of ``prompt_tokens`` and ``new_tokens`` runs, with the requests this runtime
-        is decoding now in the cost (see the module docstring)."""
-        with self._live_lock:
+        is decoding now on each engine in the cost (see the module docstring)."""
+        with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
-            queued = {name: [t.remaining for t in tasks if t.remaining > 0] for name, tasks in self._filling.items()}
-        steps = {name: rt.profile.seconds_per_token() * step_load(rt.profile.cost_model.verify, running[name] - 1)
-                 for name, rt in self.runtimes.items() if running[name]}
-        estimates = []
-        for name, rt in self.runtimes.items():
-            e = estimate(rt.profile, prompt_tokens, new_tokens, running[name],
-                         sum(s for other, s in steps.items() if other != name))
-            waiting = sum(rt.profile.cost_model.prefill_seconds(n) for n in queued[name])  # prompts ahead of it
-            estimates.append(replace(e, prefill_s=e.prefill_s + waiting))
+        estimates = [estimate(rt.profile, prompt_tokens, new_tokens, running[name])
+                     for name, rt in self.runtimes.items()]
         return choose(estimates, prompt_tokens, new_tokens)
 
     def _track(self, engine: str, run: RoutedDecoding, choice: EngineChoice) -> RoutedDecoding:
@@ -254,20 +250,35 @@ class TwoEngineRuntime:
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
         with self._live_lock:
-            self._filling[choice.engine].add(task)
+            self._live[choice.engine].add(task)
         return task
 
+    def _next_engine(self, engines: list[str]) -> str:
+        """Which of the busy ``engines`` steps next: the one whose requests have had the least machine
+        time each (stride scheduling: an engine's pass grows by its step's time over the requests it
+        stepped), so every running request gets about the same share of the machine, whichever engine
+        it is on, and a large cheap batch is stepped more often than one expensive request. An engine
+        that was idle starts level with the busy ones."""
+        floor = min(self._pass[e] for e in engines)
+        for e in self.runtimes:
+            if e not in engines:
+                self._pass[e] = max(self._pass[e], floor)
+        return min(engines, key=lambda e: self._pass[e])
+
     def step(self, decodings: Sequence[RoutedDecoding], riders: Sequence[RoutedPrefilling] = ()) -> list[str]:
-        """One step of one engine's requests among ``decodings`` (with that engine's ``riders``): the
-        engines take turns while both have requests running. The others' deltas are empty this call."""
-        engines = [name for name in self.runtimes if any(d.engine == name for d in decodings)]
+        """One step of one engine's requests among ``decodings`` (with that engine's ``riders``), the
+        engines taking turns by :meth:`_next_engine` while both have requests running. The other
+        engine's requests get empty deltas this call."""
+        counts = {name: sum(1 for d in decodings if d.engine == name) for name in self.runtimes}
+        engines = [name for name, n in counts.items() if n]
         if not engines:
             return ["" for _ in decodings]
-        engine = engines[self._turn % len(engines)]
-        self._turn += 1
+        engine = self._next_engine(engines)
         mine = [i for i, d in enumerate(decodings) if d.engine == engine]
         ride = [r.task for r in riders if isinstance(r, _ChosenPrefilling) and r.engine == engine]
+        t0 = time.perf_counter()
         deltas = self.runtimes[engine].step([decodings[i] for i in mine], ride)
+        self._pass[engine] += (time.perf_counter() - t0) / counts[engine]  # machine time per request stepped
         out = [""] * len(decodings)
         for i, delta in zip(mine, deltas):
             out[i] = delta
@@ -302,6 +313,7 @@ class _ChosenPrefilling:
     task: RoutedPrefilling
     owner: TwoEngineRuntime
     choice: EngineChoice
+    done: bool = False  # prefilled (then its RoutedDecoding counts in the engine's load instead)
 
     @property
     def engine(self) -> str:
@@ -317,7 +329,10 @@ class _ChosenPrefilling:
 
     def advance(self, tokens: int | None = None) -> RoutedDecoding | None:
         run = self.task.advance(tokens)
-        return None if run is None else self.owner._track(self.engine, run, self.choice)
+        if run is None:
+            return None
+        self.done = True
+        return self.owner._track(self.engine, run, self.choice)
 
 
 def open_runtime(directory: str | Path, model: str | None = None, device: str = "auto", dtype: str | None = None,

@@ -10,17 +10,19 @@ import pytest
 
 from adaptive.costs import CostModel
 from adaptive.profile import ProfileError, is_two_engine, load_profile, read_engines
-from adaptive.runtime.engines import EngineEstimate, choose, step_load
+from adaptive.runtime.engines import EngineEstimate, added_step, choose
 
 
 def _costs(prefill, verify=(1.0, 1.2, 1.5)) -> CostModel:
     return CostModel((0.0,), (0.0,), 1.0, verify, step_ms=10.0, prefill=prefill)
 
 
-def test_step_load_prices_a_batch_from_the_verify_table():
-    assert step_load((1.0, 1.2, 1.5), 0) == 1.0
-    assert step_load((1.0, 1.2, 1.5), 2) == 1.5
-    assert step_load((1.0, 1.2, 1.5), 4) == pytest.approx(2.1)  # extended by the last step: 1.5 + 2 * 0.3
+def test_added_step_prices_joining_a_batch_from_the_verify_table():
+    assert added_step((1.0, 1.2, 1.5), 0) == 1.0  # an idle engine: a whole step
+    assert added_step((1.0, 1.2, 1.5), 1) == pytest.approx(0.2)  # one more row beside one
+    assert added_step((1.0, 1.2, 1.5), 2) == pytest.approx(0.3)
+    assert added_step((1.0, 1.2, 1.5), 4) == pytest.approx(0.3)  # past the table: its last increment
+    assert added_step((1.0, 1.0, 1.0), 3) == 0.0
 
 
 def test_choose_takes_the_least_expected_time_and_says_why():
@@ -71,12 +73,12 @@ def _runtime(two, **kw):
 
 
 def _set_costs(rt, llama_prefill_ms_per_token: float, torch_prefill_ms_per_token: float):
-    """Literal costs: llama.cpp decodes at 9 ms a token, torch at 25; prefill rates as given."""
-    for engine, per_token, step in (("llama.cpp", llama_prefill_ms_per_token, 9.0),
-                                    ("torch", torch_prefill_ms_per_token, 25.0)):
+    """Literal costs: llama.cpp decodes at 9 ms a token with a steep verify table, torch at 25 ms with
+    a flat one; prefill rates as given."""
+    for engine, per_token, step, verify in (("llama.cpp", llama_prefill_ms_per_token, 9.0, (1.0, 1.9, 2.3)),
+                                            ("torch", torch_prefill_ms_per_token, 25.0, (1.0, 1.04, 1.1))):
         p = rt.runtimes[engine].profile
-        p.cost_model = replace(p.cost_model, step_ms=step, prefill=((100, 100 * per_token),),
-                               verify=(1.0, 1.5, 2.0))
+        p.cost_model = replace(p.cost_model, step_ms=step, prefill=((100, 100 * per_token),), verify=verify)
         p.domains = {n: replace(d, measurements=(), decision=replace(d.decision, drafter="ar", speedup=1.0))
                      for n, d in p.domains.items()}
 
@@ -118,7 +120,7 @@ def test_each_request_runs_on_the_engine_expected_first_and_decodes_losslessly(t
     assert r2.to_dict()["engine"] == "torch" and "engine_choice" in r2.to_dict()
 
 
-def test_steps_take_turns_between_engines_and_load_moves_the_choice(two):
+def test_steps_take_turns_between_engines_and_the_load_moves_the_choice(two):
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
 
@@ -136,15 +138,21 @@ def test_steps_take_turns_between_engines_and_load_moves_the_choice(two):
     for run, text in ((a, "what is 3 plus 6? answer:"), (b, "hello there friend " * 15)):
         plain = Engine(two[1][run.engine]).generate(rt.encode(text), GenerationConfig(max_new_tokens=12))
         assert run.result().token_ids == plain.token_ids
-    # load: with requests decoding on llama.cpp, a mid-length prompt that would go there alone goes to torch
-    mid = 60
-    alone = rt.choose(mid, 16)
-    busy = [rt.prefilling(rt.encode(f"what is {i} plus 1? answer:"), max_new_tokens=64).advance() for i in range(3)]
-    assert all(r.engine == "llama.cpp" for r in busy[:1])
-    loaded = rt.choose(mid, 16)
-    llama_alone = {e.engine: e for e in alone.estimates}["llama.cpp"].expected_s
-    llama_loaded = {e.engine: e for e in loaded.estimates}["llama.cpp"].expected_s
-    assert llama_loaded > llama_alone  # the running batch is in the cost
+    # load: joining torch's running batch adds little (its flat verify table), so a prompt that goes to
+    # llama.cpp alone goes to torch while torch decodes (or prefills) another request
+    short = rt.encode("what is 4 plus 4? answer:")
+    assert rt.choose(len(short), 16).engine == "llama.cpp"
+    busy = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=12)  # admitted, still prefilling
+    assert busy.engine == "torch"
+    c = rt.choose(len(short), 16)
+    est = {e.engine: e for e in c.estimates}
+    assert c.engine == "torch" and est["torch"].decode_s == pytest.approx(16 * 0.025 * 0.04)
+    assert est["llama.cpp"].decode_s == pytest.approx(16 * 0.009)  # llama.cpp idle: whole steps
+    run = busy.advance()
+    assert rt.choose(len(short), 16).engine == "torch"  # decoding now, still in the load
+    while not run.done:
+        rt.step([run])
+    assert rt.choose(len(short), 16).engine == "llama.cpp"  # done: both idle again
 
 
 def test_resume_keeps_a_finished_member(two, tmp_path):

@@ -51,11 +51,13 @@ def _post(server, prompt: str, n: int) -> tuple[int, dict]:
 
 def test_concurrent_requests_on_both_engines_are_plain_decoding_there(served):
     server, rt, lms = served
-    prompts = [SHORT, LONG, SHORT, LONG, TINY_DOMAINS["code"][5]]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: _post(server, p, 10), prompts))
+    alone = _post(server, SHORT, 10)  # an idle server: the short prompt decodes on llama.cpp
+    assert alone[0] == 200 and alone[1]["usage"]["adaptive"]["engine"] == "llama.cpp"
+    burst = [LONG, SHORT, LONG, TINY_DOMAINS["code"][5]]  # together: joining torch's batch adds least
+    with ThreadPoolExecutor(len(burst)) as pool:
+        answers = [alone, *pool.map(lambda p: _post(server, p, 10), burst)]
     engines = set()
-    for prompt, (status, body) in zip(prompts, answers):
+    for prompt, (status, body) in zip([SHORT, *burst], answers):
         assert status == 200, body
         ext = body["usage"]["adaptive"]
         engines.add(ext["engine"])
@@ -63,7 +65,7 @@ def test_concurrent_requests_on_both_engines_are_plain_decoding_there(served):
         ids = rt.encode([{"role": "user", "content": prompt}])
         ref = Engine(lms[ext["engine"]]).generate(ids, GenerationConfig(max_new_tokens=10))
         assert body["choices"][0]["message"]["content"] == ref.text
-    assert engines == {"llama.cpp", "torch"}  # both engines served in the one scheduler
+    assert engines == {"llama.cpp", "torch"}  # both engines served by the one scheduler
 
 
 def test_online_state_reports_each_engine(served):
