@@ -184,6 +184,17 @@ class TwoEngineRuntime:
         learners = {name: rt.online for name, rt in self.runtimes.items() if rt.online is not None}
         return _Learners(learners, self.default) if learners else None
 
+    @property
+    def carry_chunks(self) -> bool:
+        """Whether steps may carry prompt chunks: where an engine's do (a request being prefilled rides
+        only while its own engine has requests decoding, :attr:`_ChosenPrefilling.can_ride`)."""
+        return any(rt.carry_chunks for rt in self.runtimes.values())
+
+    def decoding(self, engine: str) -> int:
+        """Requests decoding on ``engine`` now (prefilled, not done)."""
+        with self._live_lock:
+            return sum(1 for r in self._live[engine] if isinstance(r, RoutedDecoding) and not r.done)
+
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         return self.primary.encode(prompt, chat)
 
@@ -325,7 +336,9 @@ class _ChosenPrefilling:
 
     @property
     def can_ride(self) -> bool:
-        return self.task.can_ride
+        """A chunk rides in its engine's next step: only while that engine has requests decoding (the
+        other engine's steps do not carry it)."""
+        return self.task.can_ride and self.owner.decoding(self.engine) > 0
 
     def advance(self, tokens: int | None = None) -> RoutedDecoding | None:
         run = self.task.advance(tokens)

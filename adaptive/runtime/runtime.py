@@ -411,6 +411,12 @@ class AdaptiveRuntime:
         through it too where the profile says so (``chat=False``: as raw text)."""
         return self.engine.encode(prompt, chat=self.profile.runtime.chat if chat is None else chat)
 
+    @property
+    def carry_chunks(self) -> bool:
+        """Whether a decoding step can carry prompt chunks of requests being prefilled (the engine's
+        backbone measured it to pay: torch)."""
+        return bool(getattr(self.engine.backbone, "carry_chunks", False))
+
     def room(self, prompt_ids: Sequence[int]) -> int:
         """The most new tokens a request with this prompt can ask for (the model's context less the
         prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""

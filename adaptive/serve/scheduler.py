@@ -112,8 +112,8 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         # steps carry prompt chunks (False: each chunk a forward of its own); by default where the
-        # engine's backbone measured it to pay (its ``carry_chunks``)
-        self.carry = bool(getattr(runtime.engine.backbone, "carry_chunks", False)) if carry is None else carry
+        # engine's backbone measured it to pay (the runtime's ``carry_chunks``)
+        self.carry = bool(runtime.carry_chunks) if carry is None else carry
         self.runtime = runtime
         self.metrics = metrics or Metrics()
         self.max_queue = max_queue

@@ -155,6 +155,30 @@ def test_steps_take_turns_between_engines_and_the_load_moves_the_choice(two):
     assert rt.choose(len(short), 16).engine == "llama.cpp"  # done: both idle again
 
 
+def test_a_prompt_chunk_rides_only_in_its_own_engines_steps(two):
+    rt = _runtime(two)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    assert rt.carry_chunks  # the torch engine's steps carry chunks
+    long = rt.encode("hello there friend " * 15)
+    filling = rt.prefilling(long, max_new_tokens=12, chunk=16)
+    assert filling.engine == "torch" and filling.task.can_ride
+    assert not filling.can_ride  # nothing decodes on torch: no torch step would carry it
+    other = rt.prefilling(rt.encode("hello there friend " * 14), max_new_tokens=12).advance()
+    assert other.engine == "torch" and filling.can_ride
+    deltas = rt.step([other], [filling])  # rides in torch's step
+    assert filling.remaining == len(long) - 16 and len(deltas) == 1
+
+
+def test_the_busy_engine_with_the_least_machine_time_per_request_steps_next(two):
+    rt = _runtime(two)
+    rt._pass.update({"llama.cpp": 0.030, "torch": 0.004})  # one llama.cpp request's steps against a batch's share
+    assert rt._next_engine(["llama.cpp", "torch"]) == "torch"
+    rt._pass["torch"] = 0.031
+    assert rt._next_engine(["llama.cpp", "torch"]) == "llama.cpp"
+    rt._pass.update({"llama.cpp": 0.0, "torch": 5.0})  # llama.cpp was idle: it starts level, not 5 s ahead
+    assert rt._next_engine(["torch"]) == "torch" and rt._pass["llama.cpp"] == 5.0
+
+
 def test_resume_keeps_a_finished_member(two, tmp_path):
     import shutil
 

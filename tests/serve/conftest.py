@@ -120,7 +120,8 @@ class ScriptedRuntime:
 
     def __init__(self, pieces=("a", "b", "c"), fail: Exception | None = None, encode_error: Exception | None = None):
         self.pieces, self.fail, self.encode_error = pieces, fail, encode_error
-        self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT, carry_chunks=True))
+        self.engine = SimpleNamespace(backbone=SimpleNamespace(max_positions=CONTEXT))
+        self.carry_chunks = True
         self.gate = threading.Semaphore(1000)
         self.prefill_gate = threading.Semaphore(1000)  # each prefill chunk waits for it too
         self.waits = 0
