@@ -73,8 +73,8 @@ class EngineEstimate:
 
 @dataclass(frozen=True)
 class EngineChoice:
-    """Where a request runs and why: the ``engine`` with the least expected time among ``estimates``
-    (ties: the first), for ``prompt_tokens`` and ``new_tokens``."""
+    """Where a request runs and why: the ``engine`` whose estimate is least among ``estimates`` (ties:
+    the first), for ``prompt_tokens`` and ``new_tokens``."""
 
     engine: str
     estimates: tuple[EngineEstimate, ...]
@@ -137,7 +137,8 @@ class TwoEngineRuntime:
                                    "choosing an engine needs: calibrate it again with this adaptive")
         self.runtimes = dict(runtimes)
         self.default = default
-        self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}  # decoding
+        # each engine's requests: RoutedDecodings, and _ChosenPrefillings still being prefilled
+        self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}
         self._live_lock = threading.Lock()
         self._pass = {name: 0.0 for name in runtimes}  # machine seconds per request each engine's steps took
 
