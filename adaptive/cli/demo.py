@@ -189,13 +189,13 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
 LONG_PROMPT_TOKENS = 600  # the demo's long prompt: about as long as a Spec-Bench summarization or RAG prompt
 
 
-def _long_prompt(encode) -> str:
-    """A summarization request of about :data:`LONG_PROMPT_TOKENS` tokens made of built-in prompts,
+def _long_prompt(encode, tokens: int = LONG_PROMPT_TOKENS) -> str:
+    """A summarization request of about ``tokens`` tokens (a little more) made of built-in prompts,
     taken in turn from each domain."""
     head = "Summarize the following requests in three sentences:\n\n"
     pools = [list(prompts) for prompts in builtin_domains().values()]
     texts: list[str] = []
-    while any(pools) and len(encode(head + "\n".join(texts))) < LONG_PROMPT_TOKENS:
+    while any(pools) and len(encode(head + "\n".join(texts))) < tokens:
         pool = next(p for p in pools[len(texts) % len(pools):] + pools if p)
         texts.append(pool.pop(0))
     return head + "\n".join(texts)
@@ -218,7 +218,8 @@ def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, devic
     two = TwoEngineRuntime(runtimes, members.default)
     rows = []
     short = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
-    for label, prompt in (("short", short), ("long", _long_prompt(primary.encode))):
+    long = _long_prompt(primary.encode, min(LONG_PROMPT_TOKENS, two.room([]) // 3))  # a small model's context
+    for label, prompt in (("short", short), ("long", long)):
         ids = two.encode(prompt)
         engines = {e: Engine(rt.lm) for e, rt in runtimes.items()}
         cfg = GenerationConfig(max_new_tokens=max_new_tokens)

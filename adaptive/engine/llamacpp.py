@@ -22,7 +22,10 @@ GGUF file, with the file's own quantized weights: no float copy of the model is 
   (``llama_set_embeddings_layer_inp``: the input of layer ``L`` is the residual after ``L``
   layers), for every fed token, from its C++ extension API (``llama-ext.h``, found in the library
   by its mangled name); asked for only while a prompt that pools is prefilled, so a decoding step
-  never pays for it. The final norm's weight and epsilon are read from the GGUF file once. Where
+  never pays for it. The final norm's weight and epsilon are read from the GGUF file once. Some
+  architectures' graphs never record a layer's input, and llama.cpp then aborts the process (Qwen2
+  in 0.3.36), so an architecture is first probed in a child process, its answer kept per
+  llama-cpp-python version (:func:`_layer_inputs_safe`). Where
   the build lacks that API or the architecture's graph gives no rows, the engine falls back to the
   final layer's last position, saying so once (:meth:`routing_pooling`): the prompt is prefilled
   as without it, then its last token is decoded once more, alone and with llama.cpp's embedding
@@ -493,8 +496,12 @@ class LlamaCppBackbone:
         api = _layer_input_api(self._lib)
         arch = self.describe()["architecture"]
         norm = _final_norm(self.path, arch) if api is not None else None
-        if api is None or norm is None:
+        if api is None or norm is None or not _layer_inputs_safe(self.path, arch):
             return None
+        return self._probe_here(api, norm)
+
+    def _probe_here(self, api, norm):
+        """The probe itself, in this process: a two-token decode with one layer's input asked for."""
         set_fn, get_fn = api
         layer = max(1, self.n_layers // 3)
         set_fn(self._ctx, layer, True)
@@ -548,6 +555,51 @@ class LlamaCppBackbone:
 
     def sublayer_influence(self, input_ids, from_position: int = 0):
         raise ConfigError("sublayer influence needs the torch engine (llama.cpp runs the whole model)")
+
+
+LAYER_INPUTS_FILE = "layer-inputs.json"  # per llama-cpp-python version and architecture: probed safe or not
+
+
+def _layer_inputs_safe(path: Path, arch: str) -> bool:
+    """Whether asking llama.cpp for a layer's input is safe for this architecture: some graph builders
+    (Qwen2's in llama-cpp-python 0.3.36) never record it, and llama.cpp then aborts the whole
+    process (``GGML_ASSERT(t_layer_inp[il] != nullptr)``), which no Python code can catch. So the
+    first time an architecture is met it is probed in a child process (:func:`_probe_child`), and the
+    answer is kept in ``$ADAPTIVE_CACHE/llama.cpp/layer-inputs.json`` (default ``~/.cache/adaptive``)."""
+    import json
+    import subprocess
+
+    version = importlib.import_module("llama_cpp").__version__
+    home = Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive"))
+    cache = home / "llama.cpp" / LAYER_INPUTS_FILE
+    key = f"{version}:{arch}"
+    try:
+        known = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), bool):
+        return known[key]
+    try:
+        child = subprocess.run([sys.executable, "-c", "import sys; from adaptive.engine.llamacpp import _probe_child; "
+                                "_probe_child(sys.argv[1])", str(path)], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return False  # not kept: asked again next time
+    safe = child.returncode == 0 and child.stdout.strip().endswith("safe")
+    if child.returncode == 0 or child.returncode < 0:  # answered, or killed by llama.cpp's abort
+        known = {**(known if isinstance(known, dict) else {}), key: safe}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, cache)
+    return safe
+
+
+def _probe_child(path: str) -> None:
+    """In a child process: try a layer input on ``path`` and print ``safe`` (llama.cpp may abort instead)."""
+    bb = LlamaCppBackbone(path, threads=1, context=64, sequences=1)
+    api = _layer_input_api(bb._lib)
+    norm = _final_norm(bb.path, bb.describe()["architecture"])
+    print("safe" if api is not None and norm is not None and bb._probe_here(api, norm) else "none")
 
 
 class _LayerTaps:

@@ -147,3 +147,16 @@ def test_profile_show_and_reset_online(capsys, tiny_profile, tiny_model_dir, tmp
     code, _, err = run(capsys, "profile", "show", str(prof))
     assert code == 1 and "does not match its checksum" in err and "Traceback" not in err
     assert (prof / "profile.json").is_file()  # the profile itself is untouched
+
+
+def test_profile_show_names_a_two_engine_profiles_members(capsys, two_engine_profile):
+    out_dir, _ = two_engine_profile
+    text, _ = run_ok(capsys, "profile", "show", str(out_dir))
+    assert "two-engine profile" in text and "showing llama.cpp (--engine torch for the other)" in text
+    assert "prefill 32 tokens" in text and "a new token over the domains" in text
+    text, _ = run_ok(capsys, "profile", "show", str(out_dir), "--engine", "torch")
+    assert "showing torch" in text and "torch engine" in text
+    data = json.loads(run_ok(capsys, "profile", "show", str(out_dir), "--json")[0])
+    assert data["engines"]["engines"] == ["llama.cpp", "torch"] and data["cost_model"]["prefill"]
+    code, _, err = run(capsys, "profile", "show", str(out_dir), "--engine", "vllm")
+    assert code == 1 and "not on vllm" in err

@@ -30,3 +30,20 @@ def test_demo_refuses_a_profile_of_another_model(capsys, tiny_profile, tmp_path)
     char_tokenizer().save_pretrained(other)
     code, _, err = run(capsys, "demo", "--model", str(other), "--profile", str(tiny_profile), "--dtype", "float32")
     assert code == 1 and "calibrated for" in err and "--recalibrate" in err
+
+
+def test_demo_shows_where_a_short_and_a_long_prompt_ran_on_a_two_engine_profile(two_engine_profile, monkeypatch):
+    from adaptive.cli import demo
+    from adaptive.profile import load_profile
+    from adaptive.runtime import AdaptiveRuntime
+
+    out, lms = two_engine_profile
+    monkeypatch.setattr(demo, "load", lambda *a, **kw: lms["torch"])  # the tiny model is built in-process
+    primary = AdaptiveRuntime(load_profile(out), lms["llama.cpp"], online=False)
+    rows = demo.engine_choices(out, primary, "tiny", "cpu", max_new_tokens=8, repeats=1)
+    assert [r["prompt"] for r in rows] == ["short", "long"] and rows[0]["prompt_tokens"] < rows[1]["prompt_tokens"]
+    for r in rows:
+        assert r["engine"] in ("llama.cpp", "torch") and r["reason"].startswith("expected ")
+        assert {e["engine"] for e in r["estimates"]} == {"llama.cpp", "torch"}
+        assert set(r["plain_s"]) == {"llama.cpp", "torch"} and r["measured_s"] > 0
+        assert r["identical"]  # plain greedy decoding on the engine that ran it (fp32)

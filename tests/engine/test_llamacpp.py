@@ -268,3 +268,28 @@ def test_the_engine_decodes_text_on_llama_cpp(tiny_gguf):
     assert len(plain.token_ids) == 24 or plain.finish_reason == "eos"
     with pytest.raises(ConfigError, match="has no torch model"):
         LoadedModel(None, char_tokenizer(), "t", "x.gguf", torch.device("cpu"), torch.float32)
+
+
+def test_layer_inputs_are_probed_once_per_architecture_in_a_child_process(tiny_gguf, tmp_path, monkeypatch):
+    """llama.cpp aborts the process when a graph builder (Qwen2's) never records a layer's input: the
+    first probe of an architecture runs in a child process, and its answer is kept."""
+    import json
+    import subprocess
+
+    from adaptive.engine import llamacpp
+
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path))
+    path = tiny_gguf[0]
+    assert llamacpp._layer_inputs_safe(path, "llama")  # a real child: the tiny Llama fills them
+    kept = json.loads((tmp_path / "llama.cpp" / llamacpp.LAYER_INPUTS_FILE).read_text())
+    assert list(kept.values()) == [True]
+
+    def no_child(*a, **kw):
+        raise AssertionError("asked again")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    assert llamacpp._layer_inputs_safe(path, "llama")  # from the file
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, -6, "", "GGML_ASSERT"))
+    assert not llamacpp._layer_inputs_safe(path, "qwen2")  # the child aborted: unsafe, and kept
+    monkeypatch.setattr(subprocess, "run", no_child)
+    assert not llamacpp._layer_inputs_safe(path, "qwen2")

@@ -153,6 +153,22 @@ def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_
         load_model(str(tmp_path), engine="onnx")
 
 
+def test_auto_calibrates_both_engines_where_llama_cpp_runs_the_model(monkeypatch, tmp_path, tiny_model_dir):
+    from adaptive.engine import llamacpp
+    from adaptive.models import auto_engines
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    assert auto_engines(str(gguf), "cpu") == ("llama.cpp", "torch")
+    assert auto_engines(str(gguf), "cpu", dtype="float32") == ("torch",)  # a torch dtype: one engine
+    assert auto_engines(str(tiny_model_dir), "cpu") == ("torch",)  # not a GGUF model
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    assert auto_engines(str(gguf), "cpu") == ("torch",)
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        auto_engines(str(tmp_path / "missing.gguf"))
+
+
 def test_weights_auto_loads_packed_on_the_torch_engine_and_dense_on_llama_cpp(tiny_model_dir):
     from adaptive.engine.quant import packing_supported
 
