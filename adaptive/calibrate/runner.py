@@ -45,11 +45,13 @@ from adaptive.index.anchors import AnchorIndex
 from adaptive.index.choice import choose_pooling, pooling_key
 from adaptive.models import LoadedModel, ModelFingerprint
 from adaptive.profile import (
+    ENGINES_FILE,
     EngineSet,
     MeasureSettings,
     Profile,
     ProfileError,
     check_writable,
+    is_two_engine,
     load_profile,
     save_profile,
     write_engines,
@@ -156,6 +158,9 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
     s = settings or CalibrationSettings()
     domains = check_options(domains, s, jobs, backend, scheduler)
     out = Path(out)
+    if is_two_engine(out):
+        raise ProfileError(f"{out} is a two-engine profile: calibrate one of its engines into {out}/ENGINE, or both "
+                           "with --engine auto")
     check_writable(out)
     started = time.perf_counter()
     worker = _worker(model, s, out, jobs, backend, device, dtype, weights, engine)
@@ -267,7 +272,10 @@ def calibrate_engines(models: dict[str, str | LoadedModel], domains: dict[str, l
     if not (out.is_dir() and {p.name for p in out.iterdir()} <= ours):  # an interrupted run's members: continue
         check_writable(out)
     if (out / "profile.json").exists():
-        raise ProfileError(f"{out} holds a one-engine profile: write the two-engine profile elsewhere or remove it")
+        raise ProfileError(f"{out} holds a one-engine profile: write the two-engine profile elsewhere, remove it, "
+                           "or calibrate one engine with --engine llama.cpp or --engine torch")
+    if not resume:  # a profile again only once every member is new
+        (out / ENGINES_FILE).unlink(missing_ok=True)
     profiles = {}
     for engine, model in models.items():
         member = out / engine

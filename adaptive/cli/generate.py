@@ -137,7 +137,7 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine, reduced_vocab=not full_vocab,
                       bandit=not fixed_draft_len, online=OnlineSettings(enabled=online, persist=False))
     items = rt.stream(prompt, policy=policy, **sampling)
-    result = _print_stream(items, rt.lm, stream, as_json)
+    result = _print_stream(items, rt.lm, stream, as_json, getattr(rt, "runtimes", None))
     if as_json:
         return
     s = result.stats
@@ -154,9 +154,10 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
          + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}")
 
 
-def _print_stream(items, lm, stream: bool, as_json: bool):
+def _print_stream(items, lm, stream: bool, as_json: bool, members: dict | None = None):
     """Print text deltas (``--stream``), then the text or the JSON object (the result's, with the
-    model's name, engine and dtype); return the result."""
+    model's name, engine and dtype: of the engine that decoded it, among a two-engine runtime's
+    ``members``); return the result."""
     result = None
     for item in items:
         if isinstance(item, str):
@@ -165,7 +166,8 @@ def _print_stream(items, lm, stream: bool, as_json: bool):
         else:
             result = item
     if as_json:
-        echo_json({**result.to_dict(), "model": lm.name, "engine": result.engine or lm.engine,
+        lm = members[result.engine].lm if members and result.engine in members else lm
+        echo_json({**result.to_dict(), "model": lm.name, "engine": lm.engine,
                    "dtype": lm.dtype_name,
                    "weights": lm.weights})
     elif stream:

@@ -567,6 +567,7 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
     first time an architecture is met it is probed in a child process (:func:`_probe_child`), and the
     answer is kept in ``$ADAPTIVE_CACHE/llama.cpp/layer-inputs.json`` (default ``~/.cache/adaptive``)."""
     import json
+    import signal
     import subprocess
 
     version = importlib.import_module("llama_cpp").__version__
@@ -585,12 +586,18 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
     except subprocess.TimeoutExpired:
         return False  # not kept: asked again next time
     safe = child.returncode == 0 and child.stdout.strip().endswith("safe")
-    if child.returncode == 0 or child.returncode < 0:  # answered, or killed by llama.cpp's abort
+    if child.returncode == 0 or child.returncode == -signal.SIGABRT:  # answered, or llama.cpp's abort
         known = {**(known if isinstance(known, dict) else {}), key: safe}
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, cache)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(known, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, cache)
+        except OSError:  # a read-only cache: probed again next time
+            pass
+    else:  # killed otherwise (out of memory, ...) or failed: not kept, and said
+        _say_once(f"probing llama.cpp's layer inputs for {arch} failed (exit {child.returncode}): "
+                  f"{child.stderr.strip()[-300:]}")
     return safe
 
 

@@ -23,7 +23,9 @@ request with its own prefill's embedding, as a one-engine runtime does, at no ex
 ``added_step`` (:func:`added_step`) prices the load: an idle engine's step is a whole step (1); an
 engine already decoding ``b`` requests (those admitted and still prefilling included) steps them
 with this one in one forward over ``b + 1`` rows, so the request adds only its verify table's
-increment from ``b`` to ``b + 1`` rows. For one request alone that is its expected time; under
+increment from ``b`` to ``b + 1`` rows (one row a request: a drafting request's extra verification
+rows are not priced, and the table, measured over one sequence's tokens, stands in for a batch's
+rows). For one request alone that is its expected time; under
 load it is the time it adds to the machine (the engines take turns, :meth:`TwoEngineRuntime.step`):
 on these CPUs a torch batch costs ~1.1 steps for 8 rows and a llama.cpp one ~4.7, so a busy server
 fills the torch batch and keeps llama.cpp for the requests that find it idle or nearly.
@@ -235,7 +237,7 @@ class TwoEngineRuntime:
 
     # -- decoding ----------------------------------------------------------------------------------
 
-    def stream(self, prompt, max_new_tokens: int = 128, chat: bool | None = None,
+    def stream(self, prompt, max_new_tokens: int = 128, *, chat: bool | None = None,
                **options) -> Iterator[str | RuntimeResult]:
         """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
         (``engine``, ``engine_choice``)."""
@@ -250,13 +252,13 @@ class TwoEngineRuntime:
             result = item
         return result
 
-    def start(self, prompt, max_new_tokens: int = 128, chat: bool | None = None, **options) -> RoutedDecoding:
+    def start(self, prompt, max_new_tokens: int = 128, *, chat: bool | None = None, **options) -> RoutedDecoding:
         """Prefill, route and plan one request on the chosen engine (:meth:`AdaptiveRuntime.start`)."""
         run = self.prefilling(self.encode(prompt, chat), max_new_tokens, **options).advance()
         assert run is not None  # one chunk: the whole prompt
         return run
 
-    def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> RoutedPrefilling:
+    def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> _ChosenPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
         choice = self.choose(len(prompt_ids), max_new_tokens)
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
@@ -264,6 +266,14 @@ class TwoEngineRuntime:
         with self._live_lock:
             self._live[choice.engine].add(task)
         return task
+
+    def _busy_turn(self) -> str | None:
+        """The engine :meth:`step` would serve next among those with requests decoding now (``None``:
+        none decodes), without taking the turn: a prompt chunk may ride only in that engine's step."""
+        with self._live_lock:
+            busy = [e for e, live in self._live.items()
+                    if any(isinstance(r, RoutedDecoding) and not r.done for r in live)]
+        return min(busy, key=lambda e: self._pass[e]) if busy else None
 
     def _next_engine(self, engines: list[str]) -> str:
         """Which of the busy ``engines`` steps next: the one whose requests have had the least machine
@@ -337,9 +347,10 @@ class _ChosenPrefilling:
 
     @property
     def can_ride(self) -> bool:
-        """A chunk rides in its engine's next step: only while that engine has requests decoding (the
-        other engine's steps do not carry it)."""
-        return self.task.can_ride and self.owner.decoding(self.engine) > 0
+        """A chunk rides in a decoding step only on an engine whose steps carry chunks, and only when
+        its engine takes the next step (the other engine's steps do not carry it)."""
+        return (self.task.can_ride and self.owner.runtimes[self.engine].carry_chunks
+                and self.owner._busy_turn() == self.engine)
 
     def advance(self, tokens: int | None = None) -> RoutedDecoding | None:
         run = self.task.advance(tokens)

@@ -227,3 +227,13 @@ def test_bench_refuses_the_two_engine_methods_without_a_two_engine_profile(tiny_
         run_bench(load_model(str(tiny_model_dir), dtype="float32"), [], ["ar", "engines"],
                   BenchSettings(max_new_tokens=4, warmup=0), load_profile(tiny_profile),
                   progress=False)
+
+
+def test_one_engine_calibration_refuses_a_two_engine_profile(two):
+    from adaptive.calibrate.runner import calibrate
+    from tests.conftest import TINY_DOMAINS, tiny_settings
+
+    out, lms = two
+    with pytest.raises(ProfileError, match="is a two-engine profile: calibrate one of its engines into"):
+        calibrate(lms["torch"], TINY_DOMAINS, out, tiny_settings(), progress=False)
+    assert is_two_engine(out) and not (out / "profile.json").exists()
