@@ -193,11 +193,6 @@ class TwoEngineRuntime:
         only while its own engine has requests decoding, :attr:`_ChosenPrefilling.can_ride`)."""
         return any(rt.carry_chunks for rt in self.runtimes.values())
 
-    def decoding(self, engine: str) -> int:
-        """Requests decoding on ``engine`` now (prefilled, not done)."""
-        with self._live_lock:
-            return sum(1 for r in self._live[engine] if isinstance(r, RoutedDecoding) and not r.done)
-
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         return self.primary.encode(prompt, chat)
 
