@@ -41,11 +41,16 @@ def measure_verify_costs(backbone, context: int, max_verify: int = 13, repeats: 
     return [round(v, 4) for v in _verify_ratios(backbone, ids, cache, context, full, max_verify, repeats, sync)]
 
 
+def _sync(dev: torch.device):
+    """What waits for ``dev``'s queued work before a clock is read (nothing on the CPU)."""
+    return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+
 def _timing_setup(backbone, context: int, extra: int):
     """``(sync, context, ids, cache)`` for timing forwards after ``context`` cached positions: random
     ids (fixed seed) for ``context + extra`` positions, the first ``context`` already prefilled."""
     dev = backbone.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = _sync(dev)
     context = max(1, min(context, backbone.max_positions - extra - 1))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, backbone.vocab_size, (context + extra,), generator=gen).to(dev)
@@ -146,7 +151,7 @@ def measure_prefill(backbone, lengths: tuple[int, ...] = PREFILL_LENGTHS, repeat
     lengths that fit the backbone's context with room to decode. A first prefill of the shortest
     length warms the engine up untimed."""
     dev = backbone.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = _sync(dev)
     fits = [n for n in lengths if n <= backbone.max_positions // 2] or [max(1, backbone.max_positions // 2)]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, backbone.vocab_size, (fits[-1],), generator=gen).to(dev)
