@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -185,6 +186,16 @@ class LoadedModel:
         """The dtype as results show it: ``bfloat16``, ``float32``, ... on torch; ``gguf`` (the file's own
         types) on llama.cpp."""
         return str(self.dtype).replace("torch.", "") if self.model is not None else "gguf"
+
+    def text_decoder(self) -> Callable[[list[int]], str]:
+        """Generated ids to text, special tokens left out: the tokenizer's own ``decode``, or the
+        Rust backend's behind it where that is the same function (a fast tokenizer that cleans up no
+        spaces): ~1 us a call against ~5 for the Python wrapper, and streaming calls it twice a token."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None and getattr(tok, "clean_up_tokenization_spaces", True) is False:
+            return lambda ids: backend.decode(ids, skip_special_tokens=True)
+        return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
     def eos_ids(self) -> set[int]:
         """The ids that end a generation: the model's and tokenizer's EOS ids (on llama.cpp, every

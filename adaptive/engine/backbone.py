@@ -481,6 +481,13 @@ class Backbone:
             scores.view(KV, G, t, n).masked_fill_(banned, float("-inf"))
         return torch.bmm(torch.softmax(scores, dim=-1), values).view(KV, G, t, D)
 
+    def forward_argmax(self, input_ids: Sequence[int] | torch.Tensor, cache: KVCache, start: int) -> list[int]:
+        """The argmax of the full model's logits at every fed position (``T`` ints, one host read),
+        all that greedy verification of a draft held on the host needs. As :meth:`forward` with
+        ``logits="all"``."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        return self.forward(ids, cache, start, logits="all").logits.argmax(-1).tolist()
+
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment],
                       skip_masks: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None,

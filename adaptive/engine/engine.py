@@ -285,6 +285,7 @@ class Engine:
         self.backbone = lm.backbone
         self.tokenizer = lm.tokenizer
         self.eos = lm.eos_ids()
+        self._decode_text = lm.text_decoder()  # ids -> text, special tokens left out (streaming's)
 
     def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: a string or chat messages (``[{"role": ..., "content": ...}]``).
@@ -314,9 +315,6 @@ class Engine:
     def text(self, ids: Sequence[int]) -> str:
         """The text of generated ids, as results show it (EOS ids and special tokens left out)."""
         return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
-
-    def _decode_text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def start(self, prompt_ids: list[int], config: GenerationConfig | None = None,
               pool: bool | Pooling | tuple[Pooling, ...] = False) -> Session:

@@ -355,39 +355,62 @@ class LlamaCppBackbone:
                                  skip_masks is not None or head is not None or read_only or adapter is not None
                                  or hidden or pool)
 
+    def forward_argmax(self, input_ids: Sequence[int] | torch.Tensor, cache: LlamaCache, start: int) -> list[int]:
+        """The argmax of the logits at every fed position (``T`` ints), taken in place in llama.cpp's
+        buffer: no row of the vocabulary copied and no torch operation (between two decodes each
+        cost ~0.1 ms here, the Python overhead that separated our plain decoding from
+        ``llama-server``'s). As :meth:`forward` with ``logits="all"``; greedy verification needs no more."""
+        with self._lock:
+            ids = self._checked(input_ids, cache, start, "all")
+            return self._feed(ids, cache, start, "all", None, argmax=True)
+
     def _forward(self, input_ids, cache: LlamaCache, start: int, logits: str, pool_last: bool,
                  pool_layers: tuple[int, ...], torch_only: bool) -> ForwardOutput:
         if torch_only:
             raise ConfigError("the llama.cpp engine runs the whole model only (no skipped sublayers, other heads, "
                               "exits or hidden states): use --engine torch for that")
-        ids = _ids(input_ids)
+        ids = self._checked(input_ids, cache, start, logits)
         T = len(ids)
-        if T == 0:
-            raise ValueError("a forward needs at least one token")
-        if start + T > cache.max_len:
-            raise PromptTooLongError(f"positions up to {start + T} exceed the cache of {cache.max_len}")
-        if logits not in ("last", "all", "none"):
-            raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
-        self._rewind(cache, start)
         taps = _LayerTaps(self, pool_layers) if pool_layers else None  # capture on: closed below, whatever happens
-        rows = []
         try:
-            for a in range(0, T, N_BATCH):
-                chunk = ids[a:a + N_BATCH]
-                last = a + N_BATCH >= T
-                flags = True if logits == "all" else ("last" if logits == "last" and last else False)
-                cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
-                r, _ = self._decode([(chunk, cache.seq, start + a, flags)])
-                if r is not None:
-                    rows.append(r)
-                if taps is not None:
-                    taps.read(len(chunk))
+            rows = self._feed(ids, cache, start, logits, taps)
         finally:
             if taps is not None:
                 taps.close()
         pooled = self._last_hidden(cache, ids[-1], start + T - 1) if pool_last else None
         return ForwardOutput(torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None), pooled,
                              layer_pools=taps.pools(T) if taps is not None else None)
+
+    def _checked(self, input_ids, cache: LlamaCache, start: int, logits: str) -> list[int]:
+        """A forward's ids as ints, its arguments checked and the sequence rewound to ``start``."""
+        ids = _ids(input_ids)
+        if not ids:
+            raise ValueError("a forward needs at least one token")
+        if start + len(ids) > cache.max_len:
+            raise PromptTooLongError(f"positions up to {start + len(ids)} exceed the cache of {cache.max_len}")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        self._rewind(cache, start)
+        return ids
+
+    def _feed(self, ids: list[int], cache: LlamaCache, start: int, logits: str, taps: _LayerTaps | None,
+              argmax: bool = False) -> list:
+        """Decode ``ids`` at ``start ..`` in llama.cpp batches: the logits rows of each batch
+        (``[n, V]`` tensors), or with ``argmax`` the argmax of every row (one list of ints)."""
+        rows = []
+        for a in range(0, len(ids), N_BATCH):
+            chunk = ids[a:a + N_BATCH]
+            last = a + N_BATCH >= len(ids)
+            flags = True if logits == "all" else ("last" if logits == "last" and last else False)
+            cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
+            r, _ = self._decode([(chunk, cache.seq, start + a, flags)], argmax=argmax)
+            if r is not None and argmax:
+                rows.extend(r)
+            elif r is not None:
+                rows.append(r)
+            if taps is not None:
+                taps.read(len(chunk))
+        return rows
 
     def _last_hidden(self, cache: LlamaCache, token: int, pos: int) -> torch.Tensor:
         """``[hidden]``: the final-normed hidden state of ``token`` at ``pos`` over the sequence's cached
@@ -438,10 +461,12 @@ class LlamaCppBackbone:
             self._lib.llama_memory_seq_rm(self._mem, cache.seq, start, -1)
             cache.written = start
 
-    def _decode(self, parts, embeddings: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode(self, parts, embeddings: bool = False,
+                argmax: bool = False) -> tuple[torch.Tensor | list[int] | None, torch.Tensor | None]:
         """One ``llama_decode`` of ``parts`` (``(ids, seq, start, logits)``, ``logits`` True for every
         row, ``"last"`` for the last, False for none); returns the logits rows (``[n, V]``, a copy: the
-        next decode overwrites llama.cpp's buffer) and, with ``embeddings``, the last row's hidden state."""
+        next decode overwrites llama.cpp's buffer), or with ``argmax`` each row's argmax (``n`` ints,
+        read in place), and, with ``embeddings``, the last row's hidden state."""
         lib, b = self._lib, self._batch
         n = 0
         for ids, seq, start, flags in parts:
@@ -470,7 +495,8 @@ class LlamaCppBackbone:
         rows = None
         if n_out:
             ptr = lib.llama_get_logits(self._ctx)
-            rows = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
+            view = np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size))
+            rows = view.argmax(axis=1).tolist() if argmax else torch.from_numpy(view.copy())
         hidden = None
         if embeddings:
             ptr = lib.llama_get_embeddings_ith(self._ctx, -1)

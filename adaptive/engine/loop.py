@@ -19,8 +19,10 @@ import torch
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
-from adaptive.engine.sampling import greedy_accept_ids, speculative_accept, warp_probs
+from adaptive.engine.sampling import greedy_accept_host, greedy_accept_ids, speculative_accept, warp_probs
 from adaptive.errors import ConfigError
+
+NO_DRAFT = Draft(torch.empty(0, dtype=torch.long))  # a plain step's (one shared: made once, not per token)
 
 # (draft, p_logits [k+1, V], config, generator) -> (n_accepted, new ids: the n accepted drafts and the next token)
 Acceptor = Callable[[Draft, torch.Tensor, GenerationConfig, torch.Generator | None], tuple[int, list[int]]]
@@ -306,7 +308,7 @@ class Lane:
             if choice.length > 0:
                 draft = self.drafter.propose(self.state, choice)
         if draft is None or len(draft) == 0:
-            draft = Draft(torch.empty(0, dtype=torch.long))  # on the host: a plain step sends one id
+            draft = NO_DRAFT  # on the host: a plain step sends one id
         else:
             _sync(self.state.backbone.device)  # the draft's own time (a plain step has none to wait for)
         self.stats.draft_time += time.perf_counter() - t0
@@ -324,9 +326,26 @@ class Lane:
     def accept(self, draft: Draft, p_logits: torch.Tensor) -> list[int]:
         """Keep what the target's logits ``p_logits`` (``[k + 1, V]``) accept of ``draft``: the accepted
         drafts and the target's own next token, which become the new tokens (the last one pending)."""
+        return self._keep(draft, *self.acceptor(draft, p_logits, self.cfg, self.state.generator))
+
+    def argmax_only(self, draft: Draft) -> bool:
+        """Whether this step's acceptance reads only the argmax of the target's rows, on the host:
+        greedy with the default acceptor and a draft held on the host (a statistical one or none)."""
+        return self.cfg.greedy and self.acceptor is default_acceptor and (draft is NO_DRAFT or draft.tokens.is_cpu)
+
+    def host_ids(self, draft: Draft) -> list[int]:
+        """:meth:`segment`'s ids as ints (``k + 1``), for a draft held on the host."""
+        return [self.state.tokens[-1]] + ([] if draft is NO_DRAFT else draft.tokens.tolist())
+
+    def accept_argmax(self, draft: Draft, target_argmax: list[int]) -> list[int]:
+        """:meth:`accept` where :meth:`argmax_only`, from the argmax of the target's ``k + 1`` rows:
+        the same tokens (greedy acceptance reads nothing else)."""
+        return self._keep(draft, *greedy_accept_host([] if draft is NO_DRAFT else draft.tokens.tolist(), target_argmax))
+
+    def _keep(self, draft: Draft, n: int, new: list[int]) -> list[int]:
+        """Record ``n`` accepted drafts and the step's ``new`` tokens (the accepted ones, then the next)."""
         state, stats = self.state, self.stats
         remaining = self.cfg.max_new_tokens - self.produced
-        n, new = self.acceptor(draft, p_logits, self.cfg, state.generator)
         # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
         # rejected drafts is this assignment: their stale keys are overwritten before being read.
         state.cache.length += n + 1
@@ -367,17 +386,23 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
                           "pooling's (can_ride)")
     drafts = [lane.propose(c) for lane, c in zip(lanes, choices or [None] * len(lanes))]
     t0 = time.perf_counter()
-    segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
-    if len(segments) == 1 and not carried:
-        s = segments[0]
-        logits = [backbone.forward(s.ids, s.cache, s.start, logits="all").logits]  # [k + 1, V]
+    if len(lanes) == 1 and not carried and lanes[0].argmax_only(drafts[0]):
+        # greedy on a host draft reads only the target's argmax: ints all the way, no rows copied
+        lane, draft = lanes[0], drafts[0]
+        target = backbone.forward_argmax(lane.host_ids(draft), lane.state.cache, lane.state.position)
+        new, rows = [lane.accept_argmax(draft, target)], len(draft) + 1
     else:
-        logits = backbone.forward_batch(segments + carried)[:len(segments)]
-    new = [lane.accept(d, p) for lane, d, p in zip(lanes, drafts, logits)]
+        segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
+        if len(segments) == 1 and not carried:
+            s = segments[0]
+            logits = [backbone.forward(s.ids, s.cache, s.start, logits="all").logits]  # [k + 1, V]
+        else:
+            logits = backbone.forward_batch(segments + carried)[:len(segments)]
+        new = [lane.accept(d, p) for lane, d, p in zip(lanes, drafts, logits)]
+        rows = sum(int(s.ids.numel()) for s in segments + carried)
     elapsed = time.perf_counter() - t0
     for lane in lanes:
         lane.stats.verify_time += elapsed
-    rows = sum(int(s.ids.numel()) for s in segments + carried)
     for r, c in zip(riders, carried):
         r.rode(c, elapsed * int(c.ids.numel()) / rows)
     return new

@@ -58,13 +58,21 @@ def greedy_accept_ids(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple
     if k == 0:
         return 0, [int(target_argmax[0])]
     if draft.device.type == "cpu":  # a statistical draft: compared on the host after the one read
-        target, proposed = target_argmax.tolist(), draft.tolist()
-        n = next((i for i, (d, t) in enumerate(zip(proposed, target)) if d != t), k)
-        return n, target[:n + 1]
+        return greedy_accept_host(draft.tolist(), target_argmax.tolist())
     match = (draft.to(target_argmax.device) == target_argmax[:k]).long().cumprod(0).sum().reshape(1)
     host = torch.cat([match, target_argmax]).tolist()  # the one read of the round
     n = host[0]
     return n, host[1:n + 2]
+
+
+def greedy_accept_host(draft: list[int], target_argmax: list[int]) -> tuple[int, list[int]]:
+    """:func:`greedy_accept_ids` on host ints (a draft held on the host, the target's argmax read
+    back): ``draft`` ``k`` ids, ``target_argmax`` ``k + 1``. Example: ``[5, 7, 9]``, ``[5, 7, 2, 4]`` ->
+    ``(2, [5, 7, 2])``; ``[]``, ``[3]`` -> ``(0, [3])``."""
+    if len(target_argmax) != len(draft) + 1:
+        raise ValueError(f"{len(draft)} drafts need {len(draft) + 1} target rows, got {len(target_argmax)}")
+    n = next((i for i, (d, t) in enumerate(zip(draft, target_argmax)) if d != t), len(draft))
+    return n, target_argmax[:n + 1]
 
 
 def speculative_accept(

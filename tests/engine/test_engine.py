@@ -179,3 +179,40 @@ def test_start_then_decode_is_stream(engine):
     assert result.drafter == "ssd" and result.drafter_info["name"] == "ssd"
     with pytest.raises(ConfigError, match="once"):
         list(engine.decode(session))
+
+
+@pytest.mark.parametrize("kind", [None, "pld", "ssd"])
+def test_greedy_steps_read_only_the_argmax_and_decode_what_the_logits_would(kind, monkeypatch):
+    """A greedy lane with the default acceptor and a draft on the host (on a CPU backbone every
+    draft is) is verified by ``forward_argmax``; any other acceptor by the logits: the tokens and
+    statistics are the same either way."""
+    from adaptive.engine.loop import GenerationStats, default_acceptor
+    from tests.helpers.decoding import decode_ids
+
+    lm = tiny_lm("llama", seed=3)
+    bb = lm.backbone
+    ids = [3, 4, 5, 6, 3, 4, 5, 6, 7, 3, 4, 5]
+    cfg = GenerationConfig(max_new_tokens=30, draft_len=3, ignore_eos=True)
+    calls = []
+    real = type(bb).forward_argmax
+    monkeypatch.setattr(type(bb), "forward_argmax", lambda self, *a: calls.append(1) or real(self, *a))
+    runs = {}
+    for name, acceptor in (("argmax", default_acceptor), ("logits", lambda *a: default_acceptor(*a))):
+        calls.clear()
+        stats = GenerationStats()
+        d = drafter(Engine(lm), kind) if kind else None
+        runs[name] = (decode_ids(bb, ids, cfg, drafter=d, stats=stats, acceptor=acceptor),
+                      stats.steps, stats.accepted, len(calls))
+    assert runs["argmax"][:3] == runs["logits"][:3]
+    assert runs["logits"][3] == 0
+    assert runs["argmax"][3] == runs["argmax"][1] > 0  # every step
+
+
+def test_sampling_steps_never_take_the_argmax_path(monkeypatch):
+    from adaptive.engine.loop import GenerationStats
+    from tests.helpers.decoding import decode_ids
+
+    lm = tiny_lm("llama", seed=3)
+    monkeypatch.setattr(type(lm.backbone), "forward_argmax", lambda *a: pytest.fail("sampling read only argmax"))
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+    assert len(decode_ids(lm.backbone, [3, 4, 5, 6], cfg, stats=GenerationStats())) == 12

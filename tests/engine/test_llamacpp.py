@@ -132,6 +132,19 @@ def test_a_verification_gives_the_rows_of_one_token_steps(pair):
     assert torch.equal(rows.argmax(-1), one.argmax(-1))
 
 
+def test_forward_argmax_is_the_argmax_of_the_logits_read_in_place(pair):
+    cpp, _ = pair
+    a, b = cpp.new_cache(32), cpp.new_cache(32)
+    cpp.forward(torch.tensor(PROMPT[:8]), a, 0, logits="none")
+    cpp.forward(torch.tensor(PROMPT[:8]), b, 0, logits="none")
+    rows = cpp.forward(torch.tensor(PROMPT[8:13]), a, 8, logits="all").logits
+    ids = cpp.forward_argmax(PROMPT[8:13], b, 8)
+    assert ids == rows.argmax(-1).tolist() and all(type(t) is int for t in ids)
+    assert b.written == 13
+    with pytest.raises(PromptTooLongError):
+        cpp.forward_argmax([1] * 30, b, 13)
+
+
 def test_rolling_back_is_setting_the_length(pair):
     """A rejected draft's positions never reach a later forward: after writing 3 drafts and rolling
     back by assignment, a new token at the same position sees exactly a fresh cache's context."""

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -72,3 +73,23 @@ def test_greedy_accept_ids_gives_the_step_s_new_tokens():
     assert greedy_accept_ids(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 9, 4])) == (3, [5, 7, 9, 4])
     assert greedy_accept_ids(torch.tensor([8]), torch.tensor([5, 7])) == (0, [5])
     assert greedy_accept_ids(torch.empty(0, dtype=torch.long), torch.tensor([3])) == (0, [3])
+
+
+def test_greedy_accept_host_works_on_ints():
+    from adaptive.engine.sampling import greedy_accept_host
+
+    assert greedy_accept_host([5, 7, 9], [5, 7, 2, 4]) == (2, [5, 7, 2])
+    assert greedy_accept_host([5, 7, 9], [5, 7, 9, 4]) == (3, [5, 7, 9, 4])
+    assert greedy_accept_host([8], [5, 7]) == (0, [5])
+    assert greedy_accept_host([], [3]) == (0, [3])
+    with pytest.raises(ValueError, match="2 drafts need 3 target rows, got 2"):
+        greedy_accept_host([1, 2], [1, 2])
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=8), st.lists(st.integers(0, 5), min_size=9, max_size=9))
+def test_greedy_accept_host_agrees_with_the_tensor_kernel(draft, target):
+    from adaptive.engine.sampling import greedy_accept_host, greedy_accept_ids
+
+    target = target[: len(draft) + 1]
+    assert greedy_accept_host(draft, target) == greedy_accept_ids(torch.tensor(draft, dtype=torch.long),
+                                                                   torch.tensor(target))

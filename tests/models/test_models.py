@@ -186,3 +186,24 @@ def test_quantized_weights_take_the_cpu_when_the_device_is_auto(tiny_model_dir, 
     assert lm.device.type == "cpu" and lm.weights == "int4"
     with pytest.raises(ConfigError, match="cpu|CPU"):
         load_model(str(tiny_model_dir), device="cuda", dtype="float32", weights="int4")
+
+
+def test_text_decoder_is_the_tokenizer_s_decode():
+    """The backend's decode where it is the same function (no space clean-up), the tokenizer's own
+    otherwise; special tokens left out either way."""
+    from tests.conftest import char_tokenizer, tiny_lm
+
+    lm = tiny_lm()
+    ids = lm.tokenizer.encode("ab c, d?") + [2, 1]  # and two special tokens
+    for clean in (False, True):
+        lm.tokenizer.clean_up_tokenization_spaces = clean
+        assert lm.text_decoder()(ids) == lm.tokenizer.decode(ids, skip_special_tokens=True) == "ab c, d?"
+    seen = []
+
+    class Slow:  # a tokenizer with no Rust backend
+        def decode(self, ids, skip_special_tokens=False):
+            seen.append(skip_special_tokens)
+            return char_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    lm.tokenizer = Slow()
+    assert lm.text_decoder()(ids) == "ab c, d?" and seen == [True]
