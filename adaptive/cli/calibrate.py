@@ -31,7 +31,14 @@ from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt
 from adaptive.models import auto_engines
-from adaptive.profile import SCHEMA_VERSION, is_two_engine, load_profile, profile_json, read_engines
+from adaptive.profile import (
+    SCHEMA_VERSION,
+    is_two_engine,
+    load_profile,
+    member_online_path,
+    profile_json,
+    read_engines,
+)
 from adaptive.profile.overlay import (
     load_replicas,
     merge_overlays,
@@ -170,7 +177,11 @@ def profile_and_overlay(directory, online_path, member: str | None = None):
     """The profile at ``directory`` (a two-engine profile's ``member``) and where its online overlay is
     (``--online-path`` or beside it)."""
     p = load_profile(directory, member)
-    return p, Path(online_path) if online_path else overlay_path(p.path)
+    if not online_path:
+        return p, overlay_path(p.path)
+    if is_two_engine(directory):  # the server kept each member's overlay apart: PATH.ENGINE
+        return p, member_online_path(online_path, member or read_engines(directory).default)
+    return p, Path(online_path)
 
 
 @profile_group.command("show", cls=Command, examples=(

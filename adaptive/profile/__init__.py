@@ -5,6 +5,7 @@ from adaptive.profile.engines import (
                                       EngineSet,
                                       is_two_engine,
                                       member_dir,
+                                      member_online_path,
                                       read_engines,
                                       write_engines,
 )
@@ -43,4 +44,4 @@ __all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "ENGINES_FILE", "FORMAT", "GLOBA
            "Decision", "DistilledRecord", "DomainRecord", "EngineSet", "Interval", "MeasureSettings", "Measurement",
            "ModelFingerprint", "Prior", "Priors", "Profile", "ProfileError", "RuntimeSettings", "SkipSearch",
            "StatisticalAcceptance", "VocabChoice", "check_writable", "is_two_engine", "load_profile", "member_dir",
-           "profile_json", "read_engines", "save_profile", "write_engines"]
+           "member_online_path", "profile_json", "read_engines", "save_profile", "write_engines"]

@@ -85,3 +85,10 @@ def member_dir(path: str | Path, engine: str | None = None) -> Path:
     if engine not in members.engines:
         raise ProfileError(f"{path} was calibrated on {' and '.join(members.engines)}, not on {engine}")
     return path / engine
+
+
+def member_online_path(online_path: str | Path, engine: str) -> Path:
+    """Where a two-engine profile's ``engine`` member keeps its online overlay when an explicit
+    ``--online-path PATH`` is given: ``PATH.ENGINE`` (each member learns apart; beside the
+    profile each member's own overlay is already apart)."""
+    return Path(f"{online_path}.{engine}")

@@ -50,7 +50,15 @@ from adaptive.costs import extrapolate
 from adaptive.errors import ConfigError
 from adaptive.index.router import RouteDecision
 from adaptive.models import load_model
-from adaptive.profile import Profile, ProfileError, is_two_engine, load_profile, member_dir, read_engines
+from adaptive.profile import (
+    Profile,
+    ProfileError,
+    is_two_engine,
+    load_profile,
+    member_dir,
+    member_online_path,
+    read_engines,
+)
 from adaptive.runtime.online import OnlineSettings
 from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
 
@@ -158,7 +166,8 @@ class TwoEngineRuntime:
             spec = model or profile.model.spec or profile.model.name
             lm = load_model(spec, device=device, dtype=(profile.model.dtype or "auto") if engine == "torch" else "auto",
                             weights=profile.model.weights, engine=engine)
-            own = settings if settings.path is None else replace(settings, path=Path(f"{settings.path}.{engine}"))
+            own = settings if settings.path is None else replace(settings,
+                                                                 path=member_online_path(settings.path, engine))
             runtimes[engine] = AdaptiveRuntime(profile, lm, online=own, **kwargs)
         return cls(runtimes, members.default)
 

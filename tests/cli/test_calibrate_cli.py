@@ -160,3 +160,25 @@ def test_profile_show_names_a_two_engine_profiles_members(capsys, two_engine_pro
     assert data["engines"]["engines"] == ["llama.cpp", "torch"] and data["cost_model"]["prefill"]
     code, _, err = run(capsys, "profile", "show", str(out_dir), "--engine", "vllm")
     assert code == 1 and "not on vllm" in err
+
+
+def test_profile_show_finds_a_two_engine_servers_overlays_under_online_path(capsys, two_engine_profile, tmp_path):
+    """With ``--online-path PATH`` a two-engine server keeps each member's learning in PATH.ENGINE:
+    `profile show` and `reset-online` read and remove the member's file, not PATH itself."""
+    from adaptive.profile import load_profile, member_online_path
+    from adaptive.runtime import AdaptiveRuntime, OnlineSettings
+
+    out_dir, lms = two_engine_profile
+    learned = tmp_path / "learned"
+    rt = AdaptiveRuntime(load_profile(out_dir, "torch"), lms["torch"],
+                         online=OnlineSettings(path=member_online_path(learned, "torch")))
+    rt.generate(TINY_DOMAINS["code"][0], max_new_tokens=8)
+    rt.close()
+    assert member_online_path(learned, "torch") == tmp_path / "learned.torch"
+    assert (tmp_path / "learned.torch.d").is_dir() and not learned.exists()  # this replica's file in there
+    text, _ = run_ok(capsys, "profile", "show", str(out_dir), "--engine", "torch", "--online-path", str(learned))
+    assert "1 requests learned from" in text
+    text, _ = run_ok(capsys, "profile", "show", str(out_dir), "--online-path", str(learned))  # the default member
+    assert f"nothing learned yet (no overlay at {learned}.llama.cpp" in text
+    _, err = run_ok(capsys, "profile", "reset-online", str(out_dir), "--engine", "torch", "--online-path", str(learned))
+    assert f"{learned}.torch" in err and not (tmp_path / "learned.torch.d").exists()
