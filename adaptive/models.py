@@ -25,6 +25,7 @@ temporary directory and renamed, so that later loads take about a second.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -165,7 +166,9 @@ class LoadedModel:
             return llamacpp.LlamaCppBackbone(self.source, threads=self.threads)
         if self.weights != "dense":
             self.fingerprint()
-        return Backbone(self.model, self.weights)
+        backbone = Backbone(self.model, self.weights)
+        release_heap()  # packing freed the modules' own tensors
+        return backbone
 
     @property
     def spec(self) -> str | None:
@@ -381,6 +384,19 @@ def _gguf_tokenizer(gguf: Path, name: str):
     return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
 
 
+def release_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); whether it could.
+    Loading a model and packing its weights free hundreds of MB of temporaries that glibc otherwise
+    keeps in the process's resident set: 225 MB of the embedded model's two-engine runtime (1.28 GB
+    before, 1.06 GB after). A no-op without glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, weights: str) -> str:
     """``torch`` or ``llama.cpp`` for ``engine`` (``auto``: llama.cpp for a GGUF file on the CPU when
     llama-cpp-python is installed and neither a dtype nor quantized ``weights`` was asked for, which
@@ -478,6 +494,7 @@ def load_model(
         if not (target / "config.json").is_file():
             _convert_gguf(gguf, target)
         model, tok = _load_hf(str(target), dev, dt)
+        release_heap()
         return LoadedModel(model, tok, name, str(gguf), dev, dt, weights)
     path = Path(spec).expanduser()
     if path.is_dir():

@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from adaptive.errors import AdaptiveError
+from adaptive.models import release_heap
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import Metrics
 from adaptive.serve.wire import RequestError, ServeRequest, internal_error
@@ -204,6 +205,8 @@ class Scheduler:
 
     def _admit(self, running: int) -> list[Job] | None:
         """Jobs to start before the next step (waits while nothing runs or waits); ``None``: closed and idle."""
+        if not running and not self._queue:  # going idle: what the requests freed goes back to the system
+            release_heap()  # (outside the lock: a request arriving meanwhile waits for nothing)
         with self._cond:
             while not self._queue and not running:
                 if self._closing:

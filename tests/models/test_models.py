@@ -207,3 +207,26 @@ def test_text_decoder_is_the_tokenizer_s_decode():
 
     lm.tokenizer = Slow()
     assert lm.text_decoder()(ids) == "ab c, d?" and seen == [True]
+
+
+def test_release_heap_gives_freed_pages_back():
+    """After freeing many small allocations (as loading and packing do), the resident set shrinks."""
+    import sys
+
+    from adaptive.models import release_heap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's malloc_trim")
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    release_heap()
+    chunks = [bytearray(64 * 1024 - 64) for _ in range(3000)]  # ~190 MB below mmap's threshold: heap pages
+    chunks[-1][0] = 1
+    high = rss_mb()
+    del chunks[:-1]  # the last one pins the heap's top: only a trim returns the pages below it
+    kept = rss_mb()
+    assert release_heap() is True
+    assert rss_mb() < kept - 100 and kept > high - 50

@@ -257,3 +257,21 @@ def test_a_short_prompt_is_prefilled_before_the_rest_of_a_long_one(loop):
         assert rt.prefilled == [3, 32, 32, 10, 26]  # FIFO would have been 32, 32, 26, 10
     finally:
         s.close()
+
+
+def test_the_worker_gives_freed_memory_back_each_time_it_goes_idle(loop, monkeypatch):
+    import adaptive.serve.scheduler as scheduler_module
+
+    released = []
+    monkeypatch.setattr(scheduler_module, "release_heap", lambda: released.append(1) or True)
+    s = Scheduler(ScriptedRuntime())
+    try:
+        for n in (1, 2):
+            run_job(s, chat(max_tokens=3), loop)
+            for _ in range(200):  # the worker reaches its wait just after the last event
+                if len(released) >= n + 1:
+                    break
+                threading.Event().wait(0.01)
+            assert len(released) == n + 1  # at start, then once after each request
+    finally:
+        s.close()
