@@ -227,7 +227,7 @@ class _Methods:
         tlm = load_model(tp.model.spec or lm.name, device="cpu", dtype=tp.model.dtype or "auto",
                          weights=tp.model.weights, engine="torch")
         mine = AdaptiveRuntime(profile, lm, seed=0, online=False)
-        self.torch_runtime = AdaptiveRuntime(tp, tlm, seed=0, online=False)
+        self.torch_runtime = AdaptiveRuntime(tp, tlm, seed=0, online=False, model_lock=mine.model_lock)
         self.two = TwoEngineRuntime({lm.engine: mine, "torch": self.torch_runtime}, read_engines(home).default)
         self.other = Engine(tlm)
 

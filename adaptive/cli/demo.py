@@ -214,7 +214,7 @@ def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, devic
         if e not in runtimes:
             p = load_profile(profile_dir, e)
             lm = load(model_spec, device, p.model.dtype or "auto", p.model.weights, engine=e)
-            runtimes[e] = AdaptiveRuntime(p, lm, online=False)
+            runtimes[e] = AdaptiveRuntime(p, lm, online=False, model_lock=primary.model_lock)
     two = TwoEngineRuntime(runtimes, members.default)
     rows = []
     short = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]

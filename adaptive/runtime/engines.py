@@ -61,6 +61,7 @@ from adaptive.profile import (
 )
 from adaptive.runtime.online import OnlineSettings
 from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
+from adaptive.runtime.turns import TurnLock
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,9 @@ class TwoEngineRuntime:
         for name, rt in runtimes.items():
             if rt.lm.engine != name:
                 raise ValueError(f"the runtime given for {name} runs on {rt.lm.engine}")
+            if rt.model_lock is not next(iter(runtimes.values())).model_lock:
+                raise ValueError("the runtimes of a two-engine runtime share one model_lock (two engines on one "
+                                 "machine run one at a time; each online learner then sees the machine's idleness)")
             if not rt.profile.cost_model.prefill:
                 raise ProfileError(f"the {name} profile ({rt.profile.path}) has no measured prefill times, which "
                                    "choosing an engine needs: calibrate it again with this adaptive")
@@ -160,7 +164,7 @@ class TwoEngineRuntime:
         becomes one per engine (``PATH.ENGINE``)."""
         members = read_engines(directory)
         settings = OnlineSettings.coerce(online)
-        runtimes = {}
+        runtimes, lock = {}, TurnLock()
         for engine in members.engines:
             profile = load_profile(directory, engine)
             spec = model or profile.model.spec or profile.model.name
@@ -168,7 +172,7 @@ class TwoEngineRuntime:
                             weights=profile.model.weights, engine=engine)
             own = settings if settings.path is None else replace(settings,
                                                                  path=member_online_path(settings.path, engine))
-            runtimes[engine] = AdaptiveRuntime(profile, lm, online=own, **kwargs)
+            runtimes[engine] = AdaptiveRuntime(profile, lm, online=own, model_lock=lock, **kwargs)
         return cls(runtimes, members.default)
 
     # -- what a one-engine runtime offers, from the default member ----------------------------------

@@ -224,7 +224,7 @@ class AdaptiveRuntime:
 
     def __init__(self, profile: Profile, lm: LoadedModel, *, bandit: bool = True, seed: int | None = 0,
                  window: float = 500.0, reduced_vocab: bool = True, online: bool | OnlineSettings = True,
-                 goodput: bool = True):
+                 goodput: bool = True, model_lock: TurnLock | None = None):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
         self.profile = profile
@@ -238,7 +238,8 @@ class AdaptiveRuntime:
         self.draft_len = max(self.max_draft_len, self.cascade_max_len)  # the longest draft any policy makes
         self._seed = seed
         self._window = window
-        self._lock = TurnLock()  # the model: one decode at a time, in arrival order (re-entrant)
+        # the model: one decode at a time, in arrival order (re-entrant); shared by the engines of one machine
+        self._lock = model_lock if model_lock is not None else TurnLock()
         self._state_lock = threading.Lock()  # what is built on first use, below
         self._bandits: dict[str, DraftLengthPolicy] = {}  # "policy:domain" -> its Thompson sampler
         self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> (ids, LM-head rows)
@@ -246,6 +247,12 @@ class AdaptiveRuntime:
         self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
         settings = OnlineSettings.coerce(online)
         self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits) if settings.enabled else None
+
+    @property
+    def model_lock(self) -> TurnLock:
+        """The lock every use of the model takes (decoding, prefill, the online learner's races);
+        a two-engine runtime's members share one: two engines on one machine run one at a time."""
+        return self._lock
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | LoadedModel | None = None, device: str = "auto",

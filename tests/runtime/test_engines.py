@@ -66,10 +66,12 @@ def two(two_engine_profile):
 
 def _runtime(two, **kw):
     from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
+    from adaptive.runtime.turns import TurnLock
 
     out, lms = two
-    return TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False, **kw) for e, lm in lms.items()},
-                            "llama.cpp")
+    lock = TurnLock()
+    return TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False, model_lock=lock, **kw)
+                             for e, lm in lms.items()}, "llama.cpp")
 
 
 def _set_costs(rt, llama_prefill_ms_per_token: float, torch_prefill_ms_per_token: float):
@@ -94,6 +96,33 @@ def test_two_engine_profile_layout_and_members(two):
         assert c.prefill and all(ms > 0 for _, ms in c.prefill)  # measured by calibration
     with pytest.raises(ProfileError, match="not on vllm"):
         load_profile(out, "vllm")
+
+
+def test_the_members_share_one_model_lock(two):
+    """Two engines on one machine run one at a time: a runtime whose members hold their own locks is
+    refused, and while one thread holds the shared lock another's request on the other engine waits."""
+    import threading
+
+    from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
+    from tests.conftest import TINY_DOMAINS
+
+    out, lms = two
+    with pytest.raises(ValueError, match="share one model_lock"):
+        TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False) for e, lm in lms.items()},
+                         "llama.cpp")
+    rt = _runtime(two)
+    assert rt.runtimes["llama.cpp"].model_lock is rt.runtimes["torch"].model_lock
+    done = threading.Event()
+    with rt.runtimes["llama.cpp"].model_lock:  # the llama.cpp engine busy in this thread
+        def other():
+            rt.runtimes["torch"].generate(TINY_DOMAINS["math"][5], max_new_tokens=4)
+            done.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        assert not done.wait(0.5)  # the torch engine's request waits for it
+    t.join(30)
+    assert done.is_set()
 
 
 def test_each_request_runs_on_the_engine_expected_first_and_decodes_losslessly(two):

@@ -17,6 +17,7 @@ from adaptive.engine.config import GenerationConfig  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
 from adaptive.profile import load_profile  # noqa: E402
 from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime  # noqa: E402
+from adaptive.runtime.turns import TurnLock  # noqa: E402
 from adaptive.serve.app import create_app  # noqa: E402
 from tests.conftest import TINY_DOMAINS  # noqa: E402
 from tests.runtime.test_engines import _set_costs  # noqa: E402
@@ -28,8 +29,9 @@ SHORT, LONG = TINY_DOMAINS["math"][5], "hello there friend " * 14
 @pytest.fixture(scope="module")
 def served(two_engine_profile):
     out, lms = two_engine_profile
-    rt = TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, seed=0) for e, lm in lms.items()},
-                          "llama.cpp")
+    lock = TurnLock()
+    rt = TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, seed=0, model_lock=lock)
+                           for e, lm in lms.items()}, "llama.cpp")
     _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
     s = Server(create_app(rt, max_queue=8, max_batch=4, prefill_chunk=64))
     yield s, rt, lms
