@@ -32,3 +32,15 @@ class ConfigError(AdaptiveError, ValueError):
 
 class PromptTooLongError(AdaptiveError, ValueError):
     """The prompt plus the requested tokens exceed the model's context."""
+
+
+class StepFailed(Exception):
+    """A batch step failed for some of its requests only: ``cause`` is the error; ``decodings`` and
+    ``riders`` are the indices, in the lists given to the step, of the requests whose forward it was
+    (a two-engine runtime steps one engine's requests: the other engine's did not run and go on)."""
+
+    def __init__(self, cause: BaseException, decodings: tuple[int, ...], riders: tuple[int, ...] = ()):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.decodings = tuple(decodings)
+        self.riders = tuple(riders)

@@ -57,6 +57,7 @@ import torch
 
 from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
+from adaptive.engine.gguf_file import read_gguf
 from adaptive.errors import ConfigError, ModelNotFoundError, PromptTooLongError
 
 ENGINE = "llama.cpp"
@@ -146,20 +147,6 @@ def _layer_input_api(lib):
     get_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     get_fn.restype = ctypes.POINTER(ctypes.c_float)
     return set_fn, get_fn
-
-
-def _final_norm(path: Path, architecture: str) -> tuple[torch.Tensor, float] | None:
-    """The model's final RMSNorm (``output_norm.weight``, ``[hidden]`` float32, and its epsilon) from the
-    GGUF file, or ``None`` if the file has none in float form."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    weight = next((t for t in reader.tensors if t.name == "output_norm.weight"), None)
-    field = reader.fields.get(f"{architecture}.attention.layer_norm_rms_epsilon")
-    if weight is None or field is None or weight.tensor_type.name not in ("F32", "F16"):
-        return None
-    eps = float(field.parts[field.data[0]][0])
-    return torch.from_numpy(np.array(weight.data, dtype=np.float32).reshape(-1)), eps
 
 
 _WARNED: set[str] = set()  # what has been said once on stderr
@@ -294,11 +281,25 @@ class LlamaCppBackbone:
         (a verification of several tokens against one-token steps): the audit's bf16-like tolerance."""
         return torch.bfloat16
 
+    def _meta(self, key: str) -> str | None:
+        """A metadata value of the model as llama.cpp read it (``None``: the file has no such key)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n > 0 else None
+
+    def final_norm(self) -> tuple[torch.Tensor, float] | None:
+        """The model's final RMSNorm, read from the GGUF file (llama.cpp's API gives no tensor):
+        ``output_norm.weight`` (``[hidden]`` float32) and its epsilon; ``None`` if the file holds no
+        such weight in float form or no epsilon."""
+        key = f"{self.describe()['architecture']}.attention.layer_norm_rms_epsilon"
+        values, weight = read_gguf(self.path, (key,), "output_norm.weight")
+        if key not in values or weight is None or weight.shape != (self.hidden_size,):
+            return None
+        return torch.from_numpy(weight), float(values[key])
+
     def describe(self) -> dict:
         """What llama.cpp read of the model: its architecture and shape (the fingerprint's config)."""
-        buf = ctypes.create_string_buffer(256)
-        n = self._lib.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf))
-        return {"architecture": buf.value.decode() if n > 0 else "unknown", "n_layers": self.n_layers,
+        return {"architecture": self._meta("general.architecture") or "unknown", "n_layers": self.n_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "n_params": int(self._lib.llama_model_n_params(self._model))}
 
@@ -521,7 +522,7 @@ class LlamaCppBackbone:
     def _probe_layers(self):
         api = _layer_input_api(self._lib)
         arch = self.describe()["architecture"]
-        norm = _final_norm(self.path, arch) if api is not None else None
+        norm = self.final_norm() if api is not None else None
         if api is None or norm is None or not _layer_inputs_safe(self.path, arch):
             return None
         return self._probe_here(api, norm)
@@ -631,7 +632,7 @@ def _probe_child(path: str) -> None:
     """In a child process: try a layer input on ``path`` and print ``safe`` (llama.cpp may abort instead)."""
     bb = LlamaCppBackbone(path, threads=1, context=64, sequences=1)
     api = _layer_input_api(bb._lib)
-    norm = _final_norm(bb.path, bb.describe()["architecture"])
+    norm = bb.final_norm()
     print("safe" if api is not None and norm is not None and bb._probe_here(api, norm) else "none")
 
 

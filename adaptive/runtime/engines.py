@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from adaptive.costs import extrapolate
-from adaptive.errors import ConfigError
+from adaptive.errors import ConfigError, StepFailed
 from adaptive.index.router import RouteDecision
 from adaptive.models import load_model
 from adaptive.profile import (
@@ -298,16 +298,20 @@ class TwoEngineRuntime:
     def step(self, decodings: Sequence[RoutedDecoding], riders: Sequence[RoutedPrefilling] = ()) -> list[str]:
         """One step of one engine's requests among ``decodings`` (with that engine's ``riders``), the
         engines taking turns by :meth:`_next_engine` while both have requests running. The other
-        engine's requests get empty deltas this call."""
+        engine's requests get empty deltas this call; if the step fails, :class:`StepFailed` names
+        the requests it was for (the other engine's go on)."""
         counts = {name: sum(1 for d in decodings if d.engine == name) for name in self.runtimes}
         engines = [name for name, n in counts.items() if n]
         if not engines:
             return ["" for _ in decodings]
         engine = self._next_engine(engines)
         mine = [i for i, d in enumerate(decodings) if d.engine == engine]
-        ride = [r.task for r in riders if isinstance(r, _ChosenPrefilling) and r.engine == engine]
+        riding = [i for i, r in enumerate(riders) if isinstance(r, _ChosenPrefilling) and r.engine == engine]
         t0 = time.perf_counter()
-        deltas = self.runtimes[engine].step([decodings[i] for i in mine], ride)
+        try:
+            deltas = self.runtimes[engine].step([decodings[i] for i in mine], [riders[i].task for i in riding])
+        except Exception as exc:  # noqa: BLE001 - re-raised, naming whose step it was
+            raise StepFailed(exc, tuple(mine), tuple(riding)) from exc
         self._pass[engine] += (time.perf_counter() - t0) / counts[engine]  # machine time per request stepped
         out = [""] * len(decodings)
         for i, delta in zip(mine, deltas):

@@ -40,7 +40,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from adaptive.errors import AdaptiveError
+from adaptive.errors import AdaptiveError, StepFailed
 from adaptive.models import release_heap
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import Metrics
@@ -301,10 +301,15 @@ class Scheduler:
               ) -> tuple[list[tuple[Job, object]], set[int]]:
         """One step of every running job, carrying the riders' next prompt chunks: the jobs still
         running after it, and the ``id`` of each job that failed with it (a failed step fails its
-        riders too)."""
+        riders too; a :class:`StepFailed` only the jobs it names)."""
         self.metrics.observe("batch_size", len(batch))
         try:
             deltas = self.runtime.step([run for _, run in batch], [task for _, task in riders])
+        except StepFailed as exc:  # the step was some jobs' only (one engine's): they get the error
+            jobs = [batch[i][0] for i in exc.decodings] + [riders[i][0] for i in exc.riders]
+            self._fail(jobs, exc.cause)
+            failed = {id(job) for job in jobs}
+            return [(job, run) for job, run in batch if id(job) not in failed], failed
         except Exception as exc:  # noqa: BLE001 - every job in the failed step gets the error
             jobs = [job for job, _ in batch] + [job for job, _ in riders]
             self._fail(jobs, exc)

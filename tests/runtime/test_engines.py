@@ -266,3 +266,23 @@ def test_one_engine_calibration_refuses_a_two_engine_profile(two):
     with pytest.raises(ProfileError, match="is a two-engine profile: calibrate one of its engines into"):
         calibrate(lms["torch"], TINY_DOMAINS, out, tiny_settings(), progress=False)
     assert is_two_engine(out) and not (out / "profile.json").exists()
+
+
+def test_a_failed_step_names_only_its_own_engines_requests(two, monkeypatch):
+    from adaptive.errors import StepFailed
+
+    rt = _runtime(two)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    a = rt.prefilling(rt.encode("what is 3 plus 6? answer:"), max_new_tokens=12).advance()
+    b = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=12).advance()
+    assert (a.engine, b.engine) == ("llama.cpp", "torch")
+
+    def boom(*a, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rt.runtimes["torch"], "step", boom)
+    with pytest.raises(StepFailed) as info:
+        while True:  # the engines take turns: llama.cpp's steps go on until torch's turn fails
+            rt.step([b, a])
+    assert info.value.decodings == (0,) and info.value.riders == ()
+    assert isinstance(info.value.cause, RuntimeError) and not a.done

@@ -275,3 +275,42 @@ def test_the_worker_gives_freed_memory_back_each_time_it_goes_idle(loop, monkeyp
             assert len(released) == n + 1  # at start, then once after each request
     finally:
         s.close()
+
+
+def test_a_step_that_failed_for_some_jobs_fails_only_those(loop):
+    """A two-engine runtime's step is one engine's: when it fails (:class:`StepFailed`), the jobs it
+    names get the error and the others decode on."""
+    from adaptive.errors import StepFailed
+
+    class OneFails(ScriptedRuntime):
+        def step(self, runs, riders=()):
+            if len(runs) == 2 and not self.failed:
+                self.failed = True
+                raise StepFailed(RuntimeError("boom"), (0,))
+            return super().step(runs, riders)
+
+    rt = OneFails(pieces=tuple("abcd"))
+    rt.failed = False
+    rt.gate = threading.Semaphore(0)
+    s = Scheduler(rt, max_batch=2)
+    try:
+        jobs = [Job(chat(), Admission(tuple(range(5)), 5), loop) for _ in range(2)]
+        for job in jobs:
+            s.submit(job)
+        for _ in range(1000):
+            rt.gate.release()
+
+        async def collect(job):
+            out = []
+            while not out or out[-1].kind == "delta":
+                out.append(await asyncio.wait_for(job.events.get(), 10))
+            return out
+
+        async def collect_all():
+            return await asyncio.gather(*(collect(j) for j in jobs))
+
+        first, second = loop.run_until_complete(collect_all())
+        assert first[-1].kind == "error" and first[-1].error.status == 500
+        assert second[-1].kind == "done" and "".join(e.text for e in second) == "abcd"
+    finally:
+        s.close()
