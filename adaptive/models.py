@@ -192,11 +192,16 @@ class LoadedModel:
 
     def text_decoder(self) -> Callable[[list[int]], str]:
         """Generated ids to text, special tokens left out: the tokenizer's own ``decode``, or the
-        Rust backend's behind it where that is the same function (a fast tokenizer that cleans up no
-        spaces): ~1 us a call against ~5 for the Python wrapper, and streaming calls it twice a token."""
+        Rust backend's behind it where that is the same function (transformers' fast tokenizer with
+        its ``decode`` not overridden and no space clean-up): ~1 us a call against ~5 for the Python
+        wrapper, and streaming calls it twice a token."""
+        from transformers import PreTrainedTokenizerFast
+
         tok = self.tokenizer
-        backend = getattr(tok, "backend_tokenizer", None)
-        if backend is not None and getattr(tok, "clean_up_tokenization_spaces", True) is False:
+        plain = (isinstance(tok, PreTrainedTokenizerFast) and type(tok).decode is PreTrainedTokenizerFast.decode
+                 and type(tok)._decode is PreTrainedTokenizerFast._decode)
+        if plain and tok.clean_up_tokenization_spaces is False:
+            backend = tok.backend_tokenizer
             return lambda ids: backend.decode(ids, skip_special_tokens=True)
         return lambda ids: tok.decode(ids, skip_special_tokens=True)
 

@@ -485,7 +485,7 @@ class Backbone:
         """The argmax of the full model's logits at every fed position (``T`` ints, one host read),
         all that greedy verification of a draft held on the host needs. As :meth:`forward` with
         ``logits="all"``."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = torch.as_tensor(input_ids, dtype=torch.long)  # on the host: the forward makes the one copy
         return self.forward(ids, cache, start, logits="all").logits.argmax(-1).tolist()
 
     @torch.inference_mode()

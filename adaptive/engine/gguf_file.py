@@ -5,7 +5,7 @@ through it).
 ``gguf``'s ``GGUFReader`` parses every field into NumPy views first: 3.4 s for the embedded model's
 49,152-token vocabulary on the 2-core EPYC, paid by the first routed request. Here the header's
 key-value pairs are skipped by their lengths (one pass, no objects built) and only the tensor
-table is read: ~0.1 s.
+table is read: 0.02 s (0.08 s for Qwen2.5-Coder-1.5B's 151,936 tokens and merges).
 
 The layout (GGUF v2/v3, little-endian): ``GGUF``, version ``u32``, tensor count ``u64``, key-value
 count ``u64``; each pair a string key, a ``u32`` value type and the value (a string is a ``u64``
@@ -47,19 +47,19 @@ def read_gguf(path: str | Path, keys: tuple[str, ...] = (), tensor: str | None =
     -> ``({"llama.attention.layer_norm_rms_epsilon": 1e-05}, array([...], dtype=float32))``."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _read(buf, path, keys, tensor)
-    except (struct.error, ValueError) as exc:  # truncated: a length or offset past the end
-        if isinstance(exc, GGUFFormatError):
-            raise
+            return _read(buf, keys, tensor)
+    except GGUFFormatError as exc:
+        raise GGUFFormatError(f"{path}: {exc}") from None
+    except (struct.error, ValueError, OverflowError, IndexError) as exc:  # a length or offset past the end
         raise GGUFFormatError(f"{path}: a damaged GGUF file ({exc})") from None
 
 
-def _read(buf, path, keys: tuple[str, ...], tensor: str | None) -> tuple[Values, np.ndarray | None]:
+def _read(buf, keys: tuple[str, ...], tensor: str | None) -> tuple[Values, np.ndarray | None]:
     if buf[:4] != MAGIC:
-        raise GGUFFormatError(f"{path}: not a GGUF file")
+        raise GGUFFormatError("not a GGUF file")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
-        raise GGUFFormatError(f"{path}: GGUF version {version} is not supported")
+    if version not in (2, 3):  # a big-endian file reads as a huge version here
+        raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3, little-endian, are)")
     pos, values, wanted = 24, {}, set(keys) | {"general.alignment"}
     for _ in range(n_kv):
         key, pos = _string(buf, pos)
@@ -71,6 +71,8 @@ def _read(buf, path, keys: tuple[str, ...], tensor: str | None) -> tuple[Values,
             values[name] = _string(buf, pos)[0].decode("utf-8", "replace")
         pos = _skip_value(buf, pos, vtype)
     alignment = int(values.get("general.alignment", 32))
+    if alignment < 1:
+        raise GGUFFormatError(f"a damaged GGUF file (general.alignment {alignment})")
     if "general.alignment" not in keys:
         values.pop("general.alignment", None)
     found = None
@@ -93,16 +95,22 @@ def _read(buf, path, keys: tuple[str, ...], tensor: str | None) -> tuple[Values,
 
 
 def _string(buf, pos: int) -> tuple[bytes, int]:
+    end = _skip_string(buf, pos)
+    return bytes(buf[pos + 8:end]), end
+
+
+def _skip_string(buf, pos: int) -> int:
     (n,) = struct.unpack_from("<Q", buf, pos)
-    return bytes(buf[pos + 8:pos + 8 + n]), pos + 8 + n
+    if n > len(buf) - pos - 8:
+        raise GGUFFormatError(f"a damaged GGUF file (a string of {n} bytes at byte {pos} runs past its end)")
+    return pos + 8 + n
 
 
 def _skip_value(buf, pos: int, vtype: int) -> int:
     if vtype in _SIZES:
         return pos + _SIZES[vtype]
     if vtype == _STRING:
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        return pos + 8 + n
+        return _skip_string(buf, pos)
     if vtype == _ARRAY:
         etype, count = struct.unpack_from("<IQ", buf, pos)
         pos += 12
@@ -111,4 +119,4 @@ def _skip_value(buf, pos: int, vtype: int) -> int:
         for _ in range(count):
             pos = _skip_value(buf, pos, etype)
         return pos
-    raise GGUFFormatError(f"unknown GGUF value type {vtype} at byte {pos}")
+    raise GGUFFormatError(f"a damaged GGUF file (value type {vtype} at byte {pos})")

@@ -164,7 +164,7 @@ class TwoEngineRuntime:
         becomes one per engine (``PATH.ENGINE``)."""
         members = read_engines(directory)
         settings = OnlineSettings.coerce(online)
-        runtimes, lock = {}, TurnLock()
+        runtimes, lock = {}, kwargs.pop("model_lock", None) or TurnLock()
         for engine in members.engines:
             profile = load_profile(directory, engine)
             spec = model or profile.model.spec or profile.model.name
@@ -376,10 +376,15 @@ def open_runtime(directory: str | Path, model: str | None = None, device: str = 
                  weights: str | None = None, engine: str | None = None, **kwargs):
     """The runtime of a profile directory: a :class:`TwoEngineRuntime` for a two-engine profile unless
     ``engine`` names one of its members (then that member's :class:`AdaptiveRuntime`), else the
-    profile's :class:`AdaptiveRuntime` (:meth:`AdaptiveRuntime.from_profile`)."""
+    profile's :class:`AdaptiveRuntime` (:meth:`AdaptiveRuntime.from_profile`). A member's explicit
+    online overlay ``path`` is ``PATH.ENGINE`` either way (:func:`member_online_path`)."""
     if is_two_engine(directory) and engine is None:
         if dtype is not None or weights is not None:
             raise ConfigError("--dtype and --weights choose one engine's numerics: give --engine torch with them")
         return TwoEngineRuntime.from_profile(directory, model=model, device=device, **kwargs)
+    if is_two_engine(directory) and "online" in kwargs:
+        settings = OnlineSettings.coerce(kwargs["online"])
+        if settings.path is not None:
+            kwargs["online"] = replace(settings, path=member_online_path(settings.path, engine))
     return AdaptiveRuntime.from_profile(member_dir(directory, engine), model=model, device=device, dtype=dtype,
                                         weights=weights, engine=engine, **kwargs)

@@ -48,6 +48,7 @@ from adaptive.serve.wire import RequestError, ServeRequest, internal_error
 
 log = logging.getLogger("adaptive.serve")
 EVENT_KINDS = ("delta", "done", "error")
+TRIM_AFTER_S = 1.0  # idle seconds after which the worker gives the C heap's free pages back
 
 
 @dataclass(frozen=True)
@@ -204,14 +205,21 @@ class Scheduler:
     # -- worker side -----------------------------------------------------------------------------
 
     def _admit(self, running: int) -> list[Job] | None:
-        """Jobs to start before the next step (waits while nothing runs or waits); ``None``: closed and idle."""
-        if not running and not self._queue:  # going idle: what the requests freed goes back to the system
-            release_heap()  # (outside the lock: a request arriving meanwhile waits for nothing)
+        """Jobs to start before the next step (waits while nothing runs or waits); ``None``: closed and idle.
+        After :data:`TRIM_AFTER_S` of idleness what the requests freed goes back to the system once
+        (not at every gap between one client's requests, whose next prefill would fault it in again)."""
         with self._cond:
+            trimmed = False
             while not self._queue and not running:
                 if self._closing:
                     return None
-                self._cond.wait()
+                if not self._cond.wait(None if trimmed else TRIM_AFTER_S) and not trimmed:
+                    self._cond.release()  # a request arriving meanwhile is queued, not kept waiting
+                    try:
+                        release_heap()
+                    finally:
+                        self._cond.acquire()
+                    trimmed = True
             new = []
             while self._queue and running + len(new) < self.max_batch:
                 new.append(self._queue.popleft())

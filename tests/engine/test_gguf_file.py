@@ -55,5 +55,15 @@ def test_what_is_not_a_gguf_file_is_a_clear_error(tmp_path):
     good = _write(tmp_path / "m.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good[:200])  # inside the token list
-    with pytest.raises(GGUFFormatError, match="damaged"):
+    with pytest.raises(GGUFFormatError, match="cut.gguf: a damaged GGUF file"):
         read_gguf(cut, (), "output_norm.weight")
+    huge = bytearray(good)
+    huge[24:32] = (1 << 40).to_bytes(8, "little")  # the first key's length, far past the end
+    cut.write_bytes(bytes(huge))
+    with pytest.raises(GGUFFormatError, match="runs past its end"):
+        read_gguf(cut)
+    big_endian = bytearray(good)
+    big_endian[4:8] = (3).to_bytes(4, "big")
+    cut.write_bytes(bytes(big_endian))
+    with pytest.raises(GGUFFormatError, match="version 50331648 is not supported"):
+        read_gguf(cut)

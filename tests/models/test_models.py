@@ -189,15 +189,31 @@ def test_quantized_weights_take_the_cpu_when_the_device_is_auto(tiny_model_dir, 
 
 
 def test_text_decoder_is_the_tokenizer_s_decode():
-    """The backend's decode where it is the same function (no space clean-up), the tokenizer's own
-    otherwise; special tokens left out either way."""
+    """The Rust backend's decode where it is the same function (transformers' fast tokenizer, its
+    decode not overridden, no space clean-up), the tokenizer's own otherwise; special tokens left
+    out either way."""
     from tests.conftest import char_tokenizer, tiny_lm
 
     lm = tiny_lm()
-    ids = lm.tokenizer.encode("ab c, d?") + [2, 1]  # and two special tokens
+    ids = lm.tokenizer.encode("a , b ?") + [2, 1]  # text a clean-up would change, and two special tokens
+    calls = []
+
+    class Counting(type(lm.tokenizer)):  # overrides decode: its own is always used
+        def decode(self, *a, **kw):
+            calls.append(1)
+            return super().decode(*a, **kw)
+
     for clean in (False, True):
         lm.tokenizer.clean_up_tokenization_spaces = clean
-        assert lm.text_decoder()(ids) == lm.tokenizer.decode(ids, skip_special_tokens=True) == "ab c, d?"
+        assert lm.text_decoder()(ids) == lm.tokenizer.decode(ids, skip_special_tokens=True)
+    lm.tokenizer.clean_up_tokenization_spaces = False
+    assert lm.text_decoder()(ids) == "a , b ?"
+    lm.tokenizer.__class__ = Counting
+    for clean in (False, True):
+        lm.tokenizer.clean_up_tokenization_spaces = clean
+        calls.clear()
+        assert lm.text_decoder()(ids) == lm.tokenizer.decode(ids, skip_special_tokens=True)
+        assert len(calls) == 2  # ours went through the override, as the reference did
     seen = []
 
     class Slow:  # a tokenizer with no Rust backend
@@ -206,7 +222,7 @@ def test_text_decoder_is_the_tokenizer_s_decode():
             return char_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
 
     lm.tokenizer = Slow()
-    assert lm.text_decoder()(ids) == "ab c, d?" and seen == [True]
+    assert lm.text_decoder()(ids) == "a , b ?" and seen == [True]
 
 
 def test_release_heap_gives_freed_pages_back():

@@ -286,3 +286,18 @@ def test_a_failed_step_names_only_its_own_engines_requests(two, monkeypatch):
             rt.step([b, a])
     assert info.value.decodings == (0,) and info.value.riders == ()
     assert isinstance(info.value.cause, RuntimeError) and not a.done
+
+
+def test_one_member_served_alone_keeps_its_overlay_where_the_pair_would(two, monkeypatch, tmp_path):
+    """`serve --engine torch --online-path FILE` on a two-engine profile learns into FILE.torch, as
+    both engines served together do and as `profile show --engine torch --online-path FILE` reads."""
+    from adaptive.runtime import AdaptiveRuntime, OnlineSettings
+    from adaptive.runtime.engines import open_runtime
+
+    out, _ = two
+    seen = {}
+    monkeypatch.setattr(AdaptiveRuntime, "from_profile", classmethod(lambda cls, d, **kw: seen.update(dir=d, **kw)))
+    open_runtime(out, engine="torch", online=OnlineSettings(path=tmp_path / "learned"))
+    assert seen["dir"] == out / "torch" and seen["online"].path == tmp_path / "learned.torch"
+    open_runtime(out, engine="torch", online=False)
+    assert seen["online"] is False

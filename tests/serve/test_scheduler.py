@@ -259,20 +259,28 @@ def test_a_short_prompt_is_prefilled_before_the_rest_of_a_long_one(loop):
         s.close()
 
 
-def test_the_worker_gives_freed_memory_back_each_time_it_goes_idle(loop, monkeypatch):
+def test_the_worker_gives_freed_memory_back_once_idle_for_a_while(loop, monkeypatch):
     import adaptive.serve.scheduler as scheduler_module
 
     released = []
     monkeypatch.setattr(scheduler_module, "release_heap", lambda: released.append(1) or True)
+    monkeypatch.setattr(scheduler_module, "TRIM_AFTER_S", 0.5)
+
+    def settles_at(n: int) -> bool:
+        for _ in range(300):
+            if len(released) >= n:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.7)  # and no second trim in a longer idleness
+        return len(released) == n
+
     s = Scheduler(ScriptedRuntime())
     try:
-        for n in (1, 2):
+        assert settles_at(1)  # idle from the start
+        for n in (2, 3):
             run_job(s, chat(max_tokens=3), loop)
-            for _ in range(200):  # the worker reaches its wait just after the last event
-                if len(released) >= n + 1:
-                    break
-                threading.Event().wait(0.01)
-            assert len(released) == n + 1  # at start, then once after each request
+            assert len(released) == n - 1  # not in the gap a request leaves behind it
+            assert settles_at(n)
     finally:
         s.close()
 
