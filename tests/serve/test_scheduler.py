@@ -35,6 +35,26 @@ def run_job(scheduler, req, loop, cancel_after: int | None = None):
     return job, loop.run_until_complete(collect())
 
 
+def run_together(scheduler, rt, loop, n: int):
+    """``n`` jobs queued while ``rt.gate`` holds every decode, then let go together: each one's events."""
+    jobs = [Job(chat(), Admission(tuple(range(5)), 5), loop) for _ in range(n)]
+    for job in jobs:
+        scheduler.submit(job)
+    for _ in range(1000):
+        rt.gate.release()
+
+    async def collect(job):
+        out = []
+        while not out or out[-1].kind == "delta":
+            out.append(await asyncio.wait_for(job.events.get(), 10))
+        return out
+
+    async def collect_all():
+        return await asyncio.gather(*(collect(j) for j in jobs))
+
+    return loop.run_until_complete(collect_all())
+
+
 @pytest.fixture
 def loop():
     loop = asyncio.new_event_loop()
@@ -172,22 +192,7 @@ def test_concurrent_jobs_share_steps_up_to_max_batch(loop):
     rt.gate = threading.Semaphore(0)  # the jobs queue up before any decodes
     s = Scheduler(rt, max_batch=2)
     try:
-        jobs = [Job(chat(), Admission(tuple(range(5)), 5), loop) for _ in range(3)]
-        for job in jobs:
-            s.submit(job)
-        for _ in range(1000):
-            rt.gate.release()
-
-        async def collect(job):
-            out = []
-            while not out or out[-1].kind == "delta":
-                out.append(await asyncio.wait_for(job.events.get(), 10))
-            return out
-
-        async def collect_all():
-            return await asyncio.gather(*(collect(j) for j in jobs))
-
-        results = loop.run_until_complete(collect_all())
+        results = run_together(s, rt, loop, 3)
         assert all(["".join(e.text for e in ev), ev[-1].kind] == ["abcde", "done"] for ev in results)
         assert max(rt.batches) == 2 and sum(rt.batches) == 3 * 4  # never more than two; each job stepped 4 times
         assert s.metrics.value("generated_tokens_total") == 15
@@ -302,22 +307,7 @@ def test_a_step_that_failed_for_some_jobs_fails_only_those(loop):
     rt.gate = threading.Semaphore(0)
     s = Scheduler(rt, max_batch=2)
     try:
-        jobs = [Job(chat(), Admission(tuple(range(5)), 5), loop) for _ in range(2)]
-        for job in jobs:
-            s.submit(job)
-        for _ in range(1000):
-            rt.gate.release()
-
-        async def collect(job):
-            out = []
-            while not out or out[-1].kind == "delta":
-                out.append(await asyncio.wait_for(job.events.get(), 10))
-            return out
-
-        async def collect_all():
-            return await asyncio.gather(*(collect(j) for j in jobs))
-
-        first, second = loop.run_until_complete(collect_all())
+        first, second = run_together(s, rt, loop, 2)
         assert first[-1].kind == "error" and first[-1].error.status == 500
         assert second[-1].kind == "done" and "".join(e.text for e in second) == "abcd"
     finally:
