@@ -145,6 +145,22 @@ def test_forward_argmax_is_the_argmax_of_the_logits_read_in_place(pair):
         cpp.forward_argmax([1] * 30, b, 13)
 
 
+def test_the_final_norm_is_read_from_the_file_and_a_bad_file_only_turns_layer_pools_off(pair, monkeypatch):
+    import adaptive.engine.llamacpp as llamacpp
+    from adaptive.engine.gguf_file import GGUFFormatError
+
+    cpp, torch_bb = pair
+    weight, eps = cpp.final_norm()
+    assert torch.equal(weight, torch_bb.norm.weight.detach().float())  # the GGUF holds the torch model's own
+    assert eps == pytest.approx(torch_bb.norm.variance_epsilon)
+
+    def damaged(*a, **kw):
+        raise GGUFFormatError("x.gguf: a damaged GGUF file")
+
+    monkeypatch.setattr(llamacpp, "read_gguf", damaged)
+    assert cpp.final_norm() is None
+
+
 def test_rolling_back_is_setting_the_length(pair):
     """A rejected draft's positions never reach a later forward: after writing 3 drafts and rolling
     back by assignment, a new token at the same position sees exactly a fresh cache's context."""
