@@ -392,8 +392,8 @@ def _gguf_tokenizer(gguf: Path, name: str):
 def release_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); whether it could.
     Loading a model and packing its weights free hundreds of MB of temporaries that glibc otherwise
-    keeps in the process's resident set: 225 MB of the embedded model's two-engine runtime (1.28 GB
-    before, 1.06 GB after). A no-op without glibc."""
+    keeps in the process's resident set: ~200 MB of the embedded model's two-engine runtime (1.27 GB
+    before, 1.08 GB after). A no-op without glibc."""
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
