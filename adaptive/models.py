@@ -45,6 +45,7 @@ from adaptive.engine.backbone import Backbone
 from adaptive.engine.engine import eos_ids
 from adaptive.engine.quant import check_weights, resolve_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
+from adaptive.workdir import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {
@@ -76,10 +77,6 @@ EMBEDDED_MODELS = (*_EMBEDDED, *_PARTED)  # the names load_model knows besides p
 ENGINES = ("auto", "torch", llamacpp.ENGINE)  # --engine's choices; "auto" resolves to one of the others
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive"))
 
 
 def cpu_has_native_bf16() -> bool:

@@ -38,6 +38,12 @@ CHECKPOINT_FORMAT = 2
 T = TypeVar("T")
 
 
+def cache_dir() -> Path:
+    """What adaptive builds once and keeps (converted models and tokenizers, joined GGUF files,
+    llama.cpp builds and what was probed of them): ``$ADAPTIVE_CACHE``, else ``~/.cache/adaptive``."""
+    return Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive"))
+
+
 def slug(name: str) -> str:
     """A file-name-safe, collision-free form of a name: ``"a b"`` -> ``"a_b-<8 hex>"``."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaptive.errors import ConfigError
+from adaptive.workdir import cache_dir
 
 BUILD = "benchmarks/build_llama_server.sh"
 ENV_BINARY = "ADAPTIVE_LLAMA_SERVER"
@@ -75,7 +76,7 @@ class ServerSettings:
 
 def cache_root() -> Path:
     """Where the build script installs llama.cpp builds (``$ADAPTIVE_CACHE/llama.cpp``)."""
-    return Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive")) / "llama.cpp"
+    return cache_dir() / "llama.cpp"
 
 
 def find_server() -> Path:

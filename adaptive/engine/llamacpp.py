@@ -59,6 +59,7 @@ from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
 from adaptive.errors import ConfigError, ModelNotFoundError, PromptTooLongError
+from adaptive.workdir import cache_dir
 
 ENGINE = "llama.cpp"
 INSTALL = "pip install 'adaptive[llamacpp]' (llama-cpp-python; pip builds llama.cpp from source: ~5-10 min on 2 cores)"
@@ -601,8 +602,7 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
     import subprocess
 
     version = importlib.import_module("llama_cpp").__version__
-    home = Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive"))
-    cache = home / "llama.cpp" / LAYER_INPUTS_FILE
+    cache = cache_dir() / "llama.cpp" / LAYER_INPUTS_FILE
     key = f"{version}:{arch}"
     try:
         known = json.loads(cache.read_text(encoding="utf-8"))
