@@ -333,14 +333,16 @@ class Lane:
         greedy with the default acceptor and a draft held on the host (a statistical one or none)."""
         return self.cfg.greedy and self.acceptor is default_acceptor and (draft is NO_DRAFT or draft.tokens.is_cpu)
 
-    def host_ids(self, draft: Draft) -> list[int]:
-        """:meth:`segment`'s ids as ints (``k + 1``), for a draft held on the host."""
-        return [self.state.tokens[-1]] + ([] if draft is NO_DRAFT else draft.tokens.tolist())
+    @staticmethod
+    def draft_ids(draft: Draft) -> list[int]:
+        """A draft held on the host as ints (read once a step: each torch operation costs)."""
+        return [] if draft is NO_DRAFT else draft.tokens.tolist()
 
-    def accept_argmax(self, draft: Draft, target_argmax: list[int]) -> list[int]:
-        """:meth:`accept` where :meth:`argmax_only`, from the argmax of the target's ``k + 1`` rows:
-        the same tokens (greedy acceptance reads nothing else)."""
-        return self._keep(draft, *greedy_accept_host([] if draft is NO_DRAFT else draft.tokens.tolist(), target_argmax))
+    def accept_argmax(self, draft: Draft, proposed: list[int], target_argmax: list[int]) -> list[int]:
+        """:meth:`accept` where :meth:`argmax_only`, from the draft's ids (``proposed``,
+        :meth:`draft_ids`) and the argmax of the target's ``k + 1`` rows: the same tokens (greedy
+        acceptance reads nothing else)."""
+        return self._keep(draft, *greedy_accept_host(proposed, target_argmax))
 
     def _keep(self, draft: Draft, n: int, new: list[int]) -> list[int]:
         """Record ``n`` accepted drafts and the step's ``new`` tokens (the accepted ones, then the next)."""
@@ -389,8 +391,9 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
     if len(lanes) == 1 and not carried and lanes[0].argmax_only(drafts[0]):
         # greedy on a host draft reads only the target's argmax: ints all the way, no rows copied
         lane, draft = lanes[0], drafts[0]
-        target = backbone.forward_argmax(lane.host_ids(draft), lane.state.cache, lane.state.position)
-        new, rows = [lane.accept_argmax(draft, target)], len(draft) + 1
+        proposed = lane.draft_ids(draft)
+        target = backbone.forward_argmax([lane.state.tokens[-1], *proposed], lane.state.cache, lane.state.position)
+        new, rows = [lane.accept_argmax(draft, proposed, target)], len(proposed) + 1
     else:
         segments = [lane.segment(d) for lane, d in zip(lanes, drafts)]
         if len(segments) == 1 and not carried:
