@@ -163,16 +163,14 @@ class TwoEngineRuntime:
         spec of the same model, e.g. a path to its GGUF file). An explicit online overlay ``path``
         becomes one per engine (``PATH.ENGINE``)."""
         members = read_engines(directory)
-        settings = OnlineSettings.coerce(online)
         runtimes, lock = {}, kwargs.pop("model_lock", None) or TurnLock()
         for engine in members.engines:
             profile = load_profile(directory, engine)
             spec = model or profile.model.spec or profile.model.name
             lm = load_model(spec, device=device, dtype=(profile.model.dtype or "auto") if engine == "torch" else "auto",
                             weights=profile.model.weights, engine=engine)
-            own = settings if settings.path is None else replace(settings,
-                                                                 path=member_online_path(settings.path, engine))
-            runtimes[engine] = AdaptiveRuntime(profile, lm, online=own, model_lock=lock, **kwargs)
+            runtimes[engine] = AdaptiveRuntime(profile, lm, online=_member_online(online, engine), model_lock=lock,
+                                               **kwargs)
         return cls(runtimes, members.default)
 
     # -- what a one-engine runtime offers, from the default member ----------------------------------
@@ -383,8 +381,13 @@ def open_runtime(directory: str | Path, model: str | None = None, device: str = 
             raise ConfigError("--dtype and --weights choose one engine's numerics: give --engine torch with them")
         return TwoEngineRuntime.from_profile(directory, model=model, device=device, **kwargs)
     if is_two_engine(directory) and "online" in kwargs:
-        settings = OnlineSettings.coerce(kwargs["online"])
-        if settings.path is not None:
-            kwargs["online"] = replace(settings, path=member_online_path(settings.path, engine))
+        kwargs["online"] = _member_online(kwargs["online"], engine)
     return AdaptiveRuntime.from_profile(member_dir(directory, engine), model=model, device=device, dtype=dtype,
                                         weights=weights, engine=engine, **kwargs)
+
+
+def _member_online(online: bool | OnlineSettings, engine: str) -> bool | OnlineSettings:
+    """A two-engine profile's ``engine`` member's online settings: an explicit overlay ``path`` becomes
+    ``PATH.ENGINE`` (:func:`member_online_path`); anything else as given."""
+    settings = OnlineSettings.coerce(online)
+    return online if settings.path is None else replace(settings, path=member_online_path(settings.path, engine))
