@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from adaptive.engine.formulas import gated, rms_norm, rotate
 from adaptive.engine.graphs import StepGraphs, zeros_kv
 from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
+from adaptive.engine.skip import SkipSet
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -260,18 +261,23 @@ class Backbone:
         k, v = self.allocate_kv(max_len)
         return KVCache(k=k, v=v)
 
-    def warm_graphs(self, pooling=None, max_len: int = 1) -> int:
+    def warm_graphs(self, pooling=None, max_len: int = 1, skips: Sequence[SkipSet] = ()) -> int:
         """With CUDA graphs: capture the steps a request of up to ``max_len`` positions replays (decode,
         verify and prefill buckets; the routing prefill's with ``pooling``, a
-        :class:`~adaptive.engine.config.Pooling`) now, as a server does at startup, instead of inside
-        the first requests. Returns the graphs captured (0 without graphs, or when all were)."""
+        :class:`~adaptive.engine.config.Pooling`; the drafting steps of each skip set of ``skips``) now, as a
+        server does at startup, instead of inside the first requests. Returns the graphs captured (0 without
+        graphs, or when all were)."""
         if self.graphs is None or not self.graphs.enabled:
             return 0
         layer = None
         if pooling is not None:
             layers = self.pool_args(pooling).get("pool_layers", ())
             layer = layers[0] if len(layers) == 1 else None
-        return self.graphs.warm(self.new_cache(max_len), self._full, layer)
+        cache = self.new_cache(max_len)
+        n = self.graphs.warm(cache, self._full, layer)
+        for skip in dict.fromkeys(s for s in skips if s):  # each distinct non-empty skip set once
+            n += self.graphs.warm(cache, skip.masks(self.n_layers), drafting=True)
+        return n
 
     def allocate_kv(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value tensors, ``[n_layers, n_kv_heads, positions, head_dim]`` in the cache dtype."""

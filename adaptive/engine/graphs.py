@@ -380,14 +380,20 @@ class StepGraphs:
             return cap.out[0].clone(), cap.out[1].clone()
         return cap.out.clone() if logits == "last" else cap.out[:T].clone()
 
-    def warm(self, cache, masks: Masks, pool_layer: int | None = None) -> int:
-        """Capture, before any request needs them, the steps of ``masks`` (the full model's) on ``cache``'s
-        slot (a fresh one, as :meth:`new_cache` gives): decoding and verification (``"all"`` logits, every
-        bucket) and prefill chunks (``"last"``, every bucket and prefill bucket, with ``pool_layer``'s routing pool
-        if given). Writes keys the next request overwrites. Returns the graphs captured now."""
+    def warm(self, cache, masks: Masks, pool_layer: int | None = None, drafting: bool = False) -> int:
+        """Capture, before any request needs them, the steps of ``masks`` on ``cache``'s slot (a fresh one,
+        as :meth:`new_cache` gives). The full model's (``drafting=False``): decoding and verification
+        (``"all"`` logits, every bucket) and prefill chunks (``"last"``, every bucket and prefill bucket, with
+        ``pool_layer``'s routing pool if given). A skip set's (``drafting=True``): what its drafters replay, one
+        token's ``"last"`` logits (layer skip) and ``"all"`` logits of every bucket (a cascade's check of a
+        statistical proposal). Writes keys the next request overwrites. Returns the graphs captured now."""
         before = self.captures
         ids = torch.zeros(PREFILL_BUCKETS[-1], dtype=torch.long)
-        steps = [(Tb, "all", None) for Tb in BUCKETS] + [(Tb, "last", pool_layer) for Tb in BUCKETS + PREFILL_BUCKETS]
+        if drafting:
+            steps = [(1, "last", None)] + [(Tb, "all", None) for Tb in BUCKETS]
+        else:
+            steps = [(Tb, "all", None) for Tb in BUCKETS] + [(Tb, "last", pool_layer)
+                                                             for Tb in BUCKETS + PREFILL_BUCKETS]
         for Tb, logits, layer in steps:
             if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, layer) is NotImplemented:
                 break  # a failed capture turned graphs off

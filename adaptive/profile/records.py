@@ -403,6 +403,16 @@ class Profile:
                 f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}"
             ) from None
 
+    def skip_sets(self) -> tuple[SkipSet, ...]:
+        """The distinct skip sets the domains' decisions draft with (the global record's too): a layer-skip
+        decision's, and a cascade's whose plan has a layer-skip level; what a server captures at startup."""
+        out: dict[SkipSet, None] = {}
+        for d in (*self.domains.values(), self.global_set):
+            drafts = d.decision.drafter == "ssd" or (d.decision.drafter == "cascade" and d.cascade.max_split > 0)
+            if drafts and d.layer_skip.skip:
+                out[d.layer_skip.skip] = None
+        return tuple(out)
+
     def seconds_per_token(self) -> float:
         """Expected seconds per new token before the request is routed: each domain's
         :meth:`DomainRecord.seconds_per_token` weighted by its calibration prompts (the global

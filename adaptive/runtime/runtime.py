@@ -276,14 +276,15 @@ class AdaptiveRuntime:
         return cls(profile, lm, **kwargs)
 
     def warm(self) -> int:
-        """Capture the CUDA graphs of plain decoding, verification and the routing prefill now (a server's
-        startup) rather than inside its first requests: :meth:`Backbone.warm_graphs
+        """Capture the CUDA graphs of plain decoding, verification, the routing prefill and the drafting
+        steps of every skip set the profile's domains draft with now (a server's startup) rather than
+        inside its first requests: :meth:`Backbone.warm_graphs
         <adaptive.engine.backbone.Backbone.warm_graphs>`. The graphs captured (0 without CUDA graphs)."""
         warm = getattr(self.engine.backbone, "warm_graphs", None)  # the llama.cpp engine has none
         if warm is None:
             return 0
         with self._lock:
-            return warm(self.profile.index.pooling)
+            return warm(self.profile.index.pooling, skips=self.profile.skip_sets())
 
     # -- routing and planning ------------------------------------------------------------------
 

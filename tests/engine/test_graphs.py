@@ -192,6 +192,30 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
     assert warm_bb.graphs.captures == n_all + n_last  # plain decoding of a new request: all were warm
     assert warm_bb.warm_graphs(Pooling(layer=2, mode="last")) == n_last  # the routing prefill's own
     assert warm_bb.warm_graphs(Pooling(layer=2, mode="last")) == 0
+    # a skip set's drafting steps: one token's "last" logits and every bucket's "all" (each distinct set
+    # once, an empty one none); then a layer-skip and a cascade request capture nothing more
+    skip = SkipSet((1,), (2,))
+    assert warm_bb.warm_graphs(skips=[skip, SkipSet(), SkipSet((1,), (2,))]) == 1 + len(BUCKETS)
+    assert warm_bb.warm_graphs(skips=[skip]) == 0
+    from adaptive.drafters.cascade import CascadePlan
+    from adaptive.drafters.ngram import build_bigram_table
+
+    plan = CascadePlan(split=2, draft_len=6, max_split=2)
+    specs = (DrafterSpec("ssd", skip=skip),
+             DrafterSpec("cascade", skip=skip, cascade=plan, bigram=build_bigram_table([prompt * 2], min_count=1)))
+    cold_bb = Backbone(model)  # the check can fail: without the skip set warmed, the same requests capture
+    cold_bb.graphs = StepGraphs(cold_bb)
+    cold_bb.warm_graphs()
+    lm4 = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    lm4.__dict__["backbone"] = cold_bb
+    want = eager.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    for spec in specs:
+        for bb, lm_, warmed in ((warm_bb, lm3, True), (cold_bb, lm4, False)):
+            before = bb.graphs.captures
+            got = Engine(lm_).generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True, draft_len=4),
+                                       drafter=build_drafter(spec, bb))
+            assert got.token_ids == want
+            assert (bb.graphs.captures == before) == warmed, (spec.kind, warmed)
 
 
 @pytest.mark.slow

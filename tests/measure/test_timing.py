@@ -92,3 +92,35 @@ def test_race_candidates_gives_each_prompt_its_own_table_and_vocabulary(lm, monk
         race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, bigram=tables[:1])
     with pytest.raises(ValueError, match="1 draft vocabularies for 2 raced prompts"):
         race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, vocab=["v0"])
+
+
+
+def test_a_block_that_captured_graphs_is_decoded_again_from_the_same_state(monkeypatch):
+    """A capture is startup work: the block that paid one is timed again, from the state it started at."""
+    from types import SimpleNamespace
+
+    from adaptive.measure import timing
+
+    bb = SimpleNamespace(graphs=SimpleNamespace(captures=0))
+    cache = SimpleNamespace(length=10)
+    calls, capture = [], [True]
+
+    def block(bb_, cache_, tokens, n, draft_len, drafter):
+        calls.append((cache_.length, list(tokens)))
+        captured = capture.pop() if capture else False
+        if captured and hasattr(bb_, "graphs"):
+            bb_.graphs.captures += 2
+        cache_.length += n
+        tokens.extend(range(100, 100 + n))
+        return (0.5 if captured else 0.01), tokens[-n:], None
+
+    monkeypatch.setattr(timing, "_block", block)
+    tokens = [1, 2, 3]
+    seconds, out, _ = timing._timed_block(bb, cache, tokens, 4, 2, None)
+    assert calls == [(10, [1, 2, 3]), (10, [1, 2, 3])]  # decoded again from the same state
+    assert (seconds, out, cache.length, tokens) == (0.01, [100, 101, 102, 103], 14, [1, 2, 3, 100, 101, 102, 103])
+    calls.clear()
+    assert timing._timed_block(bb, cache, tokens, 4, 2, None)[0] == 0.01 and len(calls) == 1  # no capture: once
+    calls.clear()
+    capture.append(True)  # no graphs (the CPU, llama.cpp): nothing to count, decoded once
+    assert timing._timed_block(SimpleNamespace(), cache, tokens, 1, 1, None)[0] == 0.5 and len(calls) == 1

@@ -193,3 +193,26 @@ def test_a_failed_replacement_puts_the_old_profile_back(prof, monkeypatch):
     monkeypatch.setattr(os, "rename", real_rename)
     assert (prof / "profile.json").read_text() == before
     assert not [x for x in prof.parent.iterdir() if x.name.startswith(".p.")]
+
+
+def test_skip_sets_are_those_the_decisions_draft_with(prof):
+    """What a server warms at startup: a layer-skip decision's skip set and a cascade's with a layer-skip
+    level, each once; not a skip set no decision drafts with (plain, prompt lookup, a statistical cascade)."""
+    prof = load_profile(prof)
+    from adaptive.drafters.cascade import CascadePlan
+    from adaptive.profile import Decision
+    from tests.helpers.profiles import with_domains
+
+    a, b = SkipSet((1,), ()), SkipSet((), (0,))
+    names = sorted(prof.domains)
+    sets = {names[0]: a, names[1]: b, names[2]: b}
+    drafters = {names[0]: "ssd", names[1]: "cascade", names[2]: "ssd", None: "pld"}
+    p = with_domains(prof, lambda n: drafters[n])
+    p.domains = {n: replace(d, layer_skip=replace(d.layer_skip, skip=sets[n]),
+                            cascade=CascadePlan(split=1, draft_len=4, max_split=2)) for n, d in p.domains.items()}
+    assert set(p.skip_sets()) == {a, b} and len(p.skip_sets()) == 2
+    statistical = CascadePlan(split=0, draft_len=4, max_split=0)  # no layer-skip level
+    p.domains[names[1]] = replace(p.domains[names[1]], cascade=statistical)
+    p.domains[names[2]] = replace(p.domains[names[2]], decision=Decision("ar"))
+    p.global_set = replace(p.global_set, layer_skip=replace(p.global_set.layer_skip, skip=SkipSet((2,), ())))
+    assert p.skip_sets() == (a,)  # the global record decides prompt lookup: its skip set drafts nothing

@@ -330,3 +330,20 @@ def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, draft
     assert lengths and (max(lengths) > 0) == drafts
     for (q, _), r in zip(jobs, runs):
         assert r.result().token_ids == _ar(runtime, q, 16)
+
+
+def test_warm_captures_the_skip_sets_the_domains_draft_with(runtime, monkeypatch):
+    """A server's startup warms the routing prefill and every skip set its decisions draft with (the
+    backbone captures them: tests/engine/test_graphs.py); 0 graphs without CUDA graphs."""
+    got = {}
+
+    def warm_graphs(pooling=None, max_len=1, skips=()):
+        got.update(pooling=pooling, skips=tuple(skips))
+        return 7
+
+    monkeypatch.setattr(runtime.engine.backbone, "warm_graphs", warm_graphs)
+    assert runtime.warm() == 7
+    assert got["pooling"] == runtime.profile.index.pooling
+    assert got["skips"] == runtime.profile.skip_sets() and got["skips"]  # ssd domains: their skip sets
+    monkeypatch.undo()
+    assert runtime.warm() == 0  # the CPU: no graphs
