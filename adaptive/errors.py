@@ -34,6 +34,11 @@ class PromptTooLongError(AdaptiveError, ValueError):
     """The prompt plus the requested tokens exceed the model's context."""
 
 
+class ContextFullError(AdaptiveError):
+    """The positions a cache needs are held by live caches that share one context (llama.cpp's):
+    free now, they will be once those requests finish."""
+
+
 class StepFailed(Exception):
     """A batch step failed for some of its requests only: ``cause`` is the error; ``decodings`` and
     ``riders`` are the indices, in the lists given to the step, of the requests whose forward it was

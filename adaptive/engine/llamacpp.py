@@ -58,7 +58,7 @@ import torch
 from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
-from adaptive.errors import ConfigError, ModelNotFoundError, PromptTooLongError
+from adaptive.errors import ConfigError, ContextFullError, ModelNotFoundError, PromptTooLongError
 from adaptive.workdir import cache_dir
 
 ENGINE = "llama.cpp"
@@ -257,6 +257,7 @@ class LlamaCppBackbone:
         if pool:
             attach(ctx, pool, None)
         self._free_seqs = list(range(sequences - 1, -1, -1))
+        self._reserved: dict[int, int] = {}  # live sequence -> the positions its cache was made for
         self._scratch = sequences  # the routing embedding's sequence (see the module docstring)
         self.sequences = sequences
         self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
@@ -314,11 +315,16 @@ class LlamaCppBackbone:
     # -- caches ---------------------------------------------------------------------------------
 
     def new_cache(self, max_len: int) -> LlamaCache:
-        """A sequence for ``max_len`` positions; :class:`PromptTooLongError` beyond the context, and
-        :class:`ConfigError` when ``sequences`` caches are already alive."""
+        """A sequence for ``max_len`` positions; :class:`PromptTooLongError` beyond the context,
+        :class:`ContextFullError` when live caches hold so many of its positions that this one could
+        overflow it mid-request (:meth:`free_positions`), and :class:`ConfigError` when ``sequences``
+        caches are already alive."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the llama.cpp context is {self.max_positions}")
+        if max_len > self.free_positions() and max_len > (free := self.free_positions(collect=True)):
+            raise ContextFullError(f"{max_len} positions are needed and live requests leave {free} of the llama.cpp "
+                                   f"context's {self.max_positions}: retry when one has finished")
         with self._lock:
             if not self._free_seqs:
                 gc.collect()  # caches of finished requests that a reference cycle still holds
@@ -327,9 +333,20 @@ class LlamaCppBackbone:
                                   "finish a request first, or load the model with more sequences")
             seq = self._free_seqs.pop()
             self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._reserved[seq] = max_len
         cache = LlamaCache(seq, max_len)
         cache._release = weakref.finalize(cache, self._release, seq)
         return cache
+
+    def free_positions(self, collect: bool = False) -> int:
+        """Positions of the shared context no live cache was made for: what a new request may take
+        and be sure to decode to its end (a cache's cells fill as it decodes; caches made for more than
+        the context together overflow it mid-request). ``collect``: first collect finished requests'
+        caches that a reference cycle still holds (a full garbage collection: only when it matters)."""
+        if collect and self._reserved:
+            gc.collect()
+        with self._lock:
+            return self.max_positions - sum(self._reserved.values())
 
     def _release(self, seq: int) -> None:
         if not self._closer.alive:
@@ -337,6 +354,7 @@ class LlamaCppBackbone:
         with self._lock:
             self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
             self._free_seqs.append(seq)
+            self._reserved.pop(seq, None)
 
     # -- forwards -------------------------------------------------------------------------------
 

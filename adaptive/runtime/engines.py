@@ -208,8 +208,18 @@ class TwoEngineRuntime:
         return self.primary.encode(prompt, chat)
 
     def room(self, prompt_ids: Sequence[int]) -> int:
-        """The most new tokens the prompt leaves room for on every engine (either may decode it)."""
-        return min(rt.room(prompt_ids) for rt in self.runtimes.values())
+        """The most new tokens the prompt leaves room for on an engine (the choice keeps a request to
+        the engines whose context holds it)."""
+        return max(rt.room(prompt_ids) for rt in self.runtimes.values())
+
+    def _fitting(self, prompt_tokens: int, new_tokens: int) -> list[str]:
+        """The engines that can take such a request now: their context holds it and, where the live
+        caches share it (llama.cpp), the positions it needs are free (:meth:`AdaptiveRuntime.fits`)."""
+        return [name for name, rt in self.runtimes.items() if rt.fits(prompt_tokens, new_tokens)]
+
+    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Whether some engine can take the request now (a server keeps it queued until one can)."""
+        return bool(self._fitting(prompt_tokens, max_new_tokens))
 
     def route(self, prompt) -> RouteDecision:
         return self.primary.route(prompt)
@@ -227,12 +237,15 @@ class TwoEngineRuntime:
     # -- the choice ------------------------------------------------------------------------------
 
     def choose(self, prompt_tokens: int, new_tokens: int) -> EngineChoice:
-        """Where a request of ``prompt_tokens`` and ``new_tokens`` runs, with the requests this runtime
-        is decoding now on each engine in the cost (see the module docstring)."""
+        """Where a request of ``prompt_tokens`` and ``new_tokens`` runs, among the engines that can take it
+        now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the cost
+        (see the module docstring)."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
-        estimates = [estimate(rt.profile, prompt_tokens, new_tokens, running[name])
-                     for name, rt in self.runtimes.items()]
+        # the engines that can take it now; none (its caller did not ask fits()): every engine, and the
+        # one chosen says why it cannot
+        names = self._fitting(prompt_tokens, new_tokens) or list(self.runtimes)
+        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens, running[name]) for name in names]
         return choose(estimates, prompt_tokens, new_tokens)
 
     def _track(self, engine: str, run: RoutedDecoding, choice: EngineChoice) -> RoutedDecoding:

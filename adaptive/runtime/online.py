@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable
-from adaptive.errors import AdaptiveError
+from adaptive.errors import AdaptiveError, ContextFullError
 from adaptive.index.anchors import AnchorIndex, Route
 from adaptive.index.cluster import find_cluster
 from adaptive.measure.race import race_domain, statistical_candidates
@@ -657,6 +657,10 @@ class OnlineLearner:
                     self.measure_seconds += share.used_s
                     self.measure_waits += share.waits
         except _Stopped:
+            self._give_back(pending)
+            return
+        except ContextFullError as exc:  # the served requests hold llama.cpp's context: measured again later
+            log.info("measuring %s waits for room in the context: %s", pending.name, exc)
             self._give_back(pending)
             return
         except (AdaptiveError, ValueError, RuntimeError) as exc:  # a failed measurement must not stop serving

@@ -430,6 +430,19 @@ class AdaptiveRuntime:
         prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""
         return self.engine.backbone.max_positions - cache_positions(len(prompt_ids), 0, self.draft_len)
 
+    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Whether a request of ``prompt_tokens`` and ``max_new_tokens`` can start now and decode to its
+        end: when the model's context holds it (:meth:`room`) and, on an engine whose live caches share
+        that context (llama.cpp's), the positions its cache is made for are free (else it would overflow
+        the context mid-request: a server keeps it queued until running requests finish). Torch's caches
+        each hold their own positions."""
+        bb = self.engine.backbone
+        need = cache_positions(prompt_tokens, max_new_tokens, self.draft_len)
+        if need > bb.max_positions:
+            return False
+        free = bb.free_positions()
+        return free is None or need <= free or need <= bb.free_positions(collect=True)
+
     def config(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] | str = (), seed: int | None = None,
                confidence_threshold: float | None = None) -> GenerationConfig:

@@ -6,7 +6,9 @@ response starts), then :meth:`Scheduler.submit` it as a :class:`Job` and read th
 :class:`Event` stream.
 
 One worker thread runs the batch, continuously. Before each step it takes waiting jobs in arrival
-order while fewer than ``max_batch`` run, and prefills them (:meth:`AdaptiveRuntime.prefilling`)
+order while fewer than ``max_batch`` run and the runtime can take the next one to its end
+(:meth:`AdaptiveRuntime.fits`: on llama.cpp, whose live caches share one context, a request waits
+for the positions it needs; the jobs behind it wait with it), and prefills them (:meth:`AdaptiveRuntime.prefilling`)
 ``prefill_chunk`` prompt tokens in all per step, the prompt with the fewest tokens left first: a
 long prompt is admitted in chunks between decoding steps, so the running requests keep their pace,
 and a short prompt arriving while a long one is prefilled waits for one chunk, not for the rest of
@@ -49,6 +51,7 @@ from adaptive.serve.wire import RequestError, ServeRequest, internal_error
 log = logging.getLogger("adaptive.serve")
 EVENT_KINDS = ("delta", "done", "error")
 TRIM_AFTER_S = 1.0  # idle seconds after which the worker gives the C heap's free pages back
+POLL_S = 0.1  # how often a job that does not fit while nothing runs asks again (positions held elsewhere)
 
 
 @dataclass(frozen=True)
@@ -204,15 +207,46 @@ class Scheduler:
 
     # -- worker side -----------------------------------------------------------------------------
 
-    def _admit(self, running: int) -> list[Job] | None:
-        """Jobs to start before the next step (waits while nothing runs or waits); ``None``: closed and idle.
-        After :data:`TRIM_AFTER_S` of idleness what the requests freed goes back to the system once
-        (not at every gap between one client's requests, whose next prefill would fault it in again)."""
+    def _admit(self, running: int) -> list[tuple[Job, object]] | None:
+        """The jobs started before the next step, each with its RoutedPrefilling (waits while nothing runs
+        or waits); ``None``: closed and idle. Jobs start in arrival order while fewer than ``max_batch``
+        run and the runtime can take the next one now (:meth:`AdaptiveRuntime.fits`: on llama.cpp, whose
+        live caches share one context, the positions it needs are free); the first that cannot waits for
+        running requests to finish, and the jobs behind it with it (arrival order is kept). With none
+        running it waits for positions held outside the batch (an online measurement's race) to be given
+        back, asking every :data:`POLL_S`. Each job's prefilling is made (its cache taken) before the next
+        is considered."""
+        if not self._wait(running):
+            return None
+        started, taken = [], 0
+        while running + taken < self.max_batch:
+            with self._cond:  # only this thread takes jobs: the head stays the head while the lock is out
+                if not self._queue:
+                    break
+                job = self._queue[0]
+            if not job.cancelled.is_set() and not self.runtime.fits(len(job.admission.prompt_ids),
+                                                                    job.admission.max_tokens):
+                if not running + taken:  # held by no request of ours: an online measurement's, for a moment
+                    with self._cond:
+                        self._cond.wait(POLL_S)
+                break
+            with self._cond:
+                self._queue.popleft()
+                self.metrics.set("queue_depth", len(self._queue))
+            taken += 1
+            if (task := self._prefilling(job)) is not None:
+                started.append((job, task))
+        return started
+
+    def _wait(self, running: int) -> bool:
+        """Wait while nothing runs or waits; ``False``: closed and idle. After
+        :data:`TRIM_AFTER_S` of idleness what the requests freed goes back to the system once (not at
+        every gap between one client's requests, whose next prefill would fault it in again)."""
         with self._cond:
             trimmed = False
             while not self._queue and not running:
                 if self._closing:
-                    return None
+                    return False
                 if not self._cond.wait(None if trimmed else TRIM_AFTER_S) and not trimmed:
                     self._cond.release()  # a request arriving meanwhile is queued, not kept waiting
                     try:
@@ -220,17 +254,13 @@ class Scheduler:
                     finally:
                         self._cond.acquire()
                     trimmed = True
-            new = []
-            while self._queue and running + len(new) < self.max_batch:
-                new.append(self._queue.popleft())
-            self.metrics.set("queue_depth", len(self._queue))
-            return new
+            return True
 
     def _work(self) -> None:
         batch: list[tuple[Job, object]] = []  # decoding: (job, its RoutedDecoding), in admission order
         filling: list[tuple[Job, object]] = []  # prefilling: (job, its RoutedPrefilling), in admission order
         while (new := self._admit(len(batch) + len(filling))) is not None:
-            filling += [(job, task) for job in new if (task := self._prefilling(job)) is not None]
+            filling += new
             filling = [(job, task) for job, task in filling if not self._dropped(job)]
             batch = [(job, run) for job, run in batch if not self._dropped(job)]
             self._set_running(batch + filling)

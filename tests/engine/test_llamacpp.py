@@ -19,7 +19,7 @@ from adaptive.engine.engine import Engine  # noqa: E402
 from adaptive.engine.llamacpp import LlamaCppBackbone  # noqa: E402
 from adaptive.engine.loop import GenerationStats  # noqa: E402
 from adaptive.engine.skip import SkipSet  # noqa: E402
-from adaptive.errors import ConfigError, PromptTooLongError  # noqa: E402
+from adaptive.errors import ConfigError, ContextFullError, PromptTooLongError  # noqa: E402
 from adaptive.models import LoadedModel  # noqa: E402
 from tests.conftest import char_tokenizer  # noqa: E402
 from tests.helpers.decoding import decode_ids  # noqa: E402
@@ -260,6 +260,27 @@ def test_sequences_are_given_back_and_running_out_is_a_clear_error(tiny_gguf):
     assert c.seq == seq and c.written == 0
     assert cpp.forward(torch.tensor(PROMPT[:4]), c, 0).logits.shape == (1, cpp.vocab_size)
     del b, c
+    cpp.close()
+
+
+def test_free_positions_are_the_context_less_what_live_caches_were_made_for(tiny_gguf):
+    """The positions a new request can be sure of: each live cache holds what it was made for, given back
+    when it is released or collected (a reference cycle: only a collection gives them back)."""
+    cpp = LlamaCppBackbone(tiny_gguf[0], threads=1, context=64, sequences=4)
+    assert cpp.free_positions() == 64
+    a, b = cpp.new_cache(16), cpp.new_cache(30)
+    assert cpp.free_positions() == 64 - 46
+    a.release()
+    assert cpp.free_positions() == 64 - 30
+    b.cycle = b  # held by a reference cycle: not given back until collected
+    del b
+    assert cpp.free_positions() == 34 and cpp.free_positions(collect=True) == 64
+    c = cpp.new_cache(50)  # a cache that could overflow the context mid-request is refused at once
+    with pytest.raises(ContextFullError, match="20 positions are needed and live requests leave 14"):
+        cpp.new_cache(20)
+    c.cycle = c
+    del c
+    assert cpp.new_cache(20).max_len == 20  # a collection gave the held positions back first
     cpp.close()
 
 

@@ -149,6 +149,27 @@ def test_each_request_runs_on_the_engine_expected_first_and_decodes_losslessly(t
     assert r2.to_dict()["engine"] == "torch" and "engine_choice" in r2.to_dict()
 
 
+def test_a_request_goes_where_the_positions_it_needs_are_free(two):
+    """llama.cpp's live caches share one context: while they leave a request too few positions to decode
+    to its end the choice keeps it to torch (fits() says some engine can take it), then llama.cpp again."""
+    rt = _runtime(two)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    ids = rt.encode("what is 2 plus 5? answer:")
+    cpp = rt.runtimes["llama.cpp"]
+    assert rt.choose(len(ids), 16).engine == "llama.cpp" and cpp.fits(len(ids), 16)
+    held = cpp.engine.backbone.new_cache(cpp.engine.backbone.max_positions - len(ids) - 16)
+    assert not cpp.fits(len(ids), 16) and cpp.fits(1, 1) and rt.fits(len(ids), 16)
+    choice = rt.choose(len(ids), 16)
+    assert choice.engine == "torch" and [e.engine for e in choice.estimates] == ["torch"]
+    r = rt.generate("what is 2 plus 5? answer:", max_new_tokens=16)
+    assert r.engine == "torch"
+    held.release()
+    assert rt.choose(len(ids), 16).engine == "llama.cpp"
+    too_long = rt.runtimes["torch"].engine.backbone.max_positions
+    assert not rt.fits(too_long, 1) and not cpp.fits(too_long, 1)  # no context holds it
+    assert rt.room(ids) == max(m.room(ids) for m in rt.runtimes.values())
+
+
 def test_steps_take_turns_between_engines_and_the_load_moves_the_choice(two):
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine

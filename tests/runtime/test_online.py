@@ -208,3 +208,31 @@ def test_clustering_is_tried_every_half_cluster_of_new_requests(tiny_profile, lm
         vec = rng.normal(size=rt.profile.index.dim).astype(np.float32)
         rt.online.observe(Observation(vec, (1, 2), (3, 4), "global", flagged=True))
     assert calls == [4, 6, 8]
+
+
+def test_a_measurement_the_context_has_no_room_for_waits_for_later_quietly(tiny_profile, lm, tmp_path, monkeypatch):
+    """llama.cpp's served requests may hold the positions a measurement's race needs (ContextFullError):
+    the proposal's members go back to the buffer, no error is recorded, and the next attempt measures it."""
+    from adaptive.errors import ContextFullError
+    from adaptive.runtime import online as online_mod
+
+    real, calls = online_mod.measure_domain, []
+
+    def measure(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ContextFullError("100 positions are needed and live requests leave 20")
+        return real(*a, **k)
+
+    monkeypatch.setattr(online_mod, "measure_domain", measure)
+    p = scripted_profile(cascades(tiny_profile), lm)
+    settings = OnlineSettings(path=tmp_path / "t.online", background=False, min_cluster=4, measure_prompts=2)
+    rt = AdaptiveRuntime(p, lm, seed=0, online=settings)
+    for prompt in OOD[:4]:
+        rt.generate(prompt, max_new_tokens=8)
+    learner = rt.online
+    assert calls == [1] and not learner.learned and learner.errors == [] and len(learner.buffer) == 4
+    for prompt in OOD[4:6]:  # the next attempt (after min_cluster // 2 more requests) measures it
+        rt.generate(prompt, max_new_tokens=8)
+    assert len(calls) == 2 and list(learner.learned) == ["learned-1"], learner.errors
+    rt.close()

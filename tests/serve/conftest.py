@@ -82,8 +82,13 @@ class ScriptedRun:
 class ScriptedPrefill:
     """A prompt of ``n`` tokens prefilled ``chunk`` per advance (all at once for 0); then a ScriptedRun."""
 
-    def __init__(self, rt, n, chunk):
-        self.rt, self.remaining, self.chunk = rt, n, chunk
+    def __init__(self, rt, n, chunk, need=0):
+        self.rt, self.remaining, self.chunk, self.need, self.run = rt, n, chunk, need, None
+
+    @property
+    def live(self):
+        """Holds its positions: being prefilled, or decoding."""
+        return self.run is None or not self.run.done
 
     @property
     def can_ride(self):
@@ -109,7 +114,8 @@ class ScriptedPrefill:
         if self.remaining:
             return None
         self.rt.runs.append(ScriptedRun(self.rt, self.rt.pieces))
-        return self.rt.runs[-1]
+        self.run = self.rt.runs[-1]
+        return self.run
 
 
 class ScriptedRuntime:
@@ -129,6 +135,9 @@ class ScriptedRuntime:
         self.calls, self.runs, self.batches, self.encoded, self.prefilled = [], [], [], [], []
         self.carried = []  # the sizes of the prefill chunks carried by steps
         self.timeline = []  # "prefill N" and "step B" (+N: chunks it carried) in the order the worker ran them
+        self.shared = None  # positions live requests share (fits), None: no shared limit
+        self.held = 0  # of them, held by something other than the server's requests (an online measurement)
+        self.prefills = []
 
     def encode(self, prompt, chat=None):
         self.encoded.append(chat)
@@ -140,9 +149,19 @@ class ScriptedRuntime:
     def room(self, ids):
         return CONTEXT - len(ids) - 9
 
+    def fits(self, prompt_tokens, max_new_tokens):
+        """Always, unless ``shared`` is set: then live requests share that many positions (llama.cpp's
+        context), each holding its prompt's and new tokens' from its prefilling to its end."""
+        if self.shared is None:
+            return True
+        used = self.held + sum(p.need for p in self.prefills if p.live)
+        return used + prompt_tokens + max_new_tokens <= self.shared
+
     def prefilling(self, prompt_ids, **kw):
         self.calls.append(kw)
-        return ScriptedPrefill(self, len(prompt_ids), kw["chunk"])
+        need = len(prompt_ids) + kw["max_new_tokens"]
+        self.prefills.append(ScriptedPrefill(self, len(prompt_ids), kw["chunk"], need))
+        return self.prefills[-1]
 
     def step(self, runs, riders=()):
         assert runs and not any(r.done for r in runs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -196,6 +197,49 @@ def test_concurrent_jobs_share_steps_up_to_max_batch(loop):
         assert all(["".join(e.text for e in ev), ev[-1].kind] == ["abcde", "done"] for ev in results)
         assert max(rt.batches) == 2 and sum(rt.batches) == 3 * 4  # never more than two; each job stepped 4 times
         assert s.metrics.value("generated_tokens_total") == 15
+    finally:
+        s.close()
+
+
+def test_a_job_waits_for_the_positions_a_shared_context_has_left(loop):
+    """On an engine whose live requests share one context (llama.cpp), a request starts only when the
+    positions it needs are free: three requests of 10 positions in a context of 25 run two at a time,
+    the third once one has finished, and all three complete (none overflows the context mid-request)."""
+    rt = ScriptedRuntime(pieces=tuple("abcde"))
+    rt.gate = threading.Semaphore(0)
+    rt.shared = 25  # each job below holds 5 prompt and 5 new positions
+    s = Scheduler(rt, max_batch=8)
+    try:
+        results = run_together(s, rt, loop, 3)
+        assert all(["".join(e.text for e in ev), ev[-1].kind] == ["abcde", "done"] for ev in results)
+        assert max(rt.batches) == 2 and rt.batches[-1] == 1  # two at a time, the third alone at the end
+    finally:
+        s.close()
+    rt = ScriptedRuntime(pieces=tuple("ab"))  # positions held outside the batch: the job waits for them
+    rt.shared, rt.held = 25, 20
+    s = Scheduler(rt, max_batch=8)
+    try:
+        job = Job(chat(), Admission(tuple(range(5)), 5), loop)
+        s.submit(job)
+        threading.Timer(0.3, lambda: setattr(rt, "held", 0)).start()
+        t0 = time.perf_counter()
+
+        async def collect():
+            out = []
+            while not out or out[-1].kind == "delta":
+                out.append(await asyncio.wait_for(job.events.get(), 10))
+            return out
+
+        assert loop.run_until_complete(collect())[-1].kind == "done"
+        assert time.perf_counter() - t0 >= 0.3 and rt.prefills[0].need == 10
+    finally:
+        s.close()
+    rt = ScriptedRuntime(pieces=tuple("abcde"))  # the check can fail: without the limit all three run at once
+    rt.gate = threading.Semaphore(0)
+    s = Scheduler(rt, max_batch=8)
+    try:
+        run_together(s, rt, loop, 3)
+        assert max(rt.batches) == 3
     finally:
         s.close()
 
