@@ -146,6 +146,7 @@ class LoadedModel:
     weights: str = "dense"  # how the engine stores the linear layers: adaptive.engine.quant.WEIGHT_MODES
     engine: str = "torch"
     threads: int | None = None  # llama.cpp's threads (default: the CPUs this process may use)
+    context: int | None = None  # llama.cpp's positions, shared by its live caches (default: the model's, <= 8192)
     _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -154,13 +155,15 @@ class LoadedModel:
             raise ConfigError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES[1:])}")
         if (self.model is None) != (self.engine == llamacpp.ENGINE):
             raise ConfigError("a llama.cpp model has no torch model, and a torch model needs one")
+        if self.context is not None and self.engine != llamacpp.ENGINE:
+            raise ConfigError("context sizes llama.cpp's shared context; the torch engine sizes each request's cache")
 
     @cached_property
     def backbone(self):
         """The engine's view of the model. Quantized ``weights`` round the model's own weights in
         place and ``packed`` ones release them: its fingerprint (the dense model's identity) is taken before."""
         if self.engine == llamacpp.ENGINE:
-            return llamacpp.LlamaCppBackbone(self.source, threads=self.threads)
+            return llamacpp.LlamaCppBackbone(self.source, threads=self.threads, context=self.context)
         if self.weights != "dense":
             self.fingerprint()
         backbone = Backbone(self.model, self.weights)
@@ -468,7 +471,7 @@ def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
 
 def load_model(
     spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-    weights: str = "dense", engine: str = "auto", threads: int | None = None,
+    weights: str = "dense", engine: str = "auto", threads: int | None = None, context: int | None = None,
 ) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
@@ -478,8 +481,9 @@ def load_model(
     ``packed`` (the same values in oneDNN's layout, faster on a CPU), ``int8`` or ``int4`` weight-only
     quantization of the engine's linear layers (CPU; see :mod:`adaptive.engine.quant`); ``auto``:
     ``packed`` on a CPU whose oneDNN computes the dtype, else ``dense``. ``engine``: ``auto``, ``torch``
-    or ``llama.cpp`` (:func:`resolve_engine`); ``threads``: llama.cpp's. Raises :class:`ModelNotFoundError` naming what
-    was tried.
+    or ``llama.cpp`` (:func:`resolve_engine`); ``threads``: llama.cpp's; ``context``: the positions of llama.cpp's
+    context, shared by its live requests (default: the model's training context, at most 8192; never more than
+    it; a :class:`ConfigError` on the torch engine). Raises :class:`ModelNotFoundError` naming what was tried.
     """
     dev = resolve_device("cpu" if str(device) == "auto" and weights not in ("auto", "dense") else device)
     if weights != "auto":
@@ -488,7 +492,9 @@ def load_model(
     name = gguf.stem if spec.endswith(".gguf") else spec
     if resolve_engine(engine, gguf, dev, dtype, weights) == llamacpp.ENGINE:
         return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, "dense",
-                           engine=llamacpp.ENGINE, threads=threads)
+                           engine=llamacpp.ENGINE, threads=threads, context=context)
+    if context is not None:
+        raise ConfigError("context sizes llama.cpp's shared context; the torch engine sizes each request's cache")
     dt = resolve_dtype(dtype, dev)
     weights = resolve_weights(weights, dev, dt)
     if gguf is not None:

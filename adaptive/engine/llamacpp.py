@@ -194,8 +194,8 @@ class LlamaCppBackbone:
 
     ``threads``: llama.cpp's threads for decoding and prefill (default: the CPUs this process may
     use). ``context``: positions per sequence (default: the model's training context, at most
-    :data:`DEFAULT_CONTEXT`); the KV cache holds ``context`` cells shared by all live sequences
-    (llama.cpp's unified cache). ``sequences``: the most caches alive at once.
+    :data:`DEFAULT_CONTEXT`; never beyond the training context); the KV cache holds ``context`` cells
+    shared by all live sequences (llama.cpp's unified cache). ``sequences``: the most caches alive at once.
     """
 
     engine = ENGINE
@@ -231,7 +231,7 @@ class LlamaCppBackbone:
         self.vocab = lib.llama_model_get_vocab(model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self.vocab))
         train = int(lib.llama_model_n_ctx_train(model)) or DEFAULT_CONTEXT
-        self.max_positions = int(context) if context else min(train, DEFAULT_CONTEXT)
+        self.max_positions = min(int(context), train) if context else min(train, DEFAULT_CONTEXT)
         if self.max_positions < 16:
             raise ConfigError(f"context must be at least 16 positions, got {self.max_positions}")
         cparams = lib.llama_context_default_params()

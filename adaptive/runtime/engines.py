@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from adaptive.costs import extrapolate
+from adaptive.engine import llamacpp
 from adaptive.errors import ConfigError, StepFailed
 from adaptive.index.router import RouteDecision
 from adaptive.models import load_model
@@ -62,6 +63,11 @@ from adaptive.profile import (
 from adaptive.runtime.online import OnlineSettings
 from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
 from adaptive.runtime.turns import TurnLock
+
+# The llama.cpp member's context, in positions shared by its live requests. Its KV cache is allocated whole
+# (the embedded model: 23 KB a position, 189 MB for 8192): a request that does not fit goes to the torch
+# member, whose caches are the request's own, and long prompts go there anyway (the faster prefill).
+MEMBER_CONTEXT = 2048
 
 
 @dataclass(frozen=True)
@@ -158,17 +164,20 @@ class TwoEngineRuntime:
 
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | None = None, device: str = "auto",
-                     online: bool | OnlineSettings = True, **kwargs) -> TwoEngineRuntime:
+                     online: bool | OnlineSettings = True, context: int | None = MEMBER_CONTEXT,
+                     **kwargs) -> TwoEngineRuntime:
         """Load each member of a two-engine profile and its model on its engine (``model``: another
         spec of the same model, e.g. a path to its GGUF file). An explicit online overlay ``path``
-        becomes one per engine (``PATH.ENGINE``)."""
+        becomes one per engine (``PATH.ENGINE``). ``context``: the positions of the llama.cpp member's
+        shared context (:data:`MEMBER_CONTEXT`; ``None``: the model's, up to 8192)."""
         members = read_engines(directory)
         runtimes, lock = {}, kwargs.pop("model_lock", None) or TurnLock()
         for engine in members.engines:
             profile = load_profile(directory, engine)
             spec = model or profile.model.spec or profile.model.name
             lm = load_model(spec, device=device, dtype=(profile.model.dtype or "auto") if engine == "torch" else "auto",
-                            weights=profile.model.weights, engine=engine)
+                            weights=profile.model.weights, engine=engine,
+                            context=context if engine == llamacpp.ENGINE else None)
             runtimes[engine] = AdaptiveRuntime(profile, lm, online=_member_online(online, engine), model_lock=lock,
                                                **kwargs)
         return cls(runtimes, members.default)

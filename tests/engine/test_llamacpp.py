@@ -75,10 +75,16 @@ def test_layer_pools_come_from_the_prefill_itself_chunk_by_chunk(pair):
     assert close(rest[1], whole[1], 1e-4)
 
 
-def test_layer_pools_of_a_prompt_longer_than_llama_cpp_s_micro_batch(tiny_gguf):
+def test_layer_pools_of_a_prompt_longer_than_llama_cpp_s_micro_batch(tmp_path):
     """A forward of 700 tokens runs as two of llama.cpp's 512-token micro-batches: its layer rows are
     the whole batch's, in order (the same mean and last position as two forwards of 350)."""
-    cpp = LlamaCppBackbone(tiny_gguf[0], threads=2, context=1200, sequences=2)
+    from tests.conftest import tiny_lm, write_gguf
+
+    lm = tiny_lm("llama")
+    lm.model.config.max_position_embeddings = 1200  # a context of 1200 (the shared tiny model's is 512)
+    write_gguf(lm.model, lm.tokenizer, tmp_path / "long.gguf")
+    cpp = LlamaCppBackbone(tmp_path / "long.gguf", threads=2, context=1200, sequences=2)
+    assert cpp.max_positions == 1200
     ids = torch.tensor((PROMPT * 60)[:700])
     whole = cpp.forward(ids, cpp.new_cache(720), 0, logits="last", pool_layers=(1, 3)).layer_pools
     c = cpp.new_cache(720)
@@ -282,6 +288,17 @@ def test_free_positions_are_the_context_less_what_live_caches_were_made_for(tiny
     del c
     assert cpp.new_cache(20).max_len == 20  # a collection gave the held positions back first
     cpp.close()
+
+
+def test_a_context_is_never_beyond_the_models_and_only_llama_cpp_takes_one(tiny_gguf):
+    from adaptive.models import LoadedModel
+
+    path, torch_lm = tiny_gguf
+    train = LlamaCppBackbone(path, threads=1).max_positions  # the tiny model's own (below 8192)
+    assert LlamaCppBackbone(path, threads=1, context=train * 4).max_positions == train
+    assert LlamaCppBackbone(path, threads=1, context=32).max_positions == 32
+    with pytest.raises(ConfigError, match="torch engine sizes each request's cache"):
+        LoadedModel(torch_lm.model, torch_lm.tokenizer, "t", "-", torch.device("cpu"), torch.float32, context=64)
 
 
 def test_what_only_the_torch_engine_can_do_is_refused_clearly(pair):

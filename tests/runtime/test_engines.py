@@ -322,3 +322,23 @@ def test_one_member_served_alone_keeps_its_overlay_where_the_pair_would(two, mon
     assert seen["dir"] == out / "torch" and seen["online"].path == tmp_path / "learned.torch"
     open_runtime(out, engine="torch", online=False)
     assert seen["online"] is False
+
+
+def test_the_llama_cpp_member_gets_a_context_of_its_own_size(two, monkeypatch):
+    """Its KV cache is allocated whole: the member's is MEMBER_CONTEXT positions by default (requests that
+    do not fit go to torch, whose caches are each request's own); ``context=None`` keeps the model's."""
+    from adaptive.runtime import engines
+    from adaptive.runtime.engines import MEMBER_CONTEXT, TwoEngineRuntime
+
+    out, lms = two
+    asked = {}
+
+    def load(spec, engine, context=None, **kw):
+        asked[engine] = context
+        return lms[engine]
+
+    monkeypatch.setattr(engines, "load_model", load)
+    TwoEngineRuntime.from_profile(out, online=False).close()
+    assert asked == {"llama.cpp": MEMBER_CONTEXT, "torch": None}
+    TwoEngineRuntime.from_profile(out, online=False, context=None).close()
+    assert asked == {"llama.cpp": None, "torch": None}
