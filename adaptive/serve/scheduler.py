@@ -42,7 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from adaptive.errors import AdaptiveError, StepFailed
+from adaptive.errors import AdaptiveError, ContextFullError, StepFailed
 from adaptive.models import release_heap
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import Metrics
@@ -233,8 +233,17 @@ class Scheduler:
             with self._cond:
                 self._queue.popleft()
                 self.metrics.set("queue_depth", len(self._queue))
+            try:
+                task = self._prefilling(job)
+            except ContextFullError:  # the positions fits() saw were taken meanwhile (an online measurement's)
+                with self._cond:
+                    self._queue.appendleft(job)  # first again: it waits for room as if it had not fitted
+                    self.metrics.set("queue_depth", len(self._queue))
+                    if not running + taken:
+                        self._cond.wait(POLL_S)
+                break
             taken += 1
-            if (task := self._prefilling(job)) is not None:
+            if task is not None:
                 started.append((job, task))
         return started
 
@@ -286,7 +295,8 @@ class Scheduler:
         return False
 
     def _prefilling(self, job: Job):
-        """``job``'s RoutedPrefilling, or ``None`` when its client left or it failed."""
+        """``job``'s RoutedPrefilling, or ``None`` when its client left or it failed; :class:`ContextFullError`
+        (not the job's failure: positions held elsewhere) is the caller's to handle."""
         if self._dropped(job):
             return None
         req = job.request
@@ -294,6 +304,8 @@ class Scheduler:
             return self.runtime.prefilling(job.admission.prompt_ids, max_new_tokens=job.admission.max_tokens,
                                            temperature=req.temperature, top_p=req.top_p, stop=req.stop,
                                            seed=req.seed, policy=req.policy, chunk=self.prefill_chunk)
+        except ContextFullError:
+            raise
         except Exception as exc:  # noqa: BLE001 - becomes the job's error event
             self._fail([job], exc)
             return None

@@ -244,6 +244,30 @@ def test_a_job_waits_for_the_positions_a_shared_context_has_left(loop):
         s.close()
 
 
+def test_a_job_whose_positions_were_taken_after_it_fitted_waits_instead_of_failing(loop):
+    """Between fits() and its cache an online measurement may take the positions (ContextFullError): the
+    job goes back to the head of the queue and starts once there is room, with no error event."""
+    from adaptive.errors import ContextFullError
+
+    rt = ScriptedRuntime(pieces=tuple("ab"))
+    real, refusals = rt.prefilling, []
+
+    def prefilling(prompt_ids, **kw):
+        if len(refusals) < 2:
+            refusals.append(1)
+            raise ContextFullError("10 positions are needed and live requests leave 5")
+        return real(prompt_ids, **kw)
+
+    rt.prefilling = prefilling
+    s = Scheduler(rt)
+    try:
+        job, events = run_job(s, chat(), loop)
+        assert [e.kind for e in events][-1] == "done" and len(refusals) == 2
+        assert s.metrics.value("queue_depth") == 0
+    finally:
+        s.close()
+
+
 def test_long_prompts_are_prefilled_in_chunks_between_steps(loop):
     """A 90-token prompt with chunks of 32 is three chunks while a request decodes: the first two
     carried by that request's steps (one forward each), the last one a forward of its own (it picks
