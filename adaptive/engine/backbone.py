@@ -261,10 +261,9 @@ class Backbone:
         k, v = self.allocate_kv(max_len)
         return KVCache(k=k, v=v)
 
-    def free_positions(self, collect: bool = False) -> None:
-        """No limit shared between caches (each holds its own positions); llama.cpp's backbone answers
-        the positions its shared context has left."""
-        return None
+    def room_for(self, positions: int) -> bool:
+        """Always: each cache holds its own positions (llama.cpp's backbone answers for its shared context)."""
+        return True
 
     def warm_graphs(self, pooling=None, max_len: int = 1, skips: Sequence[SkipSet] = ()) -> int:
         """With CUDA graphs: capture the steps a request of up to ``max_len`` positions replays (decode,

@@ -322,9 +322,9 @@ class LlamaCppBackbone:
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the llama.cpp context is {self.max_positions}")
-        if max_len > self.free_positions() and max_len > (free := self.free_positions(collect=True)):
-            raise ContextFullError(f"{max_len} positions are needed and live requests leave {free} of the llama.cpp "
-                                   f"context's {self.max_positions}: retry when one has finished")
+        if not self.room_for(max_len):
+            raise ContextFullError(f"{max_len} positions are needed and live requests leave {self.free_positions()} "
+                                   f"of the llama.cpp context's {self.max_positions}: retry when one has finished")
         with self._lock:
             if not self._free_seqs:
                 gc.collect()  # caches of finished requests that a reference cycle still holds
@@ -347,6 +347,11 @@ class LlamaCppBackbone:
             gc.collect()
         with self._lock:
             return self.max_positions - sum(self._reserved.values())
+
+    def room_for(self, positions: int) -> bool:
+        """Whether a cache of ``positions`` can be made now without overflowing the shared context: they
+        are free (:meth:`free_positions`), after collecting finished requests' caches where they are not."""
+        return positions <= self.free_positions() or positions <= self.free_positions(collect=True)
 
     def _release(self, seq: int) -> None:
         if not self._closer.alive:

@@ -438,10 +438,7 @@ class AdaptiveRuntime:
         each hold their own positions."""
         bb = self.engine.backbone
         need = cache_positions(prompt_tokens, max_new_tokens, self.draft_len)
-        if need > bb.max_positions:
-            return False
-        free = bb.free_positions()
-        return free is None or need <= free or need <= bb.free_positions(collect=True)
+        return need <= bb.max_positions and bb.room_for(need)
 
     def config(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] | str = (), seed: int | None = None,

@@ -218,7 +218,7 @@ class Scheduler:
         is considered."""
         if not self._wait(running):
             return None
-        started, taken = [], 0
+        started, taken, blocked = [], 0, False
         while running + taken < self.max_batch:
             with self._cond:  # only this thread takes jobs: the head stays the head while the lock is out
                 if not self._queue:
@@ -226,9 +226,7 @@ class Scheduler:
                 job = self._queue[0]
             if not job.cancelled.is_set() and not self.runtime.fits(len(job.admission.prompt_ids),
                                                                     job.admission.max_tokens):
-                if not running + taken:  # held by no request of ours: an online measurement's, for a moment
-                    with self._cond:
-                        self._cond.wait(POLL_S)
+                blocked = True
                 break
             with self._cond:
                 self._queue.popleft()
@@ -239,12 +237,14 @@ class Scheduler:
                 with self._cond:
                     self._queue.appendleft(job)  # first again: it waits for room as if it had not fitted
                     self.metrics.set("queue_depth", len(self._queue))
-                    if not running + taken:
-                        self._cond.wait(POLL_S)
+                blocked = True
                 break
             taken += 1
             if task is not None:
                 started.append((job, task))
+        if blocked and not running + taken:  # held by none of our requests: an online measurement's, for a moment
+            with self._cond:
+                self._cond.wait(POLL_S)
         return started
 
     def _wait(self, running: int) -> bool:
