@@ -486,9 +486,12 @@ class Backbone:
         (``[t, n]``, True: may not look; ``None``: all may): ``[KV, G, t, D]``."""
         KV, G, t, D = q.shape
         n = keys.shape[1]
-        scores = torch.bmm(q.reshape(KV, G * t, D), keys.transpose(1, 2)).mul_(self.scaling)  # [KV, G*t, n]
+        # the queries scaled, not the scores (t*D values, not t*n; the order the CUDA graphs' step computes too)
+        scores = torch.bmm(q.reshape(KV, G * t, D) * self.scaling, keys.transpose(1, 2))  # [KV, G*t, n]
         if banned is not None:
-            scores.view(KV, G, t, n).masked_fill_(banned, float("-inf"))
+            # a query at position p may not see keys after p, and every such key is among the block's own
+            # last t: only those columns are masked (a whole row was ~7% of a batched step at 1,000 positions)
+            scores.view(KV, G, t, n)[..., n - t:].masked_fill_(banned[:, n - t:], float("-inf"))
         return torch.bmm(torch.softmax(scores, dim=-1), values).view(KV, G, t, D)
 
     def forward_argmax(self, input_ids: Sequence[int] | torch.Tensor, cache: KVCache, start: int) -> list[int]:

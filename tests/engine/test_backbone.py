@@ -209,3 +209,17 @@ def test_batched_forward_refuses_bad_segments():
         bb.forward_batch([Segment(torch.tensor([], dtype=torch.long), bb.new_cache(4), 0)])
     with pytest.raises(PromptTooLongError):
         bb.forward_batch([Segment(torch.tensor([1, 2, 3]), bb.new_cache(4), 2)])
+
+
+@pytest.mark.parametrize("T,start", [(1, 9), (4, 0), (4, 12), (7, 3)])
+def test_attention_masks_only_the_new_keys_and_equals_a_full_causal_softmax(T, start):
+    """_attend_block masks only its last t columns (the only keys a query may not see): the same
+    output as a softmax over the whole causal mask, for a verification after ``start`` positions."""
+    bb = Backbone(tiny_model("llama"))
+    KV, G, D, n = 2, 3, 8, start + T
+    q, k, v = torch.randn(KV, G, T, D), torch.randn(KV, n, D), torch.randn(KV, n, D)
+    out = bb._attend_block(q, k, v, bb._banned(T, start))
+    allowed = torch.arange(n)[None, :] <= (start + torch.arange(T))[:, None]  # [T, n]
+    scores = torch.einsum("kgtd,knd->kgtn", q, k) * bb.scaling
+    ref = torch.einsum("kgtn,knd->kgtd", torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), v)
+    assert torch.allclose(out, ref, atol=1e-5)
