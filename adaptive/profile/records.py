@@ -403,12 +403,15 @@ class Profile:
                 f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}"
             ) from None
 
-    def skip_sets(self) -> tuple[SkipSet, ...]:
+    def skip_sets(self, every: bool = False) -> tuple[SkipSet, ...]:
         """The distinct skip sets the domains' decisions draft with (the global record's too): a layer-skip
-        decision's, and a cascade's whose plan has a layer-skip level; what a server captures at startup."""
+        decision's, and a cascade's whose plan has a layer-skip level. ``every``: each record's skip set
+        whatever its decision, as the policies that force layer skipping draft with (``knn-skip``,
+        ``ssd-static``, ``cascade``): what a server, which any request may ask for them, captures at startup."""
         out: dict[SkipSet, None] = {}
         for d in (*self.domains.values(), self.global_set):
-            drafts = d.decision.drafter == "ssd" or (d.decision.drafter == "cascade" and d.cascade.max_split > 0)
+            cascade = d.decision.drafter == "cascade" and d.cascade.max_split > 0
+            drafts = every or d.decision.drafter == "ssd" or cascade
             if drafts and d.layer_skip.skip:
                 out[d.layer_skip.skip] = None
         return tuple(out)

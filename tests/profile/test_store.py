@@ -216,3 +216,5 @@ def test_skip_sets_are_those_the_decisions_draft_with(prof):
     p.domains[names[2]] = replace(p.domains[names[2]], decision=Decision("ar"))
     p.global_set = replace(p.global_set, layer_skip=replace(p.global_set.layer_skip, skip=SkipSet((2,), ())))
     assert p.skip_sets() == (a,)  # the global record decides prompt lookup: its skip set drafts nothing
+    # every record's skip set, as knn-skip / ssd-static / cascade draft with whatever the decision
+    assert set(p.skip_sets(every=True)) == {a, b, SkipSet((2,), ())} and len(p.skip_sets(every=True)) == 3

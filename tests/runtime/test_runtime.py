@@ -332,9 +332,10 @@ def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, draft
         assert r.result().token_ids == _ar(runtime, q, 16)
 
 
-def test_warm_captures_the_skip_sets_the_domains_draft_with(runtime, monkeypatch):
-    """A server's startup warms the routing prefill and every skip set its decisions draft with (the
-    backbone captures them: tests/engine/test_graphs.py); 0 graphs without CUDA graphs."""
+def test_warm_captures_every_skip_set_a_request_may_draft_with(runtime, monkeypatch):
+    """A server's startup warms the routing prefill and every record's skip set: those its decisions draft
+    with and those a request asking for knn-skip or ssd-static would (the backbone captures them:
+    tests/engine/test_graphs.py); 0 graphs without CUDA graphs."""
     got = {}
 
     def warm_graphs(pooling=None, max_len=1, skips=()):
@@ -344,6 +345,7 @@ def test_warm_captures_the_skip_sets_the_domains_draft_with(runtime, monkeypatch
     monkeypatch.setattr(runtime.engine.backbone, "warm_graphs", warm_graphs)
     assert runtime.warm() == 7
     assert got["pooling"] == runtime.profile.index.pooling
-    assert got["skips"] == runtime.profile.skip_sets() and got["skips"]  # ssd domains: their skip sets
+    assert got["skips"] == runtime.profile.skip_sets(every=True) and got["skips"]
+    assert set(runtime.profile.skip_sets()) <= set(got["skips"])  # the decisions' own among them
     monkeypatch.undo()
     assert runtime.warm() == 0  # the CPU: no graphs
