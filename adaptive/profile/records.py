@@ -403,16 +403,14 @@ class Profile:
                 f"the profile has no domain {name!r}; it has {', '.join(sorted(self.domains))}"
             ) from None
 
-    def skip_sets(self, every: bool = False) -> tuple[SkipSet, ...]:
-        """The distinct skip sets the domains' decisions draft with (the global record's too): a layer-skip
-        decision's, and a cascade's whose plan has a layer-skip level. ``every``: each record's skip set
-        whatever its decision, as the policies that force layer skipping draft with (``knn-skip``,
-        ``ssd-static``, ``cascade``): what a server, which any request may ask for them, captures at startup."""
+    def skip_sets(self) -> tuple[SkipSet, ...]:
+        """Each record's skip set (the global record's too), distinct: those the decisions draft with (a
+        layer-skip decision's, a cascade's with a layer-skip level) and those a request may ask for with a
+        policy that forces layer skipping whatever the decision (``knn-skip``, ``ssd-static``, ``cascade``);
+        what a server captures at startup."""
         out: dict[SkipSet, None] = {}
         for d in (*self.domains.values(), self.global_set):
-            cascade = d.decision.drafter == "cascade" and d.cascade.max_split > 0
-            drafts = every or d.decision.drafter == "ssd" or cascade
-            if drafts and d.layer_skip.skip:
+            if d.layer_skip.skip:
                 out[d.layer_skip.skip] = None
         return tuple(out)
 
