@@ -322,10 +322,11 @@ class LlamaCppBackbone:
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the llama.cpp context is {self.max_positions}")
-        if not self.room_for(max_len):
-            raise ContextFullError(f"{max_len} positions are needed and live requests leave {self.free_positions()} "
-                                   f"of the llama.cpp context's {self.max_positions}: retry when one has finished")
-        with self._lock:
+        with self._lock:  # checked and reserved under one lock: two callers cannot both take the last room
+            if not self.room_for(max_len):
+                raise ContextFullError(f"{max_len} positions are needed and live requests leave "
+                                       f"{self.free_positions()} of the llama.cpp context's {self.max_positions}: "
+                                       "retry when one has finished")
             if not self._free_seqs:
                 gc.collect()  # caches of finished requests that a reference cycle still holds
             if not self._free_seqs:
