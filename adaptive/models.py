@@ -131,6 +131,13 @@ class ModelFingerprint:
             other.model_type, other.n_layers, other.config_hash, other.weights_hash)
 
 
+def _check_context(context: int | None, engine: str) -> None:
+    """A :class:`ConfigError` for a ``context`` given to an engine other than llama.cpp, the one whose live
+    caches share a context that it sizes."""
+    if context is not None and engine != llamacpp.ENGINE:
+        raise ConfigError("context sizes llama.cpp's shared context; the torch engine sizes each request's cache")
+
+
 @dataclass
 class LoadedModel:
     """A target model ready for the engine: its tokenizer, where it came from, and either the HF model
@@ -155,8 +162,7 @@ class LoadedModel:
             raise ConfigError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES[1:])}")
         if (self.model is None) != (self.engine == llamacpp.ENGINE):
             raise ConfigError("a llama.cpp model has no torch model, and a torch model needs one")
-        if self.context is not None and self.engine != llamacpp.ENGINE:
-            raise ConfigError("context sizes llama.cpp's shared context; the torch engine sizes each request's cache")
+        _check_context(self.context, self.engine)
 
     @cached_property
     def backbone(self):
@@ -493,8 +499,7 @@ def load_model(
     if resolve_engine(engine, gguf, dev, dtype, weights) == llamacpp.ENGINE:
         return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, "dense",
                            engine=llamacpp.ENGINE, threads=threads, context=context)
-    if context is not None:
-        raise ConfigError("context sizes llama.cpp's shared context; the torch engine sizes each request's cache")
+    _check_context(context, "torch")  # before the torch model loads
     dt = resolve_dtype(dtype, dev)
     weights = resolve_weights(weights, dev, dt)
     if gguf is not None:
