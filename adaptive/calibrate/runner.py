@@ -43,6 +43,7 @@ from adaptive.engine.config import Pooling
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
 from adaptive.index.choice import choose_pooling, pooling_key
+from adaptive.index.lexicon import Lexicon
 from adaptive.models import LoadedModel, ModelFingerprint
 from adaptive.profile import (
     ENGINES_FILE,
@@ -132,12 +133,15 @@ def _domain_tasks(prep: dict[str, Prepared], index: AnchorIndex, costs: CostMode
 
 
 def _profile(fingerprint: ModelFingerprint, s: CalibrationSettings, costs: CostModel, records: list,
-             index: AnchorIndex, extra_settings: dict) -> Profile:
+             index: AnchorIndex, extra_settings: dict, encoded: dict[str, list[list[int]]]) -> Profile:
+    """The profile of a finished calibration; ``encoded``: each domain's prompts as the runtime encodes
+    them, for its :class:`~adaptive.index.lexicon.Lexicon`."""
     *domains, glob = records
     measure, others = MeasureSettings.split({**s.to_dict(), **extra_settings})
     return Profile(model=fingerprint, settings=measure, runtime=s.runtime, cost_model=costs,
                    domains={d.name: d for d in domains}, global_set=glob, index=index,
-                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), version=__version__, calibration=others)
+                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), version=__version__, calibration=others,
+                   lexicon=Lexicon.fit(encoded))
 
 
 def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str | Path,
@@ -191,7 +195,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             worker.bars = None
         seconds = round(time.perf_counter() - started, 1)
         run = {"jobs": jobs, "backend": backend, "seconds": seconds, "pooling": choice}
-        profile = _profile(fingerprint, s, costs, records, index, run)
+        profile = _profile(fingerprint, s, costs, records, index, run, encoded)
         save_profile(profile, out)
     return profile
 

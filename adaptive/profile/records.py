@@ -23,6 +23,7 @@ from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.index.anchors import AnchorIndex
+from adaptive.index.lexicon import Lexicon
 from adaptive.models import ModelFingerprint
 
 DECISIONS = ("ar", "ssd", "pld", "cascade")  # what calibration may decide a domain decodes with
@@ -364,7 +365,9 @@ class Profile:
     """A loaded (or freshly calibrated) profile. ``settings``: how its domains were measured (what
     the runtime reads of the calibration's settings); ``calibration``: the calibration's other
     settings and its run (``space``, ``trials``, ..., ``jobs``, ``backend``, ``seconds``) as recorded,
-    shown by ``adaptive profile show`` and read by nothing. ``profile.json`` holds both under ``settings``."""
+    shown by ``adaptive profile show`` and read by nothing. ``profile.json`` holds both under ``settings``.
+    ``lexicon``: the domains guessed from token ids alone, which price the two-engine runtime's choice
+    (:mod:`adaptive.index.lexicon`; ``None`` in profiles calibrated before it)."""
 
     model: ModelFingerprint
     settings: MeasureSettings
@@ -379,6 +382,7 @@ class Profile:
     distilled: dict[str, DistilledRecord] = field(default_factory=dict)
     distilled_weights: dict = field(default_factory=dict, repr=False)  # kind -> {name: tensor}
     calibration: dict = field(default_factory=dict)
+    lexicon: Lexicon | None = None
 
     def distilled_drafter(self, kind: str) -> tuple[DistilledRecord, dict]:
         """``(record, weights)`` of the drafter ``kind`` trained by ``adaptive distill``, or :class:`ProfileError`."""
@@ -414,10 +418,13 @@ class Profile:
                 out[d.layer_skip.skip] = None
         return tuple(out)
 
-    def seconds_per_token(self) -> float:
-        """Expected seconds per new token before the request is routed: each domain's
-        :meth:`DomainRecord.seconds_per_token` weighted by its calibration prompts (the global
-        record's without domains)."""
+    def seconds_per_token(self, domain: str | None = None) -> float:
+        """Expected seconds per new token before the request is routed: ``domain``'s
+        :meth:`DomainRecord.seconds_per_token` where it is one of the profile's domains (a guess, e.g.
+        :meth:`Lexicon.guess <adaptive.index.lexicon.Lexicon.guess>`), else each domain's weighted by
+        its calibration prompts (the global record's without domains)."""
+        if domain in self.domains:
+            return self.domains[domain].seconds_per_token(self.cost_model)
         doms = [d for d in self.domains.values() if d.prompts > 0] or [self.global_set]
         weights = [max(d.prompts, 1) for d in doms]
         return sum(w * d.seconds_per_token(self.cost_model) for w, d in zip(weights, doms)) / sum(weights)

@@ -10,6 +10,7 @@ Layout (documented in docs/profile.md)::
       bigrams.npz         each domain's bigram table for the cascade's statistical drafter
       vocab.npz           each domain's reduced draft vocabulary (token ids)
       distilled.safetensors  trained drafters (``adaptive distill``): the early-exit block, a draft model
+      lexicon.npz         the domains' TF-IDF centroids over token ids (adaptive.index.lexicon)
 
 ``profile.json`` records the SHA-256 of the other files, so a truncated or altered file is
 reported as such. A profile is written to a temporary sibling directory and renamed into place:
@@ -34,6 +35,7 @@ from adaptive.costs import CostModel
 from adaptive.drafters.ngram import BigramTable
 from adaptive.errors import ConfigError, SkipSetError
 from adaptive.index.anchors import AnchorIndex, IndexFileError
+from adaptive.index.lexicon import Lexicon
 from adaptive.profile.engines import is_two_engine, member_dir
 from adaptive.profile.records import (
     DistilledRecord,
@@ -51,7 +53,8 @@ FORMAT = "adaptive-profile"
 BIGRAMS = "bigrams.npz"
 VOCAB = "vocab.npz"
 DISTILLED = "distilled.safetensors"
-OPTIONAL_FILES = (BIGRAMS, VOCAB, DISTILLED)
+LEXICON = "lexicon.npz"
+OPTIONAL_FILES = (BIGRAMS, VOCAB, DISTILLED, LEXICON)
 
 
 def _sha256(path: Path) -> str:
@@ -109,6 +112,10 @@ def save_profile(profile: Profile, out: str | Path) -> Path:
         if profile.distilled_weights:
             _save_distilled(profile, tmp / DISTILLED)
             names.append(DISTILLED)
+        if profile.lexicon is not None:
+            with open(tmp / LEXICON, "wb") as f:
+                np.savez_compressed(f, **profile.lexicon.to_arrays())
+            names.append(LEXICON)
         data["files"] = {name: _sha256(tmp / name) for name in names}
         with open(tmp / "profile.json", "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
@@ -168,6 +175,18 @@ def _load_distilled(path: Path, kinds) -> dict:
     if empty:
         raise ProfileError(f"{f}: holds no weights for the distilled {', '.join(empty)} drafter")
     return out
+
+
+def _load_lexicon(path: Path, files: dict) -> Lexicon | None:
+    """The profile's lexicon where ``profile.json`` lists one (its checksum already checked)."""
+    if LEXICON not in files:
+        return None
+    f = path / LEXICON
+    try:
+        with np.load(f, allow_pickle=False) as z:
+            return Lexicon.from_arrays(z)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise ProfileError(f"{f}: unreadable or inconsistent ({type(exc).__name__}: {exc})") from None
 
 
 def _table_arrays(kind: str, dp: DomainRecord) -> dict[str, np.ndarray] | None:
@@ -283,6 +302,7 @@ def load_profile(path: str | Path, engine: str | None = None) -> Profile:
         runtime = RuntimeSettings.from_dict(data.get("runtime", {}))
         distilled = {k: from_json(DistilledRecord, r, f"distilled {k}") for k, r in data.get("distilled", {}).items()}
         weights = _load_distilled(path, list(distilled))
+        lexicon = _load_lexicon(path, files)
     except ProfileError:
         raise
     except (KeyError, TypeError, ValueError, SkipSetError) as exc:
@@ -291,9 +311,13 @@ def load_profile(path: str | Path, engine: str | None = None) -> Profile:
     missing = set(index.labels) - set(domains)
     if missing:
         raise ProfileError(f"{pj}: anchors labelled {sorted(missing)} have no domain entry")
+    unknown = set(lexicon.names) - set(domains) if lexicon is not None else set()
+    if unknown:
+        raise ProfileError(f"{path / LEXICON}: domains {sorted(unknown)} have no domain entry")
     return Profile(model=model, settings=settings, runtime=runtime, cost_model=costs, domains=domains, global_set=glob,
                    index=index, created=str(data.get("created", "")), version=str(data.get("adaptive_version", "")),
-                   path=path, distilled=distilled, distilled_weights=weights, calibration=calibration)
+                   path=path, distilled=distilled, distilled_weights=weights, calibration=calibration,
+                   lexicon=lexicon)
 
 
 def _measure_settings(pj: Path, recorded) -> tuple[MeasureSettings, dict]:

@@ -15,11 +15,15 @@ that adds the least time to the machine's work::
 
 ``prefill_s``: the engine's prefill times measured by calibration at a few prompt lengths,
 interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`);
-``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup,
-averaged over the profile's domains by their calibration prompts
-(:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`): the choice is made
-before the prompt is prefilled, so before any embedding routes it; each engine then routes the
-request with its own prefill's embedding, as a one-engine runtime does, at no extra cost.
+``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup
+(:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`) in the domain the
+prompt's token ids suggest (:meth:`TwoEngineRuntime.guess_domain`: the default member's
+:class:`~adaptive.index.lexicon.Lexicon`, TF-IDF centroids fitted at calibration, microseconds a
+request), averaged over the profile's domains by their calibration prompts where the profile has
+no lexicon or the prompt holds none of its tokens. The choice is made before the prompt is
+prefilled, so before any embedding routes it; each engine then routes the request with its own
+prefill's embedding, as a one-engine runtime does, at no extra cost: the guess prices, it does not
+route.
 ``added_step`` (:func:`added_step`) prices the load: an idle engine's step is a whole step (1); an
 engine already decoding ``b`` requests (those admitted and still prefilling included) steps them
 with this one in one forward over ``b + 1`` rows, so the request adds only its verify table's
@@ -91,22 +95,26 @@ class EngineEstimate:
 @dataclass(frozen=True)
 class EngineChoice:
     """Where a request runs and why: the ``engine`` whose estimate is least among ``estimates`` (ties:
-    the first), for ``prompt_tokens`` and ``new_tokens``."""
+    the first), for ``prompt_tokens`` and ``new_tokens``, each engine's pace that of ``domain`` (the
+    domain guessed from the prompt's tokens; ``None``: the average over domains)."""
 
     engine: str
     estimates: tuple[EngineEstimate, ...]
     prompt_tokens: int
     new_tokens: int
+    domain: str | None = None
 
     @property
     def reason(self) -> str:
-        """E.g. ``"expected 0.88 s on llama.cpp, 1.70 s on torch"`` (the chosen engine first)."""
+        """E.g. ``"expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa)"`` (the chosen engine first)."""
         ordered = sorted(self.estimates, key=lambda e: e.engine != self.engine)
-        return "expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered)
+        priced = f" (priced as {self.domain})" if self.domain is not None else ""
+        return "expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered) + priced
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
-                "new_tokens": self.new_tokens, "estimates": [e.to_dict() for e in self.estimates]}
+                "new_tokens": self.new_tokens, "domain": self.domain,
+                "estimates": [e.to_dict() for e in self.estimates]}
 
 
 def added_step(verify: Sequence[float], running: int) -> float:
@@ -119,21 +127,24 @@ def added_step(verify: Sequence[float], running: int) -> float:
     return max(extrapolate(verify, running) - extrapolate(verify, running - 1), 0.0)
 
 
-def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0) -> EngineEstimate:
+def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0,
+             domain: str | None = None) -> EngineEstimate:
     """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
-    and ``new_tokens`` at its expected pace, each step priced by :func:`added_step` with ``running``
-    requests already decoding there."""
-    per_token = profile.seconds_per_token() * added_step(profile.cost_model.verify, running)
+    and ``new_tokens`` at its expected pace in ``domain`` (``None`` or not one of its domains: the
+    average, :meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`), each
+    step priced by :func:`added_step` with ``running`` requests already decoding there."""
+    per_token = profile.seconds_per_token(domain) * added_step(profile.cost_model.verify, running)
     return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(prompt_tokens),
                           new_tokens * per_token)
 
 
-def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int) -> EngineChoice:
-    """The engine with the least expected time (the first among equals)."""
+def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
+           domain: str | None = None) -> EngineChoice:
+    """The engine with the least expected time (the first among equals), priced as ``domain``."""
     if not estimates:
         raise ValueError("no engine to choose from")
     best = min(estimates, key=lambda e: e.expected_s)
-    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens)
+    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain)
 
 
 class TwoEngineRuntime:
@@ -245,17 +256,26 @@ class TwoEngineRuntime:
 
     # -- the choice ------------------------------------------------------------------------------
 
-    def choose(self, prompt_tokens: int, new_tokens: int) -> EngineChoice:
+    def guess_domain(self, prompt_ids: Sequence[int]) -> str | None:
+        """The domain the prompt's token ids suggest (the default member's
+        :class:`~adaptive.index.lexicon.Lexicon`), which prices the choice; ``None`` where the profile has
+        no lexicon (calibrated before it) or the prompt holds none of its tokens."""
+        lexicon = self.profile.lexicon
+        return lexicon.guess(prompt_ids) if lexicon is not None else None
+
+    def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None) -> EngineChoice:
         """Where a request of ``prompt_tokens`` and ``new_tokens`` runs, among the engines that can take it
-        now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the cost
-        (see the module docstring)."""
+        now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the cost,
+        each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
+        domains; see the module docstring)."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
         # the engines that can take it now; none (its caller did not ask fits()): every engine, and the
         # one chosen says why it cannot
         names = self._fitting(prompt_tokens, new_tokens) or list(self.runtimes)
-        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens, running[name]) for name in names]
-        return choose(estimates, prompt_tokens, new_tokens)
+        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens, running[name], domain)
+                     for name in names]
+        return choose(estimates, prompt_tokens, new_tokens, domain)
 
     def _track(self, engine: str, run: RoutedDecoding, choice: EngineChoice) -> RoutedDecoding:
         run.engine_choice = choice.to_dict()
@@ -270,7 +290,7 @@ class TwoEngineRuntime:
         """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
-        choice = self.choose(len(ids), max_new_tokens)
+        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids))
         return self.runtimes[choice.engine].stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(),
                                                        **options)
 
@@ -288,7 +308,7 @@ class TwoEngineRuntime:
 
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> _ChosenPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
-        choice = self.choose(len(prompt_ids), max_new_tokens)
+        choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids))
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
         with self._live_lock:

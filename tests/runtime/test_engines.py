@@ -149,6 +149,44 @@ def test_each_request_runs_on_the_engine_expected_first_and_decodes_losslessly(t
     assert r2.to_dict()["engine"] == "torch" and "engine_choice" in r2.to_dict()
 
 
+def test_estimate_prices_a_known_domain_at_its_own_pace(two):
+    from adaptive.runtime.engines import estimate
+
+    p = load_profile(two[0], "torch")
+    p.cost_model = replace(p.cost_model, step_ms=10.0, prefill=((100, 50.0),))
+    p.domains = {n: replace(d, measurements=(), decision=replace(d.decision, speedup=2.0 if n == "code" else 1.0))
+                 for n, d in p.domains.items()}
+    code = estimate(p, 100, 64, domain="code")
+    assert code.prefill_s == pytest.approx(0.05) and code.decode_s == pytest.approx(64 * 0.010 / 2.0)
+    assert estimate(p, 100, 64, domain="math").decode_s == pytest.approx(0.64)
+    # no domain, or one the profile does not have: the average over domains, by calibration prompts
+    average = 64 * 0.010 * (1 / 2.0 + 2 * 1.0) / 3
+    assert estimate(p, 100, 64).decode_s == pytest.approx(average)
+    assert estimate(p, 100, 64, domain="poetry").decode_s == pytest.approx(average)
+
+
+def test_the_domain_guessed_from_the_prompt_prices_the_choice(two):
+    rt = _runtime(two)
+    _set_costs(rt, llama_prefill_ms_per_token=1.0, torch_prefill_ms_per_token=1.0)
+    code, chat = "def f9(x): return x * 9 + 10", "hello there friend number 9, how are you today?"
+    assert rt.guess_domain(rt.encode(code)) == "code" and rt.guess_domain(rt.encode(chat)) == "chat"
+    # the torch engine's routed decision in code drafts 4x faster than plain decoding (25 / 4 ms a token
+    # against llama.cpp's 9): code goes to torch, chat (plain decoding there) stays on llama.cpp
+    t = rt.runtimes["torch"].profile
+    t.domains["code"] = replace(t.domains["code"], decision=replace(t.domains["code"].decision, speedup=4.0))
+    r = rt.generate(code, max_new_tokens=8, policy="ar")
+    assert r.engine == "torch" and r.engine_choice["domain"] == "code"
+    assert r.engine_choice["reason"].endswith("(priced as code)")
+    r2 = rt.generate(chat, max_new_tokens=8, policy="ar")
+    assert r2.engine == "llama.cpp" and r2.engine_choice["domain"] == "chat"
+    # without a lexicon (a profile calibrated before it): the average pace, no domain named
+    rt.runtimes["llama.cpp"].profile.lexicon = None
+    assert rt.guess_domain(rt.encode(code)) is None
+    r3 = rt.generate(code, max_new_tokens=8, policy="ar")
+    assert r3.engine_choice["domain"] is None and "priced as" not in r3.engine_choice["reason"]
+    assert r3.engine == "llama.cpp"  # the average, (25 / 4 + 25 + 25) / 3 ms a token, loses to 9
+
+
 def test_a_request_goes_where_the_positions_it_needs_are_free(two):
     """llama.cpp's live caches share one context: while they leave a request too few positions to decode
     to its end the choice keeps it to torch (fits() says some engine can take it), then llama.cpp again."""
