@@ -27,9 +27,10 @@ the guess is ``a``.
 
 The guess only prices the choice of engine; the engine chosen then routes the request with its own
 prefill's embedding (:class:`~adaptive.index.anchors.AnchorIndex`), as before. On the Spec-Bench
-groups (the embedded model's tokenizer, 16 calibration prompts per group, the 32 after them held
-out) it named the group of 166 of 192 held-out prompts, every translation and summarization one;
-most misses were MT-bench's mixed prompts (docs/history/2026-11-26-two-engines.md, "Fifth session").
+groups (the embedded model's tokenizer and chat template, 16 calibration prompts per group, the 32
+after them held out) it named the group of 167 of 192 held-out prompts, every translation, QA and
+summarization one; 23 of the 25 misses were MT-bench's mixed prompts
+(docs/history/2026-11-26-two-engines.md, "Fifth session").
 """
 
 from __future__ import annotations
