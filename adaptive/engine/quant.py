@@ -36,6 +36,7 @@ dequantized ``[0.504, -1.0, 0.252]``.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 
@@ -79,6 +80,27 @@ def check_packing(dtype: torch.dtype) -> None:
                           "this CPU, which it lacks: use --weights dense")
 
 
+# Entries each of oneDNN's primitive cache and of ideep's (PyTorch's oneDNN wrapper) may hold: a packed product
+# is made once per weight shape and row count and kept, ~0.65 MB each on the 2-core AVX512-BF16 host,
+# up to 1,024 of each by default. A server meets a new row count with every prompt length and batch.
+PRODUCT_CACHE_ENTRIES = 128
+PRODUCT_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_product_caches() -> None:
+    """Bound the caches of packed products to :data:`PRODUCT_CACHE_ENTRIES` entries each, where the
+    environment does not set them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``).
+
+    Why: with the defaults (1,024 each) a two-engine server of the embedded model grew from 913 to
+    1,140-1,182 MiB over 192 held-out requests and kept growing; bounded, it stayed at 998-999 MiB,
+    at the same throughput within the host's noise (docs/history/2026-11-26-two-engines.md, "Fifth
+    session"). A product made again costs ~1 ms (a layer's four shapes ~4 ms, a 300-token prefill
+    ~170 ms). Both libraries read the variables once, when they first make a product: called before
+    the first packing; a process that ran oneDNN products before keeps the capacities it had."""
+    for var in PRODUCT_CACHE_VARIABLES:
+        os.environ.setdefault(var, str(PRODUCT_CACHE_ENTRIES))
+
+
 PACKED_ROW_CANDIDATES = (4, 6, 8)  # row counts a packed product of fewer rows may be padded to (probed)
 
 
@@ -94,6 +116,7 @@ def packed_rows(dtype: torch.dtype) -> int:
     and a verification of up to 6 tokens costs ~1.09 plain steps; fp32 there: 1 (no padding). Rows
     are computed independently: what fills the padding changes no real row, and every product of a
     process pads alike, so plain decoding and verification share the kernel."""
+    bound_product_caches()
     # 126 MB in bf16: larger than a cache, as a model's weights are (a cached weight streams faster)
     weight = torch.ops.mkldnn._reorder_linear_weight(torch.full((40960, 1536), 0.01, dtype=dtype), 1)
     times: dict[int, list[float]] = {m: [] for m in (1, *PACKED_ROW_CANDIDATES)}
@@ -178,6 +201,7 @@ class Linear:
         with torch.no_grad():
             if mode == "packed":
                 check_packing(weight.dtype)
+                bound_product_caches()
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
                 return cls("packed", packed, bias, shape=shape)
             if mode == "int8":

@@ -1,7 +1,10 @@
 """Weight-only quantization: literal worked examples, the kernels against their dequantized weights,
 greedy equality with plain decoding on the same weights, and clear errors."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,3 +213,47 @@ def test_quantized_weights_are_audited_at_bf16_tolerance():
     other = ref[:3] + [(ref[3] + 1) % lm.model.config.vocab_size] + ref[4:]
     a = audit_divergence(lm.backbone, prompt, ref, other)
     assert a.position == 3 and a.tolerance == MARGIN_TOLERANCE[torch.bfloat16]
+
+
+def test_product_caches_are_bounded_unless_the_environment_says_otherwise(monkeypatch):
+    from adaptive.engine.quant import PRODUCT_CACHE_ENTRIES, PRODUCT_CACHE_VARIABLES, bound_product_caches
+
+    for var in PRODUCT_CACHE_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")  # the user's choice stands
+    bound_product_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(PRODUCT_CACHE_ENTRIES)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+_GROWTH = """
+import sys, torch
+from adaptive.engine.quant import Linear
+def rss():
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')) / 1024
+lin = Linear.build(torch.randn(256, 128), None, "packed")  # bounds the caches before its first product
+lin(torch.randn(1, 128))
+before = rss()
+with torch.inference_mode():
+    for m in range(2, 402):
+        lin(torch.randn(m, 128))
+print(rss() - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not packing_supported(torch.float32) or not os.path.exists("/proc/self/status"),
+                    reason="needs oneDNN's packed kernels and /proc")
+def test_a_process_making_products_of_many_row_counts_stays_bounded():
+    """400 row counts: with the libraries' default capacities (1,024 each) every product is kept; with
+    the bound, at most 128 of each."""
+    def growth(**env) -> float:
+        out = subprocess.run([sys.executable, "-c", _GROWTH], env={**os.environ, **env}, capture_output=True,
+                             text=True, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    bounded = growth()
+    unbounded = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    if unbounded < 40:
+        pytest.skip(f"products kept here cost too little memory to tell apart ({unbounded:.0f} MiB for 400)")
+    assert bounded < 0.6 * unbounded, (bounded, unbounded)
