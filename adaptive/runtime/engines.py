@@ -18,7 +18,7 @@ interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill
 ``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup
 (:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`) in the domain the
 prompt's token ids suggest (:meth:`TwoEngineRuntime.guess_domain`: the default member's
-:class:`~adaptive.index.lexicon.Lexicon`, TF-IDF centroids fitted at calibration, microseconds a
+:class:`~adaptive.index.lexicon.Lexicon`, TF-IDF centroids fitted at calibration, ~0.1 ms a
 request), averaged over the profile's domains by their calibration prompts where the profile has
 no lexicon or the prompt holds none of its tokens. The choice is made before the prompt is
 prefilled, so before any embedding routes it; each engine then routes the request with its own
