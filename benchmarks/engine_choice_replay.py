@@ -57,6 +57,7 @@ def routing_value(expected: dict[str, dict[str, float]], weights: dict[str, floa
 
 def main() -> None:
     from adaptive.profile import load_profile
+    from adaptive.runtime.engines import estimate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", help="a two-engine profile directory")
@@ -78,8 +79,8 @@ def main() -> None:
         if "engines" not in methods or any(m not in methods for m in ENGINE_METHODS.values()):
             continue
         n_prompt = methods["ar"]["prompt_tokens"]
-        by_domain = {d: {e: p.cost_model.prefill_seconds(n_prompt) + n_new * p.domains[d].seconds_per_token(
-            p.cost_model) for e, p in members.items()} for d in torch_profile.domains}
+        by_domain = {d: {e: estimate(p, n_prompt, n_new, domain=d).expected_s for e, p in members.items()}
+                     for d in torch_profile.domains}
         own = by_domain.get(group)
         measured = {e: methods[m]["seconds"] for e, m in ENGINE_METHODS.items()}
         first = min(own, key=own.get) if own else methods["engines"]["engine"]
