@@ -246,3 +246,22 @@ def test_release_heap_gives_freed_pages_back():
     kept = rss_mb()
     assert release_heap() is True
     assert rss_mb() < kept - 100 and kept > high - 50
+
+
+def test_a_conversion_is_keyed_by_the_file_s_contents_not_its_path(tmp_path, monkeypatch):
+    """The same GGUF file at another path (a new environment) reuses its conversion; other bytes do not."""
+    from adaptive.models import _converted_dir, sampled_digest
+
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "cache"))
+    data = bytes(range(256)) * 4096  # 1 MiB: every 64 KiB sample differs from the next
+    a, b, c = (tmp_path / d / "model.gguf" for d in ("venv1", "venv2", "other"))
+    for f in (a, b, c):
+        f.parent.mkdir()
+    a.write_bytes(data)
+    b.write_bytes(data)
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 1  # inside the 33rd sample
+    c.write_bytes(bytes(changed))
+    key = sampled_digest(a)[:12]
+    assert _converted_dir(a, "m") == _converted_dir(b, "m") == tmp_path / "cache" / "models" / f"m-{key}"
+    assert _converted_dir(c, "m") != _converted_dir(a, "m")
