@@ -345,7 +345,8 @@ def _converted_dir(gguf: Path, name: str) -> Path:
     """The cache directory of ``gguf``'s torch conversion (and its tokenizer's), keyed by the file's
     contents (:func:`sampled_digest`): the same file installed at another path (a new virtual
     environment, a fresh clone) is not converted and stored again (538 MB for the embedded model in
-    float32, 7.1 GB for Qwen2.5-Coder-1.5B)."""
+    float32, 7.1 GB for Qwen2.5-Coder-1.5B). Two files equal in size and in every sample would share
+    one conversion, as they share a fingerprint (a profile takes them for the same model too)."""
     return cache_dir() / "models" / f"{name}-{sampled_digest(gguf)[:12]}"
 
 
