@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import mmap
 import os
 import sys
 import threading
@@ -226,7 +227,7 @@ class LlamaCppBackbone:
         if not model:
             raise ModelNotFoundError(f"llama.cpp cannot load {path} (not a GGUF model it supports)")
         self._model = model
-        release_mapped_file(path)  # the file's pages of weights llama.cpp repacked into its own buffers
+        release_mapped_file(path)  # the file's pages (those of weights llama.cpp repacked: read no more)
         self.n_layers = int(lib.llama_model_n_layer(model))
         self.hidden_size = int(lib.llama_model_n_embd(model))
         self.vocab = lib.llama_model_get_vocab(model)
@@ -708,14 +709,11 @@ def _ids(x) -> list[int]:
     return [int(t) for t in x]
 
 
-MADV_DONTNEED = 4  # Linux's madvise advice: drop the range's pages from this process (a file's refault from it)
-
-
 def _shared_read_only_maps(path: Path) -> list[tuple[int, int]]:
     """``(start, end)`` of this process's read-only shared mappings of ``path`` (Linux's
     ``/proc/self/maps``; none elsewhere). Only these are safe to drop: nothing can have written to them."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
+    try:  # decoded as a path is (a mapped file's name need not be UTF-8)
+        lines = os.fsdecode(Path("/proc/self/maps").read_bytes()).splitlines()
     except OSError:
         return []
     target = str(Path(path).resolve())
@@ -736,8 +734,8 @@ def mapped_resident(path: str | Path) -> int:
         return 0
     total, inside = 0, False
     try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
+        with open("/proc/self/smaps", "rb") as f:
+            for line in map(os.fsdecode, f):
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):
                     start, end = (int(a, 16) for a in head.split("-"))
@@ -751,26 +749,28 @@ def mapped_resident(path: str | Path) -> int:
 
 def release_mapped_file(path: str | Path) -> int:
     """Drop this process's resident pages of ``path``'s read-only shared mappings (``madvise``
-    ``MADV_DONTNEED``); returns the bytes of mappings advised (0 off Linux or without glibc).
+    ``MADV_DONTNEED``); returns the bytes of mappings advised (0 off Linux, or where it failed: a
+    memory saving, it never fails the caller).
 
     llama.cpp maps a GGUF file and, where it has repacked kernels for the file's weight type on this
     CPU (Q4_K on these AVX512 hosts), copies those weights into buffers of its own while loading:
     the file's pages it read stay in the process's resident set though nothing reads them again
     (Qwen2.5-Coder-1.5B's Q4_K_M file: 596 MiB repacked, all 1,060 MiB of the file resident, 1.79 GB
-    after loading). Dropped, the pages still in use (the weights left in the file's layout) refault
-    from the page cache on their first read: nothing is read from disk again, and the mapping, shared
-    and read-only, holds nothing that could be lost."""
-    spans = _shared_read_only_maps(Path(path))
+    after loading). Dropped, the pages still in use (the weights left in the file's layout) refault on
+    their first read, normally from the page cache (from the disk if the kernel evicted them since);
+    the mapping, shared and read-only, holds nothing that could be lost."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)  # Linux's
+    spans = _shared_read_only_maps(Path(path)) if advice is not None else []
     if not spans:
         return 0
     try:
-        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+        madvise = ctypes.CDLL(None).madvise  # the C library's (glibc or musl), in the process already
     except (OSError, AttributeError):
         return 0
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     advised = 0
     for start, end in spans:
-        if madvise(start, end - start, MADV_DONTNEED) == 0:
+        if madvise(start, end - start, advice) == 0:
             advised += end - start
     return advised
 

@@ -7,7 +7,6 @@ speculative decoding is checked against the same engine's plain decoding.
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from adaptive.drafters.factory import DrafterSpec, build_drafter  # noqa: E402
 from adaptive.engine.backbone import Segment  # noqa: E402
 from adaptive.engine.config import GenerationConfig, Pooling  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
-from adaptive.engine.llamacpp import LlamaCppBackbone, mapped_resident, release_mapped_file  # noqa: E402
+from adaptive.engine.llamacpp import LlamaCppBackbone, mapped_resident  # noqa: E402
 from adaptive.engine.loop import GenerationStats  # noqa: E402
 from adaptive.engine.skip import SkipSet  # noqa: E402
 from adaptive.errors import ConfigError, ContextFullError, PromptTooLongError  # noqa: E402
@@ -361,39 +360,8 @@ def test_layer_inputs_are_probed_once_per_architecture_in_a_child_process(tiny_g
     assert not llamacpp._layer_inputs_safe(path, "qwen2")
 
 
-LINUX_MAPS = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 
-
-@LINUX_MAPS
-def test_a_read_only_shared_mapping_s_pages_are_dropped_and_read_back_the_same(tmp_path):
-    data = bytes(range(256)) * 8192  # 2 MiB
-    path = tmp_path / "weights.bin"
-    path.write_bytes(data)
-    with open(path, "rb") as f:
-        view = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    assert view[:] == data  # every page read
-    assert mapped_resident(path) >= len(data) // 2
-    assert release_mapped_file(path) == len(data)
-    assert mapped_resident(path) == 0
-    assert view[:] == data  # read again from the file
-    view.close()
-    assert release_mapped_file(path) == 0 and mapped_resident(path) == 0  # no mapping left
-
-
-@LINUX_MAPS
-def test_a_writable_private_mapping_is_never_dropped(tmp_path):
-    """Dropping a private page would lose what was written to it: only read-only shared maps qualify."""
-    path = tmp_path / "weights.bin"
-    path.write_bytes(b"\0" * 65536)
-    with open(path, "r+b") as f:
-        view = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    view[0] = 7
-    assert release_mapped_file(path) == 0
-    assert view[0] == 7
-    view.close()
-
-
-@LINUX_MAPS
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 def test_loading_drops_the_file_s_pages_and_decoding_reads_the_same_weights(tiny_gguf, monkeypatch):
     """After llama.cpp loads the file its mapped pages are dropped (those still in use refault from the
     page cache): the logits equal those of a backbone that kept them."""

@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -253,14 +255,14 @@ def test_a_conversion_is_keyed_by_the_file_s_contents_not_its_path(tmp_path, mon
     from adaptive.models import _converted_dir, sampled_digest
 
     monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "cache"))
-    data = bytes(range(256)) * 4096  # 1 MiB: every 64 KiB sample differs from the next
+    data = random.Random(0).randbytes(1 << 20)
     a, b, c = (tmp_path / d / "model.gguf" for d in ("venv1", "venv2", "other"))
     for f in (a, b, c):
         f.parent.mkdir()
     a.write_bytes(data)
     b.write_bytes(data)
     changed = bytearray(data)
-    changed[len(data) // 2] ^= 1  # inside the 33rd sample
+    changed[len(data) // 2] ^= 1  # a byte four of the samples read
     c.write_bytes(bytes(changed))
     key = sampled_digest(a)[:12]
     assert _converted_dir(a, "m") == _converted_dir(b, "m") == tmp_path / "cache" / "models" / f"m-{key}"
