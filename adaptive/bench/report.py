@@ -7,7 +7,10 @@ that do not report them, e.g. Hugging Face's).
 
 from __future__ import annotations
 
+from adaptive.measure.interval import bootstrap_speedup
+
 REFERENCE = "ar"
+INTERVAL_LEVEL = 0.9  # of the speedup's bootstrap interval over prompts
 
 
 def summarize(runs: list[dict], methods: list[str], reference: str = REFERENCE) -> dict:
@@ -20,7 +23,9 @@ def summarize(runs: list[dict], methods: list[str], reference: str = REFERENCE) 
     throughput, where a long prompt weighs by its time), ``aggregate_speedup`` its ratio to the
     reference's (runs without ``seconds``, from reports before it was recorded: ``None``);
     mean accepted tokens = (accepted + steps) / steps over all prompts (``ar`` = 1.0);
-    acceptance rate = accepted / drafted.
+    acceptance rate = accepted / drafted. ``speedup_interval``: ``[low, high]``, how far the speedup
+    could move with other prompts of the same kind (:func:`speedup_interval`; ``None`` under two
+    prompts run by both methods).
 
     Example: ar at 10 and 20 tok/s, ssd at 15 and 20: speedup ``17.5 / 15 = 1.1667``. With 60 tokens
     each, ar took 6 + 3 s and ssd 4 + 3 s: aggregate 120 / 9 = 13.333 and 120 / 7 = 17.143 tok/s,
@@ -51,6 +56,24 @@ def _aggregate(runs: list[dict]) -> float | None:
     return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else None
 
 
+def speedup_interval(mine: list[dict], ref: list[dict], level: float = INTERVAL_LEVEL) -> list[float] | None:
+    """The percentile bootstrap interval (two-sided, ``level``) of the speedup ``mean(mine's tokens/s) /
+    mean(ref's)`` over the prompts both ran (paired by ``id``), resampling prompts: how much of a
+    difference between two methods the prompts drawn can explain. Deterministic (a fixed seed); ``None``
+    under two such prompts. The ratio of means is a ratio of sums over the same prompts, the quantity
+    :func:`~adaptive.measure.interval.bootstrap_speedup` resamples (there: seconds of paired blocks).
+
+    Example: tokens/s 15 and 20 against 10 and 20 on two prompts: speedup 35 / 30 = 1.1667; resamples
+    take prompt ``a`` twice (1.5), ``b`` twice (1.0) or one of each (1.1667), so at level 0.9 the
+    interval is ``[1.0, 1.5]``."""
+    theirs = {r["id"]: r["tokens_per_s"] for r in ref if r.get("tokens_per_s")}
+    pairs = [(r["tokens_per_s"], theirs[r["id"]]) for r in mine if r.get("tokens_per_s") and r["id"] in theirs]
+    if len(pairs) < 2:
+        return None
+    _, iv = bootstrap_speedup([a for a, _ in pairs], [b for _, b in pairs], level=level)
+    return [iv.low, iv.high]
+
+
 def _fields(mine: list[dict], ref: list[dict]) -> dict:
     tps = _mean(r["tokens_per_s"] for r in mine)
     ref_tps = _mean(r["tokens_per_s"] for r in ref)
@@ -67,6 +90,7 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
         "prompts": len(mine),
         "tokens_per_s": round(tps, 3) if tps is not None else None,
         "speedup": round(tps / ref_tps, 4) if tps is not None and ref_tps else None,
+        "speedup_interval": speedup_interval(mine, ref),
         "aggregate_tokens_per_s": round(agg, 3) if agg is not None else None,
         "aggregate_speedup": round(agg / ref_agg, 4) if agg is not None and ref_agg else None,
         "mean_accepted_tokens": round((accepted + steps) / steps, 4) if steps else None,
@@ -82,8 +106,9 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
 
 
 def markdown(summary: dict, methods: list[str]) -> str:
-    """A table: one row per group (then overall), a ``speedup (tok/s)`` cell per method, and the
-    acceptance / tokens-per-step and equality figures below it."""
+    """A table: one row per group (then overall), a ``speedup [interval] (tok/s)`` cell per method
+    (the interval where it has a width: not the reference's own), and the acceptance /
+    tokens-per-step and equality figures below it."""
     groups = sorted({g for m in methods for g in summary[m]["by_category"]})
     head = "| group | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods) + "\n"
     lines = []
@@ -91,7 +116,10 @@ def markdown(summary: dict, methods: list[str]) -> str:
         cells = []
         for m in methods:
             f = summary[m] if g == "overall" else summary[m]["by_category"].get(g)
-            cells.append("-" if not f or f["speedup"] is None else f"{f['speedup']:.2f}x ({f['tokens_per_s']:.1f})")
+            iv = (f or {}).get("speedup_interval")
+            spread = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv and iv[0] != iv[1] else ""
+            cells.append("-" if not f or f["speedup"] is None
+                         else f"{f['speedup']:.2f}x{spread} ({f['tokens_per_s']:.1f})")
         name = "**overall**" if g == "overall" else g
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     detail = ["",

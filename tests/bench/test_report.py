@@ -129,3 +129,15 @@ def test_mixed_stream_of_a_loaded_file(tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # groups mt_bench (0, 1), qa (2, 3, 4), rag (5, 6) -> round robin in sorted group order
     assert [x.id for x in mixed_stream(load_bench_prompts(f))] == ["0", "2", "5", "1", "3", "6", "4"]
+
+
+def test_each_speedup_comes_with_its_interval_over_prompts():
+    """The docstring's example: 15 and 20 tok/s against 10 and 20 on two prompts."""
+    s = summarize(RUNS, ["ar", "ssd", "hf"])
+    assert s["ssd"]["speedup_interval"] == [1.0, 1.5]  # resampled: b twice, a twice
+    assert s["ar"]["speedup_interval"] == [1.0, 1.0]  # against itself
+    assert s["ssd"]["by_category"]["qa"]["speedup_interval"] is None  # one prompt: nothing to resample
+    md = markdown(s, ["ar", "ssd", "hf"])
+    assert "| **overall** | 1.00x (15.0) | 1.17x [1.00, 1.50] (17.5) | 1.00x [0.90, 1.05] (15.0) |" in md
+    same = [dict(r, method="ssd2", tokens_per_s=2 * r["tokens_per_s"]) for r in RUNS if r["method"] == "ar"]
+    assert summarize(RUNS + same, ["ar", "ssd2"])["ssd2"]["speedup_interval"] == [2.0, 2.0]  # no spread at all
