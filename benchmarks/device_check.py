@@ -5,10 +5,12 @@ Parts (``--parts``, comma-separated; all by default):
 * ``shapes``: random-weight models built from a config on the device (no download): the embedded
   model's shape (SmolLM2-135M), Qwen2.5-1.5B's and Llama-3-8B's (``--quick``: two tiny ones). For
   each: the plain step (one token after ``--context`` cached positions) in ms, eager and replayed as a
-  CUDA graph; the bytes it reads (every weight once, the LM head included, and the keys and values
-  of the context) over its time as a share of the device's bandwidth, measured in the same run by a
-  large device-to-device copy; and the verification table, a forward over ``k + 1`` tokens for
-  ``k = 1 .. 16`` drafts, in units of the plain step.
+  CUDA graph (of plain kernels, of the default compiled pieces, and of the ``fused`` variant:
+  cache writes inside the compiled split, attention as one kernel; plain decoding through the loop
+  on the default and on the fused variant); the bytes it reads (every weight once, the LM head
+  included, and the keys and values of the context) over its time as a share of the device's
+  bandwidth, measured in the same run by a large device-to-device copy; and the verification
+  table, a forward over ``k + 1`` tokens for ``k = 1 .. 16`` drafts, in units of the plain step.
 * ``compile``: the embedded model's shape with torch.compile'd (Inductor) steps captured instead of
   eager ones: compile seconds and step ms (an experiment: is compiling worth its minutes?).
 * ``embedded``: the embedded model in bf16: a profile calibrated on this device (``--quick``), then
@@ -142,7 +144,9 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     if bb.graphs is not None:
         bb.graphs.enabled = False  # eager first: the same forward without graphs
         row["eager_ms"] = round(1e3 * timed(step, dev, max(3, repeats // 10)), 3)
-        for mode in ("none", "ops"):  # plain kernels captured, then the default (compiled pieces)
+        # plain kernels captured, the fused variant (cache writes in the split, one attention kernel), then the
+        # default (compiled pieces), which the rest of the row measures
+        for mode in ("none", "fused", "ops"):
             bb.graphs = StepGraphs(bb, compile=mode)
             cache = prefilled()
             t = time.perf_counter()
@@ -176,6 +180,9 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     row["loop_tok_s"] = round(statistics.median(decode() for _ in range(3)), 1)
     if bb.graphs is not None:
         row["captures"] = bb.graphs.captures
+        bb.graphs = StepGraphs(bb, compile="fused")  # the same loop on the fused variant's graphs
+        decode()
+        row["loop_fused_tok_s"] = round(statistics.median(decode() for _ in range(3)), 1)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -289,16 +296,18 @@ def markdown(result: dict) -> str:
         lines += [f"## (b) random-weight shapes, {shapes['dtype']}, one token after {result['context']} positions "
                   f"(device copy {shapes['bandwidth_GBps']} GB/s)", "",
                   "| shape | weights MB | eager ms | graph, plain kernels ms | graph, compiled pieces ms | "
-                  "HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "graph, fused ms | HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in shapes["rows"]:
             if "error" in r:
-                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | |")
+                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | | |")
                 continue
             v = r["verify"]
             lines.append(f"| {r['shape']} | {r['weight_MB']} | {r.get('eager_ms', r['step_ms'])} | "
-                         f"{r.get('graph_none_ms', '-')} | {r.get('graph_ops_ms', '-')} | {r.get('hbm_share', '-')} | "
-                         f"{v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']} |")
+                         f"{r.get('graph_none_ms', '-')} | {r.get('graph_ops_ms', '-')} | "
+                         f"{r.get('graph_fused_ms', '-')} | {r.get('hbm_share', '-')} | "
+                         f"{v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']}"
+                         + (f" (fused {r['loop_fused_tok_s']})" if "loop_fused_tok_s" in r else "") + " |")
     if "compiled" in result:
         lines += ["", f"compiled (Inductor) steps captured, smollm2 shape: {json.dumps(result['compiled'])}"]
     emb = result.get("embedded")
