@@ -34,7 +34,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -246,9 +246,15 @@ def gguf_fingerprint(backbone, name: str) -> ModelFingerprint:
 def sampled_digest(path: Path) -> str:
     """SHA-256 (hex) of a file's size and 64 evenly spaced 64 KiB samples of its bytes: what identifies
     a GGUF file's contents (the fingerprint's weights hash, the torch conversion's cache key) without
-    reading all of it (~4 MB, milliseconds)."""
+    reading all of it (~4 MB). Read once per file version (path, size, modification time) a process
+    sees: loading a model asks twice, for its tokenizer's cache and for its fingerprint."""
+    st = Path(path).stat()
+    return _sampled_digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _sampled_digest(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
-    size = path.stat().st_size
     h.update(str(size).encode())
     with open(path, "rb") as f:
         for i in range(64):
