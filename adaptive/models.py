@@ -172,8 +172,9 @@ class LoadedModel:
             return llamacpp.LlamaCppBackbone(self.source, threads=self.threads, context=self.context)
         if self.weights != "dense":
             self.fingerprint()
-        backbone = Backbone(self.model, self.weights)
-        release_heap()  # packing freed the modules' own tensors
+        gguf = Path(self.source) if self.source.endswith(".gguf") else None
+        backbone = Backbone(self.model, self.weights, source=gguf if gguf is not None and gguf.is_file() else None)
+        release_heap()  # packing freed the modules' own tensors (and the embedding table, read from the file)
         return backbone
 
     @property

@@ -110,8 +110,8 @@ def measure_head_costs(backbone, skip_masks, sizes, context: int = 128, repeats:
     """
     sync, context, ids, cache = _timing_setup(backbone, context, 1)
     one = ids[context:context + 1]
-    weight = backbone.lm_head.weight
-    heads = {v: (None if v >= backbone.vocab_size else weight[:v].contiguous()) for v in sizes}
+    first = torch.arange(max(sizes, default=0), device=backbone.device)
+    heads = {v: (None if v >= backbone.vocab_size else backbone.head_rows(first[:v]).contiguous()) for v in sizes}
 
     def step(masks, head):
         return lambda: backbone.forward(one, cache, context, skip_masks=masks, logits="last", head=head)

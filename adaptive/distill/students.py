@@ -52,7 +52,7 @@ class TargetHead:
     """The target's final norm and LM head in float32: ``logp(h [N, H]) -> [N, V]`` (no gradient)."""
 
     def __init__(self, backbone):
-        self.weight = backbone.lm_head.weight.detach().float()
+        self.weight = backbone.head_weight().detach().float()
         self.bias = None if backbone.lm_head.bias is None else backbone.lm_head.bias.detach().float()
         self.norm = backbone.norm.weight.detach().float()
         self.eps = backbone.norm_eps

@@ -84,18 +84,24 @@ class DraftHead:
     vocab_size: int
 
     @classmethod
-    def build(cls, lm_head: torch.Tensor, domain_ids: torch.Tensor, domain_rows: torch.Tensor | None = None,
+    def build(cls, lm_head, domain_ids: torch.Tensor, domain_rows: torch.Tensor | None = None,
               extra: Sequence[int] = ()) -> DraftHead:
-        """``lm_head``: ``[V, hidden]``; ``domain_ids``: ``[Vd]`` the domain's subset (``domain_rows``
-        its rows, precomputed, or gathered here); ``extra``: further ids (the prompt's), deduplicated."""
-        rows = domain_rows if domain_rows is not None else lm_head[domain_ids]
+        """``lm_head``: ``[V, hidden]``, or a backbone, whose ``head_rows(ids)`` gives the rows (read from
+        its GGUF file where it holds no table) and ``vocab_size`` the ``V``; ``domain_ids``: ``[Vd]`` the
+        domain's subset (``domain_rows`` its rows, precomputed, or gathered here); ``extra``: further ids
+        (the prompt's), deduplicated."""
+        if isinstance(lm_head, torch.Tensor):
+            rows_of, vocab = lm_head.__getitem__, int(lm_head.shape[0])
+        else:
+            rows_of, vocab = lm_head.head_rows, int(lm_head.vocab_size)
+        rows = domain_rows if domain_rows is not None else rows_of(domain_ids)
         if len(extra):
             extra_t = torch.unique(torch.as_tensor(list(extra), dtype=torch.long, device=domain_ids.device))
             extra_t = extra_t[~torch.isin(extra_t, domain_ids)]
             if extra_t.numel():
                 domain_ids = torch.cat([domain_ids, extra_t])
-                rows = torch.cat([rows, lm_head[extra_t]])
-        return cls(domain_ids, rows.contiguous(), int(lm_head.shape[0]))
+                rows = torch.cat([rows, rows_of(extra_t)])
+        return cls(domain_ids, rows.contiguous(), vocab)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])

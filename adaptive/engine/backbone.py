@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from adaptive.engine.formulas import gated, rms_norm, rotate
 from adaptive.engine.graphs import StepGraphs, zeros_kv
 from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
+from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 
@@ -168,7 +170,7 @@ class Backbone:
     carry_chunks = True
     shared_cache = False  # each cache holds its own positions (llama.cpp's share one context)
 
-    def __init__(self, model, weights: str = "dense", graphs: bool = True):
+    def __init__(self, model, weights: str = "dense", graphs: bool = True, source: str | Path | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -196,6 +198,7 @@ class Backbone:
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
         self.lm_head = model.lm_head
+        self._dtype, self._device = self.lm_head.weight.dtype, self.lm_head.weight.device
         self.rotary = model.model.rotary_emb
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
@@ -207,7 +210,51 @@ class Backbone:
         self.weight_mode = check_weights(weights, self.device)
         self.weights = [self._layer_weights(layer, weights) for layer in self.layers]
         self.head = Linear.build(self.lm_head.weight, self.lm_head.bias, weights)
+        # where the tables' rows come from: the tables, or (packed weights, a GGUF source) the file
+        self._token_rows = self._head_rows = None
+        if source is not None and self.weight_mode == "packed":
+            self._rows_from_file(source)
         self.graphs = StepGraphs(self) if self.device.type == "cuda" and graphs else None
+
+    def _rows_from_file(self, source: str | Path) -> None:
+        """Read the token embedding's (and the LM head's) rows from the GGUF file ``source`` and let the
+        plain tables go, where every row there equals the loaded table's (:mod:`adaptive.engine.rows`);
+        otherwise keep the tables. The head multiplies by its packed copy either way."""
+        tied = self.lm_head.weight is self.embed.weight
+        tables = [(TOKEN_TABLE, self.embed.weight)] + ([] if tied else [(HEAD_TABLE, self.lm_head.weight)])
+        found = []
+        for name, table in tables:
+            rows = FileRows.open(source, name, table.dtype) if table.device.type == "cpu" else None
+            if rows is None or not rows.matches(table.detach()):
+                return
+            found.append(rows)
+        self._token_rows = found[0]
+        self._head_rows = found[0] if tied else found[1]
+        with torch.no_grad():
+            for module in (self.embed, self.lm_head):
+                module.weight.data = module.weight.data.new_empty(0)
+
+    @property
+    def rows_from_file(self) -> bool:
+        """Whether the token embedding's and the head's rows are read from the model's GGUF file (the plain
+        tables let go, :mod:`adaptive.engine.rows`)."""
+        return self._token_rows is not None
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]``: the token embeddings of ``ids`` (``[T]``)."""
+        if self._token_rows is not None:
+            return self._token_rows(ids)
+        return F.embedding(ids, self.embed.weight)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[len(ids), hidden]``: the LM head's rows of ``ids`` (``[N]``), as a reduced draft head takes them."""
+        if self._head_rows is not None:
+            return self._head_rows(ids)
+        return self.lm_head.weight[ids]
+
+    def head_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the whole LM head, plain (a new tensor where the plain table was let go)."""
+        return self.head.plain() if self._head_rows is not None else self.lm_head.weight
 
     @staticmethod
     def _layer_weights(layer, mode: str) -> LayerWeights:
@@ -231,11 +278,11 @@ class Backbone:
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self._dtype
 
     @property
     def numerics(self) -> torch.dtype:
@@ -356,7 +403,7 @@ class Backbone:
         skip_attn, skip_mlp = skip_masks or self._full
         cos, sin = self._rope(start, end)
         banned = self._banned(T, start)
-        h = F.embedding(ids, self.embed.weight)  # [T, hidden]
+        h = self.embed_rows(ids)  # [T, hidden]
         pools = {} if pool_layers else None  # a decoding step asks for none: nothing below runs then
         if pools is not None and 0 in pool_layers:
             pools[0] = self._pool(h)
@@ -542,7 +589,7 @@ class Backbone:
             ids = torch.cat(ids).to(self.device)
         else:
             ids = torch.cat([i.to(self.device) for i in ids])
-        h = F.embedding(ids, self.embed.weight)
+        h = self.embed_rows(ids)
         dtype = segments[0].cache.k.dtype
         skip_attn, skip_mlp = skip_masks or self._full
         for i, w in enumerate(self.weights):
@@ -567,12 +614,18 @@ class Backbone:
     def module_weights(self) -> Iterator[None]:
         """Within this block the Hugging Face model runs by itself (``model.generate``): with
         ``packed`` weights its layers' released tensors are unpacked again for the block (one more
-        copy of the layers' weights meanwhile) and released after it; other modes hold them anyway."""
+        copy of the layers' weights meanwhile), and the tables read from the file again where
+        :attr:`rows_from_file`, and released after it; other modes hold them anyway."""
         if self.weight_mode != "packed":
             yield
             return
         modules = []
         with torch.no_grad():
+            if self._token_rows is not None:
+                for module, rows in ((self.embed, self._token_rows), (self.lm_head, self._head_rows)):
+                    if module.weight.numel() == 0:  # tied: the head's table is the embedding's, read once
+                        module.weight.data = rows.block(0, rows.n_rows)
+                        modules.append(module)
             for layer, w in zip(self.layers, self.weights):
                 attn, mlp = layer.self_attn, layer.mlp
                 for group, lin in (((attn.q_proj, attn.k_proj, attn.v_proj), w.qkv), ((attn.o_proj,), w.o),
@@ -591,7 +644,10 @@ class Backbone:
 
     @property
     def embed_weight(self) -> torch.Tensor:
-        """``[vocab, hidden]``: the token embedding table (the static step's lookup)."""
+        """``[vocab, hidden]``: the token embedding table (the static step's lookup, on CUDA, where it is
+        always held: rows are read from a file only with packed weights, which are the CPU's)."""
+        if self._token_rows is not None:
+            raise RuntimeError("the token embedding's rows are read from the GGUF file: no table is held")
         return self.embed.weight
 
     @property
@@ -633,7 +689,7 @@ class Backbone:
             cos = F.cosine_similarity(a[from_position:].float(), b[from_position:].float(), dim=-1)
             return float((1 - cos).mean())
 
-        h = F.embedding(ids, self.embed.weight)
+        h = self.embed_rows(ids)
         for i, w in enumerate(self.weights):
             nh = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, 0, T, cos, sin, banned)
             out[0, i] = turn(h, nh)

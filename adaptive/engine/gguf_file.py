@@ -1,6 +1,7 @@
 """A tensor and a few values of a GGUF file, read directly: what the llama.cpp engine needs that
 llama.cpp's API does not give (the final norm's weights and epsilon, for pooling layer inputs
-through it).
+through it), and where a tensor's data lies (:func:`tensor_entry`: the torch engine reads its token
+embedding rows from the file, :mod:`adaptive.engine.rows`).
 
 ``gguf``'s ``GGUFReader`` parses every field into NumPy views first: 3.4 s for the embedded model's
 49,152-token vocabulary on the 2-core EPYC, paid by the first routed request. Here the header's
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,18 @@ class GGUFFormatError(ValueError):
     """Not a GGUF file this reader understands."""
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where a tensor's data is in its GGUF file: ``ggml_type`` (the ``GGMLQuantizationType`` value),
+    ``dims`` in GGUF's order (the innermost, contiguous one first: an embedding table's is
+    ``(hidden, vocab)``) and ``start``, the byte its data starts at from the beginning of the file."""
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]
+    start: int
+
+
 def read_gguf(path: str | Path, keys: tuple[str, ...] = (), tensor: str | None = None
               ) -> tuple[Values, np.ndarray | None]:
     """The values of ``keys`` (those the file has and that are not arrays) and tensor ``tensor`` as
@@ -45,9 +59,22 @@ def read_gguf(path: str | Path, keys: tuple[str, ...] = (), tensor: str | None =
 
     Example: ``read_gguf(gguf, ("llama.attention.layer_norm_rms_epsilon",), "output_norm.weight")``
     -> ``({"llama.attention.layer_norm_rms_epsilon": 1e-05}, array([...], dtype=float32))``."""
+    return _open(path, lambda buf: _read(buf, keys, tensor))
+
+
+def tensor_entry(path: str | Path, name: str) -> TensorEntry | None:
+    """Tensor ``name``'s :class:`TensorEntry` in the GGUF file at ``path`` (``None``: the file has no
+    tensor of that name; :class:`GGUFFormatError` for what is not a GGUF file). Its data is not read.
+
+    Example: ``tensor_entry(gguf, "token_embd.weight")`` -> ``TensorEntry(name="token_embd.weight",
+    ggml_type=8, dims=(576, 49152), start=...)`` for the embedded model (type 8: Q8_0)."""
+    return _open(path, lambda buf: _entry(buf, (), name)[1])
+
+
+def _open(path: str | Path, read):
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _read(buf, keys, tensor)
+            return read(buf)
     except GGUFFormatError as exc:
         raise GGUFFormatError(f"{path}: {exc}") from None
     except (struct.error, ValueError, OverflowError, IndexError) as exc:  # a length or offset past the end
@@ -55,6 +82,16 @@ def read_gguf(path: str | Path, keys: tuple[str, ...] = (), tensor: str | None =
 
 
 def _read(buf, keys: tuple[str, ...], tensor: str | None) -> tuple[Values, np.ndarray | None]:
+    values, found = _entry(buf, keys, tensor)
+    if found is None or found.ggml_type not in _FLOAT_TYPES:
+        return values, None
+    dtype = np.dtype(_FLOAT_TYPES[found.ggml_type]).newbyteorder("<")
+    data = np.frombuffer(buf, dtype=dtype, count=int(np.prod(found.dims)), offset=found.start).astype(np.float32)
+    return values, data
+
+
+def _entry(buf, keys: tuple[str, ...], tensor: str | None) -> tuple[Values, TensorEntry | None]:
+    """The values of ``keys`` and tensor ``tensor``'s entry (``None``: no such tensor) of a mapped file."""
     if buf[:4] != MAGIC:
         raise GGUFFormatError("not a GGUF file")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -84,14 +121,11 @@ def _read(buf, keys: tuple[str, ...], tensor: str | None) -> tuple[Values, np.nd
         ttype, offset = struct.unpack_from("<IQ", buf, pos)
         pos += 12
         if tensor is not None and tname == tensor.encode():
-            found = (ttype, int(np.prod(dims)), offset)
-    if found is None or found[0] not in _FLOAT_TYPES:
+            found = (ttype, tuple(int(d) for d in dims), offset)
+    if found is None:
         return values, None
-    ttype, count, offset = found
-    start = pos + (-pos) % alignment + offset
-    dtype = np.dtype(_FLOAT_TYPES[ttype]).newbyteorder("<")
-    data = np.frombuffer(buf, dtype=dtype, count=count, offset=start).astype(np.float32)
-    return values, data
+    ttype, dims, offset = found
+    return values, TensorEntry(tensor, ttype, dims, pos + (-pos) % alignment + offset)
 
 
 def _string(buf, pos: int) -> tuple[bytes, int]:

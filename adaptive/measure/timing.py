@@ -80,7 +80,7 @@ def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | No
         head = None
         if cand.draft_vocab:
             ids = torch.as_tensor(np.asarray(vocab)[: cand.draft_vocab], dtype=torch.long, device=bb.device)
-            head = DraftHead.build(bb.lm_head.weight, ids, extra=prompt)
+            head = DraftHead.build(bb, ids, extra=prompt)
         return build_drafter(DrafterSpec("ssd", skip=cand.skip, head=head), bb)
     return build_drafter(DrafterSpec(cand.drafter), bb)
 

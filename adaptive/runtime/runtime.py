@@ -383,12 +383,12 @@ class AdaptiveRuntime:
         (the domain's LM-head rows are gathered once; caller holds the state lock)."""
         if not (self.reduced_vocab and dp.reduced_vocab):
             return None
-        weight = self.lm.backbone.lm_head.weight  # [V, hidden]
+        bb = self.lm.backbone
         if dp.name not in self._heads:
-            ids = torch.as_tensor(dp.draft_vocab, dtype=torch.long, device=weight.device)
-            self._heads[dp.name] = (ids, weight[ids].contiguous())
+            ids = torch.as_tensor(dp.draft_vocab, dtype=torch.long, device=bb.device)
+            self._heads[dp.name] = (ids, bb.head_rows(ids).contiguous())
         ids, rows = self._heads[dp.name]
-        return DraftHead.build(weight, ids, rows, extra=prompt_ids)
+        return DraftHead.build(bb, ids, rows, extra=prompt_ids)
 
     def _distilled(self, kind: str):
         """``(DrafterSpec, DistilledRecord)`` of the profile's distilled drafter ``kind``; its exit block

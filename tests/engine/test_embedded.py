@@ -58,7 +58,7 @@ def test_fp32_cascade_and_reduced_head_equal_plain(embedded_fp32):
         ar = eng.generate(ids, cfg)
         cascade = CascadeDrafter(NgramDrafter(bigram=table), SKIP, bb.n_layers, split=2, vertical=True)
         c = eng.generate(ids, cfg, drafter=cascade)
-        head = DraftHead.build(bb.lm_head.weight, subset, extra=ids)
+        head = DraftHead.build(bb, subset, extra=ids)
         r = eng.generate(ids, cfg, drafter=LayerSkipDrafter(SKIP, bb.n_layers, head))
         assert c.token_ids == ar.token_ids and r.token_ids == ar.token_ids
         assert c.stats.accepted > 0 and r.stats.accepted > 0
@@ -90,3 +90,28 @@ def test_fp32_early_exit_equals_plain(embedded_fp32):
 
 def test_the_embedded_model_is_reloaded_by_its_name(embedded_fp32):
     assert embedded_fp32.spec == "smollm2-135m"  # what a profile records and a worker process loads
+
+
+def test_packed_weights_read_the_embedding_rows_from_the_gguf_file():
+    """With packed weights the torch engine reads the token embedding's rows from the embedded GGUF (its
+    Q8_0 table, dequantized as the conversion did) and holds no plain table: it decodes as a backbone
+    that kept the table (adaptive.engine.rows)."""
+    import dataclasses
+
+    import torch
+
+    from adaptive.engine.quant import packing_supported
+    from adaptive.models import load_model
+
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16", weights="packed")
+    kept = load_model("smollm2-135m", device="cpu", dtype="bfloat16", weights="packed")
+    kept = dataclasses.replace(kept, source=kept.source + ".elsewhere")  # no file there: the table stays
+    assert lm.backbone.rows_from_file and lm.backbone.embed.weight.numel() == 0
+    assert not kept.backbone.rows_from_file
+    ids = torch.tensor([0, 17, 4000, 49151])
+    assert torch.equal(lm.backbone.embed_rows(ids), kept.backbone.embed.weight[ids])
+    cfg = GenerationConfig(max_new_tokens=24)
+    for prompt in prompts()[:3]:
+        assert Engine(lm).generate(prompt, cfg).token_ids == Engine(kept).generate(prompt, cfg).token_ids
