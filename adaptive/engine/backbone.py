@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptive.engine.formulas import gated, rms_norm, rotate
+from adaptive.engine.gguf_file import GGUFFormatError
 from adaptive.engine.graphs import StepGraphs, zeros_kv
 from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
 from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
@@ -224,7 +225,10 @@ class Backbone:
         tables = [(TOKEN_TABLE, self.embed.weight)] + ([] if tied else [(HEAD_TABLE, self.lm_head.weight)])
         found = []
         for name, table in tables:
-            rows = FileRows.open(source, name, table.dtype) if table.device.type == "cpu" else None
+            try:
+                rows = FileRows.open(source, name, table.dtype) if table.device.type == "cpu" else None
+            except (GGUFFormatError, ValueError, OSError):  # a file or a tensor type this reader cannot take
+                return
             if rows is None or not rows.matches(table.detach()):
                 return
             found.append(rows)
@@ -624,7 +628,7 @@ class Backbone:
             if self._token_rows is not None:
                 for module, rows in ((self.embed, self._token_rows), (self.lm_head, self._head_rows)):
                     if module.weight.numel() == 0:  # tied: the head's table is the embedding's, read once
-                        module.weight.data = rows.block(0, rows.n_rows)
+                        module.weight.data = rows.table()
                         modules.append(module)
             for layer, w in zip(self.layers, self.weights):
                 attn, mlp = layer.self_attn, layer.mlp

@@ -1,14 +1,15 @@
 """Rows of a GGUF file's embedding table read from the file when asked for, not held in memory.
 
 With ``packed`` weights the torch engine multiplies by the LM head's packed copy
-(:class:`~adaptive.engine.quant.Linear`); the plain ``[vocab, hidden]`` table stays only for what
+(:class:`~adaptive.engine.quant.Linear`); the plain ``[vocab, hidden]`` tables stayed only for what
 looks up rows: the token embedding of each step's input ids (the same table as the head's where
-the model ties them, as SmolLM2 and Qwen2.5 do) and the rows of a reduced draft head. For a model
+the model ties them, as the embedded SmolLM2 does) and the rows of a reduced draft head. For a model
 converted from a GGUF file those rows are in the file: :class:`FileRows` reads the rows asked for
 with ``os.pread`` (no mapping, so nothing it reads joins the process's resident set; the kernel's
 page cache keeps what was read) and dequantizes them with ``gguf``'s own kernels, the ones the
 conversion used, then rounds them to the model's dtype, as loading the converted model did.
-The table's bytes go: 54 MiB for the embedded model in bf16, 445 MiB for Qwen2.5-Coder-1.5B.
+The tables' bytes go: 54 MiB for the embedded model in bf16, 2 x 445 MiB for Qwen2.5-Coder-1.5B
+(its GGUF file holds a head of its own beside the embedding).
 
 A step reads one row per input token (the embedded model's Q8_0 row: 612 bytes, one ``pread``);
 a 1,000-token prompt ~1,000 reads. :meth:`FileRows.matches` compares every row with a table
@@ -79,13 +80,20 @@ class FileRows:
         return torch.from_numpy(np.array(values, dtype=np.float32)).to(self.dtype)  # a copy: the bytes are read-only
 
     def block(self, first: int, count: int) -> torch.Tensor:
-        """Rows ``first .. first + count - 1`` in one read: ``[count, width]`` in ``dtype``."""
+        """Rows ``first .. first + count - 1`` (cut at the table's end) in one read: ``[count, width]`` in
+        ``dtype``. A read is at most :data:`CHECK_ROWS` rows' worth of what :meth:`table` asks for."""
         from gguf.quants import dequantize
 
         count = max(0, min(count, self.n_rows - first))
         raw = os.pread(self._fd, count * self.row_bytes, self.entry.start + first * self.row_bytes)
+        if len(raw) != count * self.row_bytes:
+            raise OSError(f"{self.path} ends inside rows {first} .. {first + count - 1} of {self.entry.name}")
         values = dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(count, self.row_bytes), self.qtype)
         return torch.from_numpy(np.array(values, dtype=np.float32)).to(self.dtype)  # a copy: the bytes are read-only
+
+    def table(self) -> torch.Tensor:
+        """Every row: ``[n_rows, width]`` in ``dtype`` (read :data:`CHECK_ROWS` rows at a time)."""
+        return torch.cat([self.block(first, CHECK_ROWS) for first in range(0, self.n_rows, CHECK_ROWS)])
 
     def matches(self, table: torch.Tensor) -> bool:
         """Whether every row equals ``table``'s (``[n_rows, width]``), bit for bit: what letting the table
@@ -102,7 +110,9 @@ class FileRows:
         return True
 
     def close(self) -> None:
+        """Close the file; a read after it is an ``OSError``."""
         self._closer()
+        self._fd = -1
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -12,6 +12,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from adaptive.costs.measure import measure_head_costs  # noqa: E402
+from adaptive.drafters.head import DraftHead  # noqa: E402
 from adaptive.engine.config import GenerationConfig  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
 from adaptive.engine.gguf_file import tensor_entry  # noqa: E402
@@ -83,13 +85,15 @@ def test_matches_needs_every_row_equal_bit_for_bit(tmp_path, monkeypatch):
 
 def _tiny_gguf(path, model, quantize: bool):
     """The tiny model's embedding (and untied head) as a GGUF file, the model's tables set to the file's
-    values (a quantized embedding rounds them, as loading a converted GGUF does)."""
-    tensors = {"token_embd.weight": model.model.embed_tokens.weight.detach().numpy().copy()}
+    values (quantized tables round them, as loading a converted GGUF does)."""
+    modules = {"token_embd.weight": model.model.embed_tokens}
     if model.lm_head.weight is not model.model.embed_tokens.weight:
-        tensors["output.weight"] = model.lm_head.weight.detach().numpy().copy()
-    held = _write(path, tensors, quantized=("token_embd.weight",) if quantize else ())
+        modules["output.weight"] = model.lm_head
+    tensors = {name: m.weight.detach().numpy().copy() for name, m in modules.items()}
+    held = _write(path, tensors, quantized=tuple(tensors) if quantize else ())
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(torch.from_numpy(held["token_embd.weight"]))
+        for name, m in modules.items():
+            m.weight.copy_(torch.from_numpy(held[name]))
     return path
 
 
@@ -101,7 +105,7 @@ def _decode(model, source, weights="packed"):
 
 
 @needs_packing
-@pytest.mark.parametrize("tied,quantize", [(False, False), (True, True)])
+@pytest.mark.parametrize("tied,quantize", [(False, False), (False, True), (True, True)])
 def test_a_backbone_reading_rows_from_the_file_decodes_as_one_holding_the_tables(tmp_path, tied, quantize):
     model = tiny_model("llama", vocab=None) if not tied else _tied_model()
     path = _tiny_gguf(tmp_path / "tiny.gguf", model, quantize)
@@ -114,6 +118,10 @@ def test_a_backbone_reading_rows_from_the_file_decodes_as_one_holding_the_tables
     some = torch.tensor([5, 0, 9])
     assert torch.equal(bb.head_rows(some), kept.lm_head.weight[some])
     assert torch.equal(bb.head_weight(), kept.lm_head.weight)
+    head = DraftHead.build(bb, torch.tensor([4, 1]), extra=[1, 7, 7])  # a reduced draft head's rows
+    assert head.ids.tolist() == [4, 1, 7] and torch.equal(head.weight, kept.lm_head.weight[head.ids])
+    costs = measure_head_costs(bb, None, (8, bb.vocab_size), context=8, repeats=1)  # builds heads of the first rows
+    assert set(costs) == {8, bb.vocab_size}
     with bb.module_weights():  # the Hugging Face model runs by itself within: its tables are back
         assert torch.equal(bb.model.model.embed_tokens.weight, kept.embed.weight)
         assert torch.equal(bb.model.lm_head.weight, kept.lm_head.weight)
@@ -123,15 +131,37 @@ def test_a_backbone_reading_rows_from_the_file_decodes_as_one_holding_the_tables
 
 
 @needs_packing
-def test_a_table_unlike_the_files_rows_is_kept(tmp_path):
+@pytest.mark.parametrize("table", ["embed_tokens", "lm_head"])
+def test_a_table_unlike_the_files_rows_is_kept(tmp_path, table):
     model = tiny_model("llama")
     path = _tiny_gguf(tmp_path / "tiny.gguf", model, quantize=False)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[7, 3] += 0.5  # the loaded model is not the file's
+    with torch.no_grad():  # the loaded model is not the file's, in one of its two tables
+        (model.model.embed_tokens if table == "embed_tokens" else model.lm_head).weight[7, 3] += 0.5
     bb, ids = _decode(model, path)
-    assert not bb.rows_from_file and bb.embed.weight.numel() > 0
+    assert not bb.rows_from_file and bb.embed.weight.numel() > 0 and bb.lm_head.weight.numel() > 0
     _, dense = _decode(model, path, weights="dense")  # dense weights: the tables are multiplied by, always kept
     assert ids == dense
+
+
+@needs_packing
+def test_a_source_the_reader_cannot_take_keeps_the_tables(tmp_path):
+    model = tiny_model("llama")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    bb, _ = _decode(model, bad)
+    assert not bb.rows_from_file and bb.embed.weight.numel() > 0
+
+
+def test_what_rows_cannot_be_read_from_is_a_clear_error(tmp_path):
+    _write(tmp_path / "t.gguf", {"norm.weight": np.ones(32, dtype=np.float32),
+                                 "token_embd.weight": np.ones((3, 32), dtype=np.float32)})
+    with pytest.raises(ValueError, match="1 dimensions, not 2"):
+        FileRows.open(tmp_path / "t.gguf", "norm.weight", torch.float32)
+    rows = FileRows.open(tmp_path / "t.gguf", "token_embd.weight", torch.float32)
+    assert torch.equal(rows.table(), torch.ones(3, 32))
+    rows.close()
+    with pytest.raises(OSError):
+        rows(torch.tensor([0]))
 
 
 def _tied_model():
