@@ -69,25 +69,25 @@ class FileRows:
         return out.reshape(*ids.shape, self.width).to(ids.device)
 
     def _read(self, rows: np.ndarray) -> torch.Tensor:
-        """``[len(rows), width]`` in ``dtype``: the rows at the (distinct) indices ``rows``."""
-        from gguf.quants import dequantize
-
+        """``[len(rows), width]`` in ``dtype``: the rows at the (distinct) indices ``rows``, a read each."""
         start, n = self.entry.start, self.row_bytes
         raw = b"".join(os.pread(self._fd, n, start + int(r) * n) for r in rows)
-        if len(raw) != n * len(rows):
-            raise OSError(f"{self.path} ends before row {int(rows[-1])} of {self.entry.name}")
-        values = dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(len(rows), n), self.qtype)
-        return torch.from_numpy(np.array(values, dtype=np.float32)).to(self.dtype)  # a copy: the bytes are read-only
+        return self._decode(raw, len(rows), f"row {int(rows[-1]) if len(rows) else 0}")
 
     def block(self, first: int, count: int) -> torch.Tensor:
         """Rows ``first .. first + count - 1`` (cut at the table's end) in one read: ``[count, width]`` in
-        ``dtype``. A read is at most :data:`CHECK_ROWS` rows' worth of what :meth:`table` asks for."""
-        from gguf.quants import dequantize
-
+        ``dtype`` (keep ``count`` moderate: :meth:`table` reads :data:`CHECK_ROWS` at a time)."""
         count = max(0, min(count, self.n_rows - first))
         raw = os.pread(self._fd, count * self.row_bytes, self.entry.start + first * self.row_bytes)
+        return self._decode(raw, count, f"rows {first} .. {first + count - 1}")
+
+    def _decode(self, raw: bytes, count: int, what: str) -> torch.Tensor:
+        """``count`` rows' bytes -> ``[count, width]`` in ``dtype``; an ``OSError`` naming ``what`` where the
+        file ended before them."""
+        from gguf.quants import dequantize
+
         if len(raw) != count * self.row_bytes:
-            raise OSError(f"{self.path} ends inside rows {first} .. {first + count - 1} of {self.entry.name}")
+            raise OSError(f"{self.path} ends inside {what} of {self.entry.name}")
         values = dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(count, self.row_bytes), self.qtype)
         return torch.from_numpy(np.array(values, dtype=np.float32)).to(self.dtype)  # a copy: the bytes are read-only
 
