@@ -199,7 +199,6 @@ class Backbone:
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
         self.lm_head = model.lm_head
-        self._dtype, self._device = self.lm_head.weight.dtype, self.lm_head.weight.device
         self.rotary = model.model.rotary_emb
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
@@ -282,11 +281,11 @@ class Backbone:
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self.lm_head.weight.device  # kept by a table let go (an empty tensor of its dtype and device)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._dtype
+        return self.lm_head.weight.dtype
 
     @property
     def numerics(self) -> torch.dtype:
