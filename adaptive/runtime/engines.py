@@ -20,7 +20,8 @@ interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill
 prompt's token ids suggest (:meth:`TwoEngineRuntime.guess_domain`: the default member's
 :class:`~adaptive.index.lexicon.Lexicon`, TF-IDF centroids fitted at calibration, ~0.1 ms a
 request), averaged over the profile's domains by their calibration prompts where the profile has
-no lexicon or the prompt holds none of its tokens. The choice is made before the prompt is
+no lexicon or the prompt holds none of its tokens; with online learning on, times the engine's pace
+factor learned from the requests it served alone (:mod:`adaptive.runtime.pace`). The choice is made before the prompt is
 prefilled, so before any embedding routes it; each engine then routes the request with its own
 prefill's embedding, as a one-engine runtime does, at no extra cost: the guess prices, it does not
 route.
@@ -46,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -65,6 +66,7 @@ from adaptive.profile import (
     read_engines,
 )
 from adaptive.runtime.online import OnlineSettings
+from adaptive.runtime.pace import PaceLearner
 from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
 from adaptive.runtime.turns import TurnLock
 
@@ -82,6 +84,7 @@ class EngineEstimate:
     engine: str
     prefill_s: float
     decode_s: float
+    pace: float = 1.0  # the learned factor decode_s includes (:mod:`adaptive.runtime.pace`; 1: the calibrated price)
 
     @property
     def expected_s(self) -> float:
@@ -89,7 +92,7 @@ class EngineEstimate:
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
-                "expected_s": round(self.expected_s, 4)}
+                "expected_s": round(self.expected_s, 4), "pace": round(self.pace, 4)}
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,15 @@ def added_step(verify: Sequence[float], running: int) -> float:
 
 
 def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0,
-             domain: str | None = None) -> EngineEstimate:
+             domain: str | None = None, pace: float = 1.0) -> EngineEstimate:
     """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
     and ``new_tokens`` at its expected pace in ``domain`` (``None`` or not one of its domains: the
-    average, :meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`), each
-    step priced by :func:`added_step` with ``running`` requests already decoding there."""
-    per_token = profile.seconds_per_token(domain) * added_step(profile.cost_model.verify, running)
+    average, :meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`) times
+    ``pace`` (a learned correction, :class:`~adaptive.runtime.pace.PaceLearner`), each step priced
+    by :func:`added_step` with ``running`` requests already decoding there."""
+    per_token = profile.seconds_per_token(domain) * pace * added_step(profile.cost_model.verify, running)
     return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(prompt_tokens),
-                          new_tokens * per_token)
+                          new_tokens * per_token, pace)
 
 
 def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
@@ -151,9 +155,11 @@ class TwoEngineRuntime:
     """A request on the engine that serves it fastest: one :class:`AdaptiveRuntime` per engine of a
     two-engine profile, the same interface (``stream``, ``generate``, ``prefilling``, ``step``,
     ...). ``runtimes``: engine -> its runtime, the ``default`` one's tokenizer and chat setting
-    encode every prompt (the same model's). Safe to share between threads as a one-engine runtime is."""
+    encode every prompt (the same model's). ``pace``: learns each engine's pace from the requests
+    that had the machine to themselves and corrects its price by it (``None``: the calibrated prices
+    as they are). Safe to share between threads as a one-engine runtime is."""
 
-    def __init__(self, runtimes: dict[str, AdaptiveRuntime], default: str):
+    def __init__(self, runtimes: dict[str, AdaptiveRuntime], default: str, pace: PaceLearner | None = None):
         if len(runtimes) < 2 or default not in runtimes:
             raise ValueError(f"a two-engine runtime needs two runtimes and a default among them, got "
                              f"{sorted(runtimes)} and {default!r}")
@@ -171,6 +177,10 @@ class TwoEngineRuntime:
         # each engine's requests: RoutedDecodings, and _ChosenPrefillings still being prefilled
         self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}
         self._live_lock = threading.Lock()
+        self.pace = pace
+        self._streams = weakref.WeakSet()  # requests stream() decodes (one at a time on the model: not load)
+        self._shared = weakref.WeakSet()  # live requests that have not had the machine to themselves
+        self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its choice, to learn from
         self._pass = {name: 0.0 for name in runtimes}  # machine seconds per request each engine's steps took
 
     @classmethod
@@ -180,7 +190,9 @@ class TwoEngineRuntime:
         """Load each member of a two-engine profile and its model on its engine (``model``: another
         spec of the same model, e.g. a path to its GGUF file). An explicit online overlay ``path``
         becomes one per engine (``PATH.ENGINE``). ``context``: the positions of the llama.cpp member's
-        shared context (:data:`MEMBER_CONTEXT`; ``None``: the model's, up to 8192)."""
+        shared context (:data:`MEMBER_CONTEXT`; ``None``: the model's, up to 8192). With online
+        learning on, each engine's pace is learned too (:class:`~adaptive.runtime.pace.PaceLearner`,
+        in memory: a restart starts again from the calibrated prices)."""
         members = read_engines(directory)
         runtimes, lock = {}, kwargs.pop("model_lock", None) or TurnLock()
         for engine in members.engines:
@@ -191,7 +203,8 @@ class TwoEngineRuntime:
                             context=context if engine == llamacpp.ENGINE else None)
             runtimes[engine] = AdaptiveRuntime(profile, lm, online=_member_online(online, engine), model_lock=lock,
                                                **kwargs)
-        return cls(runtimes, members.default)
+        pace = PaceLearner(seed=kwargs.get("seed", 0)) if OnlineSettings.coerce(online).enabled else None
+        return cls(runtimes, members.default, pace)
 
     # -- what a one-engine runtime offers, from the default member ----------------------------------
 
@@ -216,7 +229,7 @@ class TwoEngineRuntime:
         """Each engine's online learner (each learns from the requests it decodes), as one: ``None``
         when learning is off."""
         learners = {name: rt.online for name, rt in self.runtimes.items() if rt.online is not None}
-        return _Learners(learners, self.default) if learners else None
+        return _Learners(learners, self.default, self.pace) if learners else None
 
     @property
     def carry_chunks(self) -> bool:
@@ -273,15 +286,55 @@ class TwoEngineRuntime:
         # the engines that can take it now; none (its caller did not ask fits()): every engine, and the
         # one chosen says why it cannot
         names = self._fitting(prompt_tokens, new_tokens) or list(self.runtimes)
-        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens, running[name], domain)
+        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens, running[name], domain,
+                              self.pace.factor(name, domain) if self.pace is not None else 1.0)
                      for name in names]
         return choose(estimates, prompt_tokens, new_tokens, domain)
 
-    def _track(self, engine: str, run: RoutedDecoding, choice: EngineChoice) -> RoutedDecoding:
-        run.engine_choice = choice.to_dict()
+    # -- learning each engine's pace ------------------------------------------------------------
+
+    def _admit(self, engine: str, request, choice: EngineChoice, options: dict) -> None:
+        """Count ``request`` (anything with ``done``) live on ``engine`` (a :class:`_Streamed` one
+        only among the streams: it runs alone on the model, so it is no load a batch shares); it and
+        every request live now share the machine if any is. A greedy ``knn-ssd`` request may teach
+        its engine's pace once done (:meth:`_learn`)."""
+        with self._live_lock:
+            others = [r for live in (*self._live.values(), self._streams) for r in live if not r.done]
+            for r in others + ([request] if others else []):
+                self._shared.add(r)
+            (self._streams if isinstance(request, _Streamed) else self._live[engine]).add(request)
+            if (self.pace is not None and options.get("policy", "knn-ssd") == "knn-ssd"
+                    and not options.get("temperature", 0.0)):
+                self._priced[request] = choice
+
+    def _track(self, engine: str, run: RoutedDecoding, prefilled: _ChosenPrefilling) -> RoutedDecoding:
+        """``run``, the decoding ``prefilled`` became, live on ``engine`` in its place."""
+        run.engine_choice = prefilled.choice.to_dict()
         with self._live_lock:
             self._live[engine].add(run)
+            if prefilled in self._shared:
+                self._shared.add(run)
+            choice = self._priced.pop(prefilled, None)
+            if choice is not None:
+                self._priced[run] = choice
+        self._learn(run, run.result if run.done else None)
         return run
+
+    def _learn(self, request, result: Callable[[], RuntimeResult] | None) -> None:
+        """Teach the pace learner from ``request`` once it is done (``result``: how to get its
+        :class:`RuntimeResult`), if it was priced, had the machine to itself and decoded enough."""
+        if result is None:
+            return
+        with self._live_lock:
+            choice = self._priced.pop(request, None)
+            alone = request not in self._shared
+        if choice is None or not alone:
+            return
+        stats = result().stats
+        decoded = stats.tokens - 1  # the first came with the prefill
+        per_token = self.runtimes[choice.engine].profile.seconds_per_token(choice.domain)
+        self.pace.observe(choice.engine, choice.domain, decoded * per_token, stats.total_time - stats.prefill_time,
+                          decoded)
 
     # -- decoding ----------------------------------------------------------------------------------
 
@@ -291,8 +344,21 @@ class TwoEngineRuntime:
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
         choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids))
-        return self.runtimes[choice.engine].stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(),
-                                                       **options)
+        return self._stream(ids, max_new_tokens, choice, options)
+
+    def _stream(self, ids: list[int], max_new_tokens: int, choice: EngineChoice,
+                options: dict) -> Iterator[str | RuntimeResult]:
+        request = _Streamed()
+        self._admit(choice.engine, request, choice, options)
+        try:
+            for item in self.runtimes[choice.engine].stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(),
+                                                                **options):
+                if isinstance(item, RuntimeResult):
+                    request.done = True
+                    self._learn(request, lambda item=item: item)
+                yield item
+        finally:
+            request.done = True
 
     def generate(self, prompt, **kwargs) -> RuntimeResult:
         result = None
@@ -311,8 +377,7 @@ class TwoEngineRuntime:
         choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids))
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
-        with self._live_lock:
-            self._live[choice.engine].add(task)
+        self._admit(choice.engine, task, choice, options)
         return task
 
     def _busy_turn(self) -> str | None:
@@ -356,6 +421,8 @@ class TwoEngineRuntime:
         out = [""] * len(decodings)
         for i, delta in zip(mine, deltas):
             out[i] = delta
+            if decodings[i].done:
+                self._learn(decodings[i], decodings[i].result)
         return out
 
 
@@ -367,11 +434,15 @@ class _Learners:
 
     learners: dict
     default: str
+    pace: PaceLearner | None = None
 
     def state(self) -> dict:
         states = {name: learner.state() for name, learner in self.learners.items()}
         first = states.get(self.default) or next(iter(states.values()))
-        return {**first, "requests": sum(st["requests"] for st in states.values()), "engines": states}
+        out = {**first, "requests": sum(st["requests"] for st in states.values()), "engines": states}
+        if self.pace is not None:
+            out["pace"] = self.pace.state()
+        return out
 
     def measure_cost(self) -> dict:
         costs = [learner.measure_cost() for learner in self.learners.values()]
@@ -409,7 +480,14 @@ class _ChosenPrefilling:
         if run is None:
             return None
         self.done = True
-        return self.owner._track(self.engine, run, self.choice)
+        return self.owner._track(self.engine, run, self)
+
+
+@dataclass(eq=False)
+class _Streamed:
+    """A request :meth:`TwoEngineRuntime.stream` decodes, as the live requests count it."""
+
+    done: bool = False
 
 
 def open_runtime(directory: str | Path, model: str | None = None, device: str = "auto", dtype: str | None = None,

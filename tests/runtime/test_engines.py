@@ -33,7 +33,7 @@ def test_choose_takes_the_least_expected_time_and_says_why():
     long = choose([replace(fast_decode, prefill_s=2.28), replace(fast_prefill, prefill_s=0.77)], 700, 64)
     assert long.engine == "torch" and long.reason == "expected 2.37 s on torch, 2.86 s on llama.cpp"
     d = long.to_dict()
-    assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37}
+    assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37, "pace": 1.0}
     assert choose([fast_decode, replace(fast_decode, engine="torch")], 1, 1).engine == "llama.cpp"  # ties: first
     with pytest.raises(ValueError):
         choose([], 1, 1)
@@ -64,14 +64,14 @@ def two(two_engine_profile):
     return two_engine_profile
 
 
-def _runtime(two, **kw):
+def _runtime(two, pace=None, **kw):
     from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
     from adaptive.runtime.turns import TurnLock
 
     out, lms = two
     lock = TurnLock()
     return TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False, model_lock=lock, **kw)
-                             for e, lm in lms.items()}, "llama.cpp")
+                             for e, lm in lms.items()}, "llama.cpp", pace)
 
 
 def _set_costs(rt, llama_prefill_ms_per_token: float, torch_prefill_ms_per_token: float):
@@ -380,3 +380,115 @@ def test_the_llama_cpp_member_gets_a_context_of_its_own_size(two, monkeypatch):
     assert asked == {"llama.cpp": MEMBER_CONTEXT, "torch": None}
     TwoEngineRuntime.from_profile(out, online=False, context=None).close()
     assert asked == {"llama.cpp": None, "torch": None}
+
+
+def _pace(**kw):
+    from adaptive.runtime.pace import PaceLearner, PaceSettings
+
+    return PaceLearner(PaceSettings(**{"explore": False, "min_tokens": 1, **kw}))
+
+
+def test_a_request_alone_teaches_its_engine_the_pace_it_decoded_at(two):
+    """Measured decoding time over its price: the learner gets the request's own figures, once."""
+    import math
+
+    pace = _pace()
+    rt = _runtime(two, pace)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    code = "def f9(x): return x * 9 + 10"
+    r = rt.generate(code, max_new_tokens=12)
+    assert r.engine == "llama.cpp" and r.engine_choice["domain"] == "code"
+    assert [e["pace"] for e in r.engine_choice["estimates"]] == [1.0, 1.0]  # nothing learned before it
+    decoded = r.stats.tokens - 1
+    assert decoded >= 1
+    expected = decoded * 0.009  # 9 ms a token, plain decoding in every domain (_set_costs)
+    actual = r.stats.total_time - r.stats.prefill_time
+    st = pace.state()
+    assert st["llama.cpp"]["requests"] == 1 and st["llama.cpp"]["domains"]["code"]["requests"] == 1
+    assert "torch" not in st
+    m_e = math.log(actual / expected) / (1 + 1)  # noise_sd = engine_sd: one request counts as the prior
+    assert pace.factor("llama.cpp") == pytest.approx(math.exp(m_e), rel=1e-6)
+    # the next choice prices llama.cpp with it, and says so
+    c = rt.choose(len(rt.encode(code)), 12, "code")
+    est = {e.engine: e for e in c.estimates}
+    assert est["llama.cpp"].pace == pytest.approx(pace.factor("llama.cpp", "code"))
+    assert est["llama.cpp"].decode_s == pytest.approx(12 * 0.009 * est["llama.cpp"].pace)
+    assert est["torch"].pace == 1.0
+
+
+def test_shared_sampled_and_unrouted_requests_teach_nothing(two):
+    pace = _pace()
+    rt = _runtime(two, pace)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, policy="ar")  # not the priced decision
+    rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, temperature=0.8, seed=1)  # sampled
+    assert pace.state() == {}
+    # two requests live together (a server's batch): neither had the machine to itself
+    a = rt.prefilling(rt.encode("what is 3 plus 6? answer:"), max_new_tokens=8).advance()
+    b = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=8).advance()
+    while not (a.done and b.done):
+        rt.step([r for r in (a, b) if not r.done])
+    assert pace.state() == {}
+    # alone again, through the server's path: prefilling, then steps
+    c = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=8).advance()
+    while not c.done:
+        rt.step([c])
+    assert pace.state()[c.engine]["requests"] == 1
+    c.result()  # its result read again: taught once
+    assert pace.state()[c.engine]["requests"] == 1
+
+
+def test_a_learned_pace_moves_the_choice(two):
+    """The calibrated price sends a short prompt to llama.cpp; once torch's requests are measured to
+    decode at a quarter of their price (and llama.cpp's at theirs), torch wins it."""
+    pace = _pace(engine_sd=1.0)
+    rt = _runtime(two, pace)
+    _set_costs(rt, llama_prefill_ms_per_token=1.0, torch_prefill_ms_per_token=1.0)
+    ids = rt.encode("what is 2 plus 5? answer:")
+    assert rt.choose(len(ids), 32).engine == "llama.cpp"  # 9 ms a token against 25
+    for _ in range(20):
+        pace.observe("torch", None, expected_s=1.0, actual_s=0.25, tokens=32)
+        pace.observe("llama.cpp", None, expected_s=1.0, actual_s=1.0, tokens=32)
+    c = rt.choose(len(ids), 32)
+    est = {e.engine: e for e in c.estimates}
+    assert c.engine == "torch" and est["torch"].pace == pytest.approx(0.25, rel=0.05)
+    assert est["llama.cpp"].pace == pytest.approx(1.0)
+    assert c.to_dict()["estimates"][0]["pace"] == pytest.approx(est[c.estimates[0].engine].pace, abs=1e-4)
+
+
+def test_online_learning_reports_the_pace_and_no_online_learns_none(two):
+    from adaptive.runtime.engines import _Learners
+
+    pace = _pace()
+    pace.observe("torch", "code", expected_s=1.0, actual_s=0.5, tokens=16)
+    state = _Learners({"llama.cpp": _FakeLearner(), "torch": _FakeLearner()}, "llama.cpp", pace).state()
+    assert state["pace"]["torch"]["requests"] == 1 and state["requests"] == 0
+    assert "pace" not in _Learners({"llama.cpp": _FakeLearner()}, "llama.cpp").state()
+    assert _runtime(two).pace is None
+
+
+class _FakeLearner:
+    def state(self) -> dict:
+        return {"requests": 0}
+
+
+def test_a_stream_is_no_load_but_shares_the_machine_with_a_request_admitted_beside_it(two):
+    from adaptive.runtime import RuntimeResult
+
+    pace = _pace()
+    rt = _runtime(two, pace)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    short = rt.encode("what is 4 plus 4? answer:")
+    alone = rt.stream("what is 2 plus 5? answer:", max_new_tokens=8)
+    next(alone)  # started: streams run one at a time on the model, so the choice prices no batch
+    est = {e.engine: e for e in rt.choose(len(short), 16).estimates}
+    assert est["llama.cpp"].decode_s == pytest.approx(16 * 0.009)
+    assert isinstance(list(alone)[-1], RuntimeResult)
+    assert pace.state()["llama.cpp"]["requests"] == 1  # it ran alone
+    first = rt.stream("what is 2 plus 5? answer:", max_new_tokens=8)
+    next(first)
+    beside = rt.prefilling(short, max_new_tokens=8).advance()  # admitted while the stream is live
+    while not beside.done:
+        rt.step([beside])
+    list(first)
+    assert pace.state()["llama.cpp"]["requests"] == 1  # neither had the machine to itself

@@ -79,3 +79,27 @@ def test_online_state_reports_each_engine(served):
     assert r.status == 200 and body["enabled"] and set(body["engines"]) == {"llama.cpp", "torch"}
     conn.request("GET", "/metrics")
     assert conn.getresponse().status == 200
+
+
+def test_a_lone_request_through_the_server_teaches_its_engines_pace(two_engine_profile):
+    from adaptive.runtime.pace import PaceLearner, PaceSettings
+
+    out, lms = two_engine_profile
+    lock = TurnLock()
+    pace = PaceLearner(PaceSettings(explore=False, min_tokens=1))
+    rt = TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, seed=0, model_lock=lock)
+                           for e, lm in lms.items()}, "llama.cpp", pace)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    s = Server(create_app(rt, max_queue=8, max_batch=4, prefill_chunk=64))
+    try:
+        status, body = _post(s, SHORT, 10)
+        assert status == 200 and body["usage"]["adaptive"]["engine"] == "llama.cpp"
+        assert body["usage"]["completion_tokens"] >= 2  # decoded past the prefill's token
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("GET", "/v1/adaptive/online")
+        state = json.loads(conn.getresponse().read())
+        assert state["pace"]["llama.cpp"]["requests"] == 1 and "torch" not in state["pace"]
+        assert state["pace"]["llama.cpp"]["factor"] == pytest.approx(pace.factor("llama.cpp", draw=False), abs=1e-4)
+    finally:
+        s.stop()
+        rt.close()

@@ -1,0 +1,137 @@
+"""Each engine's decoding pace as the machine's own requests measure it: a correction of the calibrated price.
+
+A two-engine runtime chooses an engine by expected time (:mod:`adaptive.runtime.engines`): the
+engine's prefill plus ``N`` tokens at its calibrated pace (plain decoding's measured step over the
+domain's raced speedup). Calibration races a domain's drafter on a few of its prompts, so that pace
+carries the error of a small sample, and of the host it was measured on. Over five held-out runs on
+three profiles the torch engine's requests took 0.69-0.80x the time they were priced at, llama.cpp's
+0.92-0.98x (``docs/history/2026-11-26-two-engines.md``). :class:`PaceLearner` learns, from every
+request that had the machine to itself, the ratio of its measured decoding time to the price, and
+multiplies each engine's future price by it.
+
+Terms: a request's **log ratio** ``x = log(actual_s / expected_s)``, both over its decoded tokens
+(those after the prefill's first); an engine's **pace factor** ``exp(m_e + m_d)``: ``m_e`` the
+engine's learned mean log ratio, ``m_d`` the learned deviation of the domain the request was priced
+as (``None``: no domain term). A normal model with known variances (``noise_sd`` for one request,
+priors ``engine_sd`` and ``domain_sd`` around 0: the calibrated price is the prior), conjugate and
+O(1) per request::
+
+    m_e = S_e / (n_e + noise_sd² / engine_sd²)           v_e = noise_sd² / (n_e + noise_sd² / engine_sd²)
+    m_d = (S_d - n_d m_e) / (n_d + noise_sd² / domain_sd²)   v_d = noise_sd² / (n_d + noise_sd² / domain_sd²)
+
+(``S``, ``n``: the sum and count of the log ratios observed on the engine, and on the engine in the
+domain). Worked example (defaults ``noise_sd = 0.3``, ``engine_sd = 0.3``, ``domain_sd = 0.15``):
+three torch requests in ``qa`` with log ratios ``-0.3, -0.2, -0.25`` (took 0.74-0.82x their price):
+``m_e = -0.75 / (3 + 1) = -0.1875``, ``m_d = (-0.75 + 0.5625) / (3 + 4) = -0.0268``: the factor in qa
+``exp(-0.2143) = 0.807``, in another domain ``exp(-0.1875) = 0.829``.
+
+A choice multiplies each engine's price by its factor's posterior mean. With ``explore=True`` it
+draws the factor from its posterior instead (Thompson sampling): an engine the price says is slower
+for a domain then gets an occasional request while the posterior is wide, so a price wrong against
+it can be found out. Measured (``benchmarks/engine_pace.py``, ``docs/history/2026-11-26-two-engines.md``,
+"Eighth session"), the draws' early requests cost more than they found: the engine factor, learned
+from every domain's requests on the engine, already carries most of the correction, so the mean is
+the default. Requests that shared the machine (another request live
+on either engine at any time of theirs), sampled ones, ones under another policy than the routed
+``knn-ssd`` (their pace is not the priced decision's) and ones that decoded fewer than
+``min_tokens`` tokens teach nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from adaptive.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PaceSettings:
+    """How the pace factors are learned (see the module doc). Validated on construction
+    (:class:`~adaptive.errors.ConfigError` naming the field)."""
+
+    noise_sd: float = 0.3  # one request's log ratio about its engine's and domain's mean
+    engine_sd: float = 0.3  # prior: how far an engine's calibrated price may be off (log scale)
+    domain_sd: float = 0.15  # prior: how far a domain's may be off beyond its engine's
+    min_tokens: int = 8  # decoded tokens a request needs to teach (fewer: its time is mostly overhead)
+    explore: bool = False  # Thompson draws in choices (False: posterior means)
+
+    def __post_init__(self):
+        for key in ("noise_sd", "engine_sd", "domain_sd"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{key.replace('_', '-')} must be a positive number, got {v!r}", key=key)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+            raise ConfigError(f"min-tokens must be a positive integer, got {self.min_tokens!r}", key="min_tokens")
+
+
+@dataclass
+class _Sums:
+    n: int = 0
+    s: float = 0.0  # sum of log ratios
+
+
+class PaceLearner:
+    """The engines' pace factors, learned from their requests' measured decoding times. Thread-safe."""
+
+    def __init__(self, settings: PaceSettings | None = None, seed: int | None = 0):
+        self.settings = settings or PaceSettings()
+        self._engines: dict[str, _Sums] = {}
+        self._domains: dict[tuple[str, str], _Sums] = {}
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def observe(self, engine: str, domain: str | None, expected_s: float, actual_s: float, tokens: int) -> bool:
+        """Learn from one request that decoded ``tokens`` tokens on ``engine`` in ``actual_s`` seconds
+        where its price said ``expected_s`` (priced as ``domain``). Whether it taught anything: not
+        when ``tokens < min_tokens`` or a time is not positive."""
+        if tokens < self.settings.min_tokens or not (expected_s > 0 and actual_s > 0):
+            return False
+        x = math.log(actual_s / expected_s)
+        with self._lock:
+            e = self._engines.setdefault(engine, _Sums())
+            e.n, e.s = e.n + 1, e.s + x
+            if domain is not None:
+                d = self._domains.setdefault((engine, domain), _Sums())
+                d.n, d.s = d.n + 1, d.s + x
+        return True
+
+    def _posterior(self, engine: str, domain: str | None) -> tuple[float, float, float, float]:
+        """``(m_e, v_e, m_d, v_d)`` (module doc); the domain's terms 0 without one."""
+        st = self.settings
+        noise = st.noise_sd ** 2
+        e = self._engines.get(engine, _Sums())
+        denom = e.n + noise / st.engine_sd ** 2
+        m_e, v_e = e.s / denom, noise / denom
+        if domain is None:
+            return m_e, v_e, 0.0, 0.0
+        d = self._domains.get((engine, domain), _Sums())
+        denom = d.n + noise / st.domain_sd ** 2
+        return m_e, v_e, (d.s - d.n * m_e) / denom, noise / denom
+
+    def factor(self, engine: str, domain: str | None = None, draw: bool | None = None) -> float:
+        """The factor ``engine``'s price in ``domain`` is multiplied by: the posterior mean's, or with
+        ``draw`` (``None``: the settings' ``explore``) one Thompson draw."""
+        draw = self.settings.explore if draw is None else draw
+        with self._lock:
+            m_e, v_e, m_d, v_d = self._posterior(engine, domain)
+            if draw:
+                m_e = self._rng.normal(m_e, math.sqrt(v_e))
+                m_d = self._rng.normal(m_d, math.sqrt(v_d)) if domain is not None else 0.0
+        return math.exp(m_e + m_d)
+
+    def state(self) -> dict:
+        """Per engine: the requests it learned from and its mean factor, and per domain the same."""
+        with self._lock:
+            engines = dict(self._engines)
+            domains = dict(self._domains)
+        out = {}
+        for engine, e in sorted(engines.items()):
+            mine = {d: s for (eng, d), s in domains.items() if eng == engine}
+            out[engine] = {"requests": e.n, "factor": round(self.factor(engine, draw=False), 4),
+                           "domains": {d: {"requests": s.n, "factor": round(self.factor(engine, d, draw=False), 4)}
+                                       for d, s in sorted(mine.items())}}
+        return out

@@ -1,0 +1,72 @@
+"""Does learning each engine's pace from traffic make the two-engine choice faster? One process, interleaved.
+
+Loads a two-engine profile's members once (online learning of domains off, so only the pace differs)
+and two :class:`~adaptive.runtime.TwoEngineRuntime` over them: ``calibrated`` (prices as calibrated)
+and ``learned`` (a :class:`~adaptive.runtime.pace.PaceLearner` correcting them from the requests it
+served: posterior means, or Thompson draws with ``--explore``). Each held-out prompt is decoded by
+both, the order alternating, for ``--passes`` passes over the same prompts (the learner keeps what it
+learned). Prints, per pass, each runtime's total seconds (prefill included, exploration's cost
+included), the requests each engine got, the seconds by group, and the learned factors.
+
+    python benchmarks/engine_pace.py --profile /tmp/twolex --data ../shared/data/spec_bench_dev.jsonl \\
+        --per-category 8 --passes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+from adaptive.bench.data import load_bench_prompts
+from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
+from adaptive.runtime.pace import PaceLearner, PaceSettings
+from adaptive.runtime.turns import TurnLock
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="a two-engine profile directory")
+    ap.add_argument("--data", required=True, help="a Spec-Bench-format JSONL file")
+    ap.add_argument("--skip-first", type=int, default=16, help="prompts per group left out (calibration's)")
+    ap.add_argument("--per-category", type=int, default=8)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--explore", action=argparse.BooleanOptionalAction, default=PaceSettings().explore,
+                    help="Thompson draws in the learned runtime's choices (--no-explore: posterior means)")
+    args = ap.parse_args()
+
+    base = TwoEngineRuntime.from_profile(args.profile, online=False)
+    lock = TurnLock()
+    members = {e: AdaptiveRuntime(rt.profile, rt.lm, online=False, model_lock=lock, seed=args.seed)
+               for e, rt in base.runtimes.items()}
+    pace = PaceLearner(PaceSettings(explore=args.explore), seed=args.seed)
+    runtimes = {"calibrated": TwoEngineRuntime(members, base.default),
+                "learned": TwoEngineRuntime(members, base.default, pace)}
+    prompts = load_bench_prompts(args.data, skip_first=args.skip_first, per_category=args.per_category)
+    runtimes["calibrated"].generate("warm up", max_new_tokens=8)
+    for p in range(args.passes):
+        seconds = collections.Counter()
+        groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        engines: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for k, prompt in enumerate(prompts):
+            order = ["calibrated", "learned"] if (k + p) % 2 == 0 else ["learned", "calibrated"]
+            for name in order:
+                t = time.perf_counter()
+                r = runtimes[name].generate(prompt.turns[0], max_new_tokens=args.max_new_tokens)
+                dt = time.perf_counter() - t
+                seconds[name] += dt
+                groups[prompt.group][name] += dt
+                engines[name][r.engine] += 1
+        print(json.dumps({"pass": p + 1, "prompts": len(prompts),
+                          "seconds": {k: round(v, 2) for k, v in seconds.items()},
+                          "learned_over_calibrated": round(seconds["calibrated"] / seconds["learned"], 4),
+                          "engines": {k: dict(v) for k, v in engines.items()},
+                          "groups": {g: round(c["calibrated"] / c["learned"], 3) for g, c in groups.items()},
+                          "pace": pace.state()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
