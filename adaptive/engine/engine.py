@@ -226,6 +226,11 @@ class Prefilling:
         return self.task.remaining
 
     @property
+    def config(self) -> GenerationConfig:
+        """The request's :class:`GenerationConfig`."""
+        return self.task.cfg
+
+    @property
     def can_ride(self) -> bool:
         """Whether a decoding step can carry the next chunk (:meth:`Engine.step`'s ``riders``)."""
         return self.task.can_ride

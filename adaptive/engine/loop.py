@@ -72,6 +72,16 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.total_time if self.total_time > 0 else 0.0
 
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens decoded after the prefill (whose forward gave the first)."""
+        return max(self.tokens - 1, 0)
+
+    @property
+    def decode_time(self) -> float:
+        """Seconds after the prefill: the decoding of :attr:`decoded_tokens`."""
+        return max(self.total_time - self.prefill_time, 0.0)
+
     def to_dict(self) -> dict:
         return {
             "tokens": self.tokens,

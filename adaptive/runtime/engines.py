@@ -67,6 +67,7 @@ from adaptive.profile import (
 )
 from adaptive.runtime.online import OnlineSettings
 from adaptive.runtime.pace import PaceLearner
+from adaptive.runtime.policies import ROUTED_POLICY
 from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
 from adaptive.runtime.turns import TurnLock
 
@@ -180,7 +181,8 @@ class TwoEngineRuntime:
         self.pace = pace
         self._streams = weakref.WeakSet()  # requests stream() decodes (one at a time on the model: not load)
         self._shared = weakref.WeakSet()  # live requests that have not had the machine to themselves
-        self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its choice, to learn from
+        # request -> (its choice, the members' background measuring seconds at its admission), to learn from
+        self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pass = {name: 0.0 for name in runtimes}  # machine seconds per request each engine's steps took
 
     @classmethod
@@ -293,48 +295,61 @@ class TwoEngineRuntime:
 
     # -- learning each engine's pace ------------------------------------------------------------
 
-    def _admit(self, engine: str, request, choice: EngineChoice, options: dict) -> None:
+    def _measuring(self) -> tuple[float, bool]:
+        """The members' online learners' background measurements: model seconds taken so far, and
+        whether one is running now (a request's time then holds some of it)."""
+        learners = [rt.online for rt in self.runtimes.values() if rt.online is not None]
+        return (sum(o.measure_cost()["measure_seconds"] for o in learners),
+                any(o.measuring is not None for o in learners))
+
+    def _admit(self, engine: str, request, choice: EngineChoice, greedy: bool) -> None:
         """Count ``request`` (anything with ``done``) live on ``engine`` (a :class:`_Streamed` one
         only among the streams: it runs alone on the model, so it is no load a batch shares); it and
-        every request live now share the machine if any is. A greedy ``knn-ssd`` request may teach
-        its engine's pace once done (:meth:`_learn`)."""
+        every request live now share the machine if any is. A ``greedy`` request may teach its
+        engine's pace once done (:meth:`_learn`)."""
+        seconds = self._measuring()[0] if self.pace is not None else 0.0
         with self._live_lock:
             others = [r for live in (*self._live.values(), self._streams) for r in live if not r.done]
             for r in others + ([request] if others else []):
                 self._shared.add(r)
             (self._streams if isinstance(request, _Streamed) else self._live[engine]).add(request)
-            if (self.pace is not None and options.get("policy", "knn-ssd") == "knn-ssd"
-                    and not options.get("temperature", 0.0)):
-                self._priced[request] = choice
+            if self.pace is not None and greedy:
+                self._priced[request] = (choice, seconds)
 
     def _track(self, engine: str, run: RoutedDecoding, prefilled: _ChosenPrefilling) -> RoutedDecoding:
-        """``run``, the decoding ``prefilled`` became, live on ``engine`` in its place."""
+        """``run``, the decoding ``prefilled`` became, live on ``engine`` in its place (one step under
+        the lock: no request is admitted between, unseen)."""
         run.engine_choice = prefilled.choice.to_dict()
         with self._live_lock:
+            prefilled.done = True
             self._live[engine].add(run)
             if prefilled in self._shared:
                 self._shared.add(run)
-            choice = self._priced.pop(prefilled, None)
-            if choice is not None:
-                self._priced[run] = choice
+            priced = self._priced.pop(prefilled, None)
+            if priced is not None:
+                self._priced[run] = priced
         self._learn(run, run.result if run.done else None)
         return run
 
     def _learn(self, request, result: Callable[[], RuntimeResult] | None) -> None:
         """Teach the pace learner from ``request`` once it is done (``result``: how to get its
-        :class:`RuntimeResult`), if it was priced, had the machine to itself and decoded enough."""
+        :class:`RuntimeResult`), if it was priced, decoded under the routed ``knn-ssd`` policy (the
+        priced decision), had the machine to itself (no other request, no background measurement)
+        and decoded enough."""
         if result is None:
             return
         with self._live_lock:
-            choice = self._priced.pop(request, None)
+            priced = self._priced.pop(request, None)
             alone = request not in self._shared
-        if choice is None or not alone:
+        if priced is None or not alone:
             return
-        stats = result().stats
-        decoded = stats.tokens - 1  # the first came with the prefill
+        (choice, seconds), (now, running) = priced, self._measuring()
+        r = result()
+        if running or now != seconds or r.policy != ROUTED_POLICY:
+            return
         per_token = self.runtimes[choice.engine].profile.seconds_per_token(choice.domain)
-        self.pace.observe(choice.engine, choice.domain, decoded * per_token, stats.total_time - stats.prefill_time,
-                          decoded)
+        self.pace.observe(choice.engine, choice.domain, r.stats.decoded_tokens * per_token, r.stats.decode_time,
+                          r.stats.decoded_tokens)
 
     # -- decoding ----------------------------------------------------------------------------------
 
@@ -344,15 +359,17 @@ class TwoEngineRuntime:
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
         choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids))
-        return self._stream(ids, max_new_tokens, choice, options)
+        member = self.runtimes[choice.engine]
+        items = member.stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(), **options)  # checks them now
+        greedy = member.config(max_new_tokens, **{k: v for k, v in options.items() if k != "policy"}).greedy
+        return self._stream(items, choice, greedy)
 
-    def _stream(self, ids: list[int], max_new_tokens: int, choice: EngineChoice,
-                options: dict) -> Iterator[str | RuntimeResult]:
+    def _stream(self, items: Iterator[str | RuntimeResult], choice: EngineChoice,
+                greedy: bool) -> Iterator[str | RuntimeResult]:
         request = _Streamed()
-        self._admit(choice.engine, request, choice, options)
+        self._admit(choice.engine, request, choice, greedy)
         try:
-            for item in self.runtimes[choice.engine].stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(),
-                                                                **options):
+            for item in items:
                 if isinstance(item, RuntimeResult):
                     request.done = True
                     self._learn(request, lambda item=item: item)
@@ -377,7 +394,7 @@ class TwoEngineRuntime:
         choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids))
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
-        self._admit(choice.engine, task, choice, options)
+        self._admit(choice.engine, task, choice, task.task.config.greedy)
         return task
 
     def _busy_turn(self) -> str | None:
@@ -479,8 +496,7 @@ class _ChosenPrefilling:
         run = self.task.advance(tokens)
         if run is None:
             return None
-        self.done = True
-        return self.owner._track(self.engine, run, self)
+        return self.owner._track(self.engine, run, self)  # done from then on
 
 
 @dataclass(eq=False)

@@ -13,14 +13,18 @@ Terms: a request's **log ratio** ``x = log(actual_s / expected_s)``, both over i
 (those after the prefill's first); an engine's **pace factor** ``exp(m_e + m_d)``: ``m_e`` the
 engine's learned mean log ratio, ``m_d`` the learned deviation of the domain the request was priced
 as (``None``: no domain term). A normal model with known variances (``noise_sd`` for one request,
-priors ``engine_sd`` and ``domain_sd`` around 0: the calibrated price is the prior), conjugate and
-O(1) per request::
+priors ``engine_sd`` and ``domain_sd`` around 0: the calibrated price is the prior), the engine's
+mean plugged into the domain's (an empirical-Bayes shortcut, not the joint posterior), O(1) a request::
 
     m_e = S_e / (n_e + noise_sd² / engine_sd²)           v_e = noise_sd² / (n_e + noise_sd² / engine_sd²)
     m_d = (S_d - n_d m_e) / (n_d + noise_sd² / domain_sd²)   v_d = noise_sd² / (n_d + noise_sd² / domain_sd²)
 
 (``S``, ``n``: the sum and count of the log ratios observed on the engine, and on the engine in the
-domain). Worked example (defaults ``noise_sd = 0.3``, ``engine_sd = 0.3``, ``domain_sd = 0.15``):
+domain, each discounted by ``1 - 1 / memory`` at every new one of its own: the pace is the host's of
+the moment, and older requests weigh less; one log ratio is clipped to ``±3 noise_sd``, so one request
+slowed by something else moves a factor by little).
+
+Worked example (``noise_sd = 0.3``, ``engine_sd = 0.3``, ``domain_sd = 0.15``, ``memory = inf``):
 three torch requests in ``qa`` with log ratios ``-0.3, -0.2, -0.25`` (took 0.74-0.82x their price):
 ``m_e = -0.75 / (3 + 1) = -0.1875``, ``m_d = (-0.75 + 0.5625) / (3 + 4) = -0.0268``: the factor in qa
 ``exp(-0.2143) = 0.807``, in another domain ``exp(-0.1875) = 0.829``.
@@ -57,21 +61,25 @@ class PaceSettings:
     engine_sd: float = 0.3  # prior: how far an engine's calibrated price may be off (log scale)
     domain_sd: float = 0.15  # prior: how far a domain's may be off beyond its engine's
     min_tokens: int = 8  # decoded tokens a request needs to teach (fewer: its time is mostly overhead)
+    memory: float = 200.0  # requests: each new one discounts the sums by 1 - 1/memory (inf: never forget)
     explore: bool = False  # Thompson draws in choices (False: posterior means)
 
     def __post_init__(self):
         for key in ("noise_sd", "engine_sd", "domain_sd"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{key.replace('_', '-')} must be a positive number, got {v!r}", key=key)
+        if isinstance(self.memory, bool) or not isinstance(self.memory, (int, float)) or not self.memory >= 1:
+            raise ConfigError(f"memory must be a number >= 1, got {self.memory!r}", key="memory")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 1:
             raise ConfigError(f"min-tokens must be a positive integer, got {self.min_tokens!r}", key="min_tokens")
 
 
 @dataclass
 class _Sums:
-    n: int = 0
-    s: float = 0.0  # sum of log ratios
+    n: float = 0.0  # discounted count of log ratios
+    s: float = 0.0  # discounted sum of log ratios
+    count: int = 0  # requests, undiscounted
 
 
 class PaceLearner:
@@ -87,20 +95,23 @@ class PaceLearner:
     def observe(self, engine: str, domain: str | None, expected_s: float, actual_s: float, tokens: int) -> bool:
         """Learn from one request that decoded ``tokens`` tokens on ``engine`` in ``actual_s`` seconds
         where its price said ``expected_s`` (priced as ``domain``). Whether it taught anything: not
-        when ``tokens < min_tokens`` or a time is not positive."""
-        if tokens < self.settings.min_tokens or not (expected_s > 0 and actual_s > 0):
+        when ``tokens < min_tokens`` or a time is not positive and finite."""
+        st = self.settings
+        if tokens < st.min_tokens or not all(t > 0 and math.isfinite(t) for t in (expected_s, actual_s)):
             return False
-        x = math.log(actual_s / expected_s)
+        bound = 3 * st.noise_sd
+        x = min(max(math.log(actual_s / expected_s), -bound), bound)
+        keep = 1 - 1 / st.memory
         with self._lock:
-            e = self._engines.setdefault(engine, _Sums())
-            e.n, e.s = e.n + 1, e.s + x
+            sums = [self._engines.setdefault(engine, _Sums())]
             if domain is not None:
-                d = self._domains.setdefault((engine, domain), _Sums())
-                d.n, d.s = d.n + 1, d.s + x
+                sums.append(self._domains.setdefault((engine, domain), _Sums()))
+            for t in sums:
+                t.n, t.s, t.count = t.n * keep + 1, t.s * keep + x, t.count + 1
         return True
 
     def _posterior(self, engine: str, domain: str | None) -> tuple[float, float, float, float]:
-        """``(m_e, v_e, m_d, v_d)`` (module doc); the domain's terms 0 without one."""
+        """``(m_e, v_e, m_d, v_d)`` (module doc); the domain's terms 0 without one. Under the lock."""
         st = self.settings
         noise = st.noise_sd ** 2
         e = self._engines.get(engine, _Sums())
@@ -123,15 +134,15 @@ class PaceLearner:
                 m_d = self._rng.normal(m_d, math.sqrt(v_d)) if domain is not None else 0.0
         return math.exp(m_e + m_d)
 
+    def _mean(self, engine: str, domain: str | None) -> float:
+        m_e, _, m_d, _ = self._posterior(engine, domain)
+        return round(math.exp(m_e + m_d), 4)
+
     def state(self) -> dict:
-        """Per engine: the requests it learned from and its mean factor, and per domain the same."""
+        """Per engine: the requests it learned from and its mean factor, and per domain the same (one
+        moment's, under the lock)."""
         with self._lock:
-            engines = dict(self._engines)
-            domains = dict(self._domains)
-        out = {}
-        for engine, e in sorted(engines.items()):
-            mine = {d: s for (eng, d), s in domains.items() if eng == engine}
-            out[engine] = {"requests": e.n, "factor": round(self.factor(engine, draw=False), 4),
-                           "domains": {d: {"requests": s.n, "factor": round(self.factor(engine, d, draw=False), 4)}
-                                       for d, s in sorted(mine.items())}}
-        return out
+            return {engine: {"requests": e.count, "factor": self._mean(engine, None),
+                             "domains": {d: {"requests": s.count, "factor": self._mean(engine, d)}
+                                         for (eng, d), s in sorted(self._domains.items()) if eng == engine}}
+                    for engine, e in sorted(self._engines.items())}

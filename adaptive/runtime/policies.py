@@ -46,6 +46,7 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
                           "verify costs", True, "draft-model"),
     Policy("ar", "plain autoregressive decoding (routed, for the record)", True, "ar"),
 )}
+ROUTED_POLICY = "knn-ssd"  # each request decoded as its routed domain's calibrated decision: what the profile prices
 DISTILLED = ("early-exit", "draft-model")  # drafter kinds trained by `adaptive distill`, stored in the profile
 
 

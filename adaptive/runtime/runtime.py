@@ -185,6 +185,11 @@ class RoutedPrefilling:
         return self.task.remaining
 
     @property
+    def config(self) -> GenerationConfig:
+        """The request's :class:`GenerationConfig`."""
+        return self.task.config
+
+    @property
     def can_ride(self) -> bool:
         """Whether a decoding step can carry the next chunk (:meth:`AdaptiveRuntime.step`'s ``riders``)."""
         return self.task.can_ride

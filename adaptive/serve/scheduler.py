@@ -397,5 +397,5 @@ class Scheduler:
         m.inc("drafted_tokens_total", s.drafted, **labels)
         m.inc("accepted_tokens_total", s.accepted, **labels)
         m.inc("verify_steps_total", s.steps, **labels)
-        if s.tokens > 1:
-            m.observe("time_per_output_token_seconds", max(s.total_time - s.prefill_time, 0.0), s.tokens - 1)
+        if s.decoded_tokens:
+            m.observe("time_per_output_token_seconds", s.decode_time, s.decoded_tokens)

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from adaptive.costs import CostModel
+from adaptive.errors import ConfigError
 from adaptive.profile import ProfileError, is_two_engine, load_profile, read_engines
 from adaptive.runtime.engines import EngineEstimate, added_step, choose
 
@@ -392,15 +393,15 @@ def test_a_request_alone_teaches_its_engine_the_pace_it_decoded_at(two):
     """Measured decoding time over its price: the learner gets the request's own figures, once."""
     import math
 
-    pace = _pace()
+    pace = _pace(noise_sd=10.0, engine_sd=10.0)  # wide: the tiny model's ratio is far from 1, and not clipped
     rt = _runtime(two, pace)
     _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
     code = "def f9(x): return x * 9 + 10"
     r = rt.generate(code, max_new_tokens=12)
     assert r.engine == "llama.cpp" and r.engine_choice["domain"] == "code"
     assert [e["pace"] for e in r.engine_choice["estimates"]] == [1.0, 1.0]  # nothing learned before it
-    decoded = r.stats.tokens - 1
-    assert decoded >= 1
+    decoded = r.stats.tokens - 1  # after the prefill's token
+    assert decoded >= 1 and decoded == r.stats.decoded_tokens
     expected = decoded * 0.009  # 9 ms a token, plain decoding in every domain (_set_costs)
     actual = r.stats.total_time - r.stats.prefill_time
     st = pace.state()
@@ -420,28 +421,44 @@ def test_shared_sampled_and_unrouted_requests_teach_nothing(two):
     pace = _pace()
     rt = _runtime(two, pace)
     _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
-    rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, policy="ar")  # not the priced decision
-    rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, temperature=0.8, seed=1)  # sampled
+    ar = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, policy="ar")  # not the priced decision
+    sampled = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, temperature=0.8, seed=1)
+    assert ar.stats.decoded_tokens >= 1 and sampled.stats.decoded_tokens >= 1  # each could have taught
     assert pace.state() == {}
     # two requests live together (a server's batch): neither had the machine to itself
     a = rt.prefilling(rt.encode("what is 3 plus 6? answer:"), max_new_tokens=8).advance()
     b = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=8).advance()
     while not (a.done and b.done):
         rt.step([r for r in (a, b) if not r.done])
+    assert a.result().stats.decoded_tokens >= 1 and b.result().stats.decoded_tokens >= 1
     assert pace.state() == {}
     # alone again, through the server's path: prefilling, then steps
     c = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=8).advance()
     while not c.done:
         rt.step([c])
     assert pace.state()[c.engine]["requests"] == 1
-    c.result()  # its result read again: taught once
-    assert pace.state()[c.engine]["requests"] == 1
+
+
+def test_a_request_beside_a_background_measurement_teaches_nothing(two, monkeypatch):
+    """The online learner's races take turns on the model: a request whose life saw one run, or saw its
+    measured seconds grow, did not have the machine to itself."""
+    pace = _pace()
+    rt = _runtime(two, pace)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    seen = iter([(0.0, False), (0.4, False),  # a race block ran during the first request
+                 (0.4, False), (0.4, True),  # one was running when the second ended
+                 (0.4, False), (0.4, False)])  # nothing beside the third
+    monkeypatch.setattr(rt, "_measuring", lambda: next(seen))
+    for expected in (0, 0, 1):
+        r = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8)
+        assert r.stats.decoded_tokens >= 1
+        assert pace.state().get("llama.cpp", {}).get("requests", 0) == expected
 
 
 def test_a_learned_pace_moves_the_choice(two):
     """The calibrated price sends a short prompt to llama.cpp; once torch's requests are measured to
     decode at a quarter of their price (and llama.cpp's at theirs), torch wins it."""
-    pace = _pace(engine_sd=1.0)
+    pace = _pace(engine_sd=1.0, noise_sd=1.0)
     rt = _runtime(two, pace)
     _set_costs(rt, llama_prefill_ms_per_token=1.0, torch_prefill_ms_per_token=1.0)
     ids = rt.encode("what is 2 plus 5? answer:")
@@ -451,7 +468,7 @@ def test_a_learned_pace_moves_the_choice(two):
         pace.observe("llama.cpp", None, expected_s=1.0, actual_s=1.0, tokens=32)
     c = rt.choose(len(ids), 32)
     est = {e.engine: e for e in c.estimates}
-    assert c.engine == "torch" and est["torch"].pace == pytest.approx(0.25, rel=0.05)
+    assert c.engine == "torch" and est["torch"].pace == pytest.approx(0.25, rel=0.1)
     assert est["llama.cpp"].pace == pytest.approx(1.0)
     assert c.to_dict()["estimates"][0]["pace"] == pytest.approx(est[c.estimates[0].engine].pace, abs=1e-4)
 
@@ -491,4 +508,13 @@ def test_a_stream_is_no_load_but_shares_the_machine_with_a_request_admitted_besi
     while not beside.done:
         rt.step([beside])
     list(first)
-    assert pace.state()["llama.cpp"]["requests"] == 1  # neither had the machine to itself
+    before = pace.state()
+    assert before["llama.cpp"]["requests"] == 1 and "torch" not in before  # neither had the machine to itself
+    left = rt.stream("what is 2 plus 5? answer:", max_new_tokens=8)
+    next(left)
+    left.close()  # its client went away: it teaches nothing, and is no longer live
+    assert pace.state() == before
+    rt.generate("what is 2 plus 5? answer:", max_new_tokens=8)
+    assert pace.state()["llama.cpp"]["requests"] == 2  # alone again
+    with pytest.raises(ConfigError, match="unknown routing policy"):
+        rt.stream("what is 2 plus 5? answer:", max_new_tokens=8, policy="nope")  # checked when called

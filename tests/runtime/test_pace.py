@@ -26,7 +26,7 @@ def test_no_request_leaves_the_calibrated_price():
 
 
 def test_the_module_docs_worked_example():
-    p = _learner()
+    p = _learner(memory=math.inf)
     for x in (-0.3, -0.2, -0.25):
         assert _observe_ratio(p, "torch", "qa", math.exp(x))
     assert p.factor("torch", "qa") == pytest.approx(math.exp(-0.1875 - 0.1875 / 7), rel=1e-9)
@@ -39,7 +39,7 @@ def test_the_module_docs_worked_example():
 
 
 def test_many_requests_converge_on_their_ratio_and_a_domain_on_its_own():
-    p = _learner()
+    p = _learner(memory=math.inf)
     rng = np.random.default_rng(1)
     for _ in range(400):
         _observe_ratio(p, "torch", "translation", 0.6 * math.exp(rng.normal(0, 0.3)))
@@ -48,18 +48,39 @@ def test_many_requests_converge_on_their_ratio_and_a_domain_on_its_own():
     assert p.factor("torch", "rag") == pytest.approx(0.9, rel=0.06)
 
 
+def test_old_requests_weigh_less_and_one_outlier_moves_a_factor_by_little():
+    p = _learner(memory=50)
+    for _ in range(1000):
+        _observe_ratio(p, "torch", None, 1.0)
+    for _ in range(100):  # the host got faster
+        _observe_ratio(p, "torch", None, 0.5)
+    assert p.factor("torch") == pytest.approx(0.5 * math.exp(math.log(2) * math.exp(-2)), rel=0.03)  # ~0.55
+    assert p.state()["torch"]["requests"] == 1100  # requests counted whole
+    forever = _learner(memory=math.inf)
+    for _ in range(1000):
+        _observe_ratio(forever, "torch", None, 1.0)
+    for _ in range(100):
+        _observe_ratio(forever, "torch", None, 0.5)
+    assert forever.factor("torch") > 0.93  # without forgetting the old pace holds on
+    one = _learner(memory=math.inf)
+    _observe_ratio(one, "torch", None, 50.0)  # a request slowed 50x by something else: clipped to exp(0.9)
+    assert one.factor("torch") == pytest.approx(math.exp(0.9 / 2))
+
+
 def test_short_requests_and_unmeasured_times_teach_nothing():
     p = _learner(min_tokens=8)
     assert not _observe_ratio(p, "torch", None, 0.5, tokens=7)
     assert not p.observe("torch", None, expected_s=0.0, actual_s=1.0, tokens=32)
     assert not p.observe("torch", None, expected_s=1.0, actual_s=0.0, tokens=32)
+    assert not p.observe("torch", None, expected_s=1.0, actual_s=math.inf, tokens=32)
+    assert not p.observe("torch", None, expected_s=math.nan, actual_s=1.0, tokens=32)
     assert p.state() == {}
     assert _observe_ratio(p, "torch", None, 0.5, tokens=8)
     assert p.state()["torch"]["domains"] == {}  # priced without a domain: the engine's term only
 
 
 def test_draws_spread_as_the_posterior_and_narrow_with_requests():
-    p = PaceLearner(PaceSettings(explore=True), seed=3)
+    p = PaceLearner(PaceSettings(explore=True, memory=math.inf), seed=3)
     draws = np.log([p.factor("torch", "qa") for _ in range(4000)])
     # prior: m = 0, variance engine_sd^2 + domain_sd^2
     assert abs(draws.mean()) < 0.02 and draws.std() == pytest.approx(math.hypot(0.3, 0.15), rel=0.05)
@@ -73,7 +94,8 @@ def test_draws_spread_as_the_posterior_and_narrow_with_requests():
 
 
 @pytest.mark.parametrize("field,value", [("noise_sd", 0), ("engine_sd", -1.0), ("domain_sd", "x"),
-                                         ("min_tokens", 0), ("min_tokens", True)])
+                                         ("engine_sd", math.inf), ("min_tokens", 0), ("min_tokens", True),
+                                         ("memory", 0.5), ("memory", "x")])
 def test_settings_are_validated(field, value):
     with pytest.raises(ConfigError, match=field.replace("_", "-")):
         PaceSettings(**{field: value})
