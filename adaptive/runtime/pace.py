@@ -36,7 +36,8 @@ it can be found out. Measured (``benchmarks/engine_pace.py``, ``docs/history/202
 "Eighth session"), the draws' early requests cost more than they found: the engine factor, learned
 from every domain's requests on the engine, already carries most of the correction, so the mean is
 the default. Requests that shared the machine (another request live
-on either engine at any time of theirs), sampled ones, ones under another policy than the routed
+on either engine at any time of theirs, or a race block of the online learner's background
+measurement), sampled ones, ones under another policy than the routed
 ``knn-ssd`` (their pace is not the priced decision's) and ones that decoded fewer than
 ``min_tokens`` tokens teach nothing.
 """
