@@ -28,7 +28,7 @@ from adaptive.cli.common import (
 from adaptive.drafters.factory import DRAFTERS, LAYER_SKIP_DRAFTERS, DrafterSpec, build_drafter
 from adaptive.engine.engine import Engine
 from adaptive.engine.skip import SkipSet
-from adaptive.runtime.policies import DISTILLED, POLICIES
+from adaptive.runtime.policies import DISTILLED, POLICIES, ROUTED_POLICY
 
 # the distilled drafters draft with parts `adaptive distill` trains and stores in a profile:
 # `generate --profile DIR --policy early-exit|draft-model` decodes with them
@@ -104,7 +104,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
 @click.argument("prompt")
 @click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
               help="Calibration profile (`adaptive calibrate`) that routes the prompt.")
-@click.option("--policy", type=click.Choice(list(POLICIES)), default="knn-ssd", show_default=True,
+@click.option("--policy", type=click.Choice(list(POLICIES)), default=ROUTED_POLICY, show_default=True,
               help="How the prompt is routed to a drafter (below).")
 @click.option("--full-vocab", is_flag=True,
               help="Draft with the full LM head even where the domain has a reduced draft vocabulary.")

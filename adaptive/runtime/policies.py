@@ -31,8 +31,9 @@ class Policy:
             raise ValueError(f"policy {self.name!r}: unknown drafter {self.drafter!r}")
 
 
+ROUTED_POLICY = "knn-ssd"  # each request decoded as its routed domain's calibrated decision: what the profile prices
 POLICIES: dict[str, Policy] = {p.name: p for p in (
-    Policy("knn-ssd", "KNN routing to the domain's calibrated decision (layer-skip drafting, prompt lookup, the "
+    Policy(ROUTED_POLICY, "KNN routing to the domain's calibrated decision (layer-skip drafting, prompt lookup, the "
                       "cascade or plain decoding)", True, None),
     Policy("knn-skip", "KNN routing to the domain's skip set for every request (KNN-SSD as published: layer "
                        "skipping only; plain decoding where the domain has none)", True, "ssd"),
@@ -46,7 +47,6 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
                           "verify costs", True, "draft-model"),
     Policy("ar", "plain autoregressive decoding (routed, for the record)", True, "ar"),
 )}
-ROUTED_POLICY = "knn-ssd"  # each request decoded as its routed domain's calibrated decision: what the profile prices
 DISTILLED = ("early-exit", "draft-model")  # drafter kinds trained by `adaptive distill`, stored in the profile
 
 

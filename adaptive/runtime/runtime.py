@@ -45,7 +45,7 @@ from adaptive.models import LoadedModel, load_model
 from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
-from adaptive.runtime.policies import Policy, get_policy
+from adaptive.runtime.policies import ROUTED_POLICY, Policy, get_policy
 from adaptive.runtime.turns import TurnLock
 
 THOMPSON = "thompson"
@@ -87,7 +87,7 @@ class RuntimeResult(GenerationResult):
     request (``None`` without one). :meth:`to_dict` gives the skip set as ``skip`` (its JSON object)
     and ``skip_text`` (its text form)."""
 
-    policy: str = "knn-ssd"
+    policy: str = ROUTED_POLICY
     route: Route | None = None
     applied: str = "global"
     skip: SkipSet | None = None
@@ -456,7 +456,7 @@ class AdaptiveRuntime:
 
     def start(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-              policy: str = "knn-ssd", confidence_threshold: float | None = None,
+              policy: str = ROUTED_POLICY, confidence_threshold: float | None = None,
               chat: bool | None = None) -> RoutedDecoding:
         """Prefill, route and plan one request (options as :meth:`stream`): a :class:`RoutedDecoding`
         for :meth:`step`, which decodes it together with other started requests. Its drafter is its
@@ -468,7 +468,7 @@ class AdaptiveRuntime:
 
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                    top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-                   policy: str = "knn-ssd", confidence_threshold: float | None = None,
+                   policy: str = ROUTED_POLICY, confidence_threshold: float | None = None,
                    chunk: int = 0) -> RoutedPrefilling:
         """:meth:`start` on encoded ``prompt_ids``, a chunk at a time: a :class:`RoutedPrefilling`
         whose ``advance()`` prefills ``chunk`` more prompt tokens (``0``: all) under the model lock
@@ -548,7 +548,7 @@ class AdaptiveRuntime:
 
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-               policy: str = "knn-ssd", confidence_threshold: float | None = None,
+               policy: str = ROUTED_POLICY, confidence_threshold: float | None = None,
                chat: bool | None = None) -> Iterator[str | RuntimeResult]:
         """Yield text deltas, then the final :class:`RuntimeResult`. ``policy``: one of ``POLICIES``;
         ``chat``: see :meth:`encode`."""
@@ -557,7 +557,7 @@ class AdaptiveRuntime:
 
     def stream_ids(self, ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                    top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-                   policy: str = "knn-ssd", confidence_threshold: float | None = None,
+                   policy: str = ROUTED_POLICY, confidence_threshold: float | None = None,
                    engine_choice: dict | None = None) -> Iterator[str | RuntimeResult]:
         """:meth:`stream` of encoded prompt ``ids`` (``engine_choice``: recorded on the result)."""
         pol = get_policy(policy)

@@ -37,12 +37,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from adaptive.errors import AdaptiveError
-from adaptive.runtime.policies import POLICIES
+from adaptive.runtime.policies import POLICIES, ROUTED_POLICY
 
 KINDS = ("chat", "completion")
 # speculation value -> the runtime's routing policy: "auto" routes with the profile's decision,
 # "off" decodes plainly, any policy name forces that policy
-SPECULATION = {"auto": "knn-ssd", "off": "ar", **{name: name for name in POLICIES}}
+SPECULATION = {"auto": ROUTED_POLICY, "off": "ar", **{name: name for name in POLICIES}}
 MAX_STOP = 4  # as OpenAI: at most four stop sequences
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
 
