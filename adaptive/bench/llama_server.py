@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaptive.engine import llamacpp
 from adaptive.errors import ConfigError
 from adaptive.workdir import cache_dir
 
@@ -64,6 +65,7 @@ class ServerSettings:
     start_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     slots: int = 1
+    repack: bool = True  # llama.cpp's repacked (and AMX) weight layouts; off as our engine's are where unsafe
 
     def __post_init__(self):
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
@@ -114,6 +116,8 @@ def server_command(binary: Path, settings: ServerSettings, port: int) -> list[st
            "--no-webui", "--no-cache-prompt", "--cache-ram", "0"]
     if settings.spec_type is not None:
         cmd += ["--spec-type", settings.spec_type]
+    if not settings.repack:
+        cmd.append("--no-repack")
     return cmd
 
 
@@ -150,7 +154,8 @@ class LlamaServer:
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, spec_type: str | None = None,
                  binary: Path | None = None, slots: int = 1):
-        self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots)
+        self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots,
+                                       repack=llamacpp.extra_buffers_ok())
         self.binary = binary if binary is not None else find_server()
         self.proc: subprocess.Popen | None = None
         self.port = 0

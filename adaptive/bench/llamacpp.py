@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from adaptive.engine import llamacpp
 from adaptive.errors import ConfigError
 
 INSTALL = "pip install 'adaptive[llamacpp]' (llama-cpp-python; it builds llama.cpp from source: minutes)"
@@ -28,6 +30,30 @@ def gguf_path(lm) -> Path:
         raise ConfigError(f"the llama.cpp baseline needs the model's GGUF file, but {lm.name} was loaded from "
                           f"{lm.source or 'memory'}; load it by its embedded name or a .gguf path")
     return path
+
+
+@contextmanager
+def _extra_buffers(allowed: bool):
+    """While a ``Llama`` loads: its model parameters with llama.cpp's extra buffer types on or off
+    (:func:`adaptive.engine.llamacpp.extra_buffers_safe`); the high-level class takes no such argument,
+    so the binding's default parameters are wrapped for the time of the call."""
+    import llama_cpp.llama_cpp as low
+
+    if allowed:
+        yield
+        return
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
 
 
 class LlamaCpp:
@@ -45,8 +71,10 @@ class LlamaCpp:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=draft_len)
         # prompt lookup verifies drafts against every position's logits: the binding needs logits_all
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=min(512, n_ctx), draft_model=draft, logits_all=prompt_lookup, verbose=False, seed=0)
+        with _extra_buffers(llamacpp.extra_buffers_ok()):
+            self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             n_batch=min(512, n_ctx), draft_model=draft, logits_all=prompt_lookup, verbose=False,
+                             seed=0)
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
         """Greedy tokens after ``ids`` (up to and including an EOS) and the wall time in seconds."""

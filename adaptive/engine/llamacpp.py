@@ -46,6 +46,7 @@ import gc
 import importlib.util
 import mmap
 import os
+import platform
 import sys
 import threading
 import weakref
@@ -160,6 +161,76 @@ def _say_once(message: str) -> None:
         print(f"adaptive: {message}", file=sys.stderr)
 
 
+# Linux x86-64's arch_prctl: a process asks for an extended state (by its xstate component number) and
+# reads back the states it may use (a bit mask); AMX's tile data is component 18 (XTILEDATA)
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM = 0x1024
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def amx_tiles_supported() -> bool | None:
+    """Whether this process may use AMX's tile data: it asks the kernel for it
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, 18)``, as llama.cpp's AMX code does before its first product)
+    and reads back what it was given (``ARCH_GET_XCOMP_PERM``: xstate component 18 among them);
+    ``None`` where that cannot be asked (not Linux on x86-64).
+
+    Some virtual machines report AMX in CPUID (``amx_tile`` in ``/proc/cpuinfo``) but never give the
+    tile data state: measured on a Xeon guest (kernel 6.18), the request returns success and the
+    permitted mask stays ``0x200e7`` (tile configuration, bit 17, without tile data, bit 18); an AMX
+    instruction faults there."""
+    if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+            return False  # refused: no tile data for this process
+        mask = ctypes.c_uint64(0)
+        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+def extra_buffers_safe(system_info: str, tiles: bool | None) -> bool:
+    """Whether llama.cpp may load weights into its extra CPU buffer types (its AMX and repacked
+    layouts): not where the build has AMX kernels (``system_info``, llama.cpp's
+    ``llama_print_system_info``, says ``AMX_INT8 = 1``) and the kernel gives no tile data (``tiles``
+    False, :func:`amx_tiles_supported`). llama.cpp's own check there (a permission request the kernel
+    grants) passes, and its first matrix product faults at ``ldtilecfg`` and kills the process. Without
+    the extra buffers every weight stays in the file's layout: the types llama.cpp repacks (Q4_0, Q4_K,
+    IQ4_NL) lose their multi-row kernels; the embedded model's Q4_1 is not repacked on x86 anyway.
+    llama-server's ``--no-repack`` is the same switch.
+
+    >>> extra_buffers_safe("AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1", False)
+    False
+    >>> extra_buffers_safe("AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1", True), extra_buffers_safe("AVX2 = 1", False)
+    (True, True)
+    """
+    return not ("AMX_INT8 = 1" in system_info and tiles is False)
+
+
+def extra_buffers_ok() -> bool:
+    """:func:`extra_buffers_safe` for this process and the installed llama.cpp build (said once on
+    stderr when not); without llama-cpp-python, for a native build on this CPU (AMX kernels where
+    ``/proc/cpuinfo`` reports ``amx_int8``), as ``benchmarks/build_llama_server.sh`` makes."""
+    if available():
+        _init_backend(_lib())
+        info = _lib().llama_print_system_info()
+        info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    else:
+        try:
+            info = "AMX_INT8 = 1" if " amx_int8" in Path("/proc/cpuinfo").read_text() else ""
+        except OSError:
+            info = ""
+    safe = extra_buffers_safe(info, amx_tiles_supported())
+    if not safe:
+        _say_once("this CPU reports AMX but the kernel does not give this process AMX's tile data: llama.cpp's "
+                  "AMX and repacked weight layouts are off (every weight in the GGUF file's own layout)")
+    return safe
+
+
 def _init_backend(lib) -> None:
     """``llama_backend_init`` once, with llama.cpp's own logging silenced (errors surface as ours)."""
     global _LOG_CALLBACK
@@ -223,6 +294,7 @@ class LlamaCppBackbone:
         self.path = path
         self.threads = threads or default_threads()
         mparams = lib.llama_model_default_params()
+        mparams.use_extra_bufts = extra_buffers_ok()
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelNotFoundError(f"llama.cpp cannot load {path} (not a GGUF model it supports)")

@@ -8,11 +8,20 @@ import os
 import stat
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from adaptive.bench import llama_server
-from adaptive.bench.llama_server import SPEC_TYPES, LlamaServer, completion_request, find_server, generated_tokens
+from adaptive.bench.llama_server import (
+    SPEC_TYPES,
+    LlamaServer,
+    ServerSettings,
+    completion_request,
+    find_server,
+    generated_tokens,
+    server_command,
+)
 from adaptive.bench.runner import BENCH_METHODS, DESCRIPTIONS, METHODS
 from adaptive.errors import ConfigError
 
@@ -101,6 +110,13 @@ def test_the_build_scripts_location_for_the_installed_version_is_found(tmp_path,
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     assert find_server() == binary
+
+
+def test_repacking_is_turned_off_only_when_the_settings_say_so(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    on = server_command(Path("llama-server"), ServerSettings(gguf, 2, 512), 8080)
+    off = server_command(Path("llama-server"), ServerSettings(gguf, 2, 512, repack=False), 8080)
+    assert "--no-repack" not in on and off == on + ["--no-repack"]
 
 
 def test_the_request_is_greedy_uncached_token_ids_and_asks_for_tokens_back():

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("llama_cpp")
 
 from adaptive.drafters.factory import DrafterSpec, build_drafter  # noqa: E402
+from adaptive.engine import llamacpp  # noqa: E402
 from adaptive.engine.backbone import Segment  # noqa: E402
 from adaptive.engine.config import GenerationConfig, Pooling  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
@@ -378,3 +379,71 @@ def test_loading_drops_the_file_s_pages_and_decoding_reads_the_same_weights(tiny
     kept = LlamaCppBackbone(path, threads=2, context=64, sequences=1)
     assert torch.equal(ours, kept.forward(ids, kept.new_cache(32), 0, logits="all").logits)
     kept.close()
+
+
+def test_extra_buffers_are_off_only_where_an_amx_build_meets_a_kernel_without_tile_data():
+    amx_build = "AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
+    assert llamacpp.extra_buffers_safe(amx_build, False) is False
+    assert llamacpp.extra_buffers_safe(amx_build, True) is True
+    assert llamacpp.extra_buffers_safe(amx_build, None) is True  # not asked (not Linux x86-64): as llama.cpp has it
+    assert llamacpp.extra_buffers_safe("AVX2 = 1 | REPACK = 1 |", False) is True  # no AMX kernels to fault
+
+
+class _FakeLibc:
+    """arch_prctl as a kernel answers it: the request's return code, then the permitted mask."""
+
+    def __init__(self, permitted: int, request_rc: int = 0, get_rc: int = 0):
+        self.permitted, self.request_rc, self.get_rc, self.calls = permitted, request_rc, get_rc, []
+
+    def syscall(self, number, op, arg):
+        assert number == 158  # arch_prctl
+        self.calls.append(op)
+        if op == 0x1023:  # ARCH_REQ_XCOMP_PERM, for component 18 (tile data)
+            assert arg == 18
+            return self.request_rc
+        assert op == 0x1024  # ARCH_GET_XCOMP_PERM
+        arg._obj.value = self.permitted
+        return self.get_rc
+
+
+@pytest.mark.parametrize("libc, expected", [
+    (_FakeLibc(0x200E7), False),  # the request "succeeds", tile data is not given: a VM without AMX state
+    (_FakeLibc(0x600E7), True),  # given
+    (_FakeLibc(0x200E7, request_rc=-1), False),  # refused
+    (_FakeLibc(0x600E7, get_rc=-1), None),  # no answer: left as llama.cpp has it
+])
+def test_amx_tile_data_is_what_the_kernel_permits_after_asking(monkeypatch, libc, expected):
+    monkeypatch.setattr(llamacpp.sys, "platform", "linux")
+    monkeypatch.setattr(llamacpp.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(llamacpp.ctypes, "CDLL", lambda name, use_errno=False: libc)
+    assert llamacpp.amx_tiles_supported() is expected
+    assert libc.calls[0] == 0x1023  # asked first, as llama.cpp does
+    monkeypatch.setattr(llamacpp.platform, "machine", lambda: "aarch64")
+    assert llamacpp.amx_tiles_supported() is None
+
+
+def test_a_backbone_loads_without_extra_buffers_where_they_are_unsafe_and_decodes_the_same(tiny_gguf, monkeypatch,
+                                                                                           capsys):
+    import llama_cpp
+
+    path, _ = tiny_gguf
+    ids = torch.tensor(PROMPT)
+    seen = []
+    load = llama_cpp.llama_model_load_from_file
+
+    def spy(file, params):
+        seen.append(bool(params.use_extra_bufts))
+        return load(file, params)
+
+    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", spy)
+    monkeypatch.setattr(llamacpp, "_WARNED", set())
+    logits = {}
+    for tiles in (True, False):
+        monkeypatch.setattr(llamacpp, "amx_tiles_supported", lambda tiles=tiles: tiles)
+        monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"AVX512 = 1 | AMX_INT8 = 1 |")
+        cpp = LlamaCppBackbone(path, threads=2, context=64, sequences=1)
+        logits[tiles] = cpp.forward(ids, cpp.new_cache(32), 0, logits="all").logits
+        cpp.close()
+    assert seen == [True, False]
+    assert torch.equal(logits[True], logits[False])  # the tiny file's F32 weights have no other layout
+    assert "does not give this process AMX's tile data" in capsys.readouterr().err
