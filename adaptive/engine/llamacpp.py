@@ -167,6 +167,7 @@ _SYS_ARCH_PRCTL = 158
 _ARCH_GET_XCOMP_PERM = 0x1024
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+_AMX_BUILD = "AMX_INT8 = 1"  # in llama_print_system_info: the build has llama.cpp's AMX kernels
 
 
 def amx_tiles_supported() -> bool | None:
@@ -208,7 +209,7 @@ def extra_buffers_safe(system_info: str, tiles: bool | None) -> bool:
     >>> extra_buffers_safe("AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1", True), extra_buffers_safe("AVX2 = 1", False)
     (True, True)
     """
-    return not ("AMX_INT8 = 1" in system_info and tiles is False)
+    return not (_AMX_BUILD in system_info and tiles is False)
 
 
 def extra_buffers_ok() -> bool:
@@ -221,10 +222,11 @@ def extra_buffers_ok() -> bool:
         info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
     else:
         try:
-            info = "AMX_INT8 = 1" if " amx_int8" in Path("/proc/cpuinfo").read_text() else ""
+            info = _AMX_BUILD if " amx_int8" in Path("/proc/cpuinfo").read_text() else ""
         except OSError:
             info = ""
-    safe = extra_buffers_safe(info, amx_tiles_supported())
+    # the kernel is asked only where the build would use AMX (a granted request enlarges the process's signal frames)
+    safe = extra_buffers_safe(info, amx_tiles_supported() if _AMX_BUILD in info else None)
     if not safe:
         _say_once("this CPU reports AMX but the kernel does not give this process AMX's tile data: llama.cpp's "
                   "AMX and repacked weight layouts are off (every weight in the GGUF file's own layout)")

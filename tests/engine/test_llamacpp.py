@@ -447,3 +447,14 @@ def test_a_backbone_loads_without_extra_buffers_where_they_are_unsafe_and_decode
     assert seen == [True, False]
     assert torch.equal(logits[True], logits[False])  # the tiny file's F32 weights have no other layout
     assert "does not give this process AMX's tile data" in capsys.readouterr().err
+
+
+def test_the_kernel_is_not_asked_for_amx_where_the_build_has_no_amx_kernels(monkeypatch):
+    import llama_cpp
+
+    def never():
+        raise AssertionError("asked the kernel for AMX tile data with no AMX kernels to run")
+
+    monkeypatch.setattr(llamacpp, "amx_tiles_supported", never)
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"AVX2 = 1 | FMA = 1 | REPACK = 1 |")
+    assert llamacpp.extra_buffers_ok() is True
