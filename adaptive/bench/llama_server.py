@@ -65,7 +65,9 @@ class ServerSettings:
     start_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     slots: int = 1
-    repack: bool = True  # llama.cpp's repacked (and AMX) weight layouts; off as our engine's are where unsafe
+    # llama.cpp's repacked and AMX weight layouts: off where the Python binding's probe found them faulting
+    # (adaptive.engine.llamacpp.extra_buffers_ok; the build script compiles the same llama.cpp version natively)
+    repack: bool = True
 
     def __post_init__(self):
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
@@ -154,9 +156,9 @@ class LlamaServer:
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, spec_type: str | None = None,
                  binary: Path | None = None, slots: int = 1):
-        self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots,
-                                       repack=llamacpp.extra_buffers_ok())
         self.binary = binary if binary is not None else find_server()
+        self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots,
+                                       repack=not llamacpp.available() or llamacpp.extra_buffers_ok(gguf))
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.log_path: Path | None = None

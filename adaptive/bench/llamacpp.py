@@ -35,7 +35,7 @@ def gguf_path(lm) -> Path:
 @contextmanager
 def _extra_buffers(allowed: bool):
     """While a ``Llama`` loads: its model parameters with llama.cpp's extra buffer types on or off
-    (:func:`adaptive.engine.llamacpp.extra_buffers_safe`); the high-level class takes no such argument,
+    (:func:`adaptive.engine.llamacpp.extra_buffers_ok`); the high-level class takes no such argument,
     so the binding's default parameters are wrapped for the time of the call."""
     import llama_cpp.llama_cpp as low
 
@@ -71,7 +71,7 @@ class LlamaCpp:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=draft_len)
         # prompt lookup verifies drafts against every position's logits: the binding needs logits_all
-        with _extra_buffers(llamacpp.extra_buffers_ok()):
+        with _extra_buffers(llamacpp.extra_buffers_ok(gguf)):
             self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                              n_batch=min(512, n_ctx), draft_model=draft, logits_all=prompt_lookup, verbose=False,
                              seed=0)

@@ -47,6 +47,7 @@ import importlib.util
 import mmap
 import os
 import platform
+import signal
 import sys
 import threading
 import weakref
@@ -61,7 +62,7 @@ from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
 from adaptive.errors import ConfigError, ContextFullError, ModelNotFoundError, PromptTooLongError
-from adaptive.workdir import cache_dir
+from adaptive.workdir import cache_dir, read_json, write_json
 
 ENGINE = "llama.cpp"
 INSTALL = "pip install 'adaptive[llamacpp]' (llama-cpp-python; pip builds llama.cpp from source: ~5-10 min on 2 cores)"
@@ -161,76 +162,134 @@ def _say_once(message: str) -> None:
         print(f"adaptive: {message}", file=sys.stderr)
 
 
-# Linux x86-64's arch_prctl: a process asks for an extended state (by its xstate component number) and
-# reads back the states it may use (a bit mask); AMX's tile data is component 18 (XTILEDATA)
-_SYS_ARCH_PRCTL = 158
-_ARCH_GET_XCOMP_PERM = 0x1024
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
 _AMX_BUILD = "AMX_INT8 = 1"  # in llama_print_system_info: the build has llama.cpp's AMX kernels
+EXTRA_BUFFERS_FILE = "extra-buffers.json"  # per llama-cpp-python version, machine and weight type: probed or not
+_EXTRA_BUFFERS_ENV = "ADAPTIVE_LLAMACPP_EXTRA_BUFFERS"  # "1"/"0": decided, not probed (the probe's own child)
+_FAULTS = (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS)  # a child killed by one: the kernels cannot run here
 
 
-def amx_tiles_supported() -> bool | None:
-    """Whether this process may use AMX's tile data: it asks the kernel for it
-    (``arch_prctl(ARCH_REQ_XCOMP_PERM, 18)``, as llama.cpp's AMX code does before its first product)
-    and reads back what it was given (``ARCH_GET_XCOMP_PERM``: xstate component 18 among them);
-    ``None`` where that cannot be asked (not Linux on x86-64).
-
-    Some virtual machines report AMX in CPUID (``amx_tile`` in ``/proc/cpuinfo``) but never give the
-    tile data state: measured on a Xeon guest (kernel 6.18), the request returns success and the
-    permitted mask stays ``0x200e7`` (tile configuration, bit 17, without tile data, bit 18); an AMX
-    instruction faults there."""
-    if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
-            return False  # refused: no tile data for this process
-        mask = ctypes.c_uint64(0)
-        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+def system_info() -> str:
+    """llama.cpp's ``llama_print_system_info``: the CPU features this build was compiled for
+    (``"CPU : SSE3 = 1 | ... | AMX_INT8 = 1 | ..."``)."""
+    lib = _lib()
+    _init_backend(lib)
+    info = lib.llama_print_system_info()
+    return info.decode(errors="replace") if isinstance(info, bytes) else str(info)
 
 
-def extra_buffers_safe(system_info: str, tiles: bool | None) -> bool:
-    """Whether llama.cpp may load weights into its extra CPU buffer types (its AMX and repacked
-    layouts): not where the build has AMX kernels (``system_info``, llama.cpp's
-    ``llama_print_system_info``, says ``AMX_INT8 = 1``) and the kernel gives no tile data (``tiles``
-    False, :func:`amx_tiles_supported`). llama.cpp's own check there (a permission request the kernel
-    grants) passes, and its first matrix product faults at ``ldtilecfg`` and kills the process. Without
-    the extra buffers every weight stays in the file's layout: the types llama.cpp repacks (Q4_0, Q4_K,
-    IQ4_NL) lose their multi-row kernels; the embedded model's Q4_1 is not repacked on x86 anyway.
-    llama-server's ``--no-repack`` is the same switch.
+def extra_buffers_ok(gguf: str | Path) -> bool:
+    """Whether llama.cpp may load ``gguf``'s weights into its extra CPU buffer types (its AMX and
+    repacked layouts) on this machine, said once on stderr when not.
 
-    >>> extra_buffers_safe("AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1", False)
-    False
-    >>> extra_buffers_safe("AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1", True), extra_buffers_safe("AVX2 = 1", False)
-    (True, True)
-    """
-    return not (_AMX_BUILD in system_info and tiles is False)
-
-
-def extra_buffers_ok() -> bool:
-    """:func:`extra_buffers_safe` for this process and the installed llama.cpp build (said once on
-    stderr when not); without llama-cpp-python, for a native build on this CPU (AMX kernels where
-    ``/proc/cpuinfo`` reports ``amx_int8``), as ``benchmarks/build_llama_server.sh`` makes."""
-    if available():
-        _init_backend(_lib())
-        info = _lib().llama_print_system_info()
-        info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    Where the build has no AMX kernels (:func:`system_info`) the answer is yes and nothing is run. Where
+    it has them, a CPU can report AMX while its matrix tiles do not work: seen on an Intel Xeon virtual
+    machine (2026-11-27), where the kernel grants the process AMX's tile data but llama.cpp's first
+    product faults at ``ldtilecfg``, a segmentation fault of the whole process at the first decode of a
+    prompt. So the file is first decoded in a child process with the extra buffers on
+    (:func:`_extra_buffers_child`); a child killed by a fault answers no, and an answer is kept in
+    ``$ADAPTIVE_CACHE/llama.cpp/extra-buffers.json`` per llama-cpp-python version, machine (host name,
+    CPU model, kernel) and weight type (the file's ``general.file_type``). A probe that fails otherwise
+    (out of memory, a timeout) answers no for this process only. ``ADAPTIVE_LLAMACPP_EXTRA_BUFFERS=0``
+    (or ``1``) decides without a probe. Without the extra buffers every weight stays in the file's own
+    layout: the types llama.cpp repacks on x86 (Q4_0, Q4_K, IQ4_NL) lose their multi-row kernels, and
+    those its AMX buffer takes (Q4_1 among them) their AMX ones. llama-server's ``--no-repack`` is the
+    same switch."""
+    forced = os.environ.get(_EXTRA_BUFFERS_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    if _AMX_BUILD not in system_info():
+        return True
+    path = Path(gguf).resolve()
+    if not path.is_file():
+        return True  # nothing to probe: loading it fails with its own error
+    version = importlib.import_module("llama_cpp").__version__
+    cache = cache_dir() / "llama.cpp" / EXTRA_BUFFERS_FILE
+    key = f"{version}|{_machine()}|{_weight_kind(path)}"
+    known = _read_cache(cache)
+    if isinstance(known.get(key), bool):
+        safe = known[key]
     else:
-        try:
-            info = _AMX_BUILD if " amx_int8" in Path("/proc/cpuinfo").read_text() else ""
-        except OSError:
-            info = ""
-    # the kernel is asked only where the build would use AMX (a granted request enlarges the process's signal frames)
-    safe = extra_buffers_safe(info, amx_tiles_supported() if _AMX_BUILD in info else None)
+        safe, keep = _probe_extra_buffers(path)
+        if keep:
+            _write_cache(cache, {**known, key: safe})
     if not safe:
-        _say_once("this CPU reports AMX but the kernel does not give this process AMX's tile data: llama.cpp's "
+        _say_once(f"llama.cpp's AMX kernels fault on this machine (a probe decoding {path.name} was killed): its "
                   "AMX and repacked weight layouts are off (every weight in the GGUF file's own layout)")
     return safe
+
+
+def _weight_kind(path: Path) -> str:
+    """What decides which of llama.cpp's kernels a file's products run on: its ``general.file_type``
+    (llama.cpp's ``LLAMA_FTYPE``: 3 for Q4_1, 15 for Q4_K_M), else the file itself (path and size)."""
+    try:
+        file_type = read_gguf(path, ("general.file_type",))[0].get("general.file_type")
+    except (GGUFFormatError, OSError):
+        file_type = None
+    return f"file type {file_type}" if isinstance(file_type, int) else f"{path}:{path.stat().st_size}"
+
+
+def _machine() -> str:
+    """The host name, CPU model and kernel release: what an answer about this machine's kernels is kept under."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        model = platform.processor()
+    return f"{platform.node()}/{model}/{platform.release()}"
+
+
+def _probe_extra_buffers(path: Path) -> tuple[bool, bool]:
+    """``(safe, keep)``: :func:`_extra_buffers_child` on ``path`` in a child process; ``keep`` when the
+    answer is the kernels' (the child finished, or a fault killed it), not a failure of the probe."""
+    import subprocess
+
+    env = {**os.environ, _EXTRA_BUFFERS_ENV: "1"}
+    try:
+        child = subprocess.run([sys.executable, "-c", "import sys; from adaptive.engine.llamacpp import "
+                                "_extra_buffers_child; _extra_buffers_child(sys.argv[1])", str(path)],
+                               capture_output=True, text=True, timeout=600, env=env)
+    except subprocess.TimeoutExpired:
+        return False, False
+    if child.returncode == 0 and child.stdout.strip().endswith("ok"):
+        return True, True
+    if -child.returncode in _FAULTS:
+        return False, True
+    _say_once(f"probing llama.cpp's extra weight layouts on {path.name} failed (exit {child.returncode}): "
+              f"{child.stderr.strip()[-300:]}")
+    return False, False
+
+
+def _extra_buffers_child(path: str) -> None:
+    """In a child process: decode a prompt and a step of ``path`` with the extra buffers on, then print
+    ``ok`` (a fault kills the process first). A 64-token prompt multiplies matrices as a prefill does,
+    the single token as a decoding step."""
+    bb = LlamaCppBackbone(path, threads=1, context=128, sequences=1)
+    ids = [i % bb.vocab_size for i in range(1, 65)]
+    cache = bb.new_cache(80)
+    bb.forward(ids, cache, 0, logits="last")
+    bb.forward(ids[:1], cache, 64, logits="last")
+    print("ok")
+
+
+def _read_cache(path: Path) -> dict:
+    """A probe cache's object (``{}`` when missing, unreadable or not an object)."""
+    try:
+        known = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_cache(path: Path, value: dict) -> None:
+    """Write a probe cache atomically; a read-only cache is left alone (probed again next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, value)
+    except OSError:
+        pass
 
 
 def _init_backend(lib) -> None:
@@ -296,7 +355,7 @@ class LlamaCppBackbone:
         self.path = path
         self.threads = threads or default_threads()
         mparams = lib.llama_model_default_params()
-        mparams.use_extra_bufts = extra_buffers_ok()
+        mparams.use_extra_bufts = extra_buffers_ok(path)
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelNotFoundError(f"llama.cpp cannot load {path} (not a GGUF model it supports)")
@@ -697,18 +756,13 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
     process (``GGML_ASSERT(t_layer_inp[il] != nullptr)``), which no Python code can catch. So the
     first time an architecture is met it is probed in a child process (:func:`_probe_child`), and the
     answer is kept in ``$ADAPTIVE_CACHE/llama.cpp/layer-inputs.json`` (default ``~/.cache/adaptive``)."""
-    import json
-    import signal
     import subprocess
 
     version = importlib.import_module("llama_cpp").__version__
     cache = cache_dir() / "llama.cpp" / LAYER_INPUTS_FILE
     key = f"{version}:{arch}"
-    try:
-        known = json.loads(cache.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), bool):
+    known = _read_cache(cache)
+    if isinstance(known.get(key), bool):
         return known[key]
     try:
         child = subprocess.run([sys.executable, "-c", "import sys; from adaptive.engine.llamacpp import _probe_child; "
@@ -717,14 +771,7 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
         return False  # not kept: asked again next time
     safe = child.returncode == 0 and child.stdout.strip().endswith("safe")
     if child.returncode == 0 or child.returncode == -signal.SIGABRT:  # answered, or llama.cpp's abort
-        known = {**(known if isinstance(known, dict) else {}), key: safe}
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(known, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, cache)
-        except OSError:  # a read-only cache: probed again next time
-            pass
+        _write_cache(cache, {**known, key: safe})  # a read-only cache: probed again next time
     else:  # killed otherwise (out of memory, ...) or failed: not kept, and said
         _say_once(f"probing llama.cpp's layer inputs for {arch} failed (exit {child.returncode}): "
                   f"{child.stderr.strip()[-300:]}")

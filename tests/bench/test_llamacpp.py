@@ -58,3 +58,13 @@ def test_llama_cpp_decodes_the_embedded_gguf_greedily(embedded_fp32):
     # prompt it parts from the first token (llama.cpp: "L'Étoile, ..."; ours: "The capital of France is Paris.")
     ours = eng.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids
     assert 0 <= common_prefix(ours, out) <= len(out) and eng.text(out).strip()
+
+
+def test_the_baseline_loads_without_extra_buffers_only_inside_the_switch():
+    low = pytest.importorskip("llama_cpp.llama_cpp")
+    default = low.llama_model_default_params
+    with llamacpp._extra_buffers(False):
+        assert low.llama_model_default_params().use_extra_bufts is False  # what Llama(...) reads while it loads
+    assert low.llama_model_default_params is default and default().use_extra_bufts is True
+    with llamacpp._extra_buffers(True):
+        assert low.llama_model_default_params is default

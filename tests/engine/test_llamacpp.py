@@ -7,6 +7,7 @@ speculative decoding is checked against the same engine's plain decoding.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -381,49 +382,101 @@ def test_loading_drops_the_file_s_pages_and_decoding_reads_the_same_weights(tiny
     kept.close()
 
 
-def test_extra_buffers_are_off_only_where_an_amx_build_meets_a_kernel_without_tile_data():
-    amx_build = "AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
-    assert llamacpp.extra_buffers_safe(amx_build, False) is False
-    assert llamacpp.extra_buffers_safe(amx_build, True) is True
-    assert llamacpp.extra_buffers_safe(amx_build, None) is True  # not asked (not Linux x86-64): as llama.cpp has it
-    assert llamacpp.extra_buffers_safe("AVX2 = 1 | REPACK = 1 |", False) is True  # no AMX kernels to fault
+AMX_INFO = "CPU : AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 | "
 
 
-class _FakeLibc:
-    """arch_prctl as a kernel answers it: the request's return code, then the permitted mask."""
+class _Children:
+    """A stand-in for ``subprocess.run``: each probe child's exit code and output, and how many ran."""
 
-    def __init__(self, permitted: int, request_rc: int = 0, get_rc: int = 0):
-        self.permitted, self.request_rc, self.get_rc, self.calls = permitted, request_rc, get_rc, []
+    def __init__(self, returncode: int, stdout: str = ""):
+        self.returncode, self.stdout, self.runs = returncode, stdout, 0
 
-    def syscall(self, number, op, arg):
-        assert number == 158  # arch_prctl
-        self.calls.append(op)
-        if op == 0x1023:  # ARCH_REQ_XCOMP_PERM, for component 18 (tile data)
-            assert arg == 18
-            return self.request_rc
-        assert op == 0x1024  # ARCH_GET_XCOMP_PERM
-        arg._obj.value = self.permitted
-        return self.get_rc
+    def __call__(self, cmd, **kwargs):
+        import subprocess
+
+        self.runs += 1
+        assert kwargs["env"]["ADAPTIVE_LLAMACPP_EXTRA_BUFFERS"] == "1"  # the child decodes with them on
+        return subprocess.CompletedProcess(cmd, self.returncode, self.stdout, "ggml: some error")
 
 
-@pytest.mark.parametrize("libc, expected", [
-    (_FakeLibc(0x200E7), False),  # the request "succeeds", tile data is not given: a VM without AMX state
-    (_FakeLibc(0x600E7), True),  # given
-    (_FakeLibc(0x200E7, request_rc=-1), False),  # refused
-    (_FakeLibc(0x600E7, get_rc=-1), None),  # no answer: left as llama.cpp has it
-])
-def test_amx_tile_data_is_what_the_kernel_permits_after_asking(monkeypatch, libc, expected):
-    monkeypatch.setattr(llamacpp.sys, "platform", "linux")
-    monkeypatch.setattr(llamacpp.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(llamacpp.ctypes, "CDLL", lambda name, use_errno=False: libc)
-    assert llamacpp.amx_tiles_supported() is expected
-    assert libc.calls[0] == 0x1023  # asked first, as llama.cpp does
-    monkeypatch.setattr(llamacpp.platform, "machine", lambda: "aarch64")
-    assert llamacpp.amx_tiles_supported() is None
+@pytest.fixture
+def amx_build(monkeypatch, tmp_path):
+    """A build with AMX kernels, a private cache, nothing said yet, no forced answer."""
+    monkeypatch.setattr(llamacpp, "system_info", lambda: AMX_INFO)
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ADAPTIVE_LLAMACPP_EXTRA_BUFFERS", raising=False)
+    monkeypatch.setattr(llamacpp, "_WARNED", set())
+    return tmp_path
 
 
-def test_a_backbone_loads_without_extra_buffers_where_they_are_unsafe_and_decodes_the_same(tiny_gguf, monkeypatch,
-                                                                                           capsys):
+def test_without_amx_kernels_nothing_is_probed(monkeypatch, tmp_path):
+    monkeypatch.setattr(llamacpp, "system_info", lambda: "CPU : AVX2 = 1 | FMA = 1 | REPACK = 1 | ")
+    monkeypatch.delenv("ADAPTIVE_LLAMACPP_EXTRA_BUFFERS", raising=False)
+    child = _Children(-11)
+    monkeypatch.setattr("subprocess.run", child)
+    assert llamacpp.extra_buffers_ok(tmp_path / "m.gguf") is True and child.runs == 0
+
+
+def test_a_probe_killed_by_a_fault_turns_extra_buffers_off_and_is_kept(amx_build, monkeypatch, capsys):
+    gguf = amx_build / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    child = _Children(-11)  # SIGSEGV: llama.cpp's AMX product faulted
+    monkeypatch.setattr("subprocess.run", child)
+    assert llamacpp.extra_buffers_ok(gguf) is False
+    assert "llama.cpp's AMX kernels fault on this machine" in capsys.readouterr().err
+    assert llamacpp.extra_buffers_ok(gguf) is False and child.runs == 1  # the kept answer, not a second probe
+    kept = json.loads((amx_build / "cache" / "llama.cpp" / "extra-buffers.json").read_text())
+    assert list(kept.values()) == [False] and str(gguf.resolve()) in next(iter(kept))  # not a GGUF: by path
+    other = amx_build / "other.gguf"
+    other.write_bytes(b"GGUF....")
+    assert llamacpp.extra_buffers_ok(other) is False and child.runs == 2  # another file: probed on its own
+
+
+def test_files_of_one_weight_type_share_one_answer(amx_build, monkeypatch, tiny_gguf):
+    path, _ = tiny_gguf
+    copy = amx_build / "copy.gguf"
+    copy.write_bytes(Path(path).read_bytes())
+    child = _Children(0, "ok")
+    monkeypatch.setattr("subprocess.run", child)
+    assert llamacpp.extra_buffers_ok(path) is True and llamacpp.extra_buffers_ok(copy) is True
+    assert child.runs == 1
+    kept = json.loads((amx_build / "cache" / "llama.cpp" / "extra-buffers.json").read_text())
+    assert [k.rsplit("|", 1)[1] for k in kept] == ["file type 0"]  # the tiny file's F32 weights
+
+
+def test_a_probe_that_decodes_keeps_extra_buffers_on(amx_build, monkeypatch):
+    gguf = amx_build / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    child = _Children(0, "loaded\nok\n")
+    monkeypatch.setattr("subprocess.run", child)
+    assert llamacpp.extra_buffers_ok(gguf) is True and llamacpp.extra_buffers_ok(gguf) is True
+    assert child.runs == 1
+
+
+@pytest.mark.parametrize("returncode", [1, -9])  # an error, an out-of-memory kill: not the kernels' answer
+def test_a_probe_that_fails_otherwise_answers_no_for_this_process_only(amx_build, monkeypatch, capsys, returncode):
+    gguf = amx_build / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    child = _Children(returncode)
+    monkeypatch.setattr("subprocess.run", child)
+    assert llamacpp.extra_buffers_ok(gguf) is False
+    assert f"failed (exit {returncode}): ggml: some error" in capsys.readouterr().err
+    assert llamacpp.extra_buffers_ok(gguf) is False and child.runs == 2  # nothing kept: probed again
+
+
+def test_a_forced_answer_is_not_probed(amx_build, monkeypatch):
+    monkeypatch.setattr("subprocess.run", _Children(-11))
+    for forced, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv("ADAPTIVE_LLAMACPP_EXTRA_BUFFERS", forced)
+        assert llamacpp.extra_buffers_ok(amx_build / "absent.gguf") is expected
+
+
+def test_the_probe_child_decodes_a_real_file(tiny_gguf, amx_build):
+    path, _ = tiny_gguf
+    assert llamacpp._probe_extra_buffers(Path(path)) == (True, True)  # a real child process, as a probe runs it
+
+
+def test_a_backbone_loads_without_extra_buffers_where_the_probe_said_no(tiny_gguf, monkeypatch):
     import llama_cpp
 
     path, _ = tiny_gguf
@@ -436,25 +489,11 @@ def test_a_backbone_loads_without_extra_buffers_where_they_are_unsafe_and_decode
         return load(file, params)
 
     monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", spy)
-    monkeypatch.setattr(llamacpp, "_WARNED", set())
     logits = {}
-    for tiles in (True, False):
-        monkeypatch.setattr(llamacpp, "amx_tiles_supported", lambda tiles=tiles: tiles)
-        monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"AVX512 = 1 | AMX_INT8 = 1 |")
+    for ok in (True, False):
+        monkeypatch.setattr(llamacpp, "extra_buffers_ok", lambda gguf, ok=ok: ok)
         cpp = LlamaCppBackbone(path, threads=2, context=64, sequences=1)
-        logits[tiles] = cpp.forward(ids, cpp.new_cache(32), 0, logits="all").logits
+        logits[ok] = cpp.forward(ids, cpp.new_cache(32), 0, logits="all").logits
         cpp.close()
     assert seen == [True, False]
     assert torch.equal(logits[True], logits[False])  # the tiny file's F32 weights have no other layout
-    assert "does not give this process AMX's tile data" in capsys.readouterr().err
-
-
-def test_the_kernel_is_not_asked_for_amx_where_the_build_has_no_amx_kernels(monkeypatch):
-    import llama_cpp
-
-    def never():
-        raise AssertionError("asked the kernel for AMX tile data with no AMX kernels to run")
-
-    monkeypatch.setattr(llamacpp, "amx_tiles_supported", never)
-    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"AVX2 = 1 | FMA = 1 | REPACK = 1 |")
-    assert llamacpp.extra_buffers_ok() is True
