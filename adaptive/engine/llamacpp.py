@@ -210,8 +210,9 @@ def extra_buffers_ok(gguf: str | Path) -> bool:
         safe = known[key]
     else:
         safe, keep = _probe_extra_buffers(path)
-        if keep:
-            _write_cache(cache, {**known, key: safe})
+        if not keep:
+            return False  # the probe itself failed (said): off for this process only
+        _write_cache(cache, {**known, key: safe})
     if not safe:
         _say_once(f"llama.cpp's AMX kernels fault on this machine (a probe decoding {path.name} was killed): its "
                   "AMX and repacked weight layouts are off (every weight in the GGUF file's own layout)")
