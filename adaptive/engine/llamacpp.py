@@ -186,7 +186,7 @@ def extra_buffers_ok(gguf: str | Path) -> bool:
     machine (2026-11-27), where the kernel grants the process AMX's tile data but llama.cpp's first
     product faults at ``ldtilecfg``, a segmentation fault of the whole process at the first decode of a
     prompt. So the file is first decoded in a child process with the extra buffers on
-    (:func:`_extra_buffers_child`); a child killed by a fault answers no, and an answer is kept in
+    (:func:`_extra_buffers_child`, :func:`_probe`); a child killed by a fault answers no, and an answer is kept in
     ``$ADAPTIVE_CACHE/llama.cpp/extra-buffers.json`` per llama-cpp-python version, machine (host name,
     CPU model, kernel) and weight type (the file's ``general.file_type``). A probe that fails otherwise
     (out of memory, a timeout) answers no for this process only. ``ADAPTIVE_LLAMACPP_EXTRA_BUFFERS=0``
@@ -203,16 +203,10 @@ def extra_buffers_ok(gguf: str | Path) -> bool:
     if not path.is_file():
         return True  # nothing to probe: loading it fails with its own error
     version = importlib.import_module("llama_cpp").__version__
-    cache = cache_dir() / "llama.cpp" / EXTRA_BUFFERS_FILE
-    key = f"{version}|{_machine()}|{_weight_kind(path)}"
-    known = _read_cache(cache)
-    if isinstance(known.get(key), bool):
-        safe = known[key]
-    else:
-        safe, keep = _probe_extra_buffers(path)
-        if not keep:
-            return False  # the probe itself failed (said): off for this process only
-        _write_cache(cache, {**known, key: safe})
+    safe = _probe(EXTRA_BUFFERS_FILE, f"{version}|{_machine()}|{_weight_kind(path)}", "_extra_buffers_child", path,
+                  f"llama.cpp's extra weight layouts on {path.name}", _FAULTS, {**os.environ, _EXTRA_BUFFERS_ENV: "1"})
+    if safe is None:
+        return False  # the probe itself failed (said): off for this process only
     if not safe:
         _say_once(f"llama.cpp's AMX kernels fault on this machine (a probe decoding {path.name} was killed): its "
                   "AMX and repacked weight layouts are off (every weight in the GGUF file's own layout)")
@@ -242,25 +236,34 @@ def _machine() -> str:
     return f"{platform.node()}/{model}/{platform.release()}"
 
 
-def _probe_extra_buffers(path: Path) -> tuple[bool, bool]:
-    """``(safe, keep)``: :func:`_extra_buffers_child` on ``path`` in a child process; ``keep`` when the
-    answer is the kernels' (the child finished, or a fault killed it), not a failure of the probe."""
+def _probe(cache_name: str, key: str, child: str, path: Path, what: str, answers: tuple[int, ...],
+           env: dict | None = None) -> bool | None:
+    """What a child process that runs this module's ``child(path)`` says, kept in
+    ``$ADAPTIVE_CACHE/llama.cpp/<cache_name>`` under ``key`` (read from there when kept before):
+    ``True`` when it printed ``ok``, ``False`` when it printed anything else or a signal in ``answers``
+    killed it (what llama.cpp does where it cannot). ``None`` when the probe itself failed (a timeout,
+    another exit: out of memory, an import error): said once naming ``what``, nothing kept."""
     import subprocess
 
-    env = {**os.environ, _EXTRA_BUFFERS_ENV: "1"}
+    cache = cache_dir() / "llama.cpp" / cache_name
+    known = _read_cache(cache)
+    if isinstance(known.get(key), bool):
+        return known[key]
     try:
-        child = subprocess.run([sys.executable, "-c", "import sys; from adaptive.engine.llamacpp import "
-                                "_extra_buffers_child; _extra_buffers_child(sys.argv[1])", str(path)],
-                               capture_output=True, text=True, timeout=600, env=env)
+        run = subprocess.run([sys.executable, "-c", f"import sys; from adaptive.engine.llamacpp import {child}; "
+                              f"{child}(sys.argv[1])", str(path)], capture_output=True, text=True, timeout=600,
+                             env=env)
     except subprocess.TimeoutExpired:
-        return False, False
-    if child.returncode == 0 and child.stdout.strip().endswith("ok"):
-        return True, True
-    if -child.returncode in _FAULTS:
-        return False, True
-    _say_once(f"probing llama.cpp's extra weight layouts on {path.name} failed (exit {child.returncode}): "
-              f"{child.stderr.strip()[-300:]}")
-    return False, False
+        return None
+    if run.returncode == 0:
+        answer = run.stdout.strip().endswith("ok")
+    elif -run.returncode in answers:
+        answer = False
+    else:
+        _say_once(f"probing {what} failed (exit {run.returncode}): {run.stderr.strip()[-300:]}")
+        return None
+    _write_cache(cache, {**known, key: answer})  # a read-only cache: probed again next time
+    return answer
 
 
 def _extra_buffers_child(path: str) -> None:
@@ -757,34 +760,17 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
     process (``GGML_ASSERT(t_layer_inp[il] != nullptr)``), which no Python code can catch. So the
     first time an architecture is met it is probed in a child process (:func:`_probe_child`), and the
     answer is kept in ``$ADAPTIVE_CACHE/llama.cpp/layer-inputs.json`` (default ``~/.cache/adaptive``)."""
-    import subprocess
-
     version = importlib.import_module("llama_cpp").__version__
-    cache = cache_dir() / "llama.cpp" / LAYER_INPUTS_FILE
-    key = f"{version}:{arch}"
-    known = _read_cache(cache)
-    if isinstance(known.get(key), bool):
-        return known[key]
-    try:
-        child = subprocess.run([sys.executable, "-c", "import sys; from adaptive.engine.llamacpp import _probe_child; "
-                                "_probe_child(sys.argv[1])", str(path)], capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return False  # not kept: asked again next time
-    safe = child.returncode == 0 and child.stdout.strip().endswith("safe")
-    if child.returncode == 0 or child.returncode == -signal.SIGABRT:  # answered, or llama.cpp's abort
-        _write_cache(cache, {**known, key: safe})  # a read-only cache: probed again next time
-    else:  # killed otherwise (out of memory, ...) or failed: not kept, and said
-        _say_once(f"probing llama.cpp's layer inputs for {arch} failed (exit {child.returncode}): "
-                  f"{child.stderr.strip()[-300:]}")
-    return safe
+    return bool(_probe(LAYER_INPUTS_FILE, f"{version}:{arch}", "_probe_child", path,
+                       f"llama.cpp's layer inputs for {arch}", (signal.SIGABRT,)))
 
 
 def _probe_child(path: str) -> None:
-    """In a child process: try a layer input on ``path`` and print ``safe`` (llama.cpp may abort instead)."""
+    """In a child process: try a layer input on ``path`` and print ``ok`` (llama.cpp may abort instead)."""
     bb = LlamaCppBackbone(path, threads=1, context=64, sequences=1)
     api = _layer_input_api(bb._lib)
     norm = bb.final_norm()
-    print("safe" if api is not None and norm is not None and bb._probe_here(api, norm) else "none")
+    print("ok" if api is not None and norm is not None and bb._probe_here(api, norm) else "none")
 
 
 class _LayerTaps:

@@ -474,7 +474,9 @@ def test_a_forced_answer_is_not_probed(amx_build, monkeypatch):
 
 def test_the_probe_child_decodes_a_real_file(tiny_gguf, amx_build):
     path, _ = tiny_gguf
-    assert llamacpp._probe_extra_buffers(Path(path)) == (True, True)  # a real child process, as a probe runs it
+    assert llamacpp.extra_buffers_ok(path) is True  # a real child process decoded it with the extra buffers on
+    kept = json.loads((amx_build / "cache" / "llama.cpp" / "extra-buffers.json").read_text())
+    assert list(kept.values()) == [True]
 
 
 def test_a_backbone_loads_without_extra_buffers_where_the_probe_said_no(tiny_gguf, monkeypatch):
