@@ -11,6 +11,8 @@ all that calibration and distillation share about it:
   last line dropped on reading;
 * :func:`checkpointed`: load a checkpoint if it is there, else compute and write it.
 
+Beside them, what is kept per machine: :func:`cache_dir`, and :func:`cpu_name` to label it.
+
 It imports only the standard library and :mod:`adaptive.errors` (a bottom-layer module).
 """
 
@@ -20,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -42,6 +45,19 @@ def cache_dir() -> Path:
     """What adaptive builds once and keeps (converted models and tokenizers, joined GGUF files,
     llama.cpp builds and what was probed of them): ``$ADAPTIVE_CACHE``, else ``~/.cache/adaptive``."""
     return Path(os.environ.get("ADAPTIVE_CACHE", Path.home() / ".cache" / "adaptive"))
+
+
+def cpu_name() -> str:
+    """The CPU's model as ``/proc/cpuinfo`` names it (``"Intel(R) Xeon(R) Processor"``), else as
+    :mod:`platform` does: what a measurement, or an answer kept about this machine, is labelled with."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def slug(name: str) -> str:

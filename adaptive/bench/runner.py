@@ -33,6 +33,7 @@ from adaptive.models import load_model
 from adaptive.profile import is_two_engine, load_profile, read_engines
 from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult, TwoEngineRuntime
 from adaptive.runtime.policies import DISTILLED
+from adaptive.workdir import cpu_name
 
 FIXED_VARIANTS = ("knn-ssd", "cascade", "early-exit")  # policies benchmarked also with the bandit off (`-fixed`)
 FULL_VOCAB_VARIANTS = ("knn-ssd", "knn-skip")  # policies benchmarked also with the full LM head (`-full-vocab`)
@@ -158,16 +159,9 @@ def parse_methods(text: str) -> list[str]:
 def machine_info(device) -> dict:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(), "device": str(device)}
+    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "device": str(device)}
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -62,7 +62,7 @@ from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
 from adaptive.errors import ConfigError, ContextFullError, ModelNotFoundError, PromptTooLongError
-from adaptive.workdir import cache_dir, read_json, write_json
+from adaptive.workdir import cache_dir, cpu_name, read_json, write_json
 
 ENGINE = "llama.cpp"
 INSTALL = "pip install 'adaptive[llamacpp]' (llama-cpp-python; pip builds llama.cpp from source: ~5-10 min on 2 cores)"
@@ -225,15 +225,7 @@ def _weight_kind(path: Path) -> str:
 
 def _machine() -> str:
     """The host name, CPU model and kernel release: what an answer about this machine's kernels is kept under."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    except OSError:
-        model = platform.processor()
-    return f"{platform.node()}/{model}/{platform.release()}"
+    return f"{platform.node()}/{cpu_name()}/{platform.release()}"
 
 
 def _probe(cache_name: str, key: str, child: str, path: Path, what: str, answers: tuple[int, ...],
