@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from adaptive.engine.formulas import gated, rms_norm, rotate
 
-COMPILE_MODES = ("ops", "fused", "step", "none")  # StepGraphs.compile
+COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
 RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps (decode, draft, verify)
 PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last real row only)
@@ -182,23 +182,6 @@ def split_heads_into(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_
     return q
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Attention of the grouped queries ``q`` (``[KV, G * Tb, D]``, already scaled) over one layer's cache
-    (``k``/``v`` ``[KV, C, D]``) in one fused kernel (``scaled_dot_product_attention``); ``bias``
-    (``[G * Tb, C]`` in the cache's dtype, :func:`causal_bias`) is added to the scores. ``[KV, G * Tb, D]``."""
-    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=bias,
-                                          scale=1.0)[0]
-
-
-def causal_bias(banned: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[G * Tb, C]``: 0 where a query row may look, ``-inf`` where ``banned`` (``[Tb, C]``) says not,
-    repeated for the ``groups`` query heads of each key head (rows ``g * Tb + t``, :func:`split_heads`'s
-    layout). Built once a step: a boolean mask would be turned into this by every layer's attention.
-    Example: ``banned [[F, T, T], [F, F, T]]``, 2 groups: rows ``[0, -inf, -inf], [0, 0, -inf]``, twice."""
-    zero = torch.zeros((), dtype=dtype, device=banned.device)
-    return zero.masked_fill(banned, float("-inf")).repeat(groups, 1)
-
-
 def masked_softmax(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
     """Attention weights from ``scores`` (``[KV, G * Tb, C]``), ``banned`` (``[Tb, C]``, True: may not look)."""
     KV, GT, C = scores.shape
@@ -218,26 +201,25 @@ class StepOps:
     (:meth:`plain`), or each compiled by Inductor into one or two fused kernels (:meth:`compiled`; the
     CUDA default), which replaces about forty small kernels a layer by about fifteen. The products stay
     cuBLAS's; compiled pieces are shared by every bucket, skip set and slot (automatic dynamic shapes).
-    ``fused`` (the ``"fused"`` compile mode, an alternative the device check measures beside the
-    default): the cache writes inside the compiled split (:func:`split_heads_into`) and attention as
-    one fused kernel (:func:`attend`) instead of two products around the masked softmax: ~4 kernels
-    fewer a layer."""
+    The split writes the keys and values into the cache itself (:func:`split_heads_into`), so Inductor
+    compiles the writes with the rotary embedding that computes them. Measured on an H100 (2026-11-27,
+    the embedded model's shape): the captured step took 1.153 ms, against 1.219 ms with the writes as
+    two ``index_copy_`` after a compiled split; attention as one ``scaled_dot_product_attention`` kernel
+    over the slot (with an additive causal bias) was slower, 1.846 ms, and was removed."""
 
     add_norm: Callable
     norm: Callable
-    split_heads: Callable
+    split_heads_into: Callable
     masked_softmax: Callable
     merge_heads: Callable
     gated: Callable
-    split_heads_into: Callable = split_heads_into
-    fused: bool = False
 
     @classmethod
-    def plain(cls, fused: bool = False) -> StepOps:
-        return cls(add_norm, norm, split_heads, masked_softmax, merge_heads, gated, split_heads_into, fused)
+    def plain(cls) -> StepOps:
+        return cls(add_norm, norm, split_heads_into, masked_softmax, merge_heads, gated)
 
     @classmethod
-    def compiled(cls, fused: bool = False) -> StepOps:
+    def compiled(cls) -> StepOps:
         """Each piece compiled (automatic dynamic shapes: a second row count or model size recompiles it
         once, with symbolic sizes). Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT`: one
         piece sees one-row and many-row steps, of each model in the process (its default, 8, was hit
@@ -247,8 +229,8 @@ class StepOps:
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.6
         setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        return cls(*(torch.compile(f, fullgraph=True) for f in (add_norm, norm, split_heads, masked_softmax,
-                                                                 merge_heads, gated, split_heads_into)), fused)
+        return cls(*(torch.compile(f, fullgraph=True) for f in (add_norm, norm, split_heads_into, masked_softmax,
+                                                                 merge_heads, gated)))
 
 
 class StaticStep:
@@ -282,7 +264,6 @@ class StaticStep:
         pos = meta[0] + torch.arange(Tb, device=ids.device)  # [Tb] absolute positions
         cos_t, sin_t = cos.index_select(0, pos), sin.index_select(0, pos)  # [Tb, 1, D]
         banned = torch.arange(C, device=ids.device).unsqueeze(0) > pos.unsqueeze(1)  # [Tb, C]: may not look
-        bias = causal_bias(banned, bb.n_heads // bb.n_kv_heads, k.dtype) if ops.fused else None  # [G * Tb, C]
         skip_attn, skip_mlp = self.masks
         h = F.embedding(ids, bb.embed_weight)  # [Tb, hidden]
         delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
@@ -294,17 +275,10 @@ class StaticStep:
         for i, w in enumerate(bb.weights):
             if not skip_attn[i]:
                 h, x = normed(h, delta, w.attn_norm, w.attn_eps)
-                if ops.fused:
-                    q = ops.split_heads_into(w.qkv(x), cos_t, sin_t, w.q_norm, w.k_norm, w.qk_eps, bb.n_heads,
-                                             bb.n_kv_heads, k.dtype, bb.scaling, k[i], v[i], pos)
-                    delta = w.o(ops.merge_heads(attend(q, k[i], v[i], bias), Tb, h.dtype))
-                else:
-                    q, kn, vn = ops.split_heads(w.qkv(x), cos_t, sin_t, w.q_norm, w.k_norm, w.qk_eps, bb.n_heads,
-                                                bb.n_kv_heads, k.dtype, bb.scaling)
-                    k[i].index_copy_(1, pos, kn)
-                    v[i].index_copy_(1, pos, vn)
-                    probs = ops.masked_softmax(torch.bmm(q, k[i].transpose(1, 2)), banned)  # [KV, G * Tb, C]
-                    delta = w.o(ops.merge_heads(torch.bmm(probs, v[i]), Tb, h.dtype))
+                q = ops.split_heads_into(w.qkv(x), cos_t, sin_t, w.q_norm, w.k_norm, w.qk_eps, bb.n_heads,
+                                         bb.n_kv_heads, k.dtype, bb.scaling, k[i], v[i], pos)
+                probs = ops.masked_softmax(torch.bmm(q, k[i].transpose(1, 2)), banned)  # [KV, G * Tb, C]
+                delta = w.o(ops.merge_heads(torch.bmm(probs, v[i]), Tb, h.dtype))
             if not skip_mlp[i]:
                 h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(ops.gated(w.gate_up(x), w.act))
@@ -340,9 +314,8 @@ class StepGraphs:
     pool: SlotPool = field(init=False)
     enabled: bool = True
     # what Inductor compiles before capture: "ops" (the pieces between the products, StepOps.compiled: the
-    # default), "fused" (those pieces with the cache writes inside and attention as one fused kernel: measured
-    # beside "ops" by benchmarks/device_check.py), "step" (each whole step: fewer kernels, but ~50 s of
-    # compiling per bucket and skip set on an H100) or "none" (every piece a plain PyTorch kernel)
+    # default), "step" (each whole step: fewer kernels, but ~50 s of compiling per bucket and skip set on an
+    # H100) or "none" (every piece a plain PyTorch kernel)
     compile: str = "ops"
     replays: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
@@ -454,16 +427,16 @@ class StepGraphs:
         cos, sin = self._tables(cache.k.shape[2])
         buf = self._inputs[Tb]
         args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
-        if self.compile in ("ops", "fused"):
+        if self.compile == "ops":
             try:  # compiled here, outside any capture (a compilation cannot run inside one)
                 if self._ops is None:
-                    self._ops = StepOps.compiled(fused=self.compile == "fused")
+                    self._ops = StepOps.compiled()
                 StaticStep(self.backbone, Tb, masks, logits, self._ops, pool_layer)(*args)
             except Exception as exc:  # noqa: BLE001 - no compiler (Triton) or a failed compilation: plain kernels
                 self.compile = "none"
                 print(f"adaptive: compiling the step's pieces failed ({type(exc).__name__}: {exc}); capturing plain "
                       "kernels", file=sys.stderr)
-        step = StaticStep(self.backbone, Tb, masks, logits, self._ops if self.compile in ("ops", "fused") else None,
+        step = StaticStep(self.backbone, Tb, masks, logits, self._ops if self.compile == "ops" else None,
                           pool_layer)
         if self.compile == "step":
             step = torch.compile(step, fullgraph=True, dynamic=False)

@@ -237,8 +237,9 @@ def test_static_step_compiles_whole_on_the_cpu():
 
 @pytest.mark.slow
 def test_the_compiled_pieces_give_the_plain_step():
-    """StepOps.compiled (what CUDA graphs capture by default) traces each piece whole and gives the plain
-    pieces' logits, for two buckets (automatic dynamic shapes) and a skip set."""
+    """StepOps.compiled (what CUDA graphs capture by default) traces each piece whole, the split that writes
+    the cache included (no graph break), and gives the plain pieces' logits and cache writes, for two buckets
+    (automatic dynamic shapes) and a skip set."""
     from adaptive.engine.graphs import StepOps
 
     bb = Backbone(tiny_model("qwen3", n_layers=3))
@@ -254,6 +255,8 @@ def test_the_compiled_pieces_give_the_plain_step():
             got = _static_run(bb, StaticStep(bb, bucket_for(T), masks, "all", ops), ids[20:20 + T], 20, slot)
             assert torch.allclose(got[:T], want[:T], atol=1e-4) and torch.equal(got[:T].argmax(-1),
                                                                                  want[:T].argmax(-1))
+            assert torch.allclose(slot.k[:, :, :20 + T], plain_cache.k[:, :, :20 + T], atol=1e-4)
+            assert torch.allclose(slot.v[:, :, :20 + T], plain_cache.v[:, :, :20 + T], atol=1e-4)
 
 
 def _cuda_engine(family="llama", n_layers=6, graphs=True):
@@ -322,58 +325,3 @@ def test_a_failed_capture_falls_back_to_eager_once(monkeypatch, capsys):
     assert eng.generate(list(range(3, 12)), cfg).token_ids == ref
     assert not bb.graphs.enabled
     assert capsys.readouterr().err.count("CUDA graph capture failed") == 1
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_fused_step_gives_the_plain_step(family):
-    """The fused variant (cache writes inside the split, attention as one fused kernel) gives the plain
-    step's logits and tokens and writes the same keys and values, for several buckets and a skip set."""
-    from adaptive.engine.graphs import StepOps
-
-    bb = Backbone(tiny_model(family, n_layers=3))
-    torch.manual_seed(0)
-    ids = torch.randint(3, bb.vocab_size, (40,))
-    with torch.inference_mode():
-        for T, masks in ((1, bb._full), (3, bb._full), (9, bb._full), (5, SkipSet(attn=(0,), mlp=(2,)).masks(3))):
-            plain_cache, slot = _slot_cache(bb, 40), _slot_cache(bb, 40)
-            for c in (plain_cache, slot):
-                bb.forward(ids[:20], c, 0, logits="none")
-            want = _static_run(bb, StaticStep(bb, bucket_for(T), masks, "all"), ids[20:20 + T], 20, plain_cache)
-            got = _static_run(bb, StaticStep(bb, bucket_for(T), masks, "all", StepOps.plain(fused=True)),
-                              ids[20:20 + T], 20, slot)
-            assert torch.allclose(got[:T], want[:T], atol=1e-5), (T, float((got[:T] - want[:T]).abs().max()))
-            assert torch.equal(got[:T].argmax(-1), want[:T].argmax(-1))
-            assert torch.allclose(slot.k[:, :, :20 + T], plain_cache.k[:, :, :20 + T], atol=1e-4)
-            assert torch.allclose(slot.v[:, :, :20 + T], plain_cache.v[:, :, :20 + T], atol=1e-4)
-
-
-@pytest.mark.slow
-def test_the_compiled_fused_pieces_give_the_plain_step():
-    """StepOps.compiled(fused=True) traces the split that writes the cache whole (no graph break) and gives
-    the plain step's logits, for two buckets."""
-    from adaptive.engine.graphs import StepOps
-
-    bb = Backbone(tiny_model("qwen3", n_layers=3))
-    torch.manual_seed(0)
-    ids = torch.randint(3, bb.vocab_size, (40,))
-    ops = StepOps.compiled(fused=True)
-    with torch.inference_mode():
-        for T in (1, 3):
-            plain_cache, slot = _slot_cache(bb, 40), _slot_cache(bb, 40)
-            for c in (plain_cache, slot):
-                bb.forward(ids[:20], c, 0, logits="none")
-            want = _static_run(bb, StaticStep(bb, bucket_for(T), bb._full, "all"), ids[20:20 + T], 20, plain_cache)
-            got = _static_run(bb, StaticStep(bb, bucket_for(T), bb._full, "all", ops), ids[20:20 + T], 20, slot)
-            assert torch.allclose(got[:T], want[:T], atol=1e-4) and torch.equal(got[:T].argmax(-1),
-                                                                                 want[:T].argmax(-1))
-            assert torch.allclose(slot.k[:, :, :20 + T], plain_cache.k[:, :, :20 + T], atol=1e-4)
-
-
-def test_the_causal_bias_worked_example():
-    from adaptive.engine.graphs import causal_bias
-
-    banned = torch.tensor([[False, True, True], [False, False, True]])
-    inf = float("-inf")
-    want = torch.tensor([[0, inf, inf], [0, 0, inf], [0, inf, inf], [0, 0, inf]])
-    assert torch.equal(causal_bias(banned, 2, torch.float32), want)
-    assert causal_bias(banned, 1, torch.bfloat16).dtype == torch.bfloat16
