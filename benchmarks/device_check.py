@@ -5,14 +5,18 @@ Parts (``--parts``, comma-separated; all by default):
 * ``shapes``: random-weight models built from a config on the device (no download): the embedded
   model's shape (SmolLM2-135M), Qwen2.5-1.5B's and Llama-3-8B's (``--quick``: two tiny ones). For
   each: the plain step (one token after ``--context`` cached positions) in ms, eager and replayed as a
-  CUDA graph (of plain kernels, of the default compiled pieces, and of the ``fused`` variant:
-  cache writes inside the compiled split, attention as one kernel; plain decoding through the loop
-  on the default and on the fused variant); the bytes it reads (every weight once, the LM head
-  included, and the keys and values of the context) over its time as a share of the device's
-  bandwidth, measured in the same run by a large device-to-device copy; and the verification
-  table, a forward over ``k + 1`` tokens for ``k = 1 .. 16`` drafts, in units of the plain step.
+  CUDA graph (of plain kernels and of the default compiled pieces, with the seconds the first
+  step took: compiling and capturing) and plain decoding through the loop; the bytes it reads
+  (every weight once, the LM head included, and the keys and values of the context) over its time
+  as a share of the device's bandwidth, measured in the same run by a large device-to-device copy;
+  and the verification table, a forward over ``k + 1`` tokens for ``k = 1 .. 16`` drafts, in units
+  of the plain step.
 * ``compile``: the embedded model's shape with torch.compile'd (Inductor) steps captured instead of
   eager ones: compile seconds and step ms (an experiment: is compiling worth its minutes?).
+* ``kernels``: where the plain step's time goes, per shape of ``--shapes`` (default the embedded
+  model's): the default captured step profiled over 20 replays (torch.profiler): kernels a step, their
+  summed device time against the step's wall time (the rest is the gaps between kernels), and the
+  kernels that take the most time.
 * ``embedded``: the embedded model in bf16: a profile calibrated on this device (``--quick``), then
   ``adaptive bench`` (batch 1, 64 new tokens, ``--per-category`` prompts of each group of ``--data``
   after the first ``--skip-first`` (16), which calibration may use) with ``ar``, the routed runtime
@@ -144,9 +148,8 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     if bb.graphs is not None:
         bb.graphs.enabled = False  # eager first: the same forward without graphs
         row["eager_ms"] = round(1e3 * timed(step, dev, max(3, repeats // 10)), 3)
-        # plain kernels captured, the fused variant (cache writes in the split, one attention kernel), then the
-        # default (compiled pieces), which the rest of the row measures
-        for mode in ("none", "fused", "ops"):
+        # plain kernels captured, then the default (compiled pieces), which the rest of the row measures
+        for mode in ("none", "ops"):
             bb.graphs = StepGraphs(bb, compile=mode)
             cache = prefilled()
             t = time.perf_counter()
@@ -180,9 +183,6 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     row["loop_tok_s"] = round(statistics.median(decode() for _ in range(3)), 1)
     if bb.graphs is not None:
         row["captures"] = bb.graphs.captures
-        bb.graphs = StepGraphs(bb, compile="fused")  # the same loop on the fused variant's graphs
-        decode()
-        row["loop_fused_tok_s"] = round(statistics.median(decode() for _ in range(3)), 1)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -233,6 +233,65 @@ def part_shapes(args, dev: torch.device) -> dict:
             rows.append({"shape": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
             log(f"shape {name} failed: {rows[-1]['error']}")
     return {"bandwidth_GBps": round(bw / 1e9, 1), "dtype": str(dtype).replace("torch.", ""), "rows": rows}
+
+
+def profile_step(name: str, family: str, fields: dict, dev: torch.device, dtype: torch.dtype, context: int,
+                 steps: int = 20) -> dict:
+    """The default plain step of one shape (captured where CUDA graphs are on) under torch.profiler:
+    kernels (device events on CUDA, operators on the CPU) a step, their summed time a step against the
+    step's wall time, and the ten that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from adaptive.engine.backbone import Backbone
+
+    bb = Backbone(build_random(family, fields, dev, dtype))
+    ids = torch.randint(0, bb.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0))
+    cache = bb.new_cache(context + 1)
+    bb.forward(ids[:context].to(dev), cache, 0, logits="none")
+    cache.length = context
+
+    def step():
+        return bb.forward(ids[context:context + 1], cache, context, logits="all")
+
+    for _ in range(3):  # compile and capture outside the profile
+        step()
+    wall = timed(step, dev, 50)
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        sync(dev)
+
+    def self_us(e) -> float:  # the profiler's name for device time changed across torch versions
+        if cuda:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if self_us(e) > 0]
+    if cuda:
+        events = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy_ms = sum(self_us(e) for e in events) / 1e3 / steps
+    top = sorted(events, key=self_us, reverse=True)[:10]
+    return {"shape": name, "graphs": bb.graphs is not None and bb.graphs.enabled,
+            "step_ms": round(1e3 * wall, 3), "kernels_per_step": round(sum(e.count for e in events) / steps, 1),
+            "busy_ms": round(busy_ms, 3), "busy_share": round(busy_ms / (1e3 * wall), 3),
+            "top": [{"name": e.key[:80], "per_step": round(e.count / steps, 1),
+                     "us_per_step": round(self_us(e) / steps, 1)} for e in top]}
+
+
+def part_kernels(args, dev: torch.device) -> dict:
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    names = args.shapes.split(",") if args.shapes else [next(iter(shapes))]
+    rows = []
+    for name in names:
+        try:
+            rows.append(profile_step(name, *shapes[name], dev, dtype, args.context))
+        except Exception as exc:  # noqa: BLE001 - a failed shape is a row, not the end of the check
+            rows.append({"shape": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        log(f"kernels {name}: {rows[-1]}")
+        gc.collect()
+    return {"rows": rows}
 
 
 def part_compile(args, dev: torch.device) -> dict:
@@ -296,18 +355,27 @@ def markdown(result: dict) -> str:
         lines += [f"## (b) random-weight shapes, {shapes['dtype']}, one token after {result['context']} positions "
                   f"(device copy {shapes['bandwidth_GBps']} GB/s)", "",
                   "| shape | weights MB | eager ms | graph, plain kernels ms | graph, compiled pieces ms | "
-                  "graph, fused ms | HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in shapes["rows"]:
             if "error" in r:
-                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | | |")
+                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | |")
                 continue
             v = r["verify"]
             lines.append(f"| {r['shape']} | {r['weight_MB']} | {r.get('eager_ms', r['step_ms'])} | "
                          f"{r.get('graph_none_ms', '-')} | {r.get('graph_ops_ms', '-')} | "
-                         f"{r.get('graph_fused_ms', '-')} | {r.get('hbm_share', '-')} | "
-                         f"{v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']}"
-                         + (f" (fused {r['loop_fused_tok_s']})" if "loop_fused_tok_s" in r else "") + " |")
+                         f"{r.get('hbm_share', '-')} | {v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']} |")
+    if "kernels" in result:
+        lines += ["", "## where the plain step's time goes (the default step, captured on CUDA; torch.profiler)", "",
+                  "| shape | step ms | kernels a step | kernel time ms | share of the step | top kernels (us a step) |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["kernels"]["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | |")
+                continue
+            top = "; ".join(f"{t['name'][:40]} x{t['per_step']} {t['us_per_step']}" for t in r["top"][:5])
+            lines.append(f"| {r['shape']} | {r['step_ms']} | {r['kernels_per_step']} | {r['busy_ms']} | "
+                         f"{r['busy_share']} | {top} |")
     if "compiled" in result:
         lines += ["", f"compiled (Inductor) steps captured, smollm2 shape: {json.dumps(result['compiled'])}"]
     emb = result.get("embedded")
@@ -340,7 +408,7 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--parts", default="shapes,embedded", help="shapes, compile, embedded")
+    ap.add_argument("--parts", default="shapes,embedded", help="shapes, kernels, compile, embedded")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (the CPU run CI makes)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"))
     ap.add_argument("--model", default="smollm2-135m")
@@ -367,12 +435,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     result = {"device": name, "torch": torch.__version__, "context": args.context, "quick": args.quick}
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"shapes", "compile", "embedded"}
+    unknown = set(parts) - {"shapes", "kernels", "compile", "embedded"}
     if unknown:
-        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; choose shapes, compile, embedded")
+        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; choose shapes, kernels, compile, embedded")
     t0 = time.perf_counter()
     if "shapes" in parts:
         result["shapes"] = part_shapes(args, dev)
+    if "kernels" in parts:
+        result["kernels"] = part_kernels(args, dev)
     if "compile" in parts:
         result["compiled"] = part_compile(args, dev)
     if "embedded" in parts:

@@ -20,6 +20,7 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
     proc = subprocess.run([str(ROOT / "benchmarks" / "device_check.sh"), "--quick", "--model", str(tiny_model_dir),
+                           "--parts", "shapes,kernels,embedded",
                            "--data", str(data), "--skip-first", "2", "--per-category", "1", "--fp32-per-category", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -27,6 +28,10 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     shapes = result["shapes"]["rows"]
     assert [r["shape"] for r in shapes] == ["tiny-llama", "tiny-qwen3"]
     assert all("error" not in r and r["step_ms"] > 0 and len(r["verify"]) == 16 for r in shapes)
+    (kernels,) = result["kernels"]["rows"]  # the first quick shape's step under the profiler
+    assert kernels["shape"] == "tiny-llama" and kernels["kernels_per_step"] > 0 and kernels["top"]
+    assert 0 < kernels["busy_ms"]
+    assert kernels["busy_share"] == pytest.approx(kernels["busy_ms"] / kernels["step_ms"], abs=0.01)
     emb = result["embedded"]
     assert emb["calibrate"]["ok"], emb["calibrate"]["tail"]
     fp32 = {"ar", "knn-ssd", "pld", "hf", "hf-pld"}  # the equality run leaves out hf-static's compilation
@@ -36,3 +41,4 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
         assert all(r["tokens_per_s"] > 0 for r in report.values())
     assert all(r["identical_to_ar"] for m, r in emb["bench_float32"]["report"].items() if m != "ar")
     assert "| knn-ssd |" in proc.stdout and "(b) random-weight shapes" in proc.stdout
+    assert "where the plain step's time goes" in proc.stdout
