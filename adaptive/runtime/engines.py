@@ -7,12 +7,15 @@ each engine's calibration of the same model; :class:`TwoEngineRuntime` loads bot
 :class:`~adaptive.runtime.AdaptiveRuntime`: model, caches, bandits, online overlay) and sends each
 request, tokenized once, to one of them for its whole life (no KV cache moves between engines).
 
-The choice (:func:`estimate`, :func:`choose`), for a prompt of ``P`` tokens and ``N`` new tokens
-(the request's ``max_new_tokens``: at admission nothing says where it will stop), is the engine
-that adds the least time to the machine's work::
+The choice (:func:`estimate`, :func:`choose`), for a prompt of ``P`` tokens and ``N`` new tokens,
+is the engine that adds the least time to the machine's work::
 
     expected_s(engine) = prefill_s(P) + N * seconds_per_token * added_step(running)
 
+``N``: the tokens the request is expected to decode under its cap ``max_new_tokens``, as the answers
+of the domain the prompt's tokens suggest ended so far (with online learning on,
+:class:`~adaptive.runtime.lengths.LengthLearner`: a Kaplan-Meier estimate over that domain's recent
+requests); the cap itself before anything is learned, or with online learning off.
 ``prefill_s``: the engine's prefill times measured by calibration at a few prompt lengths,
 interpolated (:meth:`CostModel.prefill_seconds <adaptive.costs.CostModel.prefill_seconds>`);
 ``seconds_per_token``: plain decoding's measured pace over the routed decision's measured speedup
@@ -65,6 +68,7 @@ from adaptive.profile import (
     member_online_path,
     read_engines,
 )
+from adaptive.runtime.lengths import LengthLearner
 from adaptive.runtime.online import OnlineSettings
 from adaptive.runtime.pace import PaceLearner
 from adaptive.runtime.policies import ROUTED_POLICY
@@ -99,25 +103,37 @@ class EngineEstimate:
 @dataclass(frozen=True)
 class EngineChoice:
     """Where a request runs and why: the ``engine`` whose estimate is least among ``estimates`` (ties:
-    the first), for ``prompt_tokens`` and ``new_tokens``, each engine's pace that of ``domain`` (the
-    domain guessed from the prompt's tokens; ``None``: the average over domains)."""
+    the first), for ``prompt_tokens`` and at most ``new_tokens``, each engine's pace that of ``domain``
+    (the domain guessed from the prompt's tokens; ``None``: the average over domains), priced for
+    ``expected_tokens`` of them (``None``: all ``new_tokens``; :mod:`adaptive.runtime.lengths`)."""
 
     engine: str
     estimates: tuple[EngineEstimate, ...]
     prompt_tokens: int
     new_tokens: int
     domain: str | None = None
+    expected_tokens: float | None = None
+
+    @property
+    def priced_tokens(self) -> float:
+        """The new tokens the estimates are for: ``expected_tokens``, else ``new_tokens``."""
+        return self.new_tokens if self.expected_tokens is None else self.expected_tokens
 
     @property
     def reason(self) -> str:
-        """E.g. ``"expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa)"`` (the chosen engine first)."""
+        """E.g. ``"expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa, for 42 of 256 tokens)"``
+        (the chosen engine first)."""
         ordered = sorted(self.estimates, key=lambda e: e.engine != self.engine)
-        priced = f" (priced as {self.domain})" if self.domain is not None else ""
-        return "expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered) + priced
+        notes = [f"priced as {self.domain}"] if self.domain is not None else []
+        if self.priced_tokens < self.new_tokens:
+            notes.append(f"for {self.priced_tokens:.0f} of {self.new_tokens} tokens")
+        return ("expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered)
+                + (f" ({', '.join(notes)})" if notes else ""))
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "domain": self.domain,
+                "expected_tokens": round(self.priced_tokens, 1),
                 "estimates": [e.to_dict() for e in self.estimates]}
 
 
@@ -131,25 +147,27 @@ def added_step(verify: Sequence[float], running: int) -> float:
     return max(extrapolate(verify, running) - extrapolate(verify, running - 1), 0.0)
 
 
-def estimate(profile: Profile, prompt_tokens: int, new_tokens: int, running: int = 0,
+def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: int = 0,
              domain: str | None = None, pace: float = 1.0) -> EngineEstimate:
     """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
-    and ``new_tokens`` at its expected pace in ``domain`` (``None`` or not one of its domains: the
-    average, :meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`) times
-    ``pace`` (a learned correction, :class:`~adaptive.runtime.pace.PaceLearner`), each step priced
-    by :func:`added_step` with ``running`` requests already decoding there."""
+    and ``new_tokens`` (an expectation may be fractional) at its expected pace in ``domain`` (``None``
+    or not one of its domains: the average, :meth:`Profile.seconds_per_token
+    <adaptive.profile.Profile.seconds_per_token>`) times ``pace`` (a learned correction,
+    :class:`~adaptive.runtime.pace.PaceLearner`), each step priced by :func:`added_step` with
+    ``running`` requests already decoding there."""
     per_token = profile.seconds_per_token(domain) * pace * added_step(profile.cost_model.verify, running)
     return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(prompt_tokens),
                           new_tokens * per_token, pace)
 
 
 def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
-           domain: str | None = None) -> EngineChoice:
-    """The engine with the least expected time (the first among equals), priced as ``domain``."""
+           domain: str | None = None, expected_tokens: float | None = None) -> EngineChoice:
+    """The engine with the least expected time (the first among equals), priced as ``domain`` for
+    ``expected_tokens`` of the ``new_tokens`` allowed (``None``: all of them)."""
     if not estimates:
         raise ValueError("no engine to choose from")
     best = min(estimates, key=lambda e: e.expected_s)
-    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain)
+    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain, expected_tokens)
 
 
 class TwoEngineRuntime:
@@ -158,9 +176,12 @@ class TwoEngineRuntime:
     ...). ``runtimes``: engine -> its runtime, the ``default`` one's tokenizer and chat setting
     encode every prompt (the same model's). ``pace``: learns each engine's pace from the requests
     that had the machine to themselves and corrects its price by it (``None``: the calibrated prices
-    as they are). Safe to share between threads as a one-engine runtime is."""
+    as they are). ``lengths``: learns where each domain's answers end and prices a request for the
+    tokens it is expected to decode (``None``: for its cap). Safe to share between threads as a
+    one-engine runtime is."""
 
-    def __init__(self, runtimes: dict[str, AdaptiveRuntime], default: str, pace: PaceLearner | None = None):
+    def __init__(self, runtimes: dict[str, AdaptiveRuntime], default: str, pace: PaceLearner | None = None,
+                 lengths: LengthLearner | None = None):
         if len(runtimes) < 2 or default not in runtimes:
             raise ValueError(f"a two-engine runtime needs two runtimes and a default among them, got "
                              f"{sorted(runtimes)} and {default!r}")
@@ -179,6 +200,8 @@ class TwoEngineRuntime:
         self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}
         self._live_lock = threading.Lock()
         self.pace = pace
+        self.lengths = lengths
+        self._chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> choice, to learn lengths
         self._streams = weakref.WeakSet()  # requests stream() decodes (one at a time on the model: not load)
         self._shared = weakref.WeakSet()  # live requests that have not had the machine to themselves
         # request -> (its choice, the members' background measuring seconds at its admission), to learn from
@@ -194,7 +217,8 @@ class TwoEngineRuntime:
         becomes one per engine (``PATH.ENGINE``). ``context``: the positions of the llama.cpp member's
         shared context (:data:`MEMBER_CONTEXT`; ``None``: the model's, up to 8192). With online
         learning on, each engine's pace is learned too (:class:`~adaptive.runtime.pace.PaceLearner`,
-        in memory: a restart starts again from the calibrated prices)."""
+        in memory: a restart starts again from the calibrated prices), and where answers end
+        (:class:`~adaptive.runtime.lengths.LengthLearner`, in memory too)."""
         members = read_engines(directory)
         runtimes, lock = {}, kwargs.pop("model_lock", None) or TurnLock()
         for engine in members.engines:
@@ -205,8 +229,9 @@ class TwoEngineRuntime:
                             context=context if engine == llamacpp.ENGINE else None)
             runtimes[engine] = AdaptiveRuntime(profile, lm, online=_member_online(online, engine), model_lock=lock,
                                                **kwargs)
-        pace = PaceLearner(seed=kwargs.get("seed", 0)) if OnlineSettings.coerce(online).enabled else None
-        return cls(runtimes, members.default, pace)
+        learning = OnlineSettings.coerce(online).enabled
+        pace = PaceLearner(seed=kwargs.get("seed", 0)) if learning else None
+        return cls(runtimes, members.default, pace, LengthLearner() if learning else None)
 
     # -- what a one-engine runtime offers, from the default member ----------------------------------
 
@@ -231,7 +256,7 @@ class TwoEngineRuntime:
         """Each engine's online learner (each learns from the requests it decodes), as one: ``None``
         when learning is off."""
         learners = {name: rt.online for name, rt in self.runtimes.items() if rt.online is not None}
-        return _Learners(learners, self.default, self.pace) if learners else None
+        return _Learners(learners, self.default, self.pace, self.lengths) if learners else None
 
     @property
     def carry_chunks(self) -> bool:
@@ -279,19 +304,21 @@ class TwoEngineRuntime:
         return lexicon.guess(prompt_ids) if lexicon is not None else None
 
     def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None) -> EngineChoice:
-        """Where a request of ``prompt_tokens`` and ``new_tokens`` runs, among the engines that can take it
-        now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the cost,
-        each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
-        domains; see the module docstring)."""
+        """Where a request of ``prompt_tokens`` and at most ``new_tokens`` runs, among the engines that can
+        take it now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the
+        cost, each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
+        domains), priced for the tokens it is expected to decode (:attr:`lengths`; see the module
+        docstring)."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
         # the engines that can take it now; none (its caller did not ask fits()): every engine, and the
         # one chosen says why it cannot
         names = self._fitting(prompt_tokens, new_tokens) or list(self.runtimes)
-        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens, running[name], domain,
-                              self.pace.factor(name, domain) if self.pace is not None else 1.0)
+        expected = self.lengths.expected(domain, new_tokens) if self.lengths is not None else None
+        estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens if expected is None else expected,
+                              running[name], domain, self.pace.factor(name, domain) if self.pace is not None else 1.0)
                      for name in names]
-        return choose(estimates, prompt_tokens, new_tokens, domain)
+        return choose(estimates, prompt_tokens, new_tokens, domain, expected)
 
     # -- learning each engine's pace ------------------------------------------------------------
 
@@ -315,6 +342,8 @@ class TwoEngineRuntime:
             (self._streams if isinstance(request, _Streamed) else self._live[engine]).add(request)
             if self.pace is not None and greedy:
                 self._priced[request] = (choice, seconds)
+            if self.lengths is not None:
+                self._chosen[request] = choice
 
     def _track(self, engine: str, run: RoutedDecoding, prefilled: _ChosenPrefilling) -> RoutedDecoding:
         """``run``, the decoding ``prefilled`` became, live on ``engine`` in its place (one step under
@@ -328,19 +357,26 @@ class TwoEngineRuntime:
             priced = self._priced.pop(prefilled, None)
             if priced is not None:
                 self._priced[run] = priced
+            chosen = self._chosen.pop(prefilled, None)
+            if chosen is not None:
+                self._chosen[run] = chosen
         self._learn(run, run.result if run.done else None)
         return run
 
     def _learn(self, request, result: Callable[[], RuntimeResult] | None) -> None:
-        """Teach the pace learner from ``request`` once it is done (``result``: how to get its
-        :class:`RuntimeResult`), if it was priced, decoded under the routed ``knn-ssd`` policy (the
-        priced decision), had the machine to itself (no other request, no background measurement)
-        and decoded enough."""
+        """Learn from ``request`` once it is done (``result``: how to get its :class:`RuntimeResult`):
+        where its answer ended (every request, with :attr:`lengths`), and its engine's pace if it was
+        priced, decoded under the routed ``knn-ssd`` policy (the priced decision), had the machine to
+        itself (no other request, no background measurement) and decoded enough."""
         if result is None:
             return
         with self._live_lock:
             priced = self._priced.pop(request, None)
+            chosen = self._chosen.pop(request, None)
             alone = request not in self._shared
+        if chosen is not None:
+            r = result()
+            self.lengths.observe(chosen.domain, len(r.token_ids), r.finish_reason)
         if priced is None or not alone:
             return
         (choice, seconds), (now, running) = priced, self._measuring()
@@ -452,6 +488,7 @@ class _Learners:
     learners: dict
     default: str
     pace: PaceLearner | None = None
+    lengths: LengthLearner | None = None
 
     def state(self) -> dict:
         states = {name: learner.state() for name, learner in self.learners.items()}
@@ -459,6 +496,8 @@ class _Learners:
         out = {**first, "requests": sum(st["requests"] for st in states.values()), "engines": states}
         if self.pace is not None:
             out["pace"] = self.pace.state()
+        if self.lengths is not None:
+            out["lengths"] = self.lengths.state()
         return out
 
     def measure_cost(self) -> dict:

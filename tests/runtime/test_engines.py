@@ -36,6 +36,9 @@ def test_choose_takes_the_least_expected_time_and_says_why():
     d = long.to_dict()
     assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37, "pace": 1.0}
     assert choose([fast_decode, replace(fast_decode, engine="torch")], 1, 1).engine == "llama.cpp"  # ties: first
+    priced = choose([fast_decode, fast_prefill], 100, 256, "qa", expected_tokens=41.6)  # where answers end
+    assert priced.reason == "expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa, for 42 of 256 tokens)"
+    assert priced.to_dict()["expected_tokens"] == 41.6 and d["expected_tokens"] == 64  # None: all it may decode
     with pytest.raises(ValueError):
         choose([], 1, 1)
 
@@ -65,14 +68,14 @@ def two(two_engine_profile):
     return two_engine_profile
 
 
-def _runtime(two, pace=None, **kw):
+def _runtime(two, pace=None, lengths=None, **kw):
     from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
     from adaptive.runtime.turns import TurnLock
 
     out, lms = two
     lock = TurnLock()
     return TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False, model_lock=lock, **kw)
-                             for e, lm in lms.items()}, "llama.cpp", pace)
+                             for e, lm in lms.items()}, "llama.cpp", pace, lengths)
 
 
 def _set_costs(rt, llama_prefill_ms_per_token: float, torch_prefill_ms_per_token: float):
@@ -482,11 +485,67 @@ def test_online_learning_reports_the_pace_and_no_online_learns_none(two):
     assert state["pace"]["torch"]["requests"] == 1 and state["requests"] == 0
     assert "pace" not in _Learners({"llama.cpp": _FakeLearner()}, "llama.cpp").state()
     assert _runtime(two).pace is None
+    lengths = _lengths()
+    lengths.observe("code", 12, "length")
+    state = _Learners({"llama.cpp": _FakeLearner()}, "llama.cpp", None, lengths).state()
+    assert state["lengths"] == {"requests": 1, "stopped": 0, "domains": {"code": {"requests": 1, "stopped": 0}}}
 
 
 class _FakeLearner:
     def state(self) -> dict:
         return {"requests": 0}
+
+
+def _lengths(min_requests=2):
+    from adaptive.runtime.lengths import LengthLearner, LengthSettings
+
+    return LengthLearner(LengthSettings(window=50, min_requests=min_requests))
+
+
+def test_every_finished_request_teaches_where_its_answer_ended(two):
+    """Greedy or sampled, alone or beside another, streamed or stepped: each finished request records its
+    new tokens and how it ended, under the domain it was priced as."""
+    lengths = _lengths()
+    rt = _runtime(two, lengths=lengths)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    code = "def f9(x): return x * 9 + 10"
+    r = rt.generate(code, max_new_tokens=12)
+    s = rt.generate(code, max_new_tokens=5, temperature=0.8, seed=1)
+    assert r.engine_choice["domain"] == "code" and r.engine_choice["expected_tokens"] == 12.0  # nothing yet
+    a = rt.prefilling(rt.encode("what is 3 plus 6? answer:"), max_new_tokens=8).advance()
+    b = rt.prefilling(rt.encode(code), max_new_tokens=6).advance()
+    while not (a.done and b.done):
+        rt.step([x for x in (a, b) if not x.done])
+    results = [r, s, a.result(), b.result()]
+    st = lengths.state()
+    assert st["requests"] == 4
+    assert st["stopped"] == sum(x.finish_reason != "length" for x in results)
+    assert st["domains"]["code"]["requests"] == 3  # r, s and b; a's domain is the lexicon's guess
+    want = [(len(x.token_ids), x.finish_reason != "length") for x in (r, s, b.result())]
+    from adaptive.runtime.lengths import expected_tokens
+
+    for cap in (3, 8, 100):  # the code domain's own record: exactly these three requests
+        assert lengths.expected("code", cap) == pytest.approx(expected_tokens(want, cap))
+    assert _runtime(two).lengths is None  # nothing learns without a learner
+
+
+def test_where_answers_end_moves_the_choice(two):
+    """A 300-token prompt capped at 256 new tokens is priced for all 256: llama.cpp's faster decoding wins
+    (3 ms a prompt token and 9 a new one, against 1 and 25). Once the domain's answers are seen to end
+    after 10 tokens, torch's faster prefill does."""
+    lengths = _lengths()
+    rt = _runtime(two, lengths=lengths)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    before = rt.choose(300, 256, "code")
+    assert before.engine == "llama.cpp" and before.expected_tokens == 256.0
+    for _ in range(2):
+        lengths.observe("code", 10, "eos")
+    after = rt.choose(300, 256, "code")
+    est = {e.engine: e for e in after.estimates}
+    assert after.engine == "torch" and after.expected_tokens == pytest.approx(10.0)
+    assert est["torch"].decode_s == pytest.approx(10 * 0.025) and est["llama.cpp"].decode_s == pytest.approx(0.09)
+    assert "for 10 of 256 tokens" in after.reason
+    assert rt.choose(300, 256, "summarization").engine == "torch"  # a domain not seen: every request's record
 
 
 def test_a_stream_is_no_load_but_shares_the_machine_with_a_request_admitted_beside_it(two):

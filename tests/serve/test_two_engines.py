@@ -81,14 +81,15 @@ def test_online_state_reports_each_engine(served):
     assert conn.getresponse().status == 200
 
 
-def test_a_lone_request_through_the_server_teaches_its_engines_pace(two_engine_profile):
+def test_a_lone_request_through_the_server_teaches_its_engines_pace_and_its_length(two_engine_profile):
+    from adaptive.runtime.lengths import LengthLearner
     from adaptive.runtime.pace import PaceLearner, PaceSettings
 
     out, lms = two_engine_profile
     lock = TurnLock()
     pace = PaceLearner(PaceSettings(explore=False, min_tokens=1))
     rt = TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, seed=0, model_lock=lock)
-                           for e, lm in lms.items()}, "llama.cpp", pace)
+                           for e, lm in lms.items()}, "llama.cpp", pace, LengthLearner())
     _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
     s = Server(create_app(rt, max_queue=8, max_batch=4, prefill_chunk=64))
     try:
@@ -100,6 +101,8 @@ def test_a_lone_request_through_the_server_teaches_its_engines_pace(two_engine_p
         state = json.loads(conn.getresponse().read())
         assert state["pace"]["llama.cpp"]["requests"] == 1 and "torch" not in state["pace"]
         assert state["pace"]["llama.cpp"]["factor"] == pytest.approx(pace.factor("llama.cpp", draw=False), abs=1e-4)
+        assert state["lengths"]["requests"] == 1  # where its answer ended, too
+        assert body["usage"]["adaptive"]["engine_choice"]["expected_tokens"] == 10.0  # nothing learned before it
     finally:
         s.stop()
         rt.close()
