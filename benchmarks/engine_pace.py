@@ -21,6 +21,7 @@ import time
 
 from adaptive.bench.data import load_bench_prompts
 from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
+from adaptive.runtime.lengths import LengthLearner
 from adaptive.runtime.pace import PaceLearner, PaceSettings
 from adaptive.runtime.turns import TurnLock
 
@@ -36,18 +37,26 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--explore", action=argparse.BooleanOptionalAction, default=PaceSettings().explore,
                     help="Thompson draws in the learned runtime's choices (--no-explore: posterior means)")
+    ap.add_argument("--learn", default="pace", help="what the learned runtime learns: pace, lengths or both "
+                                                     "(comma-separated)")
+    ap.add_argument("--new-prompts", action="store_true", help="each pass on the next prompts of each group")
     args = ap.parse_args()
+    learn = set(args.learn.split(","))
+    if not learn or learn - {"pace", "lengths"}:
+        ap.error(f"--learn takes pace, lengths or both, not {args.learn!r}")
 
     base = TwoEngineRuntime.from_profile(args.profile, online=False)
     lock = TurnLock()
     members = {e: AdaptiveRuntime(rt.profile, rt.lm, online=False, model_lock=lock, seed=args.seed)
                for e, rt in base.runtimes.items()}
-    pace = PaceLearner(PaceSettings(explore=args.explore), seed=args.seed)
+    pace = PaceLearner(PaceSettings(explore=args.explore), seed=args.seed) if "pace" in learn else None
+    lengths = LengthLearner() if "lengths" in learn else None
     runtimes = {"calibrated": TwoEngineRuntime(members, base.default),
-                "learned": TwoEngineRuntime(members, base.default, pace)}
-    prompts = load_bench_prompts(args.data, skip_first=args.skip_first, per_category=args.per_category)
+                "learned": TwoEngineRuntime(members, base.default, pace, lengths)}
     runtimes["calibrated"].generate("warm up", max_new_tokens=8)
     for p in range(args.passes):
+        skip = args.skip_first + (p * args.per_category if args.new_prompts else 0)
+        prompts = load_bench_prompts(args.data, skip_first=skip, per_category=args.per_category)
         seconds = collections.Counter()
         groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         engines: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -65,7 +74,8 @@ def main() -> None:
                           "learned_over_calibrated": round(seconds["calibrated"] / seconds["learned"], 4),
                           "engines": {k: dict(v) for k, v in engines.items()},
                           "groups": {g: round(c["calibrated"] / c["learned"], 3) for g, c in groups.items()},
-                          "pace": pace.state()}), flush=True)
+                          "pace": pace.state() if pace else None,
+                          "lengths": lengths.state() if lengths else None}), flush=True)
 
 
 if __name__ == "__main__":
