@@ -21,7 +21,8 @@ Parts (``--parts``, comma-separated; all by default):
   ``adaptive bench`` (batch 1, 64 new tokens, ``--per-category`` prompts of each group of ``--data``
   after the first ``--skip-first`` (16), which calibration may use) with ``ar``, the routed runtime
   (``knn-ssd``), ``pld``, ``hf``, ``hf-static`` and ``hf-pld``, interleaved; then in fp32
-  (``--fp32-methods``, ``--fp32-per-category`` prompts) for token equality with ``ar``.
+  (``--fp32-methods``, ``--fp32-per-category`` prompts) for token equality with ``ar``; and each
+  domain's speedups as its race measured them on the calibration prompts beside the bench's.
 
 Writes ``--out``/device_check.json and prints the table (Markdown).
 
@@ -330,6 +331,8 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
     for f in sorted(domains.glob("*.jsonl")):
         cal += ["--domains", f"{f.stem}={f}"]
     res["calibrate"] = run(cal, args.calibrate_timeout, out_dir / "calibrate.log")
+    if res["calibrate"]["ok"]:
+        res["raced"] = raced(profile)
     methods = [m for m in args.methods.split(",") if res["calibrate"]["ok"] or m != "knn-ssd"]
     fp32 = [m for m in args.fp32_methods.split(",") if m in methods]
     for dtype, names, per, limit in (("bfloat16", methods, args.per_category, args.bench_timeout),
@@ -346,6 +349,17 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
             res[f"bench_{dtype}"]["report"] = data["results"]
             res[f"bench_{dtype}"]["runs"] = data["runs"]
     return res
+
+
+def raced(profile_dir: Path) -> dict:
+    """Each domain's decision and the speedups its race measured on its calibration prompts, by
+    drafter: ``{domain: {"decision": drafter, "raced": {drafter: speedup}}}`` (set beside the bench's
+    held-out speedups in the table)."""
+    from adaptive.profile import load_profile
+
+    prof = load_profile(profile_dir)
+    return {name: {"decision": d.decision.drafter,
+                   "raced": {m.drafter: m.speedup for m in d.measurements}} for name, d in prof.domains.items()}
 
 
 def markdown(result: dict) -> str:
@@ -399,6 +413,17 @@ def markdown(result: dict) -> str:
         if "knn-ssd" in b16:
             lines += ["", "knn-ssd by group (bf16 speedup over ar): " + ", ".join(
                 f"{g} {v['speedup']}" for g, v in b16["knn-ssd"]["by_category"].items())]
+        if emb.get("raced"):
+            benched = {m: b16[m]["by_category"] for m in ("knn-ssd", "pld") if m in b16}
+            drafters = sorted({d for r in emb["raced"].values() for d in r["raced"]})
+            lines += ["", "raced on the calibration prompts against benched on held-out ones (speedup over ar)", "",
+                      "| domain | decision | " + " | ".join(f"raced {d}" for d in drafters)
+                      + " | " + " | ".join(f"benched {m}" for m in benched) + " |",
+                      "|---|---|" + "---|" * (len(drafters) + len(benched))]
+            for name, r in emb["raced"].items():
+                lines.append(f"| {name} | {r['decision']} | "
+                             + " | ".join(str(r["raced"].get(d, "-")) for d in drafters) + " | "
+                             + " | ".join(str(b.get(name, {}).get("speedup", "-")) for b in benched.values()) + " |")
         for key in ("calibrate", "bench_bfloat16", "bench_float32"):
             if key in emb and not emb[key]["ok"]:
                 lines += [f"{key} failed (rc {emb[key]['rc']}): " + " / ".join(emb[key]["tail"])]

@@ -40,5 +40,7 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
         assert set(report) == methods
         assert all(r["tokens_per_s"] > 0 for r in report.values())
     assert all(r["identical_to_ar"] for m, r in emb["bench_float32"]["report"].items() if m != "ar")
+    assert set(emb["raced"]) == {"qa", "math_reasoning"}  # each domain's decision and raced speedups
+    assert all(r["decision"] and all(x > 0 for x in r["raced"].values()) for r in emb["raced"].values())
     assert "| knn-ssd |" in proc.stdout and "(b) random-weight shapes" in proc.stdout
-    assert "where the plain step's time goes" in proc.stdout
+    assert "where the plain step's time goes" in proc.stdout and "raced on the calibration prompts" in proc.stdout
