@@ -1,15 +1,22 @@
-"""Does learning each engine's pace from traffic make the two-engine choice faster? One process, interleaved.
+"""Does learning from traffic make the two-engine choice faster? One process, interleaved.
 
-Loads a two-engine profile's members once (online learning of domains off, so only the pace differs)
-and two :class:`~adaptive.runtime.TwoEngineRuntime` over them: ``calibrated`` (prices as calibrated)
-and ``learned`` (a :class:`~adaptive.runtime.pace.PaceLearner` correcting them from the requests it
-served: posterior means, or Thompson draws with ``--explore``). Each held-out prompt is decoded by
-both, the order alternating, for ``--passes`` passes over the same prompts (the learner keeps what it
-learned). Prints, per pass, each runtime's total seconds (prefill included, exploration's cost
-included), the requests each engine got, the seconds by group, and the learned factors.
+Loads a two-engine profile's members once (online learning of domains off, so only the choice's
+prices differ) and two :class:`~adaptive.runtime.TwoEngineRuntime` over them: ``calibrated`` (prices
+as calibrated, each request priced for its cap) and ``learned``, with the learners ``--learn`` names:
+``pace`` (a :class:`~adaptive.runtime.pace.PaceLearner` correcting each engine's pace from the
+requests it served: posterior means, or Thompson draws with ``--explore``), ``lengths`` (a
+:class:`~adaptive.runtime.lengths.LengthLearner`: each request priced for the tokens its domain's
+answers were seen to decode), or ``both``. Each held-out prompt is decoded by both runtimes, the
+order alternating, for ``--passes`` passes (the learners keep what they learned) over the same
+prompts, or, with ``--new-prompts``, over the next ``--per-category`` prompts of each group each pass
+(nothing learned from the very prompts it is measured on). Prints, per pass, each runtime's total
+seconds (prefill included, exploration's cost included), the requests each engine got, the seconds
+by group, and the learners' state.
 
     python benchmarks/engine_pace.py --profile /tmp/twolex --data ../shared/data/spec_bench_dev.jsonl \\
         --per-category 8 --passes 3
+    python benchmarks/engine_pace.py --profile /tmp/twolex --data ../shared/data/spec_bench_dev.jsonl \\
+        --learn lengths --max-new-tokens 256 --per-category 8 --passes 2 --new-prompts
 """
 
 from __future__ import annotations
@@ -37,13 +44,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--explore", action=argparse.BooleanOptionalAction, default=PaceSettings().explore,
                     help="Thompson draws in the learned runtime's choices (--no-explore: posterior means)")
-    ap.add_argument("--learn", default="pace", help="what the learned runtime learns: pace, lengths or both "
-                                                     "(comma-separated)")
+    ap.add_argument("--learn", default="pace", help="what the learned runtime learns: pace, lengths, or both "
+                                                     "(also written pace,lengths)")
     ap.add_argument("--new-prompts", action="store_true", help="each pass on the next prompts of each group")
     args = ap.parse_args()
-    learn = set(args.learn.split(","))
-    if not learn or learn - {"pace", "lengths"}:
-        ap.error(f"--learn takes pace, lengths or both, not {args.learn!r}")
+    learn = {"pace", "lengths"} if args.learn == "both" else set(args.learn.split(","))
+    if learn - {"pace", "lengths"}:
+        ap.error(f"--learn takes pace, lengths, or both (pace,lengths), not {args.learn!r}")
 
     base = TwoEngineRuntime.from_profile(args.profile, online=False)
     lock = TurnLock()

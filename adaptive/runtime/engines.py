@@ -125,15 +125,15 @@ class EngineChoice:
         (the chosen engine first)."""
         ordered = sorted(self.estimates, key=lambda e: e.engine != self.engine)
         notes = [f"priced as {self.domain}"] if self.domain is not None else []
-        if self.priced_tokens < self.new_tokens:
-            notes.append(f"for {self.priced_tokens:.0f} of {self.new_tokens} tokens")
+        if round(self.priced_tokens) < self.new_tokens:
+            notes.append(f"for {round(self.priced_tokens)} of {self.new_tokens} tokens")
         return ("expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered)
                 + (f" ({', '.join(notes)})" if notes else ""))
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "domain": self.domain,
-                "expected_tokens": round(self.priced_tokens, 1),
+                "expected_tokens": float(round(self.priced_tokens, 1)),
                 "estimates": [e.to_dict() for e in self.estimates]}
 
 

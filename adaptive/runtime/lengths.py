@@ -35,8 +35,9 @@ A domain's own requests price it once it has ``min_requests`` of them; before, a
 together do (those the lexicon guessed no domain for included); before ``min_requests`` in all,
 the cap does (what the choice assumed before anything was learned). Only the last ``window``
 requests of each record count: traffic changes. Sampled and greedy, every policy's requests
-teach alike: speculation is lossless, so it does not change where an answer ends. In memory only
-(a restart learns again).
+teach alike: speculation is lossless, so it does not change where an answer ends; a request whose
+client left before its end teaches nothing (a slight lean to short answers, where clients leave
+long ones). In memory only (a restart learns again).
 """
 
 from __future__ import annotations
