@@ -374,13 +374,14 @@ class TwoEngineRuntime:
             priced = self._priced.pop(request, None)
             chosen = self._chosen.pop(request, None)
             alone = request not in self._shared
+        if chosen is None and (priced is None or not alone):
+            return
+        r = result()  # once: what it costs is building the result
         if chosen is not None:
-            r = result()
             self.lengths.observe(chosen.domain, len(r.token_ids), r.finish_reason)
         if priced is None or not alone:
             return
         (choice, seconds), (now, running) = priced, self._measuring()
-        r = result()
         if running or now != seconds or r.policy != ROUTED_POLICY:
             return
         per_token = self.runtimes[choice.engine].profile.seconds_per_token(choice.domain)
