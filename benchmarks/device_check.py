@@ -109,6 +109,19 @@ def build_random(family: str, fields: dict, dev: torch.device, dtype: torch.dtyp
     return model.eval()
 
 
+def random_ids(bb, n: int) -> torch.Tensor:
+    """``n`` token ids drawn with a fixed seed (the same prompt for every run of a shape)."""
+    return torch.randint(0, bb.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+
+
+def prefilled(bb, ids: torch.Tensor, context: int, capacity: int):
+    """A new cache of ``capacity`` positions holding the first ``context`` of ``ids``, prefilled."""
+    cache = bb.new_cache(capacity)
+    bb.forward(ids[:context].to(bb.device), cache, 0, logits="none")
+    cache.length = context
+    return cache
+
+
 def weight_bytes(bb) -> int:
     """Bytes one step reads of the weights: every decoder layer's, the final norm and the LM head."""
     total = sum(t.numel() * t.element_size() for t in bb.model.model.layers.parameters())
@@ -129,16 +142,8 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     t0 = time.perf_counter()
     model = build_random(family, fields, dev, dtype)
     bb = Backbone(model)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, bb.vocab_size, (context + MAX_DRAFTS + 1,), generator=gen)
-
-    def prefilled():
-        cache = bb.new_cache(context + MAX_DRAFTS + 1)
-        bb.forward(ids[:context].to(dev), cache, 0, logits="none")
-        cache.length = context
-        return cache
-
-    cache = prefilled()
+    ids = random_ids(bb, context + MAX_DRAFTS + 1)
+    cache = prefilled(bb, ids, context, len(ids))
     kv_bytes = 2 * bb.n_layers * bb.n_kv_heads * bb.head_dim * context * cache.k.element_size()
     row = {"shape": name, "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
            "weight_MB": round(weight_bytes(bb) / 1e6, 1), "kv_MB": round(kv_bytes / 1e6, 2), "context": context}
@@ -152,7 +157,7 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
         # plain kernels captured, then the default (compiled pieces), which the rest of the row measures
         for mode in ("none", "ops"):
             bb.graphs = StepGraphs(bb, compile=mode)
-            cache = prefilled()
+            cache = prefilled(bb, ids, context, len(ids))
             t = time.perf_counter()
             step()
             sync(dev)
@@ -246,10 +251,8 @@ def profile_step(name: str, family: str, fields: dict, dev: torch.device, dtype:
     from adaptive.engine.backbone import Backbone
 
     bb = Backbone(build_random(family, fields, dev, dtype))
-    ids = torch.randint(0, bb.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0))
-    cache = bb.new_cache(context + 1)
-    bb.forward(ids[:context].to(dev), cache, 0, logits="none")
-    cache.length = context
+    ids = random_ids(bb, context + 1)
+    cache = prefilled(bb, ids, context, len(ids))
 
     def step():
         return bb.forward(ids[context:context + 1], cache, context, logits="all")
