@@ -44,6 +44,7 @@ class CalibrationSettings:
     confirm_tokens: int = _M.confirm_tokens
     block_tokens: int = _M.block_tokens
     min_blocks: int = _M.min_blocks
+    min_prompts: int = _M.min_prompts
     interval_level: float = _M.interval_level
     acceptance_floor: float = _M.acceptance_floor
     time_gate: float = 0.95  # a skip set is timed only when its estimated speedup reaches this

@@ -191,8 +191,9 @@ def measurement(cand: Candidate, role: str, t: _Tally, speedup: float, interval:
 @dataclass(frozen=True)
 class RaceConfig:
     """How a domain's candidates are raced against ``ar``: blocks of ``block_tokens`` on up to
-    ``prompts`` prompts, ``max_tokens`` each; a candidate settles after ``min_blocks`` blocks once
-    its interval (at ``level``, resampled with ``seed``) clears or misses ``1 + margin``
+    ``prompts`` prompts, ``max_tokens`` each; a candidate settles after ``min_blocks`` blocks of
+    ``min_prompts`` prompts once its interval (at ``level``, prompts resampled with ``seed``) clears or
+    misses ``1 + margin``
     (:class:`~.interval.Race`). :meth:`of` builds it from a profile's (or a calibration's)
     :class:`~adaptive.profile.MeasureSettings`, where the defaults are."""
 
@@ -203,16 +204,19 @@ class RaceConfig:
     margin: float
     level: float
     seed: int
+    min_prompts: int = 1
 
     @classmethod
     def of(cls, settings: MeasureSettings, prompts: int | None = None) -> RaceConfig:
         """The race ``settings`` describe, on up to ``prompts`` prompts (``None``: ``confirm_prompts``).
 
         Example: ``RaceConfig.of(MeasureSettings(block_tokens=8), prompts=2)`` ->
-        ``RaceConfig(block_tokens=8, max_tokens=64, prompts=2, min_blocks=6, margin=0.02, level=0.9, seed=0)``."""
+        ``RaceConfig(block_tokens=8, max_tokens=64, prompts=2, min_blocks=6, margin=0.02, level=0.9, seed=0,
+        min_prompts=2)``."""
         return cls(block_tokens=settings.block_tokens, max_tokens=settings.confirm_tokens,
                    prompts=settings.confirm_prompts if prompts is None else prompts, min_blocks=settings.min_blocks,
-                   margin=settings.min_gain, level=settings.interval_level, seed=settings.seed)
+                   margin=settings.min_gain, level=settings.interval_level, seed=settings.seed,
+                   min_prompts=settings.min_prompts)
 
 
 def _of_prompt(given, i: int):
@@ -239,17 +243,17 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
     for what, given in (("bigram tables", bigram), ("draft vocabularies", vocab)):
         if isinstance(given, (list, tuple)) and len(given) < raced:
             raise ValueError(f"{len(given)} {what} for {raced} raced prompts")
-    race = Race(list(candidates), rc.margin, rc.level, rc.min_blocks, seed=rc.seed)
+    race = Race(list(candidates), rc.margin, rc.level, rc.min_blocks, seed=rc.seed, min_prompts=rc.min_prompts)
     totals = {name: _Tally() for name in candidates}
 
-    def replay(rec: dict) -> None:
+    def replay(rec: dict, prompt: int) -> None:
         for ar, secs in rec["blocks"]:
-            race.add(ar, secs)
+            race.add(ar, secs, prompt)
         for name, t in rec["tally"].items():
             totals[name].add(t)
 
-    for rec in done:
-        replay(rec)
+    for i, rec in enumerate(done):  # a checkpoint holds one record per prompt, in order
+        replay(rec, i)
     eos = lm.eos_ids()
     for i, p in enumerate(prompt_ids[: rc.prompts]):
         if i < len(done):
@@ -258,8 +262,8 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
             break
         blocks: list = []
 
-        def block(ar: float, secs: dict[str, float], blocks: list = blocks) -> None:
-            race.add(ar, secs)
+        def block(ar: float, secs: dict[str, float], blocks: list = blocks, prompt: int = i) -> None:
+            race.add(ar, secs, prompt)
             blocks.append([ar, secs])
             if on_block is not None:
                 on_block()

@@ -260,8 +260,8 @@ class MeasureSettings:
 
     The race (:class:`~adaptive.measure.timing.RaceConfig`): up to ``confirm_prompts`` prompts of
     ``confirm_tokens`` tokens, in paired blocks of ``block_tokens``; a candidate's verdict after
-    ``min_blocks`` blocks, once its bootstrap interval at ``interval_level`` (resampled with
-    ``seed``) clears or misses ``1 + min_gain``. The decision: a drafter accepting fewer than
+    ``min_blocks`` blocks of ``min_prompts`` prompts, once its bootstrap interval at ``interval_level``
+    (prompts resampled with ``seed``) clears or misses ``1 + min_gain``. The decision: a drafter accepting fewer than
     ``acceptance_floor`` tokens per step is never faster. The statistical drafter: bigrams seen
     ``bigram_min_count`` times, a cascade's ``cascade_lenience``. Routing: at most
     ``anchors_per_domain`` anchors per domain (calibrated or learned)."""
@@ -271,6 +271,7 @@ class MeasureSettings:
     confirm_tokens: int = 64  # the most tokens timed per prompt
     block_tokens: int = 16  # tokens per paired block of the race (ar and each candidate from the same state)
     min_blocks: int = 6  # blocks before a candidate's interval may settle it
+    min_prompts: int = 2  # and the prompts they come from (the interval resamples prompts)
     interval_level: float = 0.9  # two-sided level of the bootstrap interval of a timed speedup
     min_gain: float = 0.02  # the margin: a drafter is declared faster when its interval's low end is >= 1 + min_gain
     acceptance_floor: float = 0.2  # below it a skip set is never a candidate, a drafter never declared faster
@@ -287,7 +288,7 @@ class MeasureSettings:
     def _problem(self) -> tuple[str, str] | None:
         """The first impossible field and why, e.g. ``("min_gain", "must be in [0, 1), got 1.5")``."""
         for key in ("anchors_per_domain", "confirm_prompts", "confirm_tokens", "block_tokens", "min_blocks",
-                    "bigram_min_count"):
+                    "min_prompts", "bigram_min_count"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 return key, f"must be a positive integer, got {v!r}"

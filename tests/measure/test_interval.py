@@ -89,3 +89,36 @@ def test_race_with_noisy_timings_of_equal_methods_does_not_declare_a_winner():
             break
         race.add(float(rng.uniform(0.85, 1.15)), {"same": float(rng.uniform(0.85, 1.15))})
     assert race.verdict("same") != FASTER
+
+
+def test_the_interval_resamples_prompts_not_blocks():
+    # the module docstring's example: two prompts of four blocks, the candidate 0.8 then 0.5 a block
+    ar, cand, prompts = [1.0] * 8, [0.8] * 4 + [0.5] * 4, [0] * 4 + [1] * 4
+    point, by_block = bootstrap_speedup(ar, cand)
+    _, by_prompt = bootstrap_speedup(ar, cand, prompts=prompts)
+    assert point == pytest.approx(8.0 / 5.2)
+    assert (by_prompt.low, by_prompt.high) == (1.25, 2.0) and by_prompt.blocks == 8  # each prompt alone
+    assert 1.3 < by_block.low and by_block.high < 1.8  # blocks alone: far narrower
+    # one prompt: nothing to resample between prompts, so its blocks are resampled
+    assert bootstrap_speedup(ar[:4], [0.8, 0.7, 0.9, 0.8], prompts=[3] * 4) == bootstrap_speedup(
+        ar[:4], [0.8, 0.7, 0.9, 0.8])
+    with pytest.raises(ValueError, match="3 prompt ids for 8 blocks"):
+        bootstrap_speedup(ar, cand, prompts=[0, 1, 2])
+
+
+def test_a_race_settles_only_on_enough_prompts():
+    race = Race(["a"], margin=0.02, min_blocks=2, min_prompts=2)
+    for _ in range(5):
+        race.add(1.0, {"a": 0.5}, prompt=0)
+    assert race.active == ["a"]  # five blocks of one prompt: not yet
+    race.add(1.0, {"a": 0.5}, prompt=1)
+    assert race.verdict("a") == FASTER and race.prompts["a"] == [0] * 5 + [1]
+    # two prompts that disagree keep a candidate open where their blocks alone would settle it
+    race = Race(["b"], margin=0.02, min_blocks=6, min_prompts=2)
+    for p, t in ((0, 1.05), (1, 0.7)):
+        for _ in range(4):
+            race.add(1.0, {"b": t}, prompt=p)
+    assert race.verdict("b") == OPEN
+    assert verdict(bootstrap_speedup([1.0] * 8, [1.05] * 4 + [0.7] * 4)[1], 0.02) == FASTER
+    with pytest.raises(ValueError, match="min_prompts"):
+        Race(["c"], margin=0.0, min_prompts=0)

@@ -22,9 +22,9 @@ def _measured(drafter, role, speedup, low, mean_accepted=1.5, token_acceptance=0
 
 def test_race_config_of_the_settings():
     assert RaceConfig.of(MeasureSettings(block_tokens=8), prompts=2) == RaceConfig(
-        block_tokens=8, max_tokens=64, prompts=2, min_blocks=6, margin=0.02, level=0.9, seed=0)
-    assert RaceConfig.of(MeasureSettings(confirm_prompts=3, min_gain=0.05, seed=7)) == RaceConfig(
-        block_tokens=16, max_tokens=64, prompts=3, min_blocks=6, margin=0.05, level=0.9, seed=7)
+        block_tokens=8, max_tokens=64, prompts=2, min_blocks=6, margin=0.02, level=0.9, seed=0, min_prompts=2)
+    assert RaceConfig.of(MeasureSettings(confirm_prompts=3, min_gain=0.05, seed=7, min_prompts=3)) == RaceConfig(
+        block_tokens=16, max_tokens=64, prompts=3, min_blocks=6, margin=0.05, level=0.9, seed=7, min_prompts=3)
 
 
 def test_statistical_candidates():

@@ -4,6 +4,7 @@ import pytest
 
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.engine.skip import SkipSet
+from adaptive.measure.interval import bootstrap_speedup
 from adaptive.measure.timing import Candidate, RaceConfig, race_candidates, time_prompt
 from tests.conftest import tiny_lm
 
@@ -93,6 +94,33 @@ def test_race_candidates_gives_each_prompt_its_own_table_and_vocabulary(lm, monk
     with pytest.raises(ValueError, match="1 draft vocabularies for 2 raced prompts"):
         race_candidates(lm, [PROMPT, PROMPT[::-1]], cands, rc, vocab=["v0"])
 
+
+
+def test_race_candidates_resamples_by_prompt_fresh_or_resumed(lm, monkeypatch):
+    """Each block is recorded under its prompt (a checkpoint's records too): the interval resamples the
+    prompts, and a candidate settles only on ``min_prompts`` of them."""
+    from adaptive.measure import timing
+
+    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=3, min_blocks=2, margin=0.02, level=0.9, seed=0,
+                    min_prompts=2)
+    times = {0: 0.5, 1: 0.9, 2: 0.6}
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[1:]]
+    lines = []
+
+    def fake_time_prompt(lm, prompt, candidates, active, on_block, **kw):
+        t = times[prompts.index(prompt)]
+        for _ in range(2):
+            on_block(1.0, {"lookup": t})
+        return {"lookup": {"tokens": 8, "blocks": 2, "prompts": 1}}
+
+    monkeypatch.setattr(timing, "time_prompt", fake_time_prompt)
+    cands = {"lookup": Candidate("pld", 3)}
+    m = race_candidates(lm, prompts, cands, rc, on_prompt=lines.append)["lookup"]
+    # settled by the first block of the second prompt (the race keeps no later block of a settled candidate)
+    _, want = bootstrap_speedup([1.0] * 3, [0.5, 0.5, 0.9], prompts=[0, 0, 1])
+    assert len(lines) == 2 and m.verdict == "faster" and m.interval == want
+    resumed = race_candidates(lm, prompts, cands, rc, done=lines)["lookup"]
+    assert resumed.interval == want
 
 
 def test_a_block_that_captured_graphs_is_decoded_again_from_the_same_state(monkeypatch):
