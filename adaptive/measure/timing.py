@@ -204,7 +204,7 @@ class RaceConfig:
     margin: float
     level: float
     seed: int
-    min_prompts: int = 1
+    min_prompts: int
 
     @classmethod
     def of(cls, settings: MeasureSettings, prompts: int | None = None) -> RaceConfig:

@@ -261,8 +261,8 @@ class MeasureSettings:
     The race (:class:`~adaptive.measure.timing.RaceConfig`): up to ``confirm_prompts`` prompts of
     ``confirm_tokens`` tokens, in paired blocks of ``block_tokens``; a candidate's verdict after
     ``min_blocks`` blocks of ``min_prompts`` prompts, once its bootstrap interval at ``interval_level``
-    (prompts resampled with ``seed``) clears or misses ``1 + min_gain``. The decision: a drafter accepting fewer than
-    ``acceptance_floor`` tokens per step is never faster. The statistical drafter: bigrams seen
+    (prompts resampled with ``seed``) clears or misses ``1 + min_gain``. The decision: a drafter
+    accepting fewer than ``acceptance_floor`` tokens per step is never faster. The statistical drafter: bigrams seen
     ``bigram_min_count`` times, a cascade's ``cascade_lenience``. Routing: at most
     ``anchors_per_domain`` anchors per domain (calibrated or learned)."""
 

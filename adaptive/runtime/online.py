@@ -99,7 +99,8 @@ class OnlineSettings:
     ``buffer_size``: out-of-domain requests kept. ``min_cluster``: pending requests that may form a
     domain; ``coherence``: the share of them that must pass the leave-one-out test. ``discover=False``:
     tables and bandits only. ``background=False``: measure a proposed domain in the observing thread
-    (tests). ``measure_prompts``: members a new domain is raced on. ``share``: the most of the
+    (tests). ``measure_prompts``: members a new domain is raced on (a verdict needs the
+    profile's ``min_prompts`` of them). ``share``: the most of the
     model's time a measurement takes while serving is busy; ``idle_s``: how long serving must have
     left the model alone for a measurement to run freely (:class:`~adaptive.runtime.turns.ShareGuard`).
     ``replica``: this server's replica id (``None``: host and pid); ``merge_interval``: seconds between

@@ -55,7 +55,8 @@ def test_time_prompt_stops_after_an_eos_block_and_when_nothing_is_active(lm):
 def test_race_candidates_replays_a_checkpoint_without_timing(lm, monkeypatch):
     from adaptive.measure import timing
 
-    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02, level=0.9, seed=0)
+    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02, level=0.9, seed=0,
+                    min_prompts=1)
     lines = []
     first = race_candidates(lm, [PROMPT, PROMPT[::-1]], _candidates(), rc, on_prompt=lines.append)
     assert 1 <= len(lines) <= 2 and set(first) == {"lookup", "candidate", "cascade"}
@@ -71,7 +72,8 @@ def test_race_candidates_gives_each_prompt_its_own_table_and_vocabulary(lm, monk
     from adaptive.drafters.ngram import build_bigram_table
     from adaptive.measure import timing
 
-    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02, level=0.9, seed=0)
+    rc = RaceConfig(block_tokens=4, max_tokens=9, prompts=2, min_blocks=2, margin=0.02, level=0.9, seed=0,
+                    min_prompts=1)
     tables = [build_bigram_table([[1, 2, 1, 2]]), build_bigram_table([[3, 4, 3, 4]])]
     seen = []
 
