@@ -347,6 +347,24 @@ def test_graphs_are_captured_once_and_reused_across_requests():
 
 @pytest.mark.cuda
 @cuda
+def test_warmed_graphs_record_no_autograd_and_decode_as_the_eager_path():
+    """Graphs captured at startup (warm_graphs, as the server and the bench do) are the inference ones: the
+    slot they write requires no grad, and decoding replays them to the eager path's tokens."""
+    eng, bb = _cuda_engine()
+    eager, _ = _cuda_engine(graphs=False)
+    cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    assert bb.warm_graphs(max_len=64) > 0
+    slot = bb.new_cache(64)
+    assert not slot.k.requires_grad and not slot.v.requires_grad
+    del slot
+    ref = eager.generate(list(range(3, 20)), cfg).token_ids
+    captured = bb.graphs.captures
+    assert eng.generate(list(range(3, 20)), cfg).token_ids == ref
+    assert bb.graphs.captures == captured  # the warmed graphs were replayed, none captured inside the request
+
+
+@pytest.mark.cuda
+@cuda
 def test_a_failed_capture_falls_back_to_eager_once(monkeypatch, capsys):
     eng, bb = _cuda_engine()
     cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True)
