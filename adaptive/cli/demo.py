@@ -133,6 +133,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     }
     if is_two_engine(profile_dir):
         out["engines"] = engine_choices(profile_dir, runtime, model_spec, device, max_new_tokens, repeats)
+        out["lossless_violations"] += sum(row["audit"]["violation"] for row in out["engines"])
     if as_json:
         echo_json(out)
         return
@@ -167,10 +168,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     for m in methods:
         if m == "ar":
             continue
-        a = audits[m]
-        same = "identical to ar" if a.identical else (
-            f"parts from ar at token {a.position}, margin {a.margin:.3f}: "
-            + ("LOSSLESS VIOLATION" if a.violation else "a near-tie within the engine's rounding"))
+        same = _audit_text(audits[m].to_dict(), "ar")
         label = "routed" if m == "routed" else "ssd*"
         click.echo(f"  {label:7s}: {med[m]:.1f} tok/s, speedup {med[m] / med['ar']:.2f}x, "
                    f"acceptance {results[m].stats.acceptance_rate:.2f}, {same}")
@@ -183,7 +181,18 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
             plain = ", ".join(f"{e} {t:.2f} s" for e, t in row["plain_s"].items())
             click.echo(f"  {row['prompt']} prompt ({row['prompt_tokens']} tokens): ran on {row['engine']}, "
                        f"{row['reason']}; measured {row['measured_s']:.2f} s (plain decoding: {plain}); "
-                       + ("identical to plain decoding there" if row["identical"] else "DIFFERS from plain decoding"))
+                       + _audit_text(row["audit"], "plain decoding there"))
+
+
+def _audit_text(audit: dict, reference: str) -> str:
+    """How an output compares with ``reference``'s (an :class:`~adaptive.engine.audit.AuditResult`'s
+    ``to_dict()``): identical, or where it parts and whether that is a near-tie or a violation."""
+    if audit["identical"]:
+        return f"identical to {reference}"
+    margin = audit["margin"]
+    margin = "" if margin is None or margin == float("inf") else f", margin {margin:.3f}"
+    return (f"parts from {reference} at token {audit['position']}{margin}: "
+            + ("LOSSLESS VIOLATION" if audit["violation"] else "a near-tie within the engine's rounding"))
 
 
 LONG_PROMPT_TOKENS = 600  # the demo's long prompt: about as long as a Spec-Bench summarization or RAG prompt
@@ -232,8 +241,10 @@ def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, devic
                 refs[e] = eng.generate(ids, cfg)
                 plain[e].append(refs[e].stats.total_time)
         choice = results.engine_choice
+        audit = audit_divergence(runtimes[results.engine].lm.backbone, ids, refs[results.engine].token_ids,
+                                 results.token_ids)
         rows.append({"prompt": label, "prompt_tokens": len(ids), "engine": results.engine, "reason": choice["reason"],
                      "estimates": choice["estimates"], "measured_s": round(statistics.median(times), 3),
                      "plain_s": {e: round(statistics.median(v), 3) for e, v in plain.items()},
-                     "identical": results.token_ids == refs[results.engine].token_ids})
+                     "identical": audit.identical, "audit": audit.to_dict()})
     return rows

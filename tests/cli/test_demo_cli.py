@@ -46,4 +46,18 @@ def test_demo_shows_where_a_short_and_a_long_prompt_ran_on_a_two_engine_profile(
         assert r["engine"] in ("llama.cpp", "torch") and r["reason"].startswith("expected ")
         assert {e["engine"] for e in r["estimates"]} == {"llama.cpp", "torch"}
         assert set(r["plain_s"]) == {"llama.cpp", "torch"} and r["measured_s"] > 0
-        assert r["identical"]  # plain greedy decoding on the engine that ran it (fp32)
+        assert r["identical"] and r["audit"]["identical"] and not r["audit"]["violation"]  # fp32: plain decoding's
+
+
+def test_audit_text_names_where_an_output_parts_and_why():
+    from adaptive.cli.demo import _audit_text
+    from adaptive.engine.audit import AuditResult
+
+    assert _audit_text(AuditResult(True).to_dict(), "ar") == "identical to ar"
+    tie = AuditResult(False, 17, 5, 9, 0.125, 0.75).to_dict()
+    assert _audit_text(tie, "plain decoding there") == (
+        "parts from plain decoding there at token 17, margin 0.125: a near-tie within the engine's rounding")
+    assert _audit_text(AuditResult(False, 3, 5, 9, 2.5, 0.75).to_dict(), "ar").endswith(
+        "margin 2.500: LOSSLESS VIOLATION")
+    assert _audit_text(AuditResult(False, 4, None, None, float("inf"), 0.75).to_dict(), "ar") == (
+        "parts from ar at token 4: LOSSLESS VIOLATION")  # one output stopped early
