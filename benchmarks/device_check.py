@@ -176,17 +176,31 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     cfg = GenerationConfig(max_new_tokens=64, ignore_eos=True)
     prompt = ids[:context].tolist()
 
-    def decode():
+    def decode(chain: int = 0):
+        """Tokens/s and tokens of plain decoding after the prompt's prefill: through the loop, step by step,
+        or (``chain``) by :meth:`Backbone.decode_chain`, reading the tokens every ``chain`` steps."""
         c = new_cache(bb, len(prompt), cfg)
         first = prefill(bb, prompt, c, cfg, None).first
         sync(dev)
         t = time.perf_counter()
-        n = sum(len(new) for new in decode_steps(bb, DecodeState(bb, c, prompt + [first], cfg, None)))
+        if not chain:
+            toks = [t for new in decode_steps(bb, DecodeState(bb, c, prompt + [first], cfg, None)) for t in new]
+        else:
+            toks, last = [], first
+            while len(toks) < cfg.max_new_tokens - 1:  # the prefill gave the first of them
+                n = min(chain, cfg.max_new_tokens - 1 - len(toks))
+                toks += bb.decode_chain(last, c, len(prompt) + len(toks), n)
+                last = toks[-1]
         sync(dev)
-        return n / (time.perf_counter() - t)
+        return len(toks) / (time.perf_counter() - t), toks
 
-    decode()
-    row["loop_tok_s"] = round(statistics.median(decode() for _ in range(3)), 1)
+    _, plain_tokens = decode()
+    row["loop_tok_s"] = round(statistics.median(decode()[0] for _ in range(3)), 1)
+    if bb.graphs is not None:  # plain decoding chained on the device: one host read every 8 or 63 steps
+        for chain in (8, 63):
+            _, toks = decode(chain)  # captures the chained step (not timed)
+            row[f"chain{chain}_tok_s"] = round(statistics.median(decode(chain)[0] for _ in range(3)), 1)
+            row[f"chain{chain}_same"] = toks == plain_tokens
     if bb.graphs is not None:
         row["captures"] = bb.graphs.captures
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -373,16 +387,19 @@ def markdown(result: dict) -> str:
         lines += [f"## (b) random-weight shapes, {shapes['dtype']}, one token after {result['context']} positions "
                   f"(device copy {shapes['bandwidth_GBps']} GB/s)", "",
                   "| shape | weights MB | eager ms | graph, plain kernels ms | graph, compiled pieces ms | "
-                  "HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "HBM share | verify k=1,2,4,8,16 (steps) | loop tok/s | chained tok/s, read every 8 / 63 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in shapes["rows"]:
             if "error" in r:
-                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | |")
+                lines.append(f"| {r['shape']} | failed: {r['error']} | | | | | | | |")
                 continue
             v = r["verify"]
             lines.append(f"| {r['shape']} | {r['weight_MB']} | {r.get('eager_ms', r['step_ms'])} | "
                          f"{r.get('graph_none_ms', '-')} | {r.get('graph_ops_ms', '-')} | "
-                         f"{r.get('hbm_share', '-')} | {v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']} |")
+                         f"{r.get('hbm_share', '-')} | {v[0]}, {v[1]}, {v[3]}, {v[7]}, {v[15]} | {r['loop_tok_s']} | "
+                         + ", ".join(f"{r.get(f'chain{c}_tok_s', '-')}"
+                                     + ("" if r.get(f"chain{c}_same", True) else " (TOKENS DIFFER)") for c in (8, 63))
+                         + " |")
     if "kernels" in result:
         lines += ["", "## where the plain step's time goes (the default step, captured on CUDA; torch.profiler)", "",
                   "| shape | step ms | kernels a step | kernel time ms | share of the step | top kernels (us a step) |",

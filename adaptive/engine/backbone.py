@@ -339,6 +339,21 @@ class Backbone:
             n += self.graphs.warm(cache, skip.masks(self.n_layers), drafting=True)
         return n
 
+    @torch.inference_mode()
+    def decode_chain(self, token: int, cache: KVCache, start: int, n: int) -> list[int] | None:
+        """Plain greedy decoding of ``n`` tokens (up to :data:`~adaptive.engine.graphs.CHAIN_MAX`) after
+        feeding ``token`` at ``start``, replayed on the device with one read at the end
+        (:meth:`StepGraphs.chain <adaptive.engine.graphs.StepGraphs.chain>`): the tokens plain decoding gives,
+        keys written up to ``start + n - 1``, ``cache.length`` unchanged. ``None`` without CUDA graphs (the
+        caller decodes step by step). Measured by the device check beside the step-by-step loop; the
+        runtime does not use it yet."""
+        if self.graphs is None:
+            return None
+        if start + n > cache.max_len:
+            raise PromptTooLongError(f"positions up to {start + n} exceed the cache of {cache.max_len}")
+        out = self.graphs.chain(token, cache, start, n, self._full)
+        return None if out is NotImplemented else out
+
     def allocate_kv(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value tensors, ``[n_layers, n_kv_heads, positions, head_dim]`` in the cache dtype."""
         return zeros_kv((self.n_layers, self.n_kv_heads), self.head_dim, self.cache_dtype, self.device, positions)

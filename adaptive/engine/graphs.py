@@ -52,6 +52,7 @@ PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last re
 # the smallest slot (positions). Every slot's capacity has its own graphs, and on an H100 a capture cost
 # ~130 ms of the first request that needed it (the embedded model, 2026-11-26): few, larger slots. Attending
 # over 2048 positions instead of 256 reads ~47 MB more a step for the embedded model (~16 us at 3 TB/s)
+CHAIN_MAX = 64  # the most tokens one chained decode (StepGraphs.chain) writes before the host reads them
 MIN_CAPACITY = 2048
 GC_INTERVAL = 1.0  # seconds between the collections a slot pool makes before making a slot
 
@@ -300,6 +301,34 @@ class StaticStep:
         return torch.stack([(x * real).sum(dim=0), x.index_select(0, meta[1:2])[0]])
 
 
+class ChainedStep:
+    """Plain greedy decoding's step that feeds itself, so that steps replay back to back with no host
+    read between them (gpt-fast keeps its decoding loop off the host this way): the full model's
+    one-token step (``step``: a :class:`StaticStep` of bucket 1, ``"all"`` logits, as plain decoding
+    replays), whose argmax becomes the next step's token at the next position and is written to ``out``.
+
+    Inputs (device tensors): ``state`` ``[4]`` long: the token to feed, its position, 0 (the last real
+    row) and how many tokens were written so far; ``out`` ``[CHAIN_MAX]`` long; the slot and rotary
+    tables as :class:`StaticStep`'s. Each call writes the token's keys, sets ``out[state[3]]`` and
+    ``state[0]`` to its argmax, and advances ``state[1]`` and ``state[3]`` by one. Returns the argmax
+    (``[1]``). Example: ``state [17, 40, 0, 0]``, three calls whose argmaxes are 5, 9, 2: ``out[:3]``
+    ``[5, 9, 2]``, ``state [2, 43, 0, 3]``; plain decoding fed 17 at 40, 5 at 41 and 9 at 42."""
+
+    def __init__(self, step: StaticStep):
+        if step.bucket != 1 or step.logits != "all" or step.pool_layer is not None:
+            raise ValueError("a chained step is a one-token step with 'all' logits and no routing pool")
+        self.step = step
+
+    def __call__(self, state: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        nxt = self.step(state[0:1], state[1:3], k, v, cos, sin).argmax(-1)  # [1]
+        out.index_copy_(0, state[3:4], nxt)
+        state[0:1].copy_(nxt)
+        state[1:2].add_(1)
+        state[3:4].add_(1)
+        return nxt
+
+
 @dataclass(eq=False)
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -323,6 +352,7 @@ class StepGraphs:
     _graphs: dict = field(default_factory=dict, repr=False)
     _inputs: dict = field(default_factory=dict, repr=False)  # bucket -> [bucket + 2] long: ids, start, last row
     _rope: dict = field(default_factory=dict, repr=False)  # capacity -> (cos, sin)
+    _chain: tuple | None = field(default=None, repr=False)  # (state [4], out [CHAIN_MAX]): ChainedStep's buffers
     _mempool: object = field(default=None, repr=False)
     _ops: StepOps | None = field(default=None, repr=False)
 
@@ -397,6 +427,35 @@ class StepGraphs:
             return cap.out[0].clone(), cap.out[1].clone()
         return cap.out.clone() if logits == "last" else cap.out[:T].clone()
 
+    def chain(self, token: int, cache, start: int, n: int, masks: Masks) -> list[int]:
+        """Plain greedy decoding of ``n`` tokens (at most :data:`CHAIN_MAX`) on the device: ``token`` fed
+        at ``start``, then each argmax at the next position, by replaying one captured
+        :class:`ChainedStep` ``n`` times with a single read of the ``n`` tokens at the end (the caller
+        stops at an end token it finds among them; keys are written up to ``start + n - 1``). ``masks``:
+        the full model's. ``NotImplemented`` where a graph cannot serve (graphs off, not a slot)."""
+        if not self.enabled or cache.limit == 0:
+            return NotImplemented
+        if not 1 <= n <= CHAIN_MAX or start + n > cache.k.shape[2]:
+            raise ValueError(f"a chained decode of {n} tokens at {start} (1 .. {CHAIN_MAX}, within the slot's "
+                             f"{cache.k.shape[2]} positions)")
+        dev = self.backbone.device
+        if self._chain is None:
+            self._chain = (torch.zeros(4, dtype=torch.long, device=dev),
+                           torch.zeros(CHAIN_MAX, dtype=torch.long, device=dev))
+        state, out = self._chain
+        key = (cache.k.data_ptr(), "chain", masks)
+        cap = self._graphs.get(key)
+        if cap is None:
+            state.copy_(torch.tensor([token, start, 0, 0]))
+            cap = self._capture(key, cache, 1, masks, "all", chained=True)
+            if cap is None:
+                return NotImplemented
+        state.copy_(torch.tensor([token, start, 0, 0]), non_blocking=True)  # the capture's warm-up moved it
+        for _ in range(n):
+            cap.graph.replay()
+        self.replays += n
+        return out[:n].tolist()
+
     def warm(self, cache, masks: Masks, pool_layer: int | None = None, drafting: bool = False) -> int:
         """Capture, before any request needs them, the steps of ``masks`` on ``cache``'s slot (a fresh one,
         as :meth:`new_cache` gives). The full model's (``drafting=False``): decoding and verification
@@ -422,24 +481,33 @@ class StepGraphs:
             t = self._rope[capacity] = self.backbone.rope_table(capacity)
         return t
 
-    def _capture(self, key, cache, Tb: int, masks: Masks, logits: str, pool_layer: int | None = None
-                 ) -> _Captured | None:
+    def _capture(self, key, cache, Tb: int, masks: Masks, logits: str, pool_layer: int | None = None,
+                 chained: bool = False) -> _Captured | None:
+        """Capture the static step of ``key`` (with ``chained``: its :class:`ChainedStep`, over :meth:`chain`'s
+        buffers), after compiling its pieces and a warm-up run on a side stream."""
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
         cos, sin = self._tables(cache.k.shape[2])
-        buf = self._inputs[Tb]
-        args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
+        if chained:
+            args = (*self._chain, cache.k, cache.v, cos, sin)
+        else:
+            buf = self._inputs[Tb]
+            args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
+
+        def build(ops):
+            step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer)
+            return ChainedStep(step) if chained else step
+
         if self.compile == "ops":
             try:  # compiled here, outside any capture (a compilation cannot run inside one)
                 if self._ops is None:
                     self._ops = StepOps.compiled()
-                StaticStep(self.backbone, Tb, masks, logits, self._ops, pool_layer)(*args)
+                build(self._ops)(*args)
             except Exception as exc:  # noqa: BLE001 - no compiler (Triton) or a failed compilation: plain kernels
                 self.compile = "none"
                 print(f"adaptive: compiling the step's pieces failed ({type(exc).__name__}: {exc}); capturing plain "
                       "kernels", file=sys.stderr)
-        step = StaticStep(self.backbone, Tb, masks, logits, self._ops if self.compile == "ops" else None,
-                          pool_layer)
+        step = build(self._ops if self.compile == "ops" else None)
         if self.compile == "step":
             step = torch.compile(step, fullgraph=True, dynamic=False)
         try:

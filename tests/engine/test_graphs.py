@@ -12,7 +12,9 @@ from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.engine import Engine
 from adaptive.engine.graphs import (
     BUCKETS,
+    CHAIN_MAX,
     PREFILL_BUCKETS,
+    ChainedStep,
     SlotPool,
     StaticStep,
     StepGraphs,
@@ -294,6 +296,31 @@ def test_warm_graphs_captures_in_inference_mode(monkeypatch):
     assert modes == [(True, False), (True, False)]
 
 
+def test_a_chained_step_decodes_as_plain_greedy_steps():
+    """ChainedStep (what StepGraphs.chain replays back to back) feeds each argmax to the next position:
+    its tokens, state and cache writes are plain greedy decoding's, step by step on the eager forward (fp32)."""
+    bb = Backbone(tiny_model("qwen3", n_layers=2))
+    ids = torch.randint(3, bb.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    ref_cache, slot = bb.new_cache(40), _slot_cache(bb, 40)
+    first = int(bb.forward(ids, ref_cache, 0, logits="last").logits[0].argmax())
+    bb.forward(ids, slot, 0, logits="none")
+    want, tok = [], first
+    for pos in range(20, 26):  # plain decoding: feed the token, take the argmax
+        tok = int(bb.forward(torch.tensor([tok]), ref_cache, pos, logits="all").logits[0].argmax())
+        want.append(tok)
+    chained = ChainedStep(StaticStep(bb, 1, bb._full, "all"))
+    state, out = torch.tensor([first, 20, 0, 0]), torch.zeros(CHAIN_MAX, dtype=torch.long)
+    cos, sin = bb.rope_table(slot.k.shape[2])
+    with torch.inference_mode():
+        for _ in range(6):
+            chained(state, out, slot.k, slot.v, cos, sin)
+    assert out[:6].tolist() == want and state.tolist() == [want[-1], 26, 0, 6]
+    assert torch.allclose(slot.k[:, :, :26], ref_cache.k[:, :, :26], atol=1e-5)
+    with pytest.raises(ValueError, match="one-token step"):
+        ChainedStep(StaticStep(bb, 2, bb._full, "all"))
+    assert bb.decode_chain(first, slot, 20, 4) is None  # no CUDA graphs here: the caller decodes step by step
+
+
 def _cuda_engine(family="llama", n_layers=6, graphs=True):
     model = tiny_model(family, n_layers=n_layers).cuda()
     bb = Backbone(model, graphs=graphs)
@@ -361,6 +388,21 @@ def test_warmed_graphs_record_no_autograd_and_decode_as_the_eager_path():
     captured = bb.graphs.captures
     assert eng.generate(list(range(3, 20)), cfg).token_ids == ref
     assert bb.graphs.captures == captured  # the warmed graphs were replayed, none captured inside the request
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_chained_decode_on_the_device_gives_plain_decodings_tokens():
+    eng, bb = _cuda_engine()
+    eager, _ = _cuda_engine(graphs=False)
+    cfg = GenerationConfig(max_new_tokens=21, ignore_eos=True)
+    prompt = list(range(3, 20))
+    ref = eager.generate(prompt, cfg).token_ids  # the prefill's token, then 20 decoded
+    cache = bb.new_cache(len(prompt) + 40)
+    first = int(bb.forward(torch.tensor(prompt), cache, 0, logits="last").logits[0].argmax())
+    got = bb.decode_chain(first, cache, len(prompt), 12)
+    got += bb.decode_chain(got[-1], cache, len(prompt) + 12, 8)  # a second chain continues the first
+    assert [first] + got == ref
 
 
 @pytest.mark.cuda
