@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -395,22 +396,53 @@ def _write_dir(target: Path, marker: str, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_TOKENIZERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # a GGUF file's, while in use
+
+
 def _gguf_tokenizer(gguf: Path, name: str):
     """The tokenizer of a GGUF file (its vocabulary and chat template), read once by transformers and
-    cached (a torch conversion's directory has it already); the weights are never read."""
-    from transformers import AutoTokenizer
-
+    cached on disk (a torch conversion's directory has it already); the weights are never read. In a
+    process, one object per file while any model holds it: the two engines of a two-engine runtime
+    share it (a second copy costs ~13 MiB for the embedded model; nothing here changes a tokenizer)."""
     converted = _converted_dir(gguf, name)
+    tok = _TOKENIZERS.get(converted.name)
+    if tok is None:
+        tok = _TOKENIZERS.setdefault(converted.name, _read_gguf_tokenizer(gguf, converted))
+    return tok
+
+
+def _read_gguf_tokenizer(gguf: Path, converted: Path):
     if (converted / "config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(converted), local_files_only=True)
+        return saved_tokenizer(converted)
     target = cache_dir() / "tokenizers" / converted.name
     if not (target / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except Exception as exc:  # transformers raises many types for unreadable GGUF files
             raise ModelNotFoundError(f"cannot read the tokenizer of GGUF file {gguf}: {exc}") from exc
         _write_dir(target, "tokenizer_config.json", tok.save_pretrained)
-    return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    return saved_tokenizer(target)
+
+
+def saved_tokenizer(directory: Path):
+    """A tokenizer saved by transformers into ``directory``, loaded by the class its
+    ``tokenizer_config.json`` names (``TokenizersBackend``, ``Qwen2Tokenizer``, ...): the class
+    ``AutoTokenizer`` resolves to, read from the same files, without ``AutoTokenizer``'s first step,
+    the model's configuration, whose import pulls in ~850 modules (torch.distributed, Dynamo, SymPy:
+    1.1 s and ~80 MiB on our CPUs) that a llama.cpp process never uses. A class transformers does not
+    export by that name is loaded by ``AutoTokenizer``."""
+    import transformers
+
+    try:
+        name = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(str(directory), local_files_only=True)
 
 
 def release_heap() -> bool:
@@ -477,12 +509,13 @@ def auto_engines(spec: str, device: str | torch.device = "auto", dtype: str = "a
     return (llamacpp.ENGINE, "torch") if engine == llamacpp.ENGINE else (engine,)
 
 
-def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype):
-    """Load a local directory or a hub id from the local cache only: never a download."""
+def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype, tokenizer=None):
+    """Load a local directory or a hub id from the local cache only: never a download (``tokenizer``:
+    the model's, loaded already)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
+    tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor bar on stderr would bury our own progress
     try:
@@ -524,7 +557,7 @@ def load_model(
         target = _converted_dir(gguf, name)
         if not (target / "config.json").is_file():
             _convert_gguf(gguf, target)
-        model, tok = _load_hf(str(target), dev, dt)
+        model, tok = _load_hf(str(target), dev, dt, _gguf_tokenizer(gguf, name))
         release_heap()
         return LoadedModel(model, tok, name, str(gguf), dev, dt, weights)
     path = Path(spec).expanduser()

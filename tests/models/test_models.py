@@ -267,3 +267,65 @@ def test_a_conversion_is_keyed_by_the_file_s_contents_not_its_path(tmp_path, mon
     key = sampled_digest(a)[:12]
     assert _converted_dir(a, "m") == _converted_dir(b, "m") == tmp_path / "cache" / "models" / f"m-{key}"
     assert _converted_dir(c, "m") != _converted_dir(a, "m")
+
+
+def test_a_saved_tokenizer_loads_by_its_class_without_the_model_s_configuration(tmp_path):
+    """``saved_tokenizer`` gives the class ``AutoTokenizer`` resolves to, with the same ids and chat
+    template, and in a fresh process imports none of what the model's configuration pulls in."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from adaptive.models import saved_tokenizer
+    from tests.conftest import char_tokenizer
+
+    char_tokenizer().save_pretrained(tmp_path)
+    auto, ours = AutoTokenizer.from_pretrained(str(tmp_path)), saved_tokenizer(tmp_path)
+    assert type(ours) is type(auto)
+    assert ours("a cab, abc!")["input_ids"] == auto("a cab, abc!")["input_ids"]
+    assert ours.eos_token_id == auto.eos_token_id and ours.all_special_ids == auto.all_special_ids
+    code = ("import json, sys; from pathlib import Path; from adaptive.models import saved_tokenizer; "
+            f"t = saved_tokenizer(Path({str(tmp_path)!r})); "
+            "print(json.dumps([type(t).__name__, t('abc')['input_ids'], "
+            "[m for m in ('torch._dynamo', 'torch.distributed.tensor', 'transformers.modeling_rope_utils') "
+            "if m in sys.modules]]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    name, ids, heavy = json.loads(run.stdout.splitlines()[-1])
+    assert (name, ids, heavy) == (type(auto).__name__, auto("abc")["input_ids"], [])
+
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for cls in (None, "NoSuchTokenizer"):  # none named or an unknown one: AutoTokenizer's
+        if cls is None:
+            config.pop("tokenizer_class", None)
+        else:
+            config["tokenizer_class"] = cls
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        fallback = saved_tokenizer(tmp_path)
+        assert type(fallback) is type(AutoTokenizer.from_pretrained(str(tmp_path)))
+        assert fallback("abc")["input_ids"] == auto("abc")["input_ids"]
+
+
+def test_models_of_one_gguf_file_share_its_tokenizer_while_in_use(tiny_gguf, tmp_path, monkeypatch):
+    """Both engines' models of one GGUF file (a two-engine runtime's members) hold one tokenizer
+    object; it is not kept once no model holds it."""
+    import gc
+    import weakref
+
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path))
+    path = str(tiny_gguf[0])
+    a = load_model(path, engine="llama.cpp")
+    b = load_model(path, engine="llama.cpp")
+    c = load_model(path, engine="torch", dtype="float32")
+    assert a.tokenizer is b.tokenizer is c.tokenizer
+    from transformers import AutoTokenizer
+
+    read = AutoTokenizer.from_pretrained(str(tiny_gguf[0].parent), gguf_file=tiny_gguf[0].name)  # the file's own
+    assert a.tokenizer("a cab, abc!")["input_ids"] == read("a cab, abc!")["input_ids"]
+    held = weakref.ref(a.tokenizer)
+    del a, b, c
+    gc.collect()
+    assert held() is None
