@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -355,6 +355,31 @@ def _from_result(r) -> dict:
             "prefill_time_s": round(s.prefill_time, 5), "info": info}
 
 
+def balanced_order(methods: Sequence[str], k: int) -> list[str]:
+    """The order the methods run in on the ``k``-th prompt: row ``k`` of a Williams design, so that
+    over every ``n`` prompts (``2n`` for an odd count ``n`` of methods) each method runs once in each
+    place and right after each other method equally often. A fixed order is biased on a CPU whose
+    last-level cache holds a model (480 MiB of L3 on our Intel Xeon host): a method right after one
+    that read the same weights starts warm (llama-server right after our plain decoding on
+    llama.cpp: the same file's pages), one right after the torch engine starts cold. Example, for
+    four methods the rows are ``[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]``:
+    ``balanced_order(["a", "b", "c", "d"], 1) == ["b", "c", "a", "d"]``."""
+    n = len(methods)
+    if n < 2:
+        return list(methods)
+    first, lo, hi = [0], 1, n - 1
+    for j in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        if j % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    r = k % (2 * n if n % 2 else n)
+    row = [(x + r) % n for x in first]
+    return [methods[i] for i in (row if r < n else reversed(row))]
+
+
 def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: BenchSettings, profile=None,
               progress: bool = True, on_run: Callable[[dict], None] | None = None) -> dict:
     """Benchmark ``methods`` on ``prompts``; returns the report (see docs/benchmarks.md)."""
@@ -391,7 +416,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
         runs: list[dict] = []
         replies: dict[tuple[str, int], str] = {}
         t_start = time.perf_counter()
-        for p, t in items:
+        for k, (p, t) in enumerate(items):
             messages = []
             for j in range(t):
                 messages += [{"role": "user", "content": p.turns[j]},
@@ -400,17 +425,24 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
             item_id = p.id if len(p.turns) == 1 else f"{p.id}/turn{t + 1}"
             ref = None
             ids = runner.ids(messages)
-            for m in methods:  # interleaved: every method on this prompt before the next prompt
+            outs = {}
+            for m in balanced_order(methods, k):  # interleaved: every method on this prompt before the next prompt
                 captured = runner.captures()
-                out = runner.run(m, messages)
+                outs[m] = runner.run(m, messages)
+                if captured is not None and runner.captures() > captured:  # one-time work inside this run's time
+                    outs[m]["graph_captures"] = runner.captures() - captured
+                if bar is not None:
+                    bar.update(1)
+            for m in methods:  # in the listed order: ar's tokens are the others' reference
+                out = outs[m]
                 rec = {"id": item_id, "group": p.group, "category": p.category, "method": m,
                        "prompt_tokens": len(ids), "new_tokens": len(out["token_ids"]),
                        "tokens_per_s": round(out["tokens_per_s"], 4), "seconds": round(out["seconds"], 5),
                        "steps": out["steps"],
                        "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
                        "prefill_time_s": out.get("prefill_time_s"), **out["info"]}
-                if captured is not None and runner.captures() > captured:
-                    rec["graph_captures"] = runner.captures() - captured  # one-time work inside this run's time
+                if "graph_captures" in out:
+                    rec["graph_captures"] = out["graph_captures"]
                 if m == "ar":
                     ref = out["token_ids"]
                     replies[(p.id, t)] = runner.engine.text(ref)
@@ -435,8 +467,6 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                 runs.append(rec)
                 if on_run is not None:
                     on_run(rec)
-                if bar is not None:
-                    bar.update(1)
         if bar is not None:
             bar.close()
     finally:

@@ -1,0 +1,50 @@
+"""The benchmark's driver (:mod:`adaptive.bench.runner`): the order methods run in on each prompt."""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import pairwise
+
+import pytest
+
+from adaptive.bench import runner
+from adaptive.bench.data import BenchPrompt
+from adaptive.bench.runner import BenchSettings, balanced_order, run_bench
+
+
+def test_balanced_order_rows_are_a_williams_design():
+    assert [balanced_order([0, 1, 2, 3], k) for k in range(4)] == [
+        [0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    assert ["".join(balanced_order("abc", k)) for k in range(7)] == ["abc", "bca", "cab", "cba", "acb", "bac", "abc"]
+    assert balanced_order(["ar"], 5) == ["ar"] and balanced_order([], 3) == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_over_a_cycle_each_method_takes_each_place_and_follows_each_other_equally_often(n):
+    methods = [f"m{i}" for i in range(n)]
+    cycle = 2 * n if n % 2 else n
+    rows = [balanced_order(methods, k) for k in range(cycle)]
+    assert all(sorted(r) == methods for r in rows)
+    for place in range(n):
+        assert set(Counter(r[place] for r in rows).values()) == {cycle // n}
+    follows = Counter(pair for r in rows for pair in pairwise(r))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_the_bench_runs_each_prompt_s_methods_in_its_row_and_lists_them_in_order(tiny, monkeypatch):
+    """Runs happen in the balanced order; the report lists each prompt's runs in the asked order, with
+    ar first as the reference of the others' equality."""
+    called = []
+    run = runner._Methods.run
+
+    def logged(self, method, messages):
+        called.append((messages[-1]["content"], method))
+        return run(self, method, messages)
+
+    monkeypatch.setattr(runner._Methods, "run", logged)
+    prompts = [BenchPrompt(f"p{i}", "g", "g", (f"abc abc {i} abc",)) for i in range(4)]
+    methods = ["ar", "pld"]
+    report = run_bench(tiny, prompts, methods, BenchSettings(max_new_tokens=6, warmup=0), progress=False)
+    assert [m for _, m in called] == [m for k in range(4) for m in balanced_order(methods, k)]
+    assert [(r["id"], r["method"]) for r in report["runs"]] == [(p.id, m) for p in prompts for m in methods]
+    assert all(r["identical"] for r in report["runs"])
