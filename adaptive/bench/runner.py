@@ -358,9 +358,9 @@ def _from_result(r) -> dict:
 def balanced_order(methods: Sequence[str], k: int) -> list[str]:
     """The order the methods run in on the ``k``-th prompt: row ``k`` of a Williams design, so that
     over every ``n`` prompts (``2n`` for an odd count ``n`` of methods) each method runs once in each
-    place and right after each other method equally often. A fixed order is biased on a CPU whose
-    last-level cache holds a model (480 MiB of L3 on our Intel Xeon host): a method right after one
-    that read the same weights starts warm (llama-server right after our plain decoding on
+    place and right after each other method equally often. A fixed order can favour a method on a
+    CPU whose last-level cache holds a model (480 MiB of L3 on our Intel Xeon host): one right after
+    a method that read the same weights starts warm (llama-server right after our plain decoding on
     llama.cpp: the same file's pages), one right after the torch engine starts cold. Example, for
     four methods the rows are ``[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]``:
     ``balanced_order(["a", "b", "c", "d"], 1) == ["b", "c", "a", "d"]``."""
