@@ -42,9 +42,14 @@ def test_the_bench_runs_each_prompt_s_methods_in_its_row_and_lists_them_in_order
         return run(self, method, messages)
 
     monkeypatch.setattr(runner._Methods, "run", logged)
-    prompts = [BenchPrompt(f"p{i}", "g", "g", (f"abc abc {i} abc",)) for i in range(4)]
+    prompts = [BenchPrompt(f"p{i}", "g", "g", (f"abc abc {i} abc",)) for i in range(3)]
+    prompts.append(BenchPrompt("p3", "g", "g", ("abc abc 3 abc", "and again abc")))  # two turns: two items
     methods = ["ar", "pld"]
-    report = run_bench(tiny, prompts, methods, BenchSettings(max_new_tokens=6, warmup=0), progress=False)
-    assert [m for _, m in called] == [m for k in range(4) for m in balanced_order(methods, k)]
-    assert [(r["id"], r["method"]) for r in report["runs"]] == [(p.id, m) for p in prompts for m in methods]
-    assert all(r["identical"] for r in report["runs"])
+    seen = []
+    report = run_bench(tiny, prompts, methods, BenchSettings(max_new_tokens=6, warmup=0), progress=False,
+                       on_run=seen.append)
+    assert [m for _, m in called] == [m for k in range(5) for m in balanced_order(methods, k)]
+    ids = ["p0", "p1", "p2", "p3/turn1", "p3/turn2"]
+    assert [(r["id"], r["method"]) for r in report["runs"]] == [(i, m) for i in ids for m in methods]
+    assert seen == report["runs"] and all(r["identical"] for r in report["runs"])
+    assert called[-1][0] == "and again abc" and called[-2][0] == "and again abc"  # the second turn after ar's reply

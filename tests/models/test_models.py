@@ -308,22 +308,25 @@ def test_a_saved_tokenizer_loads_by_its_class_without_the_model_s_configuration(
         assert fallback("abc")["input_ids"] == auto("abc")["input_ids"]
 
 
-def test_models_of_one_gguf_file_share_its_tokenizer_while_in_use(tiny_gguf, tmp_path, monkeypatch):
+def test_models_of_one_gguf_file_share_its_tokenizer_while_in_use(tmp_path, monkeypatch):
     """Both engines' models of one GGUF file (a two-engine runtime's members) hold one tokenizer
     object; it is not kept once no model holds it."""
     import gc
     import weakref
 
+    from tests.conftest import char_tokenizer, tiny_model, write_gguf
+
     pytest.importorskip("llama_cpp")
     monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path))
-    path = str(tiny_gguf[0])
+    path = str(tmp_path / "own.gguf")  # a file of its own: no other test's model holds its tokenizer
+    write_gguf(tiny_model("llama", seed=11), char_tokenizer(), path)
     a = load_model(path, engine="llama.cpp")
     b = load_model(path, engine="llama.cpp")
     c = load_model(path, engine="torch", dtype="float32")
     assert a.tokenizer is b.tokenizer is c.tokenizer
     from transformers import AutoTokenizer
 
-    read = AutoTokenizer.from_pretrained(str(tiny_gguf[0].parent), gguf_file=tiny_gguf[0].name)  # the file's own
+    read = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="own.gguf")  # the file's own
     assert a.tokenizer("a cab, abc!")["input_ids"] == read("a cab, abc!")["input_ids"]
     held = weakref.ref(a.tokenizer)
     del a, b, c
