@@ -20,10 +20,11 @@ from adaptive.cli.common import (
 )
 from adaptive.distill.data import DATA_SOURCES
 from adaptive.distill.divergences import DIVERGENCES
-from adaptive.distill.trainer import DistillConfig, distill
+from adaptive.distill.heads import HeadConfig
+from adaptive.distill.trainer import DistillConfig, distill, distill_head
 from adaptive.profile import load_profile
 
-EARLY_EXIT = "early-exit"
+EARLY_EXIT, EAGLE = "early-exit", "eagle"
 
 
 @command("distill", examples=(
@@ -31,13 +32,15 @@ EARLY_EXIT = "early-exit"
     "adaptive distill --profile my-profile --data code.jsonl --data maths=maths.txt --divergence tvd --steps 600",
     "adaptive distill --profile my-profile --drafter draft-model.gguf --data-source on-policy",
     "adaptive distill --profile my-profile --resume",
+    "adaptive distill --profile my-profile --drafter eagle --data code.jsonl --data maths.txt --minutes 8",
 ), hints={"--domains": "distill takes its prompts with --data [NAME=]PATH"})
 @model_option
 @click.option("--profile", "profile_dir", required=True, type=click.Path(),
               help="The profile to train for; the drafter is stored in it (atomically).")
-@click.option("--drafter", default=EARLY_EXIT, show_default=True, metavar="early-exit|MODEL",
-              help="early-exit: the first --exit-layer layers plus a trained exit block; or a separate draft model "
-                   "(a spec as for --model) sharing the target's tokenizer, fine-tuned whole.")
+@click.option("--drafter", default=EARLY_EXIT, show_default=True, metavar="early-exit|eagle|MODEL",
+              help="early-exit: the first --exit-layer layers plus a trained exit block; eagle: a head over the "
+                   "target's hidden states (trained on the target's own continuations, with soft targets); or a "
+                   "separate draft model (a spec as for --model) sharing the target's tokenizer, fine-tuned whole.")
 @click.option("--exit-layer", type=int, default=None, help="Layers the early-exit drafter runs [half the model's].")
 @click.option("--data", "data", multiple=True, type=NameEqualsPath(bare=True),
               help="Prompts to train on, one domain per file (JSONL or .txt); repeatable. "
@@ -49,17 +52,29 @@ EARLY_EXIT = "early-exit"
               show_default=True,
               help="fixed: the prompt text; teacher: the target's greedy continuations; on-policy: the drafter's own "
                    "samples, scored by the target; mixed: half and half.")
-@click.option("--steps", type=int, default=300, show_default=True,
-              help="Optimiser steps (0: store the untrained drafter).")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="AdamW learning rate.")
-@click.option("--batch-size", type=int, default=64, show_default=True,
-              help="Token positions per step (early-exit) or sequences per step (draft model).")
-@click.option("--new-tokens", type=int, default=48, show_default=True, help="Tokens generated per prompt for the data.")
-@click.option("--prompts-per-domain", type=int, default=16, show_default=True,
-              help="First N prompts of each domain; the last quarter of them is held out for evaluation.")
+@click.option("--steps", type=int, default=None,
+              help="Optimiser steps (0: store the untrained drafter) [300; eagle: as many as fit in --minutes].")
+@click.option("--minutes", type=float, default=8.0, show_default=True,
+              help="eagle: the training budget (the decoding of its data comes first, apart).")
+@click.option("--layers", "feature_layers", type=str, default=None, metavar="K,K,...",
+              help="eagle: the feature layers, as layer counts (0: the embeddings; the top one included) "
+                   "[an eighth, half and all of the model's layers].")
+@click.option("--vocab", type=int, default=8192, show_default=True,
+              help="eagle: the head's rows (the training text's most frequent tokens; a request adds its prompt's).")
+@click.option("--unroll", type=int, default=3, show_default=True,
+              help="eagle: unrolled draft steps trained (EAGLE-3's training-time test).")
+@click.option("--lr", type=float, default=None, help="AdamW learning rate [1e-3; eagle: 3e-3].")
+@click.option("--batch-size", type=int, default=None,
+              help="Token positions per step (early-exit) [64], sequences per step (draft model) [64] or windows of "
+                   "256 positions per step (eagle) [4].")
+@click.option("--new-tokens", type=int, default=None,
+              help="Tokens generated per prompt for the data [48; eagle: 96].")
+@click.option("--prompts-per-domain", type=int, default=None,
+              help="First N prompts of each domain [16; eagle: all]; the last quarter of them (eagle: a tenth) is "
+                   "held out for evaluation.")
 @click.option("--refresh-every", type=int, default=100, show_default=True,
               help="Steps between resamplings of on-policy data from the drafter being trained.")
-@click.option("--eval-every", type=int, default=25, show_default=True, help="Steps between held-out evaluations.")
+@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations [25; eagle: 100].")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Where to save the loss and acceptance curves (PNG) [PROFILE.KIND-distill.png].")
 @click.option("--resume", is_flag=True, help="Continue an interrupted distillation from its last checkpoint.")
@@ -68,24 +83,32 @@ EARLY_EXIT = "early-exit"
 @device_option
 @quiet_option
 @json_option
-def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, jsd_beta, data_source, steps, lr,
-                batch_size, new_tokens, prompts_per_domain, refresh_every, eval_every, plot, resume, seed, dtype,
-                device, quiet, as_json):
+def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, jsd_beta, data_source, steps, minutes,
+                feature_layers, vocab, unroll, lr, batch_size, new_tokens, prompts_per_domain, refresh_every,
+                eval_every, plot, resume, seed, dtype, device, quiet, as_json):
     """Distill a drafter for the profile's model and store it in the profile.
 
-    early-exit: the target's first --exit-layer layers plus a trained exit block; MODEL: a
-    separate draft model sharing the target's tokenizer, fine-tuned whole. The drafter is then
-    used by `adaptive generate --profile DIR --policy early-exit|draft-model` and `adaptive bench`.
+    early-exit: the target's first --exit-layer layers plus a trained exit block; eagle: a head
+    over the target's own hidden states and a lookup token, trained on the target's continuations
+    of the prompts (docs/design.md, "Eagle heads"); MODEL: a separate draft model sharing the
+    target's tokenizer, fine-tuned whole. The drafter is then used by `adaptive generate --profile
+    DIR --policy early-exit|eagle|draft-model` and `adaptive bench`.
     """
     if drafter == "skip":
         raise click.UsageError(f"adapters for the layer-skip drafter are not built: use --drafter {EARLY_EXIT} or a "
                                "draft model")
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
-    cfg = DistillConfig(divergence=divergence, jsd_beta=jsd_beta, data_source=data_source, steps=steps, lr=lr,
-                        batch_size=batch_size, exit_layer=exit_layer, new_tokens=new_tokens,
-                        prompts_per_domain=prompts_per_domain, refresh_every=refresh_every, eval_every=eval_every,
-                        checkpoint_every=min(eval_every, 25), seed=seed)
+    if drafter == EAGLE:
+        return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, lr,
+                              batch_size, new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device,
+                              quiet, as_json)
+    eval_every = eval_every or 25
+    cfg = DistillConfig(divergence=divergence, jsd_beta=jsd_beta, data_source=data_source,
+                        steps=300 if steps is None else steps, lr=lr or 1e-3, batch_size=batch_size or 64,
+                        exit_layer=exit_layer, new_tokens=new_tokens or 48,
+                        prompts_per_domain=prompts_per_domain or 16, refresh_every=refresh_every,
+                        eval_every=eval_every, checkpoint_every=min(eval_every, 25), seed=seed)
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)
     spec, dt, _, engine = profile_model(profile, model_spec, dtype)  # distillation trains on dense weights
@@ -107,5 +130,45 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     click.echo(f"  held-out greedy agreement   {b['greedy']:.3f} -> {a['greedy']:.3f}")
     click.echo(f"  held-out sampling acceptance {b['sampling']:.3f} -> {a['sampling']:.3f}")
     click.echo(f"  draft cost per token: {d['draft_cost']:.2f} of a full step")
+    curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
+    click.echo(f"stored in {d['profile']}{curves}")
+
+
+def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, lr, batch_size,
+                   new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device, quiet, as_json):
+    layers = None
+    if feature_layers:
+        try:
+            layers = tuple(int(x) for x in feature_layers.split(","))
+        except ValueError:
+            raise click.BadParameter(f"{feature_layers!r} is not a comma-separated list of layer counts",
+                                     param_hint="--layers") from None
+    defaults = HeadConfig()
+    cfg = HeadConfig(layers=layers, vocab=vocab, minutes=minutes, steps=steps, unroll=unroll, lr=lr or defaults.lr,
+                     batch=batch_size or defaults.batch, new_tokens=new_tokens or defaults.new_tokens,
+                     prompts_per_domain=prompts_per_domain, eval_every=eval_every or defaults.eval_every, seed=seed)
+    domains = domain_prompts(data, "--data")
+    profile = load_profile(profile_dir)
+    spec, dt, _, engine = profile_model(profile, model_spec, dtype)
+    if engine != "torch":
+        raise click.UsageError(f"the profile was calibrated on the {engine} engine; an eagle head trains on the torch "
+                               "engine's hidden states: calibrate with --engine torch first")
+    lm = load(spec, device, dt, "dense", engine="torch")
+    profile.check_model(lm.fingerprint())
+    r = distill_head(lm, profile_dir, domains, cfg, resume=resume, progress=not quiet and not as_json, plot=plot,
+                     log=(lambda m: None) if as_json else info)
+    d = r.to_dict()
+    if as_json:
+        echo_json(d)
+        return
+    rec = r.record
+    click.echo(f"eagle head ({len(rec.positions)} draft positions, {rec.train_seconds:.0f} s of training, "
+               f"{rec.seconds:.0f} s in all; {rec.vocab} rows covering {rec.coverage:.1%} of held-out answer tokens)")
+    click.echo(f"  held-out first draft kept  {rec.before['greedy']:.3f} -> {rec.acceptance:.3f}")
+    click.echo("  drafts 1..s all kept       " + "  ".join(f"s={i + 1}: {a:.3f}" for i, a in enumerate(rec.positions))
+               + f"  (tau {rec.tau:.2f})")
+    for name, acc in sorted(rec.by_domain.items()):
+        click.echo(f"    {name:<20} " + "  ".join(f"{a:.3f}" for a in acc))
+    click.echo(f"  draft cost per token: {rec.draft_cost:.3f} of a full step")
     curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
     click.echo(f"stored in {d['profile']}{curves}")

@@ -34,6 +34,15 @@ import torch
 from adaptive.costs import measure_draft_cost
 from adaptive.distill.data import DATA_SOURCES, TrainSequence, continue_ids
 from adaptive.distill.divergences import DIVERGENCES, divergence, greedy_agreement, sampling_acceptance
+from adaptive.distill.heads import (
+    HeadConfig,
+    HeadData,
+    HeadTrainer,
+    choose_vocab,
+    decode_with_features,
+    head_shape,
+    measure_head_cost,
+)
 from adaptive.distill.students import Dataset, ExitStudent, ModelStudent, TargetHead
 from adaptive.drafters.model import check_same_tokenizer
 from adaptive.engine.engine import Engine
@@ -42,7 +51,7 @@ from adaptive.limits import check_room
 from adaptive.profile import DistilledRecord, load_profile, save_profile
 from adaptive.workdir import CHECKPOINT_FORMAT, WorkDir, atomic_write, checkpointed
 
-KINDS = ("early-exit", "draft-model")
+KINDS = ("early-exit", "draft-model", "eagle")
 
 
 class DistillError(AdaptiveError):
@@ -175,12 +184,17 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path | None:
     evals = [h for h in history if "greedy" in h]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     a1.plot([h["step"] for h in train], [h["train_loss"] for h in train], lw=0.8, label="train (batch)")
-    a1.plot([h["step"] for h in evals], [h["loss"] for h in evals], "o-", label="held out")
+    if all("loss" in h for h in evals):
+        a1.plot([h["step"] for h in evals], [h["loss"] for h in evals], "o-", label="held out")
     a1.set_xlabel("step")
     a1.set_ylabel("divergence")
     a1.legend()
     a2.plot([h["step"] for h in evals], [h["greedy"] for h in evals], "o-", label="greedy agreement")
-    a2.plot([h["step"] for h in evals], [h["sampling"] for h in evals], "s-", label="sampling acceptance (T=1)")
+    if all("sampling" in h for h in evals):
+        a2.plot([h["step"] for h in evals], [h["sampling"] for h in evals], "s-", label="sampling acceptance (T=1)")
+    for k in range(1, max((len(h.get("positions", ())) for h in evals), default=0)):
+        a2.plot([h["step"] for h in evals], [h["positions"][k] for h in evals], ".--", lw=0.8,
+                label=f"drafts 1..{k + 1} all kept")
     a2.set_xlabel("step")
     a2.set_ylabel("held-out acceptance")
     a2.set_ylim(0, 1)
@@ -402,3 +416,115 @@ def _draft_cost(lm, student) -> float:
     own = dbb.new_cache(context + 1)  # the draft model's own cache, prefilled as the target's is
     dbb.forward(torch.zeros(context, dtype=torch.long, device=dbb.device), own, 0, logits="none")
     return measure_draft_cost(bb, lambda one, pos, cache: dbb.forward(one.to(dbb.device), own, pos), context=context)
+
+
+def _torch_load(path: Path):
+    return torch.load(path, weights_only=False)
+
+
+def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: HeadConfig | None = None, *,
+                 resume: bool = False, progress: bool = True, plot: str | Path | None = None,
+                 log: Callable[[str], None] = lambda m: None,
+                 on_step: Callable[[int], None] | None = None) -> DistillResult:
+    """Train an eagle head for ``lm`` (the profile's model, torch engine) and store it in the profile at
+    ``profile_dir`` (:mod:`adaptive.distill.heads` says how). ``on_step(step)`` after every optimiser step."""
+    cfg = config or HeadConfig()
+    kind = "eagle"
+    profile_dir = Path(profile_dir)
+    profile = load_profile(profile_dir)
+    profile.check_model(lm.fingerprint())
+    bb = lm.backbone
+    if bb.engine != "torch":
+        raise ConfigError(f"an eagle head trains on the torch engine's hidden states, not the {bb.engine} engine's")
+    shape = head_shape(bb, cfg)
+    engine = Engine(lm)
+    encoded = {n: [engine.encode(p, chat=profile.runtime.chat) for p in ps] for n, ps in domains.items()}
+    per = cfg.prompts_per_domain or max(len(v) for v in encoded.values())
+    train_p, eval_p = split_prompts(encoded, per, cfg.held_out)
+    check_room({n: ids[:per] for n, ids in encoded.items()}, cfg.new_tokens + 1, bb.max_positions, "distillation")
+    eos = set(lm.eos_ids())
+    work = WorkDir(Path(str(profile_dir) + f".distill-{kind}.work"), "distillation", DistillError)
+    state = {"format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "kind": kind, "model": lm.fingerprint().to_dict(),
+             "shape": shape.to_dict(), "data": _digest([[n, p] for n, p in train_p + eval_p])}
+    with work.guarded(state, resume, "rerun with the same options, or delete it"):
+        t_start = time.perf_counter()
+        everything = train_p + eval_p
+
+        def decode() -> list:
+            log(f"decoding the target's continuations of {len(everything)} prompts ({cfg.new_tokens} tokens each) ...")
+            return decode_with_features(bb, [p for _, p in everything], cfg.new_tokens, eos, shape.layers,
+                                        cfg.generate_batch, log)
+
+        decoded = checkpointed(work.file("sequences", ext="pt"), decode, load=_torch_load, save=_save_torch)
+        data_seconds = time.perf_counter() - t_start
+        starts, names, n = [len(p) for _, p in everything], [d for d, _ in everything], len(train_p)
+        train = HeadData.build(decoded[:n], starts[:n], names[:n], shape.lookup)
+        held = HeadData.build(decoded[n:], starts[n:], names[n:], shape.lookup)
+        vocab_ids, coverage = choose_vocab(train, held, min(cfg.vocab, bb.vocab_size), bb.vocab_size)
+        run = HeadTrainer(bb, shape, vocab_ids, cfg)
+        ckpt = work.file("checkpoint", ext="pt")
+        if ckpt.exists():
+            run.load(_torch_load(ckpt))
+            log(f"resuming from step {run.step} of {run.total} ({ckpt.parent})")
+        else:
+            run.history.append(_head_eval(run, held, 0.0))
+        log(f"eagle head: {train.rows} training positions, {held.rows} held-out; {len(vocab_ids)} rows covering "
+            f"{coverage:.1%} of the held-out answers' tokens")
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=run.total, initial=run.step, desc="distill eagle", unit="step", leave=False)
+        t_run = time.perf_counter()
+        while run.total is None or run.step < run.total:
+            loss = run.train_step(train)
+            run.history.append({"step": run.step, "train_loss": round(loss, 5)})
+            if run.total is None and run.step >= PACE_STEPS:  # the schedule's length, fixed once from the pace
+                pace = (time.perf_counter() - t_run) / run.step
+                run.total = max(run.step, int(cfg.minutes * 60 / pace))
+                log(f"{pace:.2f} s a step: {run.total} steps in {cfg.minutes:g} minutes")
+                if bar is not None:
+                    bar.total = run.total
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.3f}")
+                bar.update(1)
+            last = run.total is not None and run.step >= run.total
+            if run.step % cfg.eval_every == 0 or last:
+                run.history.append(_head_eval(run, held, run.elapsed + time.perf_counter() - t_run))
+            if run.step % cfg.checkpoint_every == 0 or last:
+                ck = run.state()
+                ck["elapsed"] = run.elapsed + time.perf_counter() - t_run
+                _save_torch(ckpt, ck)
+            if on_step is not None:
+                on_step(run.step)
+        run.elapsed += time.perf_counter() - t_run
+        if bar is not None:
+            bar.close()
+        head = run.head.requires_grad_(False).eval()
+        evals = [h for h in run.history if "positions" in h]
+        after = evals[-1]
+        record = DistilledRecord(
+            kind=kind, model=lm.fingerprint(), acceptance=after["greedy"], draft_cost=measure_head_cost(bb, head),
+            shape=shape.to_dict(), positions=tuple(after["positions"]), tau=after["tau"],
+            by_domain={d: list(v) for d, v in after["by_domain"].items()}, vocab=int(len(vocab_ids)),
+            coverage=coverage, config=cfg.to_dict(), before={"greedy": evals[0]["greedy"], "tau": evals[0]["tau"]},
+            after={"greedy": after["greedy"], "tau": after["tau"]}, train_positions=train.rows,
+            eval_positions=held.rows, train_prompts=len(train_p), eval_prompts=len(eval_p),
+            domains=tuple(sorted(domains)), train_seconds=round(run.elapsed, 1),
+            seconds=round(time.perf_counter() - t_start, 1),
+            history=tuple(run.history) + ({"data_seconds": round(data_seconds, 1)},),
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        _store(lm, profile_dir, record, head.state())
+        plot_path = Path(plot) if plot else Path(str(profile_dir) + f".{kind}-distill.png")
+        written = plot_curves([h for h in run.history if "step" in h], plot_path,
+                              f"eagle head ({run.total} steps, {run.elapsed / 60:.1f} min): first draft kept "
+                              f"{record.before['greedy']:.3f} -> {record.acceptance:.3f}, tau {record.tau:.2f}")
+    return DistillResult(kind, profile_dir, record, written)
+
+
+PACE_STEPS = 5  # steps timed before a minutes budget fixes the schedule's length
+
+
+def _head_eval(run: HeadTrainer, held: HeadData, seconds: float) -> dict:
+    ev = run.evaluate(held)
+    return {"step": run.step, "seconds": round(seconds, 1), "greedy": ev["positions"][0], **ev}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
+from adaptive.drafters.eagle import EagleDrafter, EagleHead
 from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.layerskip import LayerSkipDrafter
@@ -27,8 +28,11 @@ DRAFTERS = {
     "cascade": "prompt lookup and a bigram table, under and after a layer-skip level (CS Drafting)",
     "early-exit": "the target's first layers and a trained exit block (EESD; `adaptive distill`)",
     "draft-model": "a separate small model sharing the tokenizer (`adaptive distill --drafter MODEL`)",
+    "eagle": "a trained head over the target's own hidden states and a lookup token (EAGLE; `adaptive distill "
+             "--drafter eagle`)",
 }
 LAYER_SKIP_DRAFTERS = ("ssd", "cascade")  # drafters that can draft over a reduced-vocabulary head
+HEAD_DRAFTERS = (*LAYER_SKIP_DRAFTERS, "eagle")  # ... and the eagle head, whose rows are its own vocabulary
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,7 +41,8 @@ class DrafterSpec:
     kind needs: ``skip`` (``ssd``; a ``cascade``'s layer-skip level, optional), ``cascade`` and
     ``bigram`` (``cascade``), ``head`` (a reduced-vocabulary head for ``ssd`` or a cascade's
     layer-skip level), ``exit_layer`` and ``exit_block`` (``early-exit``), ``draft_backbone``
-    (``draft-model``), ``label`` (a name for results)."""
+    (``draft-model``), ``eagle`` (``eagle``: the trained head; ``head`` then holds its rows joined with
+    the prompt's tokens, :func:`eagle_vocab`), ``label`` (a name for results)."""
 
     kind: str
     skip: SkipSet | None = None
@@ -47,6 +52,7 @@ class DrafterSpec:
     exit_layer: int | None = None
     exit_block: ExitBlock | None = None
     draft_backbone: object = None
+    eagle: EagleHead | None = None
     label: str = ""
 
     def __post_init__(self):
@@ -54,9 +60,10 @@ class DrafterSpec:
             raise ConfigError(f"unknown drafter {self.kind!r}; choose one of {', '.join(DRAFTERS)}")
         if self.kind == "ssd" and not self.skip:
             raise ConfigError("drafter 'ssd' needs a non-empty skip set (e.g. --skip-attn 4,7,9)")
-        if self.head is not None and self.kind not in LAYER_SKIP_DRAFTERS:
-            raise ConfigError(f"a reduced draft head is for {' and '.join(LAYER_SKIP_DRAFTERS)} drafters, "
-                              f"not {self.kind!r}")
+        if self.head is not None and self.kind not in HEAD_DRAFTERS:
+            raise ConfigError(f"a reduced draft head is for {', '.join(HEAD_DRAFTERS)} drafters, not {self.kind!r}")
+        if self.kind == "eagle" and self.eagle is None:
+            raise ConfigError("drafter 'eagle' needs a trained head (`adaptive distill --drafter eagle`)")
         if self.kind == "early-exit" and (self.exit_layer is None or self.exit_block is None):
             raise ConfigError("drafter 'early-exit' needs an exit layer and an exit block")
         if self.kind == "draft-model" and self.draft_backbone is None:
@@ -88,8 +95,16 @@ def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
         stat = NgramDrafter(bigram=spec.bigram, min_prob=plan.min_prob if spec.cascade else DEFAULT_BIGRAM_MIN_PROB)
         return CascadeDrafter(stat, skip, n_layers, split=plan.split if skip else 0, vertical=plan.vertical,
                               lenience=plan.lenience, head=spec.head if skip else None)
+    if spec.kind == "eagle":
+        return EagleDrafter(spec.eagle, spec.head or eagle_vocab(spec.eagle, backbone), backbone.embed_rows)
     if spec.kind == "early-exit":
         return EarlyExitDrafter(spec.exit_layer, n_layers, spec.exit_block, dtype=backbone.dtype,
                                 device=backbone.device)
     return ModelDrafter(spec.draft_backbone, label=spec.label or "draft-model")
 
+
+
+def eagle_vocab(head: EagleHead, backbone, prompt_ids=()) -> DraftHead:
+    """The rows an eagle head drafts over: its own (the target's LM-head rows of its ids, float32), joined
+    with the request's prompt tokens (the likeliest to be copied; their rows from ``backbone``)."""
+    return DraftHead.build(backbone, head.ids, head.lm, extra=prompt_ids)

@@ -100,7 +100,7 @@ class DraftHead:
             extra_t = extra_t[~torch.isin(extra_t, domain_ids)]
             if extra_t.numel():
                 domain_ids = torch.cat([domain_ids, extra_t])
-                rows = torch.cat([rows, rows_of(extra_t)])
+                rows = torch.cat([rows, rows_of(extra_t).to(rows.dtype)])
         return cls(domain_ids, rows.contiguous(), vocab)
 
     def __len__(self) -> int:

@@ -51,6 +51,15 @@ def decoder_layers(model) -> list:
         ) from None
 
 
+def check_feature_layers(layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    """``layers`` as a tuple of distinct ascending layer counts in ``0 .. n_layers``, else a :class:`ValueError`.
+    Example: ``check_feature_layers([3, 15, 30], 30) == (3, 15, 30)``; ``[31]`` of 30 layers is refused."""
+    out = tuple(int(x) for x in layers)
+    if list(out) != sorted(set(out)) or any(not 0 <= x <= n_layers for x in out):
+        raise ValueError(f"feature layers must be distinct, ascending and in 0..{n_layers}, got {list(layers)}")
+    return out
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer, written by absolute position.
@@ -60,13 +69,18 @@ class KVCache:
     ``length``: number of leading positions that hold the *full* model's keys. Positions beyond it
     may hold a draft's keys (from the layers the draft ran) and are overwritten before being trusted.
     ``limit``: the positions a request may use when the tensors are a larger pooled slot (CUDA
-    graphs, :mod:`adaptive.engine.graphs`); 0: all of the tensors' positions.
+    graphs, :mod:`adaptive.engine.graphs`); 0: all of the tensors' positions. ``features``: see below.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
     limit: int = 0
+    # [max_len, len(feature_layers), hidden] (``None``: none kept): the residual stream after each of
+    # ``feature_layers`` decoder layers (0: the embeddings), written at its positions by every
+    # full-model forward over this cache (an eagle head drafts from them; a rollback costs nothing)
+    features: torch.Tensor | None = None
+    feature_layers: tuple[int, ...] = ()
 
     def release(self) -> None:
         """Nothing to give back early: the tensors go with the object, or back to the slot pool when it is
@@ -195,6 +209,7 @@ class Backbone:
                 if not hasattr(layer.mlp, name):
                     raise UnsupportedModelError(f"decoder layer {i}'s MLP has no {name}: not a gated MLP")
         self.n_layers = len(self.layers)
+        self.hidden_size = int(cfg.hidden_size)
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.n_heads = cfg.num_attention_heads
@@ -303,13 +318,20 @@ class Backbone:
         attention kernels cost 3-4x float32's at decoding sizes, measured), the model's elsewhere."""
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
-    def new_cache(self, max_len: int) -> KVCache:
+    def new_cache(self, max_len: int, features: Sequence[int] = ()) -> KVCache:
         """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context.
-        With CUDA graphs its tensors are a pooled slot of a larger capacity (``limit`` = ``max_len``)."""
+        With CUDA graphs its tensors are a pooled slot of a larger capacity (``limit`` = ``max_len``).
+        ``features``: layer counts whose residual stream every full-model forward keeps in the cache
+        (:attr:`KVCache.features`, in the cache dtype); such a cache runs eagerly, outside the CUDA graphs."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the model's context is {self.max_positions}"
             )
+        layers = check_feature_layers(features, self.n_layers)
+        if layers:
+            k, v = self.allocate_kv(max_len)
+            rows = torch.zeros(max_len, len(layers), self.hidden_size, dtype=self.cache_dtype, device=self.device)
+            return KVCache(k=k, v=v, features=rows, feature_layers=layers)
         if self.graphs is not None and self.graphs.enabled:
             return self.graphs.new_cache(max_len, KVCache)
         k, v = self.allocate_kv(max_len)
@@ -417,8 +439,9 @@ class Backbone:
         end = start + T
         if end > cache.max_len:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
+        keep = self._kept(cache, skip_masks, read_only)  # [(slot, layer count)] of the cache's feature rows
         if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or read_only)
-                and len(pool_layers) <= 1):
+                and len(pool_layers) <= 1 and cache.features is None):
             layer = pool_layers[0] if pool_layers else None
             out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits, layer)
             if out is not NotImplemented:
@@ -431,6 +454,9 @@ class Backbone:
         pools = {} if pool_layers else None  # a decoding step asks for none: nothing below runs then
         if pools is not None and 0 in pool_layers:
             pools[0] = self._pool(h)
+        keep_at = dict((n, slot) for slot, n in keep)
+        if 0 in keep_at:
+            cache.features[start:end, keep_at[0]] = h
         for i, w in enumerate(self.weights):
             if not skip_attn[i]:
                 h = h + self._attention(w, rms_norm(h, w.attn_norm, w.attn_eps), cache, i, start, end, cos, sin,
@@ -439,6 +465,8 @@ class Backbone:
                 h = h + self.mlp(w, h)
             if pools is not None and i + 1 in pool_layers:
                 pools[i + 1] = self._pool(h)
+            if i + 1 in keep_at:
+                cache.features[start:end, keep_at[i + 1]] = h
         residual = h if hidden else None
         if adapter is not None:
             h = adapter(h.unsqueeze(0))[0]
@@ -451,6 +479,13 @@ class Backbone:
         hs = h[-1:] if logits == "last" else h
         out = self.head(hs) if head is None else F.linear(hs, head)
         return ForwardOutput(out.float(), pooled, residual, pools)
+
+    def _kept(self, cache: KVCache, skip_masks, read_only: bool) -> list[tuple[int, int]]:
+        """``[(slot, layer count)]``: the feature rows a forward over ``cache`` writes: the cache's own
+        feature layers for a full-model forward that writes (none for a draft or a read-only forward)."""
+        if cache.features is None or read_only or (skip_masks is not None and skip_masks != self._full):
+            return []
+        return list(enumerate(cache.feature_layers))
 
     def _pool(self, h: torch.Tensor) -> torch.Tensor:
         """``[2, hidden]`` float32: the residual stream ``h`` (``[T, hidden]``) through the final norm,
@@ -616,6 +651,16 @@ class Backbone:
         h = self.embed_rows(ids)
         dtype = segments[0].cache.k.dtype
         skip_attn, skip_mlp = skip_masks or self._full
+        keeps = [(s, a, b, dict((n, slot) for slot, n in self._kept(s.cache, skip_masks, read_only)))
+                 for s, (a, b, _, _) in zip(segments, spans)]
+        keeps = [k for k in keeps if k[3]]
+
+        def keep(n: int) -> None:  # the feature rows of the segments whose caches keep layer count n
+            for s, a, b, at in keeps:
+                if n in at:
+                    s.cache.features[s.start:s.start + b - a, at[n]] = h[a:b]
+
+        keep(0)
         for i, w in enumerate(self.weights):
             if not skip_attn[i]:
                 x = rms_norm(h, w.attn_norm, w.attn_eps)
@@ -625,6 +670,8 @@ class Backbone:
                 h = h + w.o(out.to(x.dtype))
             if not skip_mlp[i]:
                 h = h + self.mlp(w, h)
+            if keeps:
+                keep(i + 1)
         wanted = [(a, b) for s, (a, b, _, _) in zip(segments, spans) if s.logits]
         rows = torch.cat([h[a:b] for a, b in wanted]) if wanted else h[:0]
         logits = self.head(self.final_norm(rows)).float()

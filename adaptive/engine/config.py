@@ -26,6 +26,7 @@ class GenerationConfig:
     draft_len: int = 4
     confidence_threshold: float | None = None
     ignore_eos: bool = False
+    features: tuple[int, ...] = ()  # layer counts whose residual stream the request's cache keeps (an eagle head's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -42,6 +43,10 @@ class GenerationConfig:
             raise ConfigError(f"draft_len {self.draft_len} is beyond any useful draft (at most 64)")
         if self.confidence_threshold is not None and not 0.0 < self.confidence_threshold < 1.0:
             raise ConfigError(f"confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
+        object.__setattr__(self, "features", tuple(self.features))
+        if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in self.features) or \
+                list(self.features) != sorted(set(self.features)):
+            raise ConfigError(f"features must be distinct ascending layer counts >= 0, got {self.features!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -148,8 +148,10 @@ def cache_positions(n_prompt: int, max_new_tokens: int, draft_len: int) -> int:
 
 
 def new_cache(backbone, n_prompt: int, cfg: GenerationConfig):
-    """A KV cache with room for the prompt, ``cfg.max_new_tokens`` and the longest draft beyond them."""
-    return backbone.new_cache(cache_positions(n_prompt, cfg.max_new_tokens, cfg.draft_len))
+    """A KV cache with room for the prompt, ``cfg.max_new_tokens`` and the longest draft beyond them,
+    keeping the feature rows ``cfg.features`` names."""
+    positions = cache_positions(n_prompt, cfg.max_new_tokens, cfg.draft_len)
+    return backbone.new_cache(positions, features=cfg.features) if cfg.features else backbone.new_cache(positions)
 
 
 def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, generator: torch.Generator | None,

@@ -28,6 +28,7 @@ from adaptive.models import ModelFingerprint
 
 DECISIONS = ("ar", "ssd", "pld", "cascade")  # what calibration may decide a domain decodes with
 GLOBAL = "global"  # the record used for out-of-domain requests (and by the `ssd-static` policy)
+DISTILLED_KINDS = ("early-exit", "draft-model", "eagle")  # drafters `adaptive distill` trains into a profile
 
 
 class ProfileError(AdaptiveError, ValueError):
@@ -332,7 +333,12 @@ class MeasureSettings:
 class DistilledRecord:
     """A drafter trained by ``adaptive distill``: for the target ``model``, its held-out greedy
     ``acceptance`` and measured ``draft_cost``; the early-exit drafter's ``exit_layer`` and ``block``
-    shape, or the draft model's ``model_config``; how it was trained and its learning curve."""
+    shape, the draft model's ``model_config``, or the eagle head's ``shape`` (a
+    :class:`~adaptive.drafters.eagle.HeadShape` as a dict); how it was trained and its learning curve.
+    An eagle head also records its held-out acceptance per draft position (``positions``: the share of
+    drafts ``1 .. s`` all kept, for each ``s``), ``tau`` (1 + their sum: tokens per verification of a
+    chain that long), the same per domain (``by_domain``), its rows (``vocab``) and their ``coverage`` of
+    the held-out answers' tokens."""
 
     kind: str
     model: ModelFingerprint
@@ -341,6 +347,12 @@ class DistilledRecord:
     exit_layer: int | None = None
     block: dict[str, Any] | None = None
     model_config: dict[str, Any] | None = None
+    shape: dict[str, Any] | None = None
+    positions: tuple[float, ...] = ()
+    tau: float = 0.0
+    by_domain: dict[str, Any] = field(default_factory=dict)
+    vocab: int = 0
+    coverage: float = 0.0
     name: str = ""
     source: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -353,12 +365,12 @@ class DistilledRecord:
     domains: tuple[str, ...] = ()
     train_seconds: float = 0.0
     seconds: float = 0.0
-    history: tuple[dict[str, float], ...] = ()
+    history: tuple[dict[str, Any], ...] = ()
     created: str = ""
 
     def __post_init__(self):
-        if self.kind not in ("early-exit", "draft-model") or self.kind not in DRAFTERS:
-            raise ValueError(f"a distilled drafter is early-exit or draft-model, got {self.kind!r}")
+        if self.kind not in DISTILLED_KINDS or self.kind not in DRAFTERS:
+            raise ValueError(f"a distilled drafter is one of {', '.join(DISTILLED_KINDS)}, got {self.kind!r}")
 
 
 @dataclass
@@ -390,7 +402,7 @@ class Profile:
         if kind not in self.distilled:
             where = f" {self.path}" if self.path else ""
             raise ProfileError(f"the profile{where} has no distilled {kind} drafter; train one with "
-                               f"`adaptive distill --drafter {'early-exit' if kind == 'early-exit' else 'MODEL'}`")
+                               f"`adaptive distill --drafter {'MODEL' if kind == 'draft-model' else kind}`")
         return self.distilled[kind], self.distilled_weights[kind]
 
     @property

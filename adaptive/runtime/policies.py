@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from adaptive.drafters.factory import DRAFTERS
 from adaptive.errors import ConfigError
+from adaptive.profile.records import DISTILLED_KINDS
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,11 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
                          "routed domain's verify costs", True, "early-exit"),
     Policy("draft-model", "the draft model `adaptive distill` stored in the profile, with the routed domain's "
                           "verify costs", True, "draft-model"),
+    Policy("eagle", "the eagle head `adaptive distill --drafter eagle` stored in the profile (a trained head over "
+                    "the target's hidden states), with the routed domain's verify costs", True, "eagle"),
     Policy("ar", "plain autoregressive decoding (routed, for the record)", True, "ar"),
 )}
-DISTILLED = ("early-exit", "draft-model")  # drafter kinds trained by `adaptive distill`, stored in the profile
+DISTILLED = DISTILLED_KINDS  # drafter kinds trained by `adaptive distill`, stored in the profile
 
 
 def get_policy(name: str) -> Policy:

@@ -29,8 +29,9 @@ import torch
 
 from adaptive.costs import best_draft_length
 from adaptive.costs.batch import batch_draft_lengths
+from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.drafters.early_exit import ExitBlock
-from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.model import build_draft_model
 from adaptive.engine.config import GenerationConfig
@@ -38,6 +39,7 @@ from adaptive.engine.engine import Decoding, Engine, GenerationResult, Prefillin
 from adaptive.engine.loop import cache_positions
 from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
+from adaptive.errors import ConfigError
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
 from adaptive.index.router import RouteDecision, decision_of, route_vector
@@ -250,6 +252,12 @@ class AdaptiveRuntime:
         self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> (ids, LM-head rows)
         self._exit_block: ExitBlock | None = None  # the distilled early-exit block, in the model's dtype
         self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
+        self._eagle: EagleHead | None = None  # the distilled eagle head, on the model's device
+        # the feature rows every request's cache keeps: the eagle head's, where the profile holds one and the
+        # engine gives them (torch); the routing happens after the prefill, whose rows the head reads too
+        eagle = profile.distilled.get("eagle")
+        self.features = tuple(eagle.shape["layers"]) if eagle is not None and eagle.shape and \
+            lm.backbone.engine == "torch" else ()
         settings = OnlineSettings.coerce(online)
         self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits) if settings.enabled else None
 
@@ -338,6 +346,8 @@ class AdaptiveRuntime:
                     self.profile.runtime.pld_draft_len
             else:  # a distilled drafter
                 spec, rec = self._distilled(kind)
+                if kind == "eagle":  # its rows joined with the request's prompt tokens
+                    spec = replace(spec, head=eagle_vocab(spec.eagle, self.lm.backbone, prompt_ids))
                 prior, cost = rec.acceptance, rec.draft_cost
                 fixed = max(1, best_draft_length(prior, cost, dp.verify_table(self.max_draft_len),
                                                  self.max_draft_len)[0])
@@ -404,6 +414,13 @@ class AdaptiveRuntime:
                                "distill it again for this one")
         bb = self.lm.backbone
         try:
+            if kind == "eagle":
+                if not self.features:
+                    raise ConfigError(f"the eagle head drafts from the target's hidden states, which the {bb.engine} "
+                                      "engine does not give: use --engine torch")
+                if self._eagle is None:
+                    self._eagle = EagleHead.from_state(HeadShape.from_dict(rec.shape), weights).to(bb.device)
+                return DrafterSpec("eagle", eagle=self._eagle), rec
             if kind == "early-exit":
                 if self._exit_block is None:
                     block = ExitBlock.from_state(rec.block, weights)
@@ -452,7 +469,8 @@ class AdaptiveRuntime:
         """A request's :class:`GenerationConfig` (its draft length: the longest any policy makes)."""
         return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
-                                draft_len=self.draft_len, confidence_threshold=confidence_threshold)
+                                draft_len=self.draft_len, confidence_threshold=confidence_threshold,
+                                features=self.features)
 
     def start(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,

@@ -32,12 +32,13 @@ def target_joint(lm):
     return probs
 
 
-def sample_counts(lm, drafter, acceptor=None):
+def sample_counts(lm, drafter, acceptor=None, cfg=CFG):
+    """``drafter``: a drafter, or a function that makes one per request (a drafter with state of its own)."""
     counts = torch.zeros(V, V)
     kwargs = {"acceptor": acceptor} if acceptor else {}
     for seed in range(N):
-        cfg = GenerationConfig(**{**CFG.__dict__, "seed": seed})
-        toks = decode_ids(lm.backbone, PROMPT, cfg, drafter, **kwargs)
+        run = GenerationConfig(**{**cfg.__dict__, "seed": seed})
+        toks = decode_ids(lm.backbone, PROMPT, run, drafter() if callable(drafter) else drafter, **kwargs)
         counts[toks[1], toks[2]] += 1
     return counts
 

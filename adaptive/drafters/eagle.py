@@ -1,0 +1,385 @@
+"""A trained draft head over the target's own hidden states (EAGLE), with a lookup token (``eagle``).
+
+Terms, defined once:
+
+* *feature layers*: the depths whose residual stream the head reads, as "the residual stream after
+  ``k`` decoder layers" (0: the token embeddings; ``n_layers``: the stream before the final norm).
+  Every full-model forward of the target writes these rows into its cache's feature buffer
+  (:attr:`adaptive.engine.backbone.KVCache.features`), by position, so a rollback costs nothing.
+* *head row* ``j``: the head's input at position ``j``: the target's features at ``j`` (fused by a
+  linear layer), the embedding of the token at ``j + 1`` and of the *lookup token* of ``j``; its output
+  ``g_j`` stands for the target's top feature at ``j + 1`` and gives the draft for position ``j + 2``.
+* *lookup token* of ``j``: the token that followed the latest earlier occurrence of the longest
+  n-gram (at most :attr:`HeadShape.lookup` tokens) ending at position ``j + 1`` (prompt lookup's
+  proposal, :class:`NgramIndex`), or none. A small model's text copies its context often; the head
+  gets the copy as an input and a learned logit bonus on it, rather than having to learn induction
+  from minutes of data (measured: held-out first-draft agreement 0.29 without it, 0.53 with it on
+  the embedded model after the same 5 minutes of training; docs/history/2026-11-28-eagle-heads.md).
+* *unrolled step* ``s``: at draft step ``s > 1`` a row's fused input is the head's own output of the
+  row before (its stand-in for the target's feature), as in decoding, where the target has not run
+  on the drafted tokens yet. Training runs ``s = 1 .. S`` (EAGLE-3's training-time test).
+
+The head: ``u = fc([f_l1; f_l2; ...])`` (``[H]``), then one decoder layer whose attention reads
+``[norm(e(x_{j+1})); norm(u); norm(e(lookup))]`` and keeps its own small KV cache, then the
+target's final norm (a trainable copy) and the target's LM head over a reduced vocabulary (frozen
+rows), plus ``bonus(g)`` on the lookup token's logit. The target's embedding and head stay frozen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adaptive.drafters.head import DraftHead
+from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
+from adaptive.engine.sampling import warp_probs
+from adaptive.errors import ConfigError
+
+NO_LOOKUP = -1  # a row whose n-gram occurs nowhere earlier
+
+
+class NgramIndex:
+    """The latest position at which each n-gram (``1 .. n``) of a token sequence ends, built as the
+    sequence grows, and the lookup token it gives (prompt lookup on one token's query).
+
+    :meth:`register` ``(tokens, upto)`` adds the n-grams ending at positions ``< upto`` not added yet;
+    :meth:`lookup` ``(tokens, j)`` is the lookup token of head row ``j``: the longest n-gram ending at
+    ``j + 1`` that also ends at an earlier registered position ``p``, answered with ``tokens[p + 1]``.
+
+    Example, ``n = 2``, tokens ``[5, 7, 9, 5, 7]``: with positions ``0 .. 3`` registered, row 3 (its
+    n-gram ends at position 4: ``[5, 7]``) matches ``[5, 7]`` ending at 1 -> ``tokens[2] = 9``; row 2
+    (``[9, 5]`` ending at 3, then ``[5]``) matches ``[5]`` ending at 0 -> ``7``.
+    """
+
+    def __init__(self, n: int = 3):
+        if n < 1:
+            raise ValueError(f"an n-gram index needs n >= 1, got {n}")
+        self.n = n
+        self.done = 0  # positions registered
+        self._last: dict[tuple[int, ...], int] = {}
+
+    def register(self, tokens: Sequence[int], upto: int) -> None:
+        for j in range(self.done, upto):
+            for k in range(1, min(self.n, j + 1) + 1):
+                self._last[tuple(tokens[j - k + 1: j + 1])] = j
+        self.done = max(self.done, upto)
+
+    def lookup(self, tokens: Sequence[int], j: int) -> int:
+        q = j + 1
+        for k in range(min(self.n, q + 1), 0, -1):
+            p = self._last.get(tuple(tokens[q - k + 1: q + 1]))
+            if p is not None and p < q:
+                return int(tokens[p + 1])
+        return NO_LOOKUP
+
+
+def lookup_tokens(tokens: Sequence[int], n: int = 3) -> list[int]:
+    """Every head row's lookup token (``len(tokens) - 1`` rows), as decoding sees them: row ``j`` with
+    the n-grams ending at ``0 .. j`` registered. Example (``n = 2``): ``[5, 7, 9, 5, 7]`` ->
+    ``[-1, -1, 7, 9]`` (rows 0 and 1: ``7`` and ``9`` occur nowhere before)."""
+    index = NgramIndex(n)
+    out = []
+    for j in range(len(tokens) - 1):
+        index.register(tokens, j + 1)
+        out.append(index.lookup(tokens, j))
+    return out
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """A head's sizes (the target's: ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate``),
+    its ``layers`` (feature layers, ascending), its RMSNorm ``eps``, ``rope_theta`` and ``lookup`` (the
+    longest n-gram of its lookup token)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: tuple[int, ...]
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+    lookup: int = 3
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
+            raise ConfigError(f"feature layers must be distinct, ascending and >= 0, got {self.layers}")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"{self.heads} heads do not group into {self.kv_heads} key-value heads")
+        if self.lookup < 1:
+            raise ConfigError(f"the lookup n-gram must be >= 1, got {self.lookup}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "layers": list(self.layers)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeadShape:
+        return cls(**{**d, "layers": tuple(d["layers"])})
+
+
+def default_layers(n_layers: int) -> tuple[int, ...]:
+    """Low, middle and top: ``(n // 8, n // 2, n)``; for 30 layers ``(3, 15, 30)``."""
+    return tuple(sorted({max(1, n_layers // 8), n_layers // 2, n_layers}))
+
+
+class HeadCache:
+    """The head's own keys and values (``[kv_heads, capacity, head_dim]``, float32) and ``length``: the
+    rows computed from the target's own features; rows beyond it are drafts' (overwritten next time)."""
+
+    def __init__(self, shape: HeadShape, capacity: int, device):
+        self.k = torch.zeros(shape.kv_heads, capacity, shape.head_dim, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def room(self, rows: int) -> None:
+        """Grow (doubling) to hold ``rows`` rows."""
+        cap = self.k.shape[1]
+        if rows > cap:
+            new = max(rows, 2 * cap)
+            self.k = torch.cat([self.k, self.k.new_zeros(self.k.shape[0], new - cap, self.k.shape[2])], 1)
+            self.v = torch.cat([self.v, self.v.new_zeros(self.v.shape[0], new - cap, self.v.shape[2])], 1)
+
+
+class EagleHead(nn.Module):
+    """The network (float32). ``lm`` (``[V', H]``) holds the target's LM-head rows of ``ids`` (``[V']``),
+    frozen; ``embed`` is not held: the caller passes token embeddings (the target's, frozen)."""
+
+    def __init__(self, shape: HeadShape, ids: torch.Tensor, lm_rows: torch.Tensor, final_norm: torch.Tensor):
+        super().__init__()
+        s = self.shape = shape
+        H, nf = s.hidden, len(s.layers)
+        self.fc = nn.Linear(nf * H, H, bias=False)
+        self.norm_token = nn.Parameter(torch.ones(H))
+        self.norm_feature = nn.Parameter(torch.ones(H))
+        self.norm_lookup = nn.Parameter(torch.ones(H))
+        self.no_lookup = nn.Parameter(torch.zeros(H))  # the lookup input of a row without one
+        self.qkv = nn.Linear(3 * H, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=False)
+        self.o = nn.Linear(s.heads * s.head_dim, H, bias=False)
+        self.norm_mlp = nn.Parameter(torch.ones(H))
+        self.gate = nn.Linear(H, s.intermediate, bias=False)
+        self.up = nn.Linear(H, s.intermediate, bias=False)
+        self.down = nn.Linear(s.intermediate, H, bias=False)
+        self.norm_out = nn.Parameter(final_norm.detach().float().clone())
+        self.bonus = nn.Linear(H, 1)
+        self.register_buffer("ids", ids.detach().long().clone())
+        self.register_buffer("lm", lm_rows.detach().float().clone())
+        with torch.no_grad():  # start as the top feature passed through, the layer adding nothing
+            self.fc.weight.zero_()
+            self.fc.weight[:, (nf - 1) * H:] = torch.eye(H)
+            self.o.weight.zero_()
+            self.down.weight.zero_()
+            self.bonus.weight.zero_()
+            self.bonus.bias.fill_(2.0)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- pieces shared by training and drafting ---------------------------------------------------
+
+    def rope(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, ``[end - start, head_dim]``, for positions ``start .. end-1`` (a grown table)."""
+        if self._rope is None or self._rope[0].shape[0] < end or self._rope[0].device != torch.device(device):
+            n = max(end, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 256)
+            d = self.shape.head_dim
+            inv = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+            ang = torch.outer(torch.arange(n, device=device).float(), inv)
+            ang = torch.cat([ang, ang], -1)
+            self._rope = (ang.cos(), ang.sin())
+        return self._rope[0][start:end], self._rope[1][start:end]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., n_layers_read, H]`` target features -> ``[..., H]``."""
+        return self.fc(features.flatten(-2))
+
+    def lookup_input(self, lookup_emb: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+        return torch.where(has.unsqueeze(-1), lookup_emb, self.no_lookup.to(lookup_emb.dtype))
+
+    def project(self, u, e, lk, cos, sin):
+        """``[..., T, H]`` inputs -> q ``[..., heads, T, D]``, k and v ``[..., kv_heads, T, D]``."""
+        s, eps = self.shape, self.shape.eps
+        x = torch.cat([F.rms_norm(e, (s.hidden,), self.norm_token, eps),
+                       F.rms_norm(u, (s.hidden,), self.norm_feature, eps),
+                       F.rms_norm(lk, (s.hidden,), self.norm_lookup, eps)], -1)
+        qkv = self.qkv(x)
+        T = x.shape[-2]
+        lead = x.shape[:-2]
+        q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
+        q = q.reshape(*lead, T, s.heads, s.head_dim).transpose(-2, -3)
+        k = k.reshape(*lead, T, s.kv_heads, s.head_dim).transpose(-2, -3)
+        v = v.reshape(*lead, T, s.kv_heads, s.head_dim).transpose(-2, -3)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def finish(self, u: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual ``u`` plus the attention's output (``[..., T, heads * D]``), then the MLP: ``g``."""
+        g = u + self.o(attended)
+        n = F.rms_norm(g, (self.shape.hidden,), self.norm_mlp, self.shape.eps)
+        return g + self.down(F.silu(self.gate(n)) * self.up(n))
+
+    def logits(self, g: torch.Tensor, lookup_index: torch.Tensor, lm: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., V']`` float32 logits over the head's rows (``lm``: other rows, e.g. with a request's
+        prompt tokens added), plus the bonus at ``lookup_index`` (``[...]``; ``-1``: none)."""
+        n = F.rms_norm(g, (self.shape.hidden,), self.norm_out, self.shape.eps)
+        out = F.linear(n, self.lm if lm is None else lm).float()
+        has = lookup_index >= 0
+        bonus = (self.bonus(n).squeeze(-1).float() * has).unsqueeze(-1)
+        return out.scatter_add(-1, lookup_index.clamp(min=0).unsqueeze(-1), bonus)
+
+    def _attend_grouped(self, q, k, v):
+        rep = self.shape.heads // self.shape.kv_heads
+        return k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+
+    # -- training: S unrolled steps over whole windows --------------------------------------------
+
+    def unrolled(self, features: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor,
+                 has_lookup: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Outputs ``g`` (``[B, T, H]`` each) of steps ``1 .. steps`` for windows of ``T`` rows.
+
+        ``features`` ``[B, T, n_read, H]``: row ``j``'s target features; ``tokens_emb`` ``[B, T, H]``: the
+        embedding of the token after ``j``; ``lookup_emb`` and ``has_lookup``: its lookup token's;
+        ``valid`` ``[B, T]``: rows that exist (padding after them). Step ``s`` row ``j`` sees what
+        draft ``s`` sees in decoding: the rows ``0 .. j-s+1`` computed from the target's features,
+        then its own chain of draft rows ``j-s+2 .. j`` (one per earlier step).
+        """
+        B, T = tokens_emb.shape[:2]
+        cos, sin = self.rope(0, T, tokens_emb.device)
+        lk = self.lookup_input(lookup_emb, has_lookup)
+        u = self.fuse(features)
+        keys, vals, outs = [], [], []
+        rows = torch.arange(T, device=tokens_emb.device)
+        scale = 1.0 / math.sqrt(self.shape.head_dim)
+        for s in range(1, steps + 1):
+            if s > 1:  # a row's input is the head's own output of the row before
+                u = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], 1)
+            q, k, v = self.project(u, tokens_emb, lk, cos, sin)
+            k, v = self._attend_grouped(q, k, v)
+            keys.append(k)
+            vals.append(v)
+            scores = (q * scale) @ keys[0].transpose(-1, -2)  # [B, heads, T, T] over the target-feature rows
+            allowed = (rows[None, :] <= rows[:, None] - (s - 1)) & valid[:, None, None, :]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            chain = [((q * scale) * torch.roll(keys[t], s - 1 - t, -2)).sum(-1, keepdim=True) for t in range(1, s)]
+            weights = torch.softmax(torch.cat([scores, *chain], -1), -1).nan_to_num(0.0)
+            out = weights[..., :T] @ vals[0]
+            for t in range(1, s):
+                out = out + weights[..., T + t - 1: T + t] * torch.roll(vals[t], s - 1 - t, -2)
+            outs.append(self.finish(u, out.transpose(1, 2).reshape(B, T, -1)))
+        return outs
+
+    # -- drafting: rows appended to a cache ---------------------------------------------------------
+
+    def rows(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
+             cache: HeadCache, start: int) -> torch.Tensor:
+        """Rows ``start .. start+T-1`` (inputs ``[T, H]``) attending to the cache's rows ``0 .. start-1``
+        and to each other causally; their keys written at those rows. Returns ``g``, ``[T, H]``."""
+        T = u.shape[0]
+        cache.room(start + T)
+        cos, sin = self.rope(start, start + T, u.device)
+        q, k, v = self.project(u, tokens_emb, self.lookup_input(lookup_emb, has_lookup), cos, sin)
+        cache.k[:, start:start + T] = k
+        cache.v[:, start:start + T] = v
+        keys, vals = self._attend_grouped(q, cache.k[:, :start + T], cache.v[:, :start + T])
+        scores = (q / math.sqrt(self.shape.head_dim)) @ keys.transpose(-1, -2)  # [heads, T, start+T]
+        if T > 1:
+            banned = torch.ones(T, start + T, dtype=torch.bool, device=u.device).triu_(start + 1)
+            scores = scores.masked_fill(banned, float("-inf"))
+        out = torch.softmax(scores, -1) @ vals  # [heads, T, D]
+        return self.finish(u, out.transpose(0, 1).reshape(T, -1))
+
+    # -- storage ------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    @classmethod
+    def from_state(cls, shape: HeadShape, tensors: dict[str, torch.Tensor]) -> EagleHead:
+        """Rebuild a head from its :class:`HeadShape` and :meth:`state` (``ValueError`` when they disagree)."""
+        try:
+            head = cls(shape, tensors["ids"], tensors["lm"], tensors["norm_out"])
+            head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+                                 strict=True)
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"head weights do not fit {shape}: {exc}") from None
+        return head.requires_grad_(False).eval()
+
+
+class EagleDrafter(Drafter):
+    """Drafts with a trained :class:`EagleHead` from the target's features in the request's cache.
+
+    Before each proposal it feeds the rows the target has verified since the last one (the head's
+    cache keeps the rows computed from the target's features: those never change), then drafts a
+    token per head step, each step's input the previous step's output. Greedy: the argmax over the
+    head's rows (``vocab``: the head's ids joined with the request's prompt tokens, a
+    :class:`~adaptive.drafters.head.DraftHead`); sampling: the warped distribution over them.
+    """
+
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, vocab: DraftHead, embed):
+        self.head, self.vocab, self.embed = head, vocab, embed  # embed(ids [T]) -> [T, H]
+        self.index_of = {int(t): i for i, t in enumerate(vocab.ids.tolist())}
+        self.lookups = NgramIndex(head.shape.lookup)
+        self.cache: HeadCache | None = None
+        self._rows: list[int] = []  # the lookup token of each computed row (a row's input depends on it)
+
+    def _embed(self, ids: list[int], device) -> torch.Tensor:
+        return self.embed(torch.tensor(ids, dtype=torch.long, device=device)).float()
+
+    def _inputs(self, tokens: list[int], lookups: list[int], device):
+        have = torch.tensor([t != -1 for t in lookups], device=device)
+        lk = self._embed([max(t, 0) for t in lookups], device)
+        index = torch.tensor([self.index_of.get(t, -1) for t in lookups], device=device)
+        return self._embed(tokens, device), lk, have, index
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
+        cache, tokens, cfg, head = state.cache, state.tokens, state.config, self.head
+        features = getattr(cache, "features", None)
+        if features is None:
+            raise ConfigError("the eagle drafter needs the target's features in the cache: the request's "
+                              "config must name the head's feature layers")
+        n = cache.length  # the pending token's position: the target's features exist for rows 0 .. n-1
+        device = features.device
+        if self.cache is None:
+            self.cache = HeadCache(head.shape, max(256, len(tokens) + 64), device)
+        start = min(self.cache.length, n - 1)  # rows start .. n-1 are new (the last one at least)
+        self.lookups.register(tokens, n)
+        looks = [self.lookups.lookup(tokens, j) for j in range(start, n)]
+        emb, lk, have, index = self._inputs(tokens[start + 1:n + 1], looks, device)
+        u = head.fuse(features[start:n].float())
+        g = head.rows(u, emb, lk, have, self.cache, start)[-1:]
+        self.cache.length = n
+        drafted, qs = [], []
+        threshold = cfg.confidence_threshold
+        row, index = n - 1, index[-1:]
+        context = list(tokens)
+        for j in range(choice.length):
+            logits = self.vocab.expand_logits(head.logits(g, index, self.vocab.weight)[0])
+            if cfg.greedy:
+                tok = int(logits.argmax())
+                conf = float(torch.softmax(logits, -1).max()) if threshold else None
+            else:
+                q = warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                tok = int(torch.multinomial(q, 1, generator=state.generator))
+                qs.append(q)
+                conf = float(q.max()) if threshold else None
+            drafted.append(tok)
+            if j + 1 == choice.length or (threshold and conf < threshold):
+                break
+            context.append(tok)
+            row += 1
+            look = self.lookups.lookup(context, row)
+            emb, lk, have, index = self._inputs([tok], [look], device)
+            g = head.rows(g, emb, lk, have, self.cache, row)
+        return Draft(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(qs) if qs else None)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "layers": list(self.head.shape.layers), "draft_vocab": len(self.vocab)}

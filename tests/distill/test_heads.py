@@ -1,0 +1,122 @@
+"""Training an eagle head on the tiny model: held-out acceptance rises, the head round-trips through
+the profile, an interrupted run resumes to the same weights, a budget in minutes fixes the steps, and
+the runtime's ``eagle`` policy decodes exactly what plain decoding does."""
+
+import shutil
+
+import pytest
+import torch
+
+from adaptive.distill.heads import HeadConfig, HeadData, choose_vocab, decode_with_features
+from adaptive.distill.trainer import PACE_STEPS, DistillError, distill_head
+from adaptive.drafters.eagle import EagleHead, HeadShape
+from adaptive.errors import ConfigError
+from adaptive.models import load_model
+from adaptive.profile import load_profile
+from adaptive.runtime import AdaptiveRuntime
+from tests.conftest import TINY_DOMAINS
+
+FAST = dict(layers=(1, 2, 4), steps=60, new_tokens=16, eval_every=20, checkpoint_every=10, vocab=32, batch=2,
+            window=32, warmup=5, held_out=0.25)
+
+
+@pytest.fixture
+def prof(tiny_profile, tmp_path):
+    dst = tmp_path / "prof"
+    shutil.copytree(tiny_profile, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(str(tiny_model_dir), dtype="float32")
+
+
+def test_decoding_keeps_the_features_of_every_kept_position(lm):
+    bb = lm.backbone
+    decoded = decode_with_features(bb, [[5, 9, 12], [7, 3]], 6, set(), (0, 4), batch=2)
+    for (ids, feats), prompt in zip(decoded, ([5, 9, 12], [7, 3])):
+        assert ids[:len(prompt)] == prompt and len(ids) == len(prompt) + 5  # the last token chosen is not fed
+        cache = bb.new_cache(len(ids), features=(0, 4))  # one forward over the text gives the same rows
+        bb.forward(torch.tensor(ids), cache, 0)
+        assert torch.allclose(feats.float(), cache.features[:len(ids)], rtol=2e-2, atol=2e-2)  # stored as bf16
+
+
+def test_the_vocabulary_is_the_most_frequent_training_tokens():
+    feats = torch.zeros(5, 1, 2)
+    train = HeadData.build([([3, 3, 3, 4, 4], feats), ([3, 5, 5], feats[:3])], [2, 2], ["a", "a"], 2)
+    held = HeadData.build([([1, 3, 5, 6], feats[:4])], [2], ["a"], 2)
+    ids, coverage = choose_vocab(train, held, 2, 8)
+    assert ids.tolist() == [3, 4]  # 3 four times, then 4 and 5 twice: 4 has the smaller id
+    assert coverage == 0.0  # the answer [5, 6]: neither is among them
+    ids, coverage = choose_vocab(train, held, 3, 8)
+    assert ids.tolist() == [3, 4, 5] and coverage == 0.5
+
+
+def test_training_raises_acceptance_and_stores_the_head(lm, prof):
+    # The tiny model's text is random characters: what comes two tokens on cannot be learnt from a few
+    # hundred positions of it, so here the held-out prompts repeat the training ones and the check is
+    # that the head learns its training text (generalisation is measured on the real model:
+    # docs/results.md)
+    seen = {n: [ps[0]] * 4 for n, ps in TINY_DOMAINS.items()}
+    r = distill_head(lm, prof, seen, HeadConfig(**{**FAST, "steps": 150, "lr": 1e-2}), progress=False)
+    rec = r.record
+    assert rec.kind == "eagle" and rec.shape["layers"] == [1, 2, 4]
+    # measured (seed 0): first draft kept 0.02 -> ~0.45 (0.33 after 100 steps); the margin is inside that gain
+    assert rec.acceptance >= rec.before["greedy"] + 0.15, (rec.before, rec.acceptance)
+    assert len(rec.positions) == 3 and rec.positions[0] >= rec.positions[1] >= rec.positions[2]
+    assert rec.tau == pytest.approx(1 + sum(rec.positions), abs=1e-3)
+    assert set(rec.by_domain) == set(TINY_DOMAINS)
+    assert 0 < rec.draft_cost < 1
+    assert not (prof.parent / "prof.distill-eagle.work").exists()
+    again = load_profile(prof)
+    assert again.distilled["eagle"].acceptance == rec.acceptance
+    head = EagleHead.from_state(HeadShape.from_dict(rec.shape), again.distilled_weights["eagle"])
+    assert len(head.ids) == rec.vocab == 32
+
+
+def test_an_interrupted_run_resumes_to_the_same_head(lm, prof, tmp_path):
+    whole = tmp_path / "whole"
+    shutil.copytree(prof, whole)
+    cfg = HeadConfig(**{**FAST, "steps": 30})
+    distill_head(lm, whole, TINY_DOMAINS, cfg, progress=False)
+
+    def stop(step):
+        if step == 20:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, on_step=stop)
+    with pytest.raises(DistillError, match="--resume"):
+        distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False)
+    distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, resume=True)
+    a, b = load_profile(whole).distilled_weights["eagle"], load_profile(prof).distilled_weights["eagle"]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_budget_in_minutes_fixes_the_number_of_steps(lm, prof):
+    cfg = HeadConfig(**{**FAST, "steps": None, "minutes": 0.05})
+    r = distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False)
+    steps = [h["step"] for h in r.record.history if "train_loss" in h]
+    evals = [h["step"] for h in r.record.history if "positions" in h]
+    assert steps[-1] >= PACE_STEPS and evals[-1] == steps[-1]  # paced, then trained to the fixed length
+
+
+def test_bad_options_are_refused(lm, prof):
+    with pytest.raises(ConfigError, match="top one"):
+        distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**{**FAST, "layers": (1, 2)}), progress=False)
+    with pytest.raises(ConfigError, match="unroll"):
+        HeadConfig(unroll=9)
+    with pytest.raises(ConfigError, match="minutes"):
+        HeadConfig(minutes=0)
+
+
+def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
+    distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**FAST), progress=False)
+    rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)  # its bandit may not draft
+    assert rt.features == (1, 2, 4)
+    for prompt in ("what is 3 plus 6? answer:", "hello there friend number 2"):
+        plain = rt.generate(prompt, max_new_tokens=24, policy="ar")
+        eagle = rt.generate(prompt, max_new_tokens=24, policy="eagle")
+        assert eagle.decision == "eagle" and eagle.text == plain.text
+        assert eagle.stats.drafted > 0
