@@ -14,18 +14,19 @@ INTERVAL_LEVEL = 0.9  # of the speedup's bootstrap interval over prompts
 
 
 def summarize(runs: list[dict], methods: list[str], reference: str = REFERENCE) -> dict:
-    """``{method: {speedup, tokens_per_s, mean_accepted_tokens, acceptance_rate, identical_to_ar,
-    differing_prompts, lossless_violations, prompts, by_category: {group: same fields}}}``.
+    """``{method: {speedup, tokens_per_s, mean_accepted_tokens, acceptance_rate, position_acceptance,
+    identical_to_ar, differing_prompts, lossless_violations, prompts, by_category: {group: same fields}}}``.
 
     speedup = mean over prompts of the method's tokens/s / the same mean for ``reference``
     (``ar``; another method's name gives speedups over that method, the rest is unchanged);
     aggregate tokens/s = all new tokens / all the runs' seconds (prefill included: the mix's
     throughput, where a long prompt weighs by its time), ``aggregate_speedup`` its ratio to the
     reference's (runs without ``seconds``, from reports before it was recorded: ``None``);
-    mean accepted tokens = (accepted + steps) / steps over all prompts (``ar`` = 1.0);
-    acceptance rate = accepted / drafted. ``speedup_interval``: ``[low, high]``, how far the speedup
-    could move with other prompts of the same kind (:func:`speedup_interval`; ``None`` under two
-    prompts run by both methods).
+    mean accepted tokens = (accepted + steps) / steps over all prompts (``ar`` = 1.0; tau: new tokens
+    per target forward); acceptance rate = accepted / drafted; position acceptance: per draft
+    position, the share of drafts that far all kept (:func:`position_acceptance`).
+    ``speedup_interval``: ``[low, high]``, how far the speedup could move with other prompts of the
+    same kind (:func:`speedup_interval`; ``None`` under two prompts run by both methods).
 
     Example: ar at 10 and 20 tok/s, ssd at 15 and 20: speedup ``17.5 / 15 = 1.1667``. With 60 tokens
     each, ar took 6 + 3 s and ssd 4 + 3 s: aggregate 120 / 9 = 13.333 and 120 / 7 = 17.143 tok/s,
@@ -74,6 +75,23 @@ def speedup_interval(mine: list[dict], ref: list[dict], level: float = INTERVAL_
     return [iv.low, iv.high]
 
 
+def position_acceptance(runs: list[dict], longest: int = 8) -> list[float]:
+    """Per draft position ``i = 1 ..``: the share of steps that drafted at least ``i`` tokens whose first
+    ``i`` were all kept, from the runs' ``draft_lengths`` and ``accept_hist`` (steps by tokens drafted, by
+    tokens kept), pooled; up to ``longest`` positions, and none past the longest draft made.
+
+    Example: one run whose steps drafted 2, 2 and 1 tokens and kept 2, 0 and 1: position 1 was drafted
+    3 times and kept twice (0.6667), position 2 drafted twice and kept once (0.5) -> ``[0.6667, 0.5]``.
+    """
+    drafted, kept = [0] * longest, [0] * longest
+    for r in runs:
+        for hist, into in ((r.get("draft_lengths"), drafted), (r.get("accept_hist"), kept)):
+            for k, count in (hist or {}).items():
+                for i in range(min(int(k), longest)):
+                    into[i] += count
+    return [round(a / d, 4) for a, d in zip(kept, drafted) if d]
+
+
 def _fields(mine: list[dict], ref: list[dict]) -> dict:
     tps = _mean(r["tokens_per_s"] for r in mine)
     ref_tps = _mean(r["tokens_per_s"] for r in ref)
@@ -95,6 +113,7 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
         "aggregate_speedup": round(agg / ref_agg, 4) if agg is not None and ref_agg else None,
         "mean_accepted_tokens": round((accepted + steps) / steps, 4) if steps else None,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else (0.0 if stepped else None),
+        "position_acceptance": position_acceptance(stepped),
         # drafting time per drafted token (a layer-skip draft forward; near 0 for prompt lookup)
         "draft_ms_per_token": round(1e3 * draft_s / drafted, 3) if drafted else None,
         "identical_to_ar": (not differing) if compared else None,
@@ -123,9 +142,9 @@ def markdown(summary: dict, methods: list[str]) -> str:
         name = "**overall**" if g == "overall" else g
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     detail = ["",
-              "| method | aggregate tok/s (over ar) | mean accepted tokens | acceptance rate | draft ms/token "
-              "| identical to ar | lossless violations |",
-              "|---|---|---|---|---|---|---|"]
+              "| method | aggregate tok/s (over ar) | mean accepted tokens | acceptance rate | kept by position "
+              "| draft ms/token | identical to ar | lossless violations |",
+              "|---|---|---|---|---|---|---|---|"]
     for m in methods:
         f = summary[m]
         mat = "-" if f["mean_accepted_tokens"] is None else f"{f['mean_accepted_tokens']:.2f}"
@@ -137,7 +156,8 @@ def markdown(summary: dict, methods: list[str]) -> str:
         dms = "-" if f.get("draft_ms_per_token") is None else f"{f['draft_ms_per_token']:.2f}"
         agg = ("-" if f.get("aggregate_tokens_per_s") is None else f"{f['aggregate_tokens_per_s']:.1f}"
                + (f" ({f['aggregate_speedup']:.2f}x)" if f.get("aggregate_speedup") is not None else ""))
-        detail.append(f"| {m} | {agg} | {mat} | {acc} | {dms} | {same} | {f['lossless_violations']} |")
+        pos = "/".join(f"{a:.2f}" for a in (f.get("position_acceptance") or [])[:4]) or "-"
+        detail.append(f"| {m} | {agg} | {mat} | {acc} | {pos} | {dms} | {same} | {f['lossless_violations']} |")
     return head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n"
 
 

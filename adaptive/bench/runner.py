@@ -35,7 +35,7 @@ from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult, TwoEngine
 from adaptive.runtime.policies import DISTILLED
 from adaptive.workdir import cpu_name
 
-FIXED_VARIANTS = ("knn-ssd", "cascade", "early-exit")  # policies benchmarked also with the bandit off (`-fixed`)
+FIXED_VARIANTS = ("knn-ssd", "cascade", "early-exit", "eagle")  # also benchmarked with the bandit off (`-fixed`)
 FULL_VOCAB_VARIANTS = ("knn-ssd", "knn-skip")  # policies benchmarked also with the full LM head (`-full-vocab`)
 WITHOUT_BANDIT = ("ssd-static",)  # policies benchmarked with calibration's fixed draft length only (Self-SD)
 
@@ -349,6 +349,7 @@ def _from_result(r) -> dict:
             info["expected_s"] = {e["engine"]: e["expected_s"] for e in r.engine_choice["estimates"]}
     if s.draft_lengths:
         info["draft_lengths"] = {str(k): v for k, v in sorted(s.draft_lengths.items())}
+        info["accept_hist"] = {str(k): v for k, v in sorted(s.accept_hist.items())}
     return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "seconds": s.total_time, "steps": s.steps,
             "drafted": s.drafted,
             "accepted": s.accepted, "draft_time_s": round(s.draft_time, 5),

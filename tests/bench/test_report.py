@@ -5,7 +5,7 @@ import json
 import pytest
 
 from adaptive.bench.data import BenchPrompt, load_bench_prompts, mixed_stream
-from adaptive.bench.report import markdown, plot, summarize
+from adaptive.bench.report import markdown, plot, position_acceptance, summarize
 from adaptive.bench.runner import parse_methods
 from adaptive.calibrate.sources import PromptFileError
 from adaptive.errors import ConfigError
@@ -44,6 +44,17 @@ def test_summarize_worked_example():
     assert s["hf"]["speedup"] == pytest.approx(1.0)
 
 
+def test_position_acceptance_worked_example():
+    # steps drafted 2, 2 and 1 tokens and kept 2, 0 and 1 (and a plain step: drafted 0, kept 0)
+    run = {"draft_lengths": {"2": 2, "1": 1, "0": 1}, "accept_hist": {"2": 1, "0": 2, "1": 1}}
+    assert position_acceptance([run]) == [0.6667, 0.5]
+    assert position_acceptance([run, run]) == [0.6667, 0.5]  # pooled
+    assert position_acceptance([{"draft_lengths": None}]) == []
+    s = summarize([{**r, **run} if r["method"] == "ssd" else r for r in RUNS], ["ar", "ssd"])
+    assert s["ssd"]["position_acceptance"] == [0.6667, 0.5] and s["ar"]["position_acceptance"] == []
+    assert "0.67/0.50" in markdown(s, ["ar", "ssd"])
+
+
 def test_aggregate_throughput_weighs_each_run_by_its_time():
     """The docstring's example: 60 tokens each; ar took 6 and 3 s, ssd 4 and 3 s."""
     runs = [{"id": i, "group": "g", "method": m, "new_tokens": 60, "tokens_per_s": 60 / t, "seconds": t,
@@ -72,7 +83,7 @@ def test_markdown_and_plot(tmp_path):
     md = markdown(s, ["ar", "ssd", "hf"])
     assert "| qa | 1.00x (10.0) | 1.50x (15.0) | 0.90x (9.0) |" in md
     # 0.2 s of drafting over 10 drafted tokens: 20 ms per draft token
-    assert "| ssd | - | 2.20 | 0.60 | 20.00 | no (1 prompts) | 0 |" in md  # no seconds recorded: no aggregate
+    assert "| ssd | - | 2.20 | 0.60 | - | 20.00 | no (1 prompts) | 0 |" in md  # no seconds: no aggregate; no hists
     plot(s, ["ar", "ssd", "hf"], tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
