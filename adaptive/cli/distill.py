@@ -63,6 +63,9 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
               help="eagle: the head's rows (the training text's most frequent tokens; a request adds its prompt's).")
 @click.option("--unroll", type=int, default=3, show_default=True,
               help="eagle: unrolled draft steps trained (EAGLE-3's training-time test).")
+@click.option("--race/--no-race", default=True, show_default=True,
+              help="eagle: race the head against plain decoding in each calibrated domain of the same name, on its "
+                   "held-out prompts, and let it decode the domains where it measures fastest.")
 @click.option("--lr", type=float, default=None, help="AdamW learning rate [1e-3; eagle: 3e-3].")
 @click.option("--batch-size", type=int, default=None,
               help="Token positions per step (early-exit) [64], sequences per step (draft model) [64] or windows of "
@@ -84,7 +87,7 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
 @quiet_option
 @json_option
 def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, jsd_beta, data_source, steps, minutes,
-                feature_layers, vocab, unroll, lr, batch_size, new_tokens, prompts_per_domain, refresh_every,
+                feature_layers, vocab, unroll, race, lr, batch_size, new_tokens, prompts_per_domain, refresh_every,
                 eval_every, plot, resume, seed, dtype, device, quiet, as_json):
     """Distill a drafter for the profile's model and store it in the profile.
 
@@ -100,7 +103,7 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
     if drafter == EAGLE:
-        return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, lr,
+        return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr,
                               batch_size, new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device,
                               quiet, as_json)
     eval_every = eval_every or 25
@@ -134,7 +137,7 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     click.echo(f"stored in {d['profile']}{curves}")
 
 
-def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, lr, batch_size,
+def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr, batch_size,
                    new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device, quiet, as_json):
     layers = None
     if feature_layers:
@@ -156,7 +159,7 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
     lm = load(spec, device, dt, "dense", engine="torch")
     profile.check_model(lm.fingerprint())
     r = distill_head(lm, profile_dir, domains, cfg, resume=resume, progress=not quiet and not as_json, plot=plot,
-                     log=(lambda m: None) if as_json else info)
+                     race=race, log=(lambda m: None) if as_json else info)
     d = r.to_dict()
     if as_json:
         echo_json(d)

@@ -330,23 +330,24 @@ def choose_vocab(train: HeadData, held: HeadData, size: int, vocab_size: int) ->
 
 
 def measure_head_cost(bb, head: EagleHead, context: int = 128) -> float:
-    """One head draft step (a row through the head, logits over its rows, the argmax) relative to a full
-    one-token step of ``bb``, after ``context`` rows."""
+    """One head draft step as the drafter runs it (:meth:`EagleHead.step` in ``bb``'s dtype and weight
+    mode: a row through the head, logits over its rows, the argmax) relative to a full one-token step of
+    ``bb``, after ``context`` rows."""
     from adaptive.costs import measure_draft_cost
 
     dev = bb.device
+    step = head.step(bb.dtype, getattr(bb, "weight_mode", "dense"))
     cache = HeadCache(head.shape, context + 8, dev)
-    H = head.shape.hidden
-    x = torch.randn(context, H, device=dev)
+    x = torch.randn(context, head.shape.hidden, device=dev)
+    none = torch.zeros(context, dtype=torch.bool, device=dev)
+    index = torch.tensor([-1], device=dev)
     with torch.inference_mode():
-        head.rows(x, x, x, torch.zeros(context, dtype=torch.bool, device=dev), cache, 0)
-    one_index = torch.tensor([-1], device=dev)
-    none = torch.zeros(1, dtype=torch.bool, device=dev)
+        g = step.rows(x.to(step.dtype), x, x, none, cache, 0)[-1:]
 
     def draft(token, position, _cache):
-        e = bb.embed_rows(token).float()
-        g = head.rows(e, e, e, none, cache, context)
-        return head.logits(g, one_index).argmax(-1)
+        e = bb.embed_rows(token)
+        out = step.rows(g, e, e, none[:1], cache, context)
+        return step.logits(out, index).argmax(-1)
 
     with torch.inference_mode():
         return measure_draft_cost(bb, draft, context=context)

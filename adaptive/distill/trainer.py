@@ -26,12 +26,12 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from adaptive.costs import measure_draft_cost
+from adaptive.costs import best_draft_length, measure_draft_cost
 from adaptive.distill.data import DATA_SOURCES, TrainSequence, continue_ids
 from adaptive.distill.divergences import DIVERGENCES, divergence, greedy_agreement, sampling_acceptance
 from adaptive.distill.heads import (
@@ -48,6 +48,9 @@ from adaptive.drafters.model import check_same_tokenizer
 from adaptive.engine.engine import Engine
 from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.limits import check_room
+from adaptive.measure.decision import ROLES, decide
+from adaptive.measure.race import race_domain
+from adaptive.measure.timing import Candidate
 from adaptive.profile import DistilledRecord, load_profile, save_profile
 from adaptive.workdir import CHECKPOINT_FORMAT, WorkDir, atomic_write, checkpointed
 
@@ -423,11 +426,13 @@ def _torch_load(path: Path):
 
 
 def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: HeadConfig | None = None, *,
-                 resume: bool = False, progress: bool = True, plot: str | Path | None = None,
+                 resume: bool = False, progress: bool = True, plot: str | Path | None = None, race: bool = True,
                  log: Callable[[str], None] = lambda m: None,
                  on_step: Callable[[int], None] | None = None) -> DistillResult:
     """Train an eagle head for ``lm`` (the profile's model, torch engine) and store it in the profile at
-    ``profile_dir`` (:mod:`adaptive.distill.heads` says how). ``on_step(step)`` after every optimiser step."""
+    ``profile_dir`` (:mod:`adaptive.distill.heads` says how); with ``race``, then race it in every
+    calibrated domain it has held-out prompts of (:func:`race_head`). ``on_step(step)`` after every
+    optimiser step."""
     cfg = config or HeadConfig()
     kind = "eagle"
     profile_dir = Path(profile_dir)
@@ -515,6 +520,11 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             history=tuple(run.history) + ({"data_seconds": round(data_seconds, 1)},),
             created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _store(lm, profile_dir, record, head.state())
+        if race:
+            held_by_domain: dict[str, list[list[int]]] = {}
+            for name, ids in eval_p:
+                held_by_domain.setdefault(name, []).append(ids)
+            race_head(lm, profile_dir, head, record, held_by_domain, log)
         plot_path = Path(plot) if plot else Path(str(profile_dir) + f".{kind}-distill.png")
         written = plot_curves([h for h in run.history if "step" in h], plot_path,
                               f"eagle head ({run.total} steps, {run.elapsed / 60:.1f} min): first draft kept "
@@ -528,3 +538,44 @@ PACE_STEPS = 5  # steps timed before a minutes budget fixes the schedule's lengt
 def _head_eval(run: HeadTrainer, held: HeadData, seconds: float) -> dict:
     ev = run.evaluate(held)
     return {"step": run.step, "seconds": round(seconds, 1), "greedy": ev["positions"][0], **ev}
+
+
+def race_head(lm, profile_dir: str | Path, head, record: DistilledRecord, held: dict[str, list[list[int]]],
+              log: Callable[[str], None] = lambda m: None) -> dict[str, tuple[str, str]]:
+    """Race the eagle ``head`` against ``ar`` in each calibrated domain named in ``held`` (its prompts
+    there: held out of the head's training, as the calibration's races use prompts no drafter was fit
+    to), and the global record on all of them; decide each again with the head's measurement beside
+    its calibrated ones (:func:`~adaptive.measure.decision.decide`), and write the profile. The head
+    drafts the length its acceptance in that domain and its cost give (at least 1). Returns
+    ``{domain: (old drafter, new drafter)}`` of the records raced."""
+    profile = load_profile(profile_dir)
+    settings, maxlen = profile.settings, profile.runtime.max_draft_len
+    changed: dict[str, tuple[str, str]] = {}
+    targets = [(n, held[n]) for n in sorted(profile.domains) if held.get(n)]
+    if not targets:
+        log("no calibrated domain among the distillation's domains: the head is not raced (policy eagle uses it)")
+        return changed
+    everyone = [p for _, ps in targets for p in ps]
+    for name, prompts in [*targets, (None, everyone)]:
+        dp = profile.domain(name)
+        acc = record.by_domain.get(name, [record.acceptance])[0] if name else record.acceptance
+        k = max(1, best_draft_length(acc, record.draft_cost, dp.verify_table(maxlen), maxlen)[0])
+        cand = Candidate("eagle", k, estimated_acceptance=acc, estimated_draft_cost=record.draft_cost)
+        timed = race_domain(lm, prompts, {"eagle": cand}, settings, prompts=len(prompts), eagle=head).timed
+        if "eagle" not in timed:
+            continue
+        kept = {m.role: m for m in dp.measurements if m.role in ROLES and m.role != "eagle"}
+        kept["eagle"] = timed["eagle"]
+        decision = decide(kept, settings.acceptance_floor)
+        others = tuple(m for m in dp.measurements if m.role not in ROLES)
+        new = replace(dp, decision=decision, measurements=tuple(kept[r] for r in ROLES if r in kept) + others)
+        if name is None:
+            profile.global_set = new
+        else:
+            profile.domains[name] = new
+        m = timed["eagle"]
+        log(f"eagle in {dp.name}: {m.speedup:.2f}x {m.interval.to_text() if m.interval else ''} ({m.verdict}), "
+            f"{m.mean_accepted:.2f} tokens a step; decision {dp.decision.drafter} -> {decision.drafter}")
+        changed[dp.name] = (dp.decision.drafter, decision.drafter)
+    save_profile(profile, profile_dir)
+    return changed

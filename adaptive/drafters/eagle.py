@@ -37,6 +37,7 @@ from torch import nn
 
 from adaptive.drafters.head import DraftHead
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
+from adaptive.engine.quant import Linear
 from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
 
@@ -196,6 +197,10 @@ class EagleHead(nn.Module):
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with ``weight`` in ``x``'s dtype (bf16 under autocast: the fused kernel)."""
+        return F.rms_norm(x, (self.shape.hidden,), weight.to(x.dtype), self.shape.eps)
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., n_layers_read, H]`` target features -> ``[..., H]``."""
         return self.fc(features.flatten(-2))
@@ -205,10 +210,9 @@ class EagleHead(nn.Module):
 
     def project(self, u, e, lk, cos, sin):
         """``[..., T, H]`` inputs -> q ``[..., heads, T, D]``, k and v ``[..., kv_heads, T, D]``."""
-        s, eps = self.shape, self.shape.eps
-        x = torch.cat([F.rms_norm(e, (s.hidden,), self.norm_token, eps),
-                       F.rms_norm(u, (s.hidden,), self.norm_feature, eps),
-                       F.rms_norm(lk, (s.hidden,), self.norm_lookup, eps)], -1)
+        s = self.shape
+        x = torch.cat([self._norm(e, self.norm_token), self._norm(u, self.norm_feature),
+                       self._norm(lk, self.norm_lookup)], -1)
         qkv = self.qkv(x)
         T = x.shape[-2]
         lead = x.shape[:-2]
@@ -221,13 +225,13 @@ class EagleHead(nn.Module):
     def finish(self, u: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual ``u`` plus the attention's output (``[..., T, heads * D]``), then the MLP: ``g``."""
         g = u + self.o(attended)
-        n = F.rms_norm(g, (self.shape.hidden,), self.norm_mlp, self.shape.eps)
+        n = self._norm(g, self.norm_mlp)
         return g + self.down(F.silu(self.gate(n)) * self.up(n))
 
     def logits(self, g: torch.Tensor, lookup_index: torch.Tensor, lm: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., V']`` float32 logits over the head's rows (``lm``: other rows, e.g. with a request's
         prompt tokens added), plus the bonus at ``lookup_index`` (``[...]``; ``-1``: none)."""
-        n = F.rms_norm(g, (self.shape.hidden,), self.norm_out, self.shape.eps)
+        n = self._norm(g, self.norm_out)
         out = F.linear(n, self.lm if lm is None else lm).float()
         has = lookup_index >= 0
         bonus = (self.bonus(n).squeeze(-1).float() * has).unsqueeze(-1)
@@ -294,6 +298,16 @@ class EagleHead(nn.Module):
         out = torch.softmax(scores, -1) @ vals  # [heads, T, D]
         return self.finish(u, out.transpose(0, 1).reshape(T, -1))
 
+    def step(self, dtype: torch.dtype, mode: str = "dense") -> EagleStep:
+        """The head as a draft step runs it (:class:`EagleStep`): its weights in ``dtype`` and the
+        target's weight ``mode`` (``packed``: oneDNN's layout; anything else: dense), built on first use
+        from the weights as they are then and kept."""
+        key = (dtype, "packed" if mode == "packed" else "dense")
+        steps = self.__dict__.setdefault("_steps", {})
+        if key not in steps:
+            steps[key] = EagleStep(self, *key)
+        return steps[key]
+
     # -- storage ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -311,6 +325,81 @@ class EagleHead(nn.Module):
         return head.requires_grad_(False).eval()
 
 
+class EagleStep:
+    """An :class:`EagleHead`'s draft step with its weights as the target's step has its own: in the
+    target's dtype and, on a CPU with packed weights, in oneDNN's layout (:class:`~adaptive.engine.quant.Linear`).
+
+    A draft token reads every weight of the head once, a one-row product memory-bound on the CPU: in
+    float32 the head's ~10M weights (its rows of the LM head half of them) are ~41 MB a token, 0.2 of a
+    packed bf16 step of the embedded model (measured); in bf16 half that, packed faster again. The
+    attention (its own small cache) stays in float32. Same formulas as :meth:`EagleHead.rows` and
+    :meth:`EagleHead.logits` (a test holds them equal in float32)."""
+
+    def __init__(self, head: EagleHead, dtype: torch.dtype, mode: str):
+        self.shape, self.dtype = head.shape, dtype
+
+        def lin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            w = weight.detach().to(dtype).contiguous()
+            return Linear.build(w, None if bias is None else bias.detach().to(dtype), mode)
+
+        with torch.no_grad():
+            self.fc, self.qkv, self.o = lin(head.fc.weight), lin(head.qkv.weight), lin(head.o.weight)
+            self.gate_up = lin(torch.cat([head.gate.weight, head.up.weight]))
+            self.down = lin(head.down.weight)
+            self.lm = lin(head.lm)
+            self.bonus_w = head.bonus.weight.detach().to(dtype).reshape(-1)
+            self.bonus_b = float(head.bonus.bias)
+            self.norms = {n: getattr(head, n).detach().to(dtype) for n in
+                          ("norm_token", "norm_feature", "norm_lookup", "norm_mlp", "norm_out")}
+            self.no_lookup = head.no_lookup.detach().to(dtype)
+        self.ids = head.ids
+        self._rope = head.rope
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.rms_norm(x, (self.shape.hidden,), self.norms[name], self.shape.eps)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[T, n_layers_read, H]`` target features -> ``[T, H]`` in the step's dtype."""
+        return self.fc(features.flatten(-2).to(self.dtype))
+
+    def rows(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
+             cache: HeadCache, start: int) -> torch.Tensor:
+        """:meth:`EagleHead.rows` with this step's weights: ``g``, ``[T, H]`` in the step's dtype."""
+        s, dt = self.shape, self.dtype
+        T = u.shape[0]
+        lk = torch.where(has_lookup.unsqueeze(-1), lookup_emb.to(dt), self.no_lookup)
+        x = torch.cat([self._norm(tokens_emb.to(dt), "norm_token"), self._norm(u, "norm_feature"),
+                       self._norm(lk, "norm_lookup")], -1)
+        qkv = self.qkv(x).float().view(T, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
+        cos, sin = self._rope(start, start + T, u.device)
+        q = EagleHead._rotate(qkv[:s.heads], cos, sin)
+        cache.room(start + T)
+        cache.k[:, start:start + T] = EagleHead._rotate(qkv[s.heads:s.heads + s.kv_heads], cos, sin)
+        cache.v[:, start:start + T] = qkv[s.heads + s.kv_heads:]
+        G = s.heads // s.kv_heads  # grouped heads as a batch: no key or value copied per head
+        q = q.reshape(s.kv_heads, G * T, s.head_dim) / math.sqrt(s.head_dim)
+        scores = q @ cache.k[:, :start + T].transpose(-1, -2)  # [KV, G*T, start+T]
+        if T > 1:
+            banned = torch.ones(T, start + T, dtype=torch.bool, device=u.device).triu_(start + 1)
+            scores = scores.view(s.kv_heads, G, T, start + T).masked_fill(banned, float("-inf")).view_as(scores)
+        out = (torch.softmax(scores, -1) @ cache.v[:, :start + T]).view(s.heads, T, s.head_dim)
+        g = u + self.o(out.transpose(0, 1).reshape(T, -1).to(dt))
+        gate, up = self.gate_up(self._norm(g, "norm_mlp")).chunk(2, -1)
+        return g + self.down(F.silu(gate) * up)
+
+    def logits(self, g: torch.Tensor, lookup_index: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, V' + E]`` float32 logits over the head's rows, then ``extra``'s (``[E, H]``, a request's
+        prompt tokens' rows), plus the bonus at ``lookup_index`` (``[T]``; -1: none)."""
+        n = self._norm(g, "norm_out")
+        out = self.lm(n)
+        if extra is not None and extra.shape[0]:
+            out = torch.cat([out, F.linear(n, extra.to(self.dtype))], -1)
+        out = out.float()
+        has = lookup_index >= 0
+        bonus = ((n @ self.bonus_w).float() + self.bonus_b) * has
+        return out.scatter_add(-1, lookup_index.clamp(min=0).unsqueeze(-1), bonus.unsqueeze(-1))
+
+
 class EagleDrafter(Drafter):
     """Drafts with a trained :class:`EagleHead` from the target's features in the request's cache.
 
@@ -318,30 +407,37 @@ class EagleDrafter(Drafter):
     cache keeps the rows computed from the target's features: those never change), then drafts a
     token per head step, each step's input the previous step's output. Greedy: the argmax over the
     head's rows (``vocab``: the head's ids joined with the request's prompt tokens, a
-    :class:`~adaptive.drafters.head.DraftHead`); sampling: the warped distribution over them.
+    :class:`~adaptive.drafters.head.DraftHead` whose first rows are the head's own); sampling: the
+    warped distribution over them. The head runs as :meth:`EagleHead.step` gives it for ``dtype`` and
+    the target's weight ``mode``; ``embed(ids [T]) -> [T, H]`` is the target's token embedding.
     """
 
     name = "eagle"
 
-    def __init__(self, head: EagleHead, vocab: DraftHead, embed):
-        self.head, self.vocab, self.embed = head, vocab, embed  # embed(ids [T]) -> [T, H]
+    def __init__(self, head: EagleHead, vocab: DraftHead, embed, dtype: torch.dtype = torch.float32,
+                 mode: str = "dense"):
+        n = len(head.ids)
+        if len(vocab) < n or not torch.equal(vocab.ids[:n].cpu(), head.ids.cpu()):
+            raise ConfigError("an eagle drafter's vocabulary must start with its head's own rows (eagle_vocab)")
+        self.head, self.vocab, self.embed = head, vocab, embed
+        self.step = head.step(dtype, mode)
+        self.extra = vocab.weight[n:].to(dtype)  # the prompt's rows beyond the head's own
         self.index_of = {int(t): i for i, t in enumerate(vocab.ids.tolist())}
         self.lookups = NgramIndex(head.shape.lookup)
         self.cache: HeadCache | None = None
-        self._rows: list[int] = []  # the lookup token of each computed row (a row's input depends on it)
-
-    def _embed(self, ids: list[int], device) -> torch.Tensor:
-        return self.embed(torch.tensor(ids, dtype=torch.long, device=device)).float()
 
     def _inputs(self, tokens: list[int], lookups: list[int], device):
-        have = torch.tensor([t != -1 for t in lookups], device=device)
-        lk = self._embed([max(t, 0) for t in lookups], device)
+        """The rows' token and lookup-token embeddings (one lookup of the table), which rows have a lookup
+        token, and its index among the vocabulary's rows (-1: none there)."""
+        m = len(tokens)
+        emb = self.embed(torch.tensor(tokens + [max(t, 0) for t in lookups], dtype=torch.long, device=device))
+        have = torch.tensor([t != NO_LOOKUP for t in lookups], device=device)
         index = torch.tensor([self.index_of.get(t, -1) for t in lookups], device=device)
-        return self._embed(tokens, device), lk, have, index
+        return emb[:m], emb[m:], have, index
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
-        cache, tokens, cfg, head = state.cache, state.tokens, state.config, self.head
+        cache, tokens, cfg, step = state.cache, state.tokens, state.config, self.step
         features = getattr(cache, "features", None)
         if features is None:
             raise ConfigError("the eagle drafter needs the target's features in the cache: the request's "
@@ -349,25 +445,28 @@ class EagleDrafter(Drafter):
         n = cache.length  # the pending token's position: the target's features exist for rows 0 .. n-1
         device = features.device
         if self.cache is None:
-            self.cache = HeadCache(head.shape, max(256, len(tokens) + 64), device)
+            self.cache = HeadCache(self.head.shape, max(256, len(tokens) + 64), device)
         start = min(self.cache.length, n - 1)  # rows start .. n-1 are new (the last one at least)
-        self.lookups.register(tokens, n)
-        looks = [self.lookups.lookup(tokens, j) for j in range(start, n)]
+        if self.lookups.done > n:  # the target rewound past what was registered (a race's blocks): index again
+            self.lookups = NgramIndex(self.head.shape.lookup)
+        looks = []
+        for j in range(start, n):  # row j sees the n-grams ending at 0 .. j, as in training
+            self.lookups.register(tokens, j + 1)
+            looks.append(self.lookups.lookup(tokens, j))
         emb, lk, have, index = self._inputs(tokens[start + 1:n + 1], looks, device)
-        u = head.fuse(features[start:n].float())
-        g = head.rows(u, emb, lk, have, self.cache, start)[-1:]
+        g = step.rows(step.fuse(features[start:n]), emb, lk, have, self.cache, start)[-1:]
         self.cache.length = n
         drafted, qs = [], []
         threshold = cfg.confidence_threshold
         row, index = n - 1, index[-1:]
         context = list(tokens)
         for j in range(choice.length):
-            logits = self.vocab.expand_logits(head.logits(g, index, self.vocab.weight)[0])
+            logits = step.logits(g, index, self.extra)[0]  # [V' + E]: the vocabulary's rows
             if cfg.greedy:
-                tok = int(logits.argmax())
+                tok = int(self.vocab.ids[int(logits.argmax())])
                 conf = float(torch.softmax(logits, -1).max()) if threshold else None
             else:
-                q = warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                q = warp_probs(self.vocab.expand_logits(logits), cfg.temperature, cfg.top_k, cfg.top_p)
                 tok = int(torch.multinomial(q, 1, generator=state.generator))
                 qs.append(q)
                 conf = float(q.max()) if threshold else None
@@ -376,9 +475,8 @@ class EagleDrafter(Drafter):
                 break
             context.append(tok)
             row += 1
-            look = self.lookups.lookup(context, row)
-            emb, lk, have, index = self._inputs([tok], [look], device)
-            g = head.rows(g, emb, lk, have, self.cache, row)
+            emb, lk, have, index = self._inputs([tok], [self.lookups.lookup(context, row)], device)
+            g = step.rows(g, emb, lk, have, self.cache, row)
         return Draft(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(qs) if qs else None)
 
     def describe(self) -> dict:

@@ -96,7 +96,8 @@ def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
         return CascadeDrafter(stat, skip, n_layers, split=plan.split if skip else 0, vertical=plan.vertical,
                               lenience=plan.lenience, head=spec.head if skip else None)
     if spec.kind == "eagle":
-        return EagleDrafter(spec.eagle, spec.head or eagle_vocab(spec.eagle, backbone), backbone.embed_rows)
+        return EagleDrafter(spec.eagle, spec.head or eagle_vocab(spec.eagle, backbone), backbone.embed_rows,
+                            backbone.dtype, getattr(backbone, "weight_mode", "dense"))
     if spec.kind == "early-exit":
         return EarlyExitDrafter(spec.exit_layer, n_layers, spec.exit_block, dtype=backbone.dtype,
                                 device=backbone.device)

@@ -3,7 +3,8 @@
 Calibration races up to four drafters against plain decoding (``ar``) in paired blocks
 (:mod:`.timing`), each one's speedup with a bootstrap interval and a verdict (:mod:`.interval`):
 the best skip set (role ``candidate``, ``ssd``), the same over the domain's reduced vocabulary
-(``vocab``), prompt lookup (``lookup``, ``pld``) and the ``cascade``. A drafter may decode the
+(``vocab``), prompt lookup (``lookup``, ``pld``) and the ``cascade``; ``adaptive distill --drafter
+eagle`` races the profile's eagle head (``eagle``) and decides again with it. A drafter may decode the
 domain only when
 
 * its verdict is ``faster``: the interval's low end is at least ``1 + margin`` (so no drafter whose
@@ -31,7 +32,7 @@ from collections.abc import Mapping
 from adaptive.measure.interval import FASTER
 from adaptive.profile import Decision, Measurement
 
-ROLES = ("candidate", "vocab", "lookup", "cascade")  # the raced drafters, in tie-break order
+ROLES = ("candidate", "vocab", "lookup", "cascade", "eagle")  # the raced drafters, in tie-break order
 
 
 def draft_cost_per_step(m: Measurement) -> float:

@@ -107,13 +107,15 @@ class DomainRace:
 def race_domain(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate],
                 settings: MeasureSettings, prompts: int | None = None, *,
                 bigram: BigramTable | Sequence[BigramTable | None] | None = None,
-                vocab=None, guard: Callable[[], AbstractContextManager] = nullcontext, done: Sequence[dict] = (),
+                vocab=None, eagle=None, guard: Callable[[], AbstractContextManager] = nullcontext,
+                done: Sequence[dict] = (),
                 on_prompt: Callable[[dict], None] | None = None,
                 on_block: Callable[[], None] | None = None) -> DomainRace:
     """Race ``candidates`` against ``ar`` on up to ``prompts`` of ``prompt_ids`` (``None``: the
     settings' ``confirm_prompts``) as ``settings`` say (:meth:`RaceConfig.of
-    <adaptive.measure.timing.RaceConfig.of>`), and decide. ``bigram``, ``vocab``, ``guard``,
+    <adaptive.measure.timing.RaceConfig.of>`), and decide. ``bigram``, ``vocab``, ``eagle``, ``guard``,
     ``done``, ``on_prompt``, ``on_block``: :func:`~.timing.race_candidates`'s."""
     timed = race_candidates(lm, prompt_ids, candidates, RaceConfig.of(settings, prompts), done=done,
-                            on_prompt=on_prompt, bigram=bigram, vocab=vocab, on_block=on_block, guard=guard)
+                            on_prompt=on_prompt, bigram=bigram, vocab=vocab, eagle=eagle, on_block=on_block,
+                            guard=guard)
     return DomainRace(timed, decide(timed, settings.acceptance_floor))

@@ -18,7 +18,7 @@ import torch
 
 from adaptive.codec import record, text_field
 from adaptive.drafters.cascade import CascadePlan
-from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import BigramTable
 from adaptive.engine.config import GenerationConfig
@@ -33,8 +33,9 @@ from adaptive.profile import Interval, Measurement, MeasureSettings
 @record
 class Candidate:
     """A drafter to time: ``ssd`` (``skip``; with ``draft_vocab``, drafting over that many of the
-    domain's vocabulary ids joined with the prompt's, as the runtime does), ``pld``, or ``cascade``
-    (``skip`` and ``cascade``, drafting with the domain's bigram table); ``estimated_*``: the
+    domain's vocabulary ids joined with the prompt's, as the runtime does), ``pld``, ``cascade``
+    (``skip`` and ``cascade``, drafting with the domain's bigram table), or ``eagle`` (the race's eagle
+    head, over its rows joined with the prompt's); ``estimated_*``: the
     search's estimate, carried into the measurement. Its JSON (the race checkpoint's key) holds
     ``skip`` as text, as :class:`~adaptive.profile.Measurement` does."""
 
@@ -70,9 +71,15 @@ class _Tally:
             setattr(self, k, getattr(self, k) + v)
 
 
-def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | None, vocab, prompt: list[int]):
-    """The drafter of ``cand`` for one prompt (``vocab``: the domain's draft vocabulary ids, best first)."""
+def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | None, vocab, prompt: list[int],
+                      eagle=None):
+    """The drafter of ``cand`` for one prompt (``vocab``: the domain's draft vocabulary ids, best first;
+    ``eagle``: the eagle head an ``eagle`` candidate drafts with)."""
     bb = lm.backbone
+    if cand.drafter == "eagle":
+        if eagle is None:
+            raise ValueError("an eagle candidate is raced with its head (race_candidates(eagle=...))")
+        return build_drafter(DrafterSpec("eagle", eagle=eagle, head=eagle_vocab(eagle, bb, prompt)), bb)
     if cand.drafter == "cascade":
         skip = cand.skip if cand.cascade.split else None
         return build_drafter(DrafterSpec("cascade", skip=skip, cascade=cand.cascade, bigram=bigram), bb)
@@ -123,7 +130,7 @@ def _timed_block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter
 
 def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candidate], active: Callable[[], list[str]],
                 on_block: Callable[[float, dict[str, float]], None], *, block_tokens: int, max_tokens: int,
-                eos: set[int], bigram=None, vocab=None,
+                eos: set[int], bigram=None, vocab=None, eagle=None,
                 guard: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, dict]:
     """Time ``ar`` and the still ``active()`` candidates block by block on one prompt.
 
@@ -132,17 +139,20 @@ def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candid
     the next block continues from; ``on_block(ar_seconds, {name: seconds})`` gets each block's
     times. Stops after ``max_tokens`` tokens, after the block that produced an EOS, or when no
     candidate is active. Returns each candidate's decoding tally over this prompt (:class:`_Tally` fields).
-    A block that captured CUDA graphs is timed again (:func:`_timed_block`).
+    A block that captured CUDA graphs is timed again (:func:`_timed_block`). With an ``eagle`` candidate
+    the cache keeps its head's feature rows (for every drafter and ``ar``: they pay the same small copy).
     ``guard()`` is entered around the prefill and around each block (its candidates and ``ar``
     together, so that their times are paired): the runtime's model lock, when a live server shares the model.
     """
     bb = lm.backbone
     longest = max((c.draft_len for c in candidates.values()), default=1)
-    cache = bb.new_cache(len(prompt) + max_tokens + longest + 1)
+    positions = len(prompt) + max_tokens + longest + 1
+    eagles = any(c.drafter == "eagle" for c in candidates.values())
+    cache = bb.new_cache(positions, features=eagle.shape.layers) if eagles else bb.new_cache(positions)
     with guard():
         first = prefill(bb, prompt, cache, GenerationConfig(max_new_tokens=max_tokens), None).first
     tokens = list(prompt) + [first]
-    drafters = {name: candidate_drafter(lm, c, bigram, vocab, prompt) for name, c in candidates.items()}
+    drafters = {name: candidate_drafter(lm, c, bigram, vocab, prompt, eagle) for name, c in candidates.items()}
     tally = {name: _Tally() for name in candidates}
     made, block = 1, 0
     while made < max_tokens and active():
@@ -226,7 +236,7 @@ def _of_prompt(given, i: int):
 
 def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[str, Candidate], rc: RaceConfig, *,
                     done: Sequence[dict] = (), on_prompt: Callable[[dict], None] | None = None,
-                    bigram: BigramTable | Sequence[BigramTable | None] | None = None, vocab=None,
+                    bigram: BigramTable | Sequence[BigramTable | None] | None = None, vocab=None, eagle=None,
                     on_block: Callable[[], None] | None = None,
                     guard: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, Measurement]:
     """Race ``candidates`` (``{role: Candidate}``) against ``ar`` on ``prompt_ids`` (:func:`time_prompt`
@@ -237,7 +247,8 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
     "tally": {name: {...}}}``). Returns each candidate's :class:`Measurement`, its role being its name.
     ``bigram`` (the cascade's table) and ``vocab`` (the draft vocabulary's ids): one for every prompt,
     or a list of one per prompt of ``prompt_ids`` (calibration's: each without its prompt's own text,
-    :func:`~.statistical.race_tables`). ``guard``: see :func:`time_prompt`.
+    :func:`~.statistical.race_tables`). ``eagle``: the head an ``eagle`` candidate drafts with.
+    ``guard``: see :func:`time_prompt`.
     """
     raced = min(rc.prompts, len(prompt_ids))
     for what, given in (("bigram tables", bigram), ("draft vocabularies", vocab)):
@@ -270,7 +281,7 @@ def race_candidates(lm: LoadedModel, prompt_ids: list[list[int]], candidates: di
 
         tally = time_prompt(lm, p, candidates, lambda: race.active, block, block_tokens=rc.block_tokens,
                             max_tokens=rc.max_tokens, eos=eos,
-                            bigram=_of_prompt(bigram, i), vocab=_of_prompt(vocab, i), guard=guard)
+                            bigram=_of_prompt(bigram, i), vocab=_of_prompt(vocab, i), eagle=eagle, guard=guard)
         rec = {"blocks": blocks, "tally": tally}
         for name, t in tally.items():
             totals[name].add(t)

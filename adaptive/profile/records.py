@@ -26,7 +26,7 @@ from adaptive.index.anchors import AnchorIndex
 from adaptive.index.lexicon import Lexicon
 from adaptive.models import ModelFingerprint
 
-DECISIONS = ("ar", "ssd", "pld", "cascade")  # what calibration may decide a domain decodes with
+DECISIONS = ("ar", "ssd", "pld", "cascade", "eagle")  # what a domain may be decided to decode with
 GLOBAL = "global"  # the record used for out-of-domain requests (and by the `ssd-static` policy)
 DISTILLED_KINDS = ("early-exit", "draft-model", "eagle")  # drafters `adaptive distill` trains into a profile
 
@@ -86,9 +86,10 @@ class Measurement:
     """One timed run of a drafter against ``ar``, interleaved on the same prompts, decode phase only.
 
     ``role`` says why it was run: ``candidate`` (a searched skip set), ``lookup`` (prompt lookup),
-    ``cascade``, ``vocab`` (the best skip set over a reduced head) or ``recheck`` (the winner,
-    timed again). ``acceptance``: accepted / drafted; ``token_acceptance``: per token until the
-    first rejection; ``mean_accepted``: tokens per verification step. ``skip``: the skip set it
+    ``cascade``, ``vocab`` (the best skip set over a reduced head), ``eagle`` (the profile's eagle head,
+    raced by ``adaptive distill``) or ``recheck`` (the winner, timed again). ``acceptance``: accepted /
+    drafted; ``token_acceptance``: per token until the first rejection; ``mean_accepted``: tokens per
+    verification step. ``skip``: the skip set it
     drafted with (stored as its text form, ``"attn=1,3;mlp=2"`` or ``"none"``, as profiles always have).
     """
 

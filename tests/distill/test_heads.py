@@ -3,6 +3,7 @@ the profile, an interrupted run resumes to the same weights, a budget in minutes
 the runtime's ``eagle`` policy decodes exactly what plain decoding does."""
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from adaptive.distill.heads import HeadConfig, HeadData, choose_vocab, decode_wi
 from adaptive.distill.trainer import PACE_STEPS, DistillError, distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
+from adaptive.measure.decision import ROLES, decide
 from adaptive.models import load_model
-from adaptive.profile import load_profile
+from adaptive.profile import Decision, load_profile, save_profile
 from adaptive.runtime import AdaptiveRuntime
 from tests.conftest import TINY_DOMAINS
 
@@ -59,7 +61,7 @@ def test_training_raises_acceptance_and_stores_the_head(lm, prof):
     # that the head learns its training text (generalisation is measured on the real model:
     # docs/results.md)
     seen = {n: [ps[0]] * 4 for n, ps in TINY_DOMAINS.items()}
-    r = distill_head(lm, prof, seen, HeadConfig(**{**FAST, "steps": 150, "lr": 1e-2}), progress=False)
+    r = distill_head(lm, prof, seen, HeadConfig(**{**FAST, "steps": 150, "lr": 1e-2}), progress=False, race=False)
     rec = r.record
     assert rec.kind == "eagle" and rec.shape["layers"] == [1, 2, 4]
     # measured (seed 0): first draft kept 0.02 -> ~0.45 (0.33 after 100 steps); the margin is inside that gain
@@ -79,24 +81,24 @@ def test_an_interrupted_run_resumes_to_the_same_head(lm, prof, tmp_path):
     whole = tmp_path / "whole"
     shutil.copytree(prof, whole)
     cfg = HeadConfig(**{**FAST, "steps": 30})
-    distill_head(lm, whole, TINY_DOMAINS, cfg, progress=False)
+    distill_head(lm, whole, TINY_DOMAINS, cfg, progress=False, race=False)
 
     def stop(step):
         if step == 20:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, on_step=stop)
+        distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, race=False, on_step=stop)
     with pytest.raises(DistillError, match="--resume"):
-        distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False)
-    distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, resume=True)
+        distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, race=False)
+    distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, race=False, resume=True)
     a, b = load_profile(whole).distilled_weights["eagle"], load_profile(prof).distilled_weights["eagle"]
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_budget_in_minutes_fixes_the_number_of_steps(lm, prof):
     cfg = HeadConfig(**{**FAST, "steps": None, "minutes": 0.05})
-    r = distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False)
+    r = distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, race=False)
     steps = [h["step"] for h in r.record.history if "train_loss" in h]
     evals = [h["step"] for h in r.record.history if "positions" in h]
     assert steps[-1] >= PACE_STEPS and evals[-1] == steps[-1]  # paced, then trained to the fixed length
@@ -104,7 +106,7 @@ def test_a_budget_in_minutes_fixes_the_number_of_steps(lm, prof):
 
 def test_bad_options_are_refused(lm, prof):
     with pytest.raises(ConfigError, match="top one"):
-        distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**{**FAST, "layers": (1, 2)}), progress=False)
+        distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**{**FAST, "layers": (1, 2)}), progress=False, race=False)
     with pytest.raises(ConfigError, match="unroll"):
         HeadConfig(unroll=9)
     with pytest.raises(ConfigError, match="minutes"):
@@ -112,7 +114,7 @@ def test_bad_options_are_refused(lm, prof):
 
 
 def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
-    distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**FAST), progress=False)
+    distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**FAST), progress=False, race=False)
     rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)  # its bandit may not draft
     assert rt.features == (1, 2, 4)
     for prompt in ("what is 3 plus 6? answer:", "hello there friend number 2"):
@@ -120,3 +122,23 @@ def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
         eagle = rt.generate(prompt, max_new_tokens=24, policy="eagle")
         assert eagle.decision == "eagle" and eagle.text == plain.text
         assert eagle.stats.drafted > 0
+
+
+def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_losslessly(lm, prof):
+    r = distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**FAST), progress=False)
+    profile = load_profile(prof)
+    for d in [*profile.domains.values(), profile.global_set]:
+        eagle = [m for m in d.measurements if m.role == "eagle"]
+        assert len(eagle) == 1 and eagle[0].drafter == "eagle" and eagle[0].draft_len >= 1
+        assert d.decision == decide({m.role: m for m in d.measurements if m.role in ROLES},
+                                    profile.settings.acceptance_floor)
+    # a domain decided for the head: knn-ssd drafts with it, and decodes what plain decoding does
+    profile.domains["math"] = replace(profile.domains["math"], decision=Decision("eagle", 3, 1.5))
+    save_profile(profile, prof)
+    rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)
+    prompt = TINY_DOMAINS["math"][0]
+    routed, plain = rt.generate(prompt, max_new_tokens=24), rt.generate(prompt, max_new_tokens=24, policy="ar")
+    if routed.domain == "math":  # the tiny index routes its own calibration prompt home
+        assert routed.decision == "eagle" and routed.stats.drafted > 0
+    assert routed.text == plain.text
+    assert r.record.kind == "eagle"

@@ -103,6 +103,32 @@ def test_training_steps_equal_decodings_rows():
         assert torch.allclose(g3[0], outs[2][0, n + 1], atol=1e-5)
 
 
+def test_the_draft_step_computes_what_the_head_does():
+    """:class:`EagleStep` (the head's weights as drafting runs them) equals the trained module's rows and
+    logits in float32, and stays close in bf16."""
+    lm = tiny_lm("llama")
+    bb = lm.backbone
+    head = random_head(lm, vocab_ids=torch.arange(0, bb.vocab_size, 2))
+    ids = [5, 9, 12, 7, 3, 22, 8, 5, 9]
+    cache = bb.new_cache(len(ids), features=LAYERS)
+    bb.forward(torch.tensor(ids), cache, 0)
+    T = len(ids) - 1
+    looks = torch.tensor(lookup_tokens(ids, head.shape.lookup))
+    emb, lk = bb.embed_rows(torch.tensor(ids[1:])).float(), bb.embed_rows(looks.clamp(min=0)).float()
+    has, index = looks >= 0, torch.where(looks >= 0, looks // 2, -1)  # even ids: row id // 2
+    extra = bb.head_rows(torch.tensor([1, 3]))  # two rows beyond the head's own
+    with torch.no_grad():
+        want_g = head.rows(head.fuse(cache.features[:T]), emb, lk, has, HeadCache(head.shape, 4, bb.device), 0)
+        want = head.logits(want_g, index, torch.cat([head.lm, extra]))
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+            step = head.step(dtype)
+            g = step.rows(step.fuse(cache.features[:T]), emb, lk, has, HeadCache(head.shape, 4, bb.device), 0)
+            got = step.logits(g, index, extra)
+            assert torch.allclose(g.float(), want_g, atol=tol, rtol=tol)
+            assert torch.allclose(got, want, atol=tol * 10, rtol=tol)
+    assert head.step(torch.float32) is head.step(torch.float32)  # built once
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_eagle_greedy_equals_plain_decoding(family):
     lm = tiny_lm(family)

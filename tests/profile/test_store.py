@@ -114,7 +114,7 @@ def _edit(prof, fn):
     ("bad_skip", "malformed"),
     ("schema_1", "schema version 1 was written by an earlier adaptive.*calibrate again"),
     ("bad_decision", r"malformed .*domain math\.decision\.drafter: expected a string"),
-    ("unknown_decision", "malformed .*a domain decodes with one of ar, ssd, pld, cascade, got 'fast'"),
+    ("unknown_decision", "malformed .*a domain decodes with one of ar, ssd, pld, cascade, eagle, got 'fast'"),
     ("bad_prior", r"malformed .*domain math\.priors\.layer_skip: missing field acceptance"),
     ("unknown_field", r"malformed .*domain math: unknown field\(s\) pays"),
     ("bad_measurement", r"malformed .*domain chat\.measurements\[0\]\.speedup: expected a number"),
