@@ -5,7 +5,15 @@ the target (chi-square). Trained through a profile: ``tests/distill/test_heads.p
 import pytest
 import torch
 
-from adaptive.drafters.eagle import EagleHead, HeadCache, HeadShape, NgramIndex, lookup_tokens
+from adaptive.drafters.eagle import (
+    COPY_MIN,
+    EagleDrafter,
+    EagleHead,
+    HeadCache,
+    HeadShape,
+    NgramIndex,
+    lookup_tokens,
+)
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig
@@ -137,10 +145,13 @@ def test_eagle_greedy_equals_plain_decoding(family):
     cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
     for prompt in ([5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14]):
         plain = decode_ids(bb, prompt, cfg)
-        stats = GenerationStats()
+        for copy_min in (COPY_MIN, 0):  # prompt lookup first (the default), and the head alone
+            stats = GenerationStats()
+            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=copy_min)
+            assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
+            assert stats.drafted > 0 and stats.steps < len(plain)  # it drafted, and some drafts were kept
         drafter = build_drafter(DrafterSpec("eagle", eagle=head, head=eagle_vocab(head, bb, prompt)), bb)
-        assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
-        assert stats.drafted > 0 and stats.steps < len(plain)  # it drafted, and some drafts were kept
+        assert isinstance(drafter, EagleDrafter) and drafter.copy_min == COPY_MIN
 
 
 def test_eagle_needs_the_features_in_the_cache():
