@@ -144,8 +144,8 @@ def _scripted(script: dict, calls: list):
     """A stand-in for race_candidates: each candidate's speedup, interval and verdict from ``script[role]``
     (``(speedup, low, high)``), mean accepted tokens 1.5."""
 
-    def race(lm, prompt_ids, candidates, rc, *, done=(), on_prompt=None, bigram=None, vocab=None, on_block=None,
-             guard=None):
+    def race(lm, prompt_ids, candidates, rc, *, done=(), on_prompt=None, bigram=None, vocab=None, eagle=None,
+             on_block=None, guard=None):
         out = {}
         for role, c in candidates.items():
             calls.append((role, c.drafter))
