@@ -242,6 +242,13 @@ def profile_show(directory, online_path, member, as_json):
         click.echo(f"  {r['domain']}: {r['skip']}")
     for kind, d in sorted(p.distilled.items()):
         b, a, cfg = d.before, d.after, d.config
+        if kind == "eagle":
+            kept = " / ".join(f"{x:.3f}" for x in d.positions)
+            click.echo(f"\ndistilled eagle (features after layers {','.join(map(str, d.shape['layers']))}; "
+                       f"{d.vocab} rows, {d.train_seconds / 60:.1f} min of training): held-out first draft kept "
+                       f"{b['greedy']:.3f} -> {a['greedy']:.3f}, drafts 1..s kept {kept} (tau {d.tau:.2f}), "
+                       f"draft cost {d.draft_cost:.3f} of a step")
+            continue
         what = f"exit after layer {d.exit_layer}" if d.exit_layer is not None else f"model {d.name}"
         click.echo(f"\ndistilled {kind} ({what}; {cfg.get('divergence')}, {cfg.get('data_source')}, {cfg.get('steps')} "
                    f"steps): held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, sampling acceptance "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from adaptive.cli.common import (
+    LayerList,
     NameEqualsPath,
     command,
     device_option,
@@ -54,14 +55,14 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
                    "samples, scored by the target; mixed: half and half.")
 @click.option("--steps", type=int, default=None,
               help="Optimiser steps (0: store the untrained drafter) [300; eagle: as many as fit in --minutes].")
-@click.option("--minutes", type=float, default=8.0, show_default=True,
+@click.option("--minutes", type=float, default=HeadConfig.minutes, show_default=True,
               help="eagle: the training budget (the decoding of its data comes first, apart).")
-@click.option("--layers", "feature_layers", type=str, default=None, metavar="K,K,...",
+@click.option("--layers", "feature_layers", type=LayerList(), default=None, metavar="K,K,...",
               help="eagle: the feature layers, as layer counts (0: the embeddings; the top one included) "
                    "[an eighth, half and all of the model's layers].")
-@click.option("--vocab", type=int, default=8192, show_default=True,
+@click.option("--vocab", type=int, default=HeadConfig.vocab, show_default=True,
               help="eagle: the head's rows (the training text's most frequent tokens; a request adds its prompt's).")
-@click.option("--unroll", type=int, default=3, show_default=True,
+@click.option("--unroll", type=int, default=HeadConfig.unroll, show_default=True,
               help="eagle: unrolled draft steps trained (EAGLE-3's training-time test).")
 @click.option("--race/--no-race", default=True, show_default=True,
               help="eagle: race the head against plain decoding in each calibrated domain of the same name, on its "
@@ -106,12 +107,13 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
         return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr,
                               batch_size, new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device,
                               quiet, as_json)
-    eval_every = eval_every or 25
+    d = DistillConfig()  # the options the eagle head defaults otherwise take DistillConfig's defaults
+    eval_every = eval_every or d.eval_every
     cfg = DistillConfig(divergence=divergence, jsd_beta=jsd_beta, data_source=data_source,
-                        steps=300 if steps is None else steps, lr=lr or 1e-3, batch_size=batch_size or 64,
-                        exit_layer=exit_layer, new_tokens=new_tokens or 48,
-                        prompts_per_domain=prompts_per_domain or 16, refresh_every=refresh_every,
-                        eval_every=eval_every, checkpoint_every=min(eval_every, 25), seed=seed)
+                        steps=d.steps if steps is None else steps, lr=lr or d.lr, batch_size=batch_size or d.batch_size,
+                        exit_layer=exit_layer, new_tokens=new_tokens or d.new_tokens,
+                        prompts_per_domain=prompts_per_domain or d.prompts_per_domain, refresh_every=refresh_every,
+                        eval_every=eval_every, checkpoint_every=min(eval_every, d.checkpoint_every), seed=seed)
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)
     spec, dt, _, engine = profile_model(profile, model_spec, dtype)  # distillation trains on dense weights
@@ -139,17 +141,10 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
 
 def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr, batch_size,
                    new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device, quiet, as_json):
-    layers = None
-    if feature_layers:
-        try:
-            layers = tuple(int(x) for x in feature_layers.split(","))
-        except ValueError:
-            raise click.BadParameter(f"{feature_layers!r} is not a comma-separated list of layer counts",
-                                     param_hint="--layers") from None
-    defaults = HeadConfig()
-    cfg = HeadConfig(layers=layers, vocab=vocab, minutes=minutes, steps=steps, unroll=unroll, lr=lr or defaults.lr,
-                     batch=batch_size or defaults.batch, new_tokens=new_tokens or defaults.new_tokens,
-                     prompts_per_domain=prompts_per_domain, eval_every=eval_every or defaults.eval_every, seed=seed)
+    d = HeadConfig()
+    cfg = HeadConfig(layers=feature_layers or None, vocab=vocab, minutes=minutes, steps=steps, unroll=unroll,
+                     lr=lr or d.lr, batch=batch_size or d.batch, new_tokens=new_tokens or d.new_tokens,
+                     prompts_per_domain=prompts_per_domain, eval_every=eval_every or d.eval_every, seed=seed)
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)
     spec, dt, _, engine = profile_model(profile, model_spec, dtype)

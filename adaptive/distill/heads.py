@@ -116,7 +116,7 @@ def decode_with_features(bb, prompts: list[list[int]], new_tokens: int, eos: set
             pending.append(int(bb.forward(torch.tensor(p, device=bb.device), cache, 0).logits[0].argmax()))
             caches.append(cache)
             seqs.append(list(p))
-        live = [i for i in range(len(group))]
+        live = list(range(len(group)))
         for _ in range(new_tokens - 1):
             live = [i for i in live if pending[i] not in eos]
             if not live:

@@ -37,6 +37,7 @@ from torch import nn
 
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import ngram_lookup
+from adaptive.engine.config import check_feature_layers
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
 from adaptive.engine.quant import Linear
 from adaptive.engine.sampling import warp_probs
@@ -114,9 +115,9 @@ class HeadShape:
     lookup: int = 3
 
     def __post_init__(self):
-        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
-        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
-            raise ConfigError(f"feature layers must be distinct, ascending and >= 0, got {self.layers}")
+        object.__setattr__(self, "layers", check_feature_layers(tuple(self.layers)))
+        if not self.layers:
+            raise ConfigError("a head reads at least one feature layer")
         if self.heads % self.kv_heads:
             raise ConfigError(f"{self.heads} heads do not group into {self.kv_heads} key-value heads")
         if self.lookup < 1:

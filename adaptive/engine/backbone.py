@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adaptive.engine.config import check_feature_layers
 from adaptive.engine.formulas import gated, rms_norm, rotate
 from adaptive.engine.gguf_file import GGUFFormatError
 from adaptive.engine.graphs import StepGraphs, zeros_kv
@@ -49,15 +50,6 @@ def decoder_layers(model) -> list:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no model.model.layers; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}"
         ) from None
-
-
-def check_feature_layers(layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
-    """``layers`` as a tuple of distinct ascending layer counts in ``0 .. n_layers``, else a :class:`ValueError`.
-    Example: ``check_feature_layers([3, 15, 30], 30) == (3, 15, 30)``; ``[31]`` of 30 layers is refused."""
-    out = tuple(int(x) for x in layers)
-    if list(out) != sorted(set(out)) or any(not 0 <= x <= n_layers for x in out):
-        raise ValueError(f"feature layers must be distinct, ascending and in 0..{n_layers}, got {list(layers)}")
-    return out
 
 
 @dataclass
@@ -327,7 +319,7 @@ class Backbone:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the model's context is {self.max_positions}"
             )
-        layers = check_feature_layers(features, self.n_layers)
+        layers = check_feature_layers(tuple(features), self.n_layers)
         if layers:
             k, v = self.allocate_kv(max_len)
             rows = torch.zeros(max_len, len(layers), self.hidden_size, dtype=self.cache_dtype, device=self.device)

@@ -7,6 +7,18 @@ from dataclasses import dataclass
 from adaptive.errors import ConfigError
 
 
+def check_feature_layers(layers, n_layers: int | None = None) -> tuple[int, ...]:
+    """``layers`` (layer counts: the residual stream after that many decoder layers, 0 the embeddings)
+    as a tuple, distinct and ascending, each at most ``n_layers`` where given; else a :class:`ConfigError`.
+    Example: ``check_feature_layers([3, 15, 30], 30) == (3, 15, 30)``; ``[15, 3]`` or ``[31]`` of 30 are refused."""
+    out = tuple(layers)
+    if (any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in out) or list(out) != sorted(set(out))
+            or (n_layers is not None and any(x > n_layers for x in out))):
+        top = "" if n_layers is None else f" and at most {n_layers}"
+        raise ConfigError(f"feature layers must be distinct ascending integers >= 0{top}, got {list(layers)}")
+    return out
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to generate.
@@ -43,10 +55,7 @@ class GenerationConfig:
             raise ConfigError(f"draft_len {self.draft_len} is beyond any useful draft (at most 64)")
         if self.confidence_threshold is not None and not 0.0 < self.confidence_threshold < 1.0:
             raise ConfigError(f"confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
-        object.__setattr__(self, "features", tuple(self.features))
-        if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in self.features) or \
-                list(self.features) != sorted(set(self.features)):
-            raise ConfigError(f"features must be distinct ascending layer counts >= 0, got {self.features!r}")
+        object.__setattr__(self, "features", check_feature_layers(self.features))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -65,3 +65,34 @@ def test_distill_human_output_and_resume_message(capsys, tiny_model_dir, tiny_pr
     code, _, err = run(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--steps", "3",
                        "--dtype", "float32", "--quiet", *data)
     assert code == 1 and "pass --resume" in err.strip().splitlines()[-1]
+
+
+def test_distill_an_eagle_head_then_generate_show_and_bench(capsys, tiny_model_dir, tiny_profile, files, data_file,
+                                                           tmp_path):  # noqa: F811
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    data = [x for f in files for x in ("--data", str(f))]
+    out, _ = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--drafter", "eagle",
+                    "--layers", "1,2,4", "--steps", "20", "--new-tokens", "12", "--vocab", "32", "--batch-size", "2",
+                    "--dtype", "float32", "--json", *data)
+    obj = json.loads(out)
+    assert obj["kind"] == "eagle" and obj["shape"]["layers"] == [1, 2, 4] and obj["vocab"] == 32
+    assert len(obj["positions"]) == 3 and obj["domains"] == ["chat", "code", "math"]
+    text, _ = run_ok(capsys, "profile", "show", str(prof))
+    assert "distilled eagle (features after layers 1,2,4; 32 rows" in text
+    gen = ["generate", "what is 2 plus 5? answer:", "--model", str(tiny_model_dir), "--profile", str(prof),
+           "--max-new-tokens", "12", "--dtype", "float32", "--json"]
+    eagle, _ = run_ok(capsys, *gen, "--policy", "eagle")
+    ar, _ = run_ok(capsys, *gen, "--policy", "ar")
+    assert json.loads(eagle)["decision"] == "eagle"
+    assert json.loads(eagle)["token_ids"] == json.loads(ar)["token_ids"]
+    report = tmp_path / "report.json"
+    run_ok(capsys, "bench", "--data", str(data_file), "--profile", str(prof), "--model", str(tiny_model_dir),
+           "--methods", "ar,eagle,eagle-fixed", "--max-new-tokens", "10", "--dtype", "float32", "--out", str(report),
+           "--quiet")
+    res = json.loads(report.read_text())["results"]
+    assert res["eagle"]["identical_to_ar"] and res["eagle-fixed"]["identical_to_ar"]
+    assert res["eagle-fixed"]["position_acceptance"]  # drafted, and its acceptance by position reported
+    code, _, err = run(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--drafter", "eagle",
+                       "--layers", "1,2", "--steps", "2", "--dtype", "float32", "--quiet", *data)
+    assert code != 0 and "top one" in err

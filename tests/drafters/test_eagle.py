@@ -68,7 +68,7 @@ def test_the_cache_keeps_the_full_models_feature_rows():
     batched, other = bb.new_cache(16, features=LAYERS), bb.new_cache(16)
     bb.forward_batch([Segment(ids, batched, 0), Segment(ids[:3], other, 0)])
     assert torch.allclose(batched.features[:7], whole.features[:7], rtol=1e-4, atol=1e-4)  # another product order
-    with pytest.raises(ValueError, match="feature layers"):
+    with pytest.raises(ConfigError, match="feature layers"):
         bb.new_cache(16, features=(5,))
 
 
