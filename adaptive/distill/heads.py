@@ -37,6 +37,20 @@ from adaptive.errors import ConfigError
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5)  # the loss weight of unrolled step s (later steps matter less: fewer reach them)
 
 
+def check_training(cfg, counts: tuple[str, ...]) -> None:
+    """The checks every distillation config shares (:class:`HeadConfig`, ``DistillConfig``): each field of
+    ``counts`` a positive integer, ``lr`` a finite positive number, ``held_out`` in (0, 1); else a
+    :class:`ConfigError` naming the option."""
+    for name in counts:
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if not 0.0 < cfg.held_out < 1.0:
+        raise ConfigError(f"held_out must be in (0, 1), got {cfg.held_out}")
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     """How to train an eagle head. ``layers`` ``None``: :func:`~adaptive.drafters.eagle.default_layers`.
@@ -69,17 +83,10 @@ class HeadConfig:
             raise ConfigError(f"--minutes must be a positive number, got {self.minutes}")
         if not 1 <= self.unroll <= len(STEP_WEIGHTS):
             raise ConfigError(f"--unroll must be in 1..{len(STEP_WEIGHTS)}, got {self.unroll}")
-        for name in ("vocab", "batch", "window", "new_tokens", "generate_batch", "eval_every", "checkpoint_every",
-                     "lookup"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        check_training(self, ("vocab", "batch", "window", "new_tokens", "generate_batch", "eval_every",
+                              "checkpoint_every", "lookup"))
         if self.prompts_per_domain is not None and self.prompts_per_domain < 2:
             raise ConfigError(f"prompts-per-domain must be >= 2, got {self.prompts_per_domain}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        if not 0.0 < self.held_out < 1.0:
-            raise ConfigError(f"held_out must be in (0, 1), got {self.held_out}")
 
     def to_dict(self) -> dict:
         d = asdict(self)

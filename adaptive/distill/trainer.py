@@ -38,6 +38,7 @@ from adaptive.distill.heads import (
     HeadConfig,
     HeadData,
     HeadTrainer,
+    check_training,
     choose_vocab,
     decode_with_features,
     head_shape,
@@ -92,17 +93,10 @@ class DistillConfig:
             raise ConfigError(f"--jsd-beta must be in (0, 1), got {self.jsd_beta}")
         if not isinstance(self.steps, int) or self.steps < 0:
             raise ConfigError(f"steps must be an integer >= 0 (0 stores the untrained drafter), got {self.steps!r}")
-        for name in ("batch_size", "new_tokens", "prompts_per_domain", "refresh_every", "eval_every",
-                     "checkpoint_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
+        check_training(self, ("batch_size", "new_tokens", "prompts_per_domain", "refresh_every", "eval_every",
+                              "checkpoint_every"))
         if self.weight_decay < 0:
             raise ConfigError(f"weight decay must be >= 0, got {self.weight_decay}")
-        if not 0.0 < self.held_out < 1.0:
-            raise ConfigError(f"held_out must be in (0, 1), got {self.held_out}")
         if self.temperature <= 0:
             raise ConfigError(f"the sampling temperature of on-policy data must be > 0, got {self.temperature}")
         if self.exit_layer is not None and (not isinstance(self.exit_layer, int) or self.exit_layer < 1):

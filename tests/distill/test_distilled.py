@@ -19,11 +19,6 @@ FAST = dict(steps=30, new_tokens=12, eval_every=15, checkpoint_every=15, lr=3e-3
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(str(tiny_model_dir), dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def distilled(lm, tiny_profile, draft_dir, tmp_path_factory):
     """A copy of the tiny profile with both kinds of distilled drafter."""
     dst = tmp_path_factory.mktemp("distilled") / "prof"

@@ -13,25 +13,12 @@ from adaptive.distill.trainer import PACE_STEPS, DistillError, distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
-from adaptive.models import load_model
 from adaptive.profile import Decision, load_profile, save_profile
 from adaptive.runtime import AdaptiveRuntime
 from tests.conftest import TINY_DOMAINS
 
 FAST = dict(layers=(1, 2, 4), steps=60, new_tokens=16, eval_every=20, checkpoint_every=10, vocab=32, batch=2,
             window=32, warmup=5, held_out=0.25)
-
-
-@pytest.fixture
-def prof(tiny_profile, tmp_path):
-    dst = tmp_path / "prof"
-    shutil.copytree(tiny_profile, dst)
-    return dst
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(str(tiny_model_dir), dtype="float32")
 
 
 def test_decoding_keeps_the_features_of_every_kept_position(lm):

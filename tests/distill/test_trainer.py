@@ -16,18 +16,6 @@ from tests.conftest import TINY_DOMAINS, char_tokenizer, tiny_model
 FAST = dict(steps=40, new_tokens=12, eval_every=20, checkpoint_every=10, exit_layer=2, lr=3e-3, refresh_every=20)
 
 
-@pytest.fixture
-def prof(tiny_profile, tmp_path):
-    dst = tmp_path / "prof"
-    shutil.copytree(tiny_profile, dst)
-    return dst
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(str(tiny_model_dir), dtype="float32")
-
-
 def test_split_prompts_holds_out_the_last_quarter_of_each_domain():
     train, held = split_prompts({"a": [[1]] * 4, "b": [[2]] * 8}, per_domain=8, held_out=0.25)
     assert [n for n, _ in train] == ["a"] * 3 + ["b"] * 6
