@@ -182,3 +182,16 @@ def test_profile_show_finds_a_two_engine_servers_overlays_under_online_path(caps
     assert f"nothing learned yet (no overlay at {learned}.llama.cpp" in text
     _, err = run_ok(capsys, "profile", "reset-online", str(out_dir), "--engine", "torch", "--online-path", str(learned))
     assert f"{learned}.torch" in err and not (tmp_path / "learned.torch.d").exists()
+
+
+def test_calibrate_with_heads_trains_and_races_an_eagle_head(capsys, tiny_model_dir, domain_files, tmp_path):
+    out, err = run_ok(capsys, "calibrate", "--model", str(tiny_model_dir), *domain_files, "--out",
+                      str(tmp_path / "p"), *SMALL, "--engine", "torch", "--heads", "--head-minutes", "0.02", "--json")
+    data = json.loads(out)
+    assert "eagle" in data["distilled"] and data["distilled"]["eagle"]["shape"]["layers"] == [1, 2, 4]
+    for d in [*data["domains"].values(), data["global"]]:  # raced in every domain
+        assert any(m["role"] == "eagle" for m in d["measurements"])
+    assert "eagle head: held-out first draft kept" in err
+    code, _, err = run(capsys, "calibrate", "--model", str(tiny_model_dir), *domain_files, "--out",
+                       str(tmp_path / "q"), *SMALL, "--engine", "llama.cpp", "--heads")
+    assert code != 0 and "--heads" in err
