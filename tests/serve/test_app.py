@@ -134,6 +134,41 @@ def test_concurrent_clients_are_batched_and_get_their_own_lossless_outputs(runti
         s.stop()
 
 
+def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tiny_profile, tiny_model_dir, tmp_path):
+    """A profile with an eagle head: every request's cache keeps the head's feature rows, batched steps
+    (and the prefill chunks they carry) write each one's own, and greedy outputs equal plain decoding."""
+    import shutil
+
+    from adaptive.distill.heads import HeadConfig
+    from adaptive.distill.trainer import distill_head
+    from adaptive.models import load_model
+    from adaptive.runtime import AdaptiveRuntime
+
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    lm = load_model(str(tiny_model_dir), dtype="float32")
+    distill_head(lm, prof, TINY_DOMAINS, HeadConfig(layers=(1, 2, 4), steps=20, new_tokens=12, vocab=32, batch=2,
+                                                    window=32), progress=False, race=False)
+    rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)
+    s = Server(create_app(rt, max_queue=16, max_batch=8, prefill_chunk=8))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(i):
+            r = client.chat.completions.create(model=model_name(rt), max_tokens=8 + 2 * i, temperature=0,
+                                               messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                               extra_body={"speculation": ("eagle", "off")[i % 2]})
+            return r.choices[0].message.content, r.usage.model_extra["adaptive"]["drafter"]
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(ask, range(6)))
+        assert [g for g, _ in got] == [plain(rt, PROMPTS[i % len(PROMPTS)], 8 + 2 * i) for i in range(6)]
+        assert [d for _, d in got] == ["eagle", "ar"] * 3
+    finally:
+        s.stop()
+        rt.close()
+
+
 def test_models_health_and_metrics(client, server, runtime):
     assert [m.id for m in client.models.list().data] == [model_name(runtime)]
     assert raw(server, "GET", "/health") == (200, {"status": "ok"})
