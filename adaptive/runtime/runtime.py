@@ -254,10 +254,14 @@ class AdaptiveRuntime:
         self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
         self._eagle: EagleHead | None = None  # the distilled eagle head, on the model's device
         # the feature rows every request's cache keeps: the eagle head's, where the profile holds one and the
-        # engine gives them (torch); the routing happens after the prefill, whose rows the head reads too
+        # engine gives them (torch, eagerly: a cache that keeps them runs outside CUDA graphs, which would cost
+        # every request of a graph-captured runtime its pace, so there the head is not used); the routing
+        # happens after the prefill, whose rows the head reads too
         eagle = profile.distilled.get("eagle")
+        bb = lm.backbone
+        captured = getattr(bb, "graphs", None) is not None and bb.graphs.enabled
         self.features = tuple(eagle.shape["layers"]) if eagle is not None and eagle.shape and \
-            lm.backbone.engine == "torch" else ()
+            bb.engine == "torch" and not captured else ()
         settings = OnlineSettings.coerce(online)
         self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits) if settings.enabled else None
 
@@ -328,6 +332,8 @@ class AdaptiveRuntime:
         kind = policy.drafter or dp.decision.drafter
         if kind == "ssd" and not dp.layer_skip.skip:
             kind = "ar"  # no skip set to draft with
+        if kind == "eagle" and policy.drafter is None and not self.features:
+            kind = "ar"  # a domain decided for the head, on an engine where it cannot draft (see features)
         if kind == "ar":
             return RoutedPlan(route, dp.name, policy.name, "ar", DrafterSpec("ar"))
         key = f"{policy.name}:{dp.name}"
@@ -416,8 +422,9 @@ class AdaptiveRuntime:
         try:
             if kind == "eagle":
                 if not self.features:
-                    raise ConfigError(f"the eagle head drafts from the target's hidden states, which the {bb.engine} "
-                                      "engine does not give: use --engine torch")
+                    raise ConfigError("the eagle head drafts from the target's hidden states, which the "
+                                      f"{bb.engine} engine does not keep here (llama.cpp, or CUDA graphs): "
+                                      "use --engine torch on the CPU")
                 if self._eagle is None:
                     self._eagle = EagleHead.from_state(HeadShape.from_dict(rec.shape), weights).to(bb.device)
                 return DrafterSpec("eagle", eagle=self._eagle), rec
