@@ -419,12 +419,12 @@ class AdaptiveRuntime:
             raise ProfileError(f"the distilled {kind} drafter was trained for another model ({rec.model.name!r}); "
                                "distill it again for this one")
         bb = self.lm.backbone
+        if kind == "eagle" and not self.features:
+            raise ConfigError("the eagle head drafts from the target's hidden states, which the "
+                              f"{bb.engine} engine does not keep here (llama.cpp, or CUDA graphs): "
+                              "use --engine torch on the CPU")
         try:
             if kind == "eagle":
-                if not self.features:
-                    raise ConfigError("the eagle head drafts from the target's hidden states, which the "
-                                      f"{bb.engine} engine does not keep here (llama.cpp, or CUDA graphs): "
-                                      "use --engine torch on the CPU")
                 if self._eagle is None:
                     self._eagle = EagleHead.from_state(HeadShape.from_dict(rec.shape), weights).to(bb.device)
                 return DrafterSpec("eagle", eagle=self._eagle), rec

@@ -4,6 +4,7 @@ the runtime's ``eagle`` policy decodes exactly what plain decoding does."""
 
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,3 +130,15 @@ def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_los
         assert routed.decision == "eagle" and routed.stats.drafted > 0
     assert routed.text == plain.text
     assert r.record.kind == "eagle"
+    # a runtime whose steps are captured as CUDA graphs (stood in for here: its replays decline, so steps run
+    # eagerly) keeps no feature rows, decodes a domain decided for the head plainly, and refuses policy eagle
+    rt2 = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)
+    bb = rt2.lm.backbone
+    bb.graphs = SimpleNamespace(enabled=True, forward=lambda *a, **k: NotImplemented,
+                                new_cache=lambda n, cls: cls(*bb.allocate_kv(n)))
+    rt3 = AdaptiveRuntime(rt2.profile, rt2.lm, online=False, bandit=False)
+    assert rt3.features == ()
+    again = rt3.generate(prompt, max_new_tokens=24)
+    assert again.decision != "eagle" and again.text == plain.text
+    with pytest.raises(ConfigError, match="CUDA graphs"):
+        rt3.generate(prompt, max_new_tokens=4, policy="eagle")
