@@ -285,25 +285,7 @@ class EagleHead(nn.Module):
             outs.append(self.finish(u, out.transpose(1, 2).reshape(B, T, -1)))
         return outs
 
-    # -- drafting: rows appended to a cache ---------------------------------------------------------
-
-    def rows(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
-             cache: HeadCache, start: int) -> torch.Tensor:
-        """Rows ``start .. start+T-1`` (inputs ``[T, H]``) attending to the cache's rows ``0 .. start-1``
-        and to each other causally; their keys written at those rows. Returns ``g``, ``[T, H]``."""
-        T = u.shape[0]
-        cache.room(start + T)
-        cos, sin = self.rope(start, start + T, u.device)
-        q, k, v = self.project(u, tokens_emb, self.lookup_input(lookup_emb, has_lookup), cos, sin)
-        cache.k[:, start:start + T] = k
-        cache.v[:, start:start + T] = v
-        keys, vals = self._attend_grouped(q, cache.k[:, :start + T], cache.v[:, :start + T])
-        scores = (q / math.sqrt(self.shape.head_dim)) @ keys.transpose(-1, -2)  # [heads, T, start+T]
-        if T > 1:
-            banned = torch.ones(T, start + T, dtype=torch.bool, device=u.device).triu_(start + 1)
-            scores = scores.masked_fill(banned, float("-inf"))
-        out = torch.softmax(scores, -1) @ vals  # [heads, T, D]
-        return self.finish(u, out.transpose(0, 1).reshape(T, -1))
+    # -- drafting ---------------------------------------------------------------------------------
 
     def step(self, dtype: torch.dtype, mode: str = "dense") -> EagleStep:
         """The head as a draft step runs it (:class:`EagleStep`): its weights in ``dtype`` and the
@@ -339,8 +321,8 @@ class EagleStep:
     A draft token reads every weight of the head once, a one-row product memory-bound on the CPU: in
     float32 the head's ~10M weights (its rows of the LM head half of them) are ~41 MB a token, 0.2 of a
     packed bf16 step of the embedded model (measured); in bf16 half that, packed faster again. The
-    attention (its own small cache) stays in float32. Same formulas as :meth:`EagleHead.rows` and
-    :meth:`EagleHead.logits` (a test holds them equal in float32)."""
+    attention (its own small cache) stays in float32. Same formulas as :meth:`EagleHead.unrolled` and
+    :meth:`EagleHead.logits` (a test holds a float32 step equal to them at every unrolled step)."""
 
     def __init__(self, head: EagleHead, dtype: torch.dtype, mode: str):
         self.shape, self.dtype = head.shape, dtype
@@ -371,7 +353,8 @@ class EagleStep:
 
     def rows(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
              cache: HeadCache, start: int) -> torch.Tensor:
-        """:meth:`EagleHead.rows` with this step's weights: ``g``, ``[T, H]`` in the step's dtype."""
+        """Rows ``start .. start+T-1`` (inputs ``[T, H]``) attending to the cache's rows ``0 .. start-1`` and to
+        each other causally, their keys written at those rows: ``g``, ``[T, H]`` in the step's dtype."""
         s, dt = self.shape, self.dtype
         T = u.shape[0]
         lk = torch.where(has_lookup.unsqueeze(-1), lookup_emb.to(dt), self.no_lookup)

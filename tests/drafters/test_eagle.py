@@ -85,55 +85,36 @@ def random_head(lm, seed: int = 0, vocab_ids=None, scale: float = 0.3) -> EagleH
     return head.eval()
 
 
-def test_training_steps_equal_decodings_rows():
-    """Step s of ``unrolled`` at row j is what decoding's s-th draft computes from the cache's rows."""
+def test_the_draft_step_computes_what_training_does():
+    """Step s of ``unrolled`` at row j is what decoding's s-th draft computes from the cache's rows
+    (:class:`EagleStep` in float32: equal; in bf16 as drafting runs on such a CPU: close), and its logits
+    are the module's over the head's rows and a request's extra rows."""
     lm = tiny_lm("llama")
     bb = lm.backbone
-    head = random_head(lm)
+    head = random_head(lm, vocab_ids=torch.arange(0, bb.vocab_size, 2))
     ids = [5, 9, 12, 7, 3, 22, 8, 5, 9, 14, 6]
     cache = bb.new_cache(len(ids), features=LAYERS)
     bb.forward(torch.tensor(ids), cache, 0)
     T = len(ids) - 1  # rows 0 .. T-1 (row j reads the token at j + 1)
     looks = torch.tensor(lookup_tokens(ids, head.shape.lookup))
-    emb = bb.embed_rows(torch.tensor(ids[1:])).float()
-    lk = bb.embed_rows(looks.clamp(min=0)).float()
-    has = looks >= 0
-    with torch.no_grad():
-        outs = head.unrolled(cache.features[:T].unsqueeze(0), emb[None], lk[None], has[None],
-                             torch.ones(1, T, dtype=torch.bool), 3)
-        n = 7  # decoding: the target's rows 0 .. n-1, then drafts at rows n-1 (step 1), n (2), n+1 (3)
-        hc = HeadCache(head.shape, 4, bb.device)  # grown as rows arrive
-        g = head.rows(head.fuse(cache.features[:n]), emb[:n], lk[:n], has[:n], hc, 0)
-        assert torch.allclose(g, outs[0][0, :n], atol=1e-5)
-        g2 = head.rows(g[-1:], emb[n:n + 1], lk[n:n + 1], has[n:n + 1], hc, n)
-        assert torch.allclose(g2[0], outs[1][0, n], atol=1e-5)
-        g3 = head.rows(g2, emb[n + 1:n + 2], lk[n + 1:n + 2], has[n + 1:n + 2], hc, n + 1)
-        assert torch.allclose(g3[0], outs[2][0, n + 1], atol=1e-5)
-
-
-def test_the_draft_step_computes_what_the_head_does():
-    """:class:`EagleStep` (the head's weights as drafting runs them) equals the trained module's rows and
-    logits in float32, and stays close in bf16."""
-    lm = tiny_lm("llama")
-    bb = lm.backbone
-    head = random_head(lm, vocab_ids=torch.arange(0, bb.vocab_size, 2))
-    ids = [5, 9, 12, 7, 3, 22, 8, 5, 9]
-    cache = bb.new_cache(len(ids), features=LAYERS)
-    bb.forward(torch.tensor(ids), cache, 0)
-    T = len(ids) - 1
-    looks = torch.tensor(lookup_tokens(ids, head.shape.lookup))
     emb, lk = bb.embed_rows(torch.tensor(ids[1:])).float(), bb.embed_rows(looks.clamp(min=0)).float()
     has, index = looks >= 0, torch.where(looks >= 0, looks // 2, -1)  # even ids: row id // 2
     extra = bb.head_rows(torch.tensor([1, 3]))  # two rows beyond the head's own
+    n = 7  # decoding: the target's rows 0 .. n-1, then drafts at rows n-1 (step 1), n (2), n+1 (3)
     with torch.no_grad():
-        want_g = head.rows(head.fuse(cache.features[:T]), emb, lk, has, HeadCache(head.shape, 4, bb.device), 0)
-        want = head.logits(want_g, index, torch.cat([head.lm, extra]))
+        outs = head.unrolled(cache.features[:T].unsqueeze(0), emb[None], lk[None], has[None],
+                             torch.ones(1, T, dtype=torch.bool), 3)
+        want = head.logits(outs[0][0], index, torch.cat([head.lm, extra]))
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
-            step = head.step(dtype)
-            g = step.rows(step.fuse(cache.features[:T]), emb, lk, has, HeadCache(head.shape, 4, bb.device), 0)
-            got = step.logits(g, index, extra)
-            assert torch.allclose(g.float(), want_g, atol=tol, rtol=tol)
-            assert torch.allclose(got, want, atol=tol * 10, rtol=tol)
+            step, hc = head.step(dtype), HeadCache(head.shape, 4, bb.device)  # grown as rows arrive
+            g = step.rows(step.fuse(cache.features[:n]), emb[:n], lk[:n], has[:n], hc, 0)
+            assert torch.allclose(g.float(), outs[0][0, :n], atol=tol, rtol=tol)
+            g2 = step.rows(g[-1:], emb[n:n + 1], lk[n:n + 1], has[n:n + 1], hc, n)
+            assert torch.allclose(g2[0].float(), outs[1][0, n], atol=tol, rtol=tol)
+            g3 = step.rows(g2, emb[n + 1:n + 2], lk[n + 1:n + 2], has[n + 1:n + 2], hc, n + 1)
+            assert torch.allclose(g3[0].float(), outs[2][0, n + 1], atol=tol, rtol=tol)
+            whole = step.rows(step.fuse(cache.features[:T]), emb, lk, has, HeadCache(head.shape, 4, bb.device), 0)
+            assert torch.allclose(step.logits(whole, index, extra), want, atol=tol * 10, rtol=tol)
     assert head.step(torch.float32) is head.step(torch.float32)  # built once
 
 
