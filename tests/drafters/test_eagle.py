@@ -17,7 +17,8 @@ from adaptive.drafters.eagle import (
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import GenerationStats
+from adaptive.engine.loop import GenerationStats, decode_steps, new_cache, prefill
+from adaptive.engine.protocol import DecodeState, DraftChoice, FixedDraftLength
 from adaptive.errors import ConfigError
 from tests.conftest import tiny_lm
 from tests.helpers.decoding import decode_ids
@@ -133,6 +134,27 @@ def test_eagle_greedy_equals_plain_decoding(family):
             assert stats.drafted > 0 and stats.steps < len(plain)  # it drafted, and some drafts were kept
         drafter = build_drafter(DrafterSpec("eagle", eagle=head, head=eagle_vocab(head, bb, prompt)), bb)
         assert isinstance(drafter, EagleDrafter) and drafter.copy_min == COPY_MIN
+
+
+def test_a_drafter_rewound_drafts_as_a_fresh_one():
+    """A race rewinds the target between its blocks: the drafter then feeds again from the rewound row and
+    indexes the lookups again, so it proposes what a new drafter at that state would."""
+    lm = tiny_lm("llama")
+    bb = lm.backbone
+    head = random_head(lm, scale=1.0)
+    prompt = [5, 9, 12, 7, 3, 5, 9, 12, 8, 14]
+    cfg = GenerationConfig(max_new_tokens=30, draft_len=4, features=LAYERS, ignore_eos=True)
+    cache = new_cache(bb, len(prompt), cfg)
+    first = prefill(bb, prompt, cache, cfg, None).first
+    state = DecodeState(bb, cache, prompt + [first], cfg, None)
+    old = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0)
+    steps = decode_steps(bb, state, old, FixedDraftLength(3), cfg)
+    for _ in range(4):
+        next(steps)
+    cache.length = len(prompt) + 2  # rewind, keeping the prompt, the first token and one more
+    del state.tokens[len(prompt) + 3:]
+    new = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0)
+    assert torch.equal(old.propose(state, DraftChoice(3)).tokens, new.propose(state, DraftChoice(3)).tokens)
 
 
 def test_eagle_needs_the_features_in_the_cache():
