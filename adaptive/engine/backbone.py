@@ -34,6 +34,7 @@ from adaptive.engine.config import check_feature_layers
 from adaptive.engine.formulas import gated, rms_norm, rotate
 from adaptive.engine.gguf_file import GGUFFormatError
 from adaptive.engine.graphs import StepGraphs, zeros_kv
+from adaptive.engine.prefix import KeptRows, PrefixStore
 from adaptive.engine.quant import FLOAT_MODES, Linear, check_weights
 from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
 from adaptive.engine.skip import SkipSet
@@ -226,6 +227,7 @@ class Backbone:
         if source is not None and self.weight_mode == "packed":
             self._rows_from_file(source)
         self.graphs = StepGraphs(self) if self.device.type == "cuda" and graphs else None
+        self.prefixes = PrefixStore(0)  # finished requests' keys (:mod:`adaptive.engine.prefix`; no budget: off)
 
     def _rows_from_file(self, source: str | Path) -> None:
         """Read the token embedding's (and the LM head's) rows from the GGUF file ``source`` and let the
@@ -310,11 +312,12 @@ class Backbone:
         attention kernels cost 3-4x float32's at decoding sizes, measured), the model's elsewhere."""
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
-    def new_cache(self, max_len: int, features: Sequence[int] = ()) -> KVCache:
+    def new_cache(self, max_len: int, features: Sequence[int] = (), shared: int = 0) -> KVCache:
         """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context.
         With CUDA graphs its tensors are a pooled slot of a larger capacity (``limit`` = ``max_len``).
         ``features``: layer counts whose residual stream every full-model forward keeps in the cache
-        (:attr:`KVCache.features`, in the cache dtype); such a cache runs eagerly, outside the CUDA graphs."""
+        (:attr:`KVCache.features`, in the cache dtype); such a cache runs eagerly, outside the CUDA graphs.
+        ``shared``: positions a kept prefix will fill (llama.cpp's context counts them; here each cache is its own)."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the model's context is {self.max_positions}"
@@ -332,6 +335,24 @@ class Backbone:
     def room_for(self, positions: int) -> bool:
         """Always: each cache holds its own positions (llama.cpp's backbone answers for its shared context)."""
         return True
+
+    def keep_prefix(self, cache: KVCache, ids: Sequence[int]) -> bool:
+        """Keep a finished request's keys (its first ``cache.length`` positions, of tokens ``ids``) in
+        :attr:`prefixes`, copied out of the cache (whose tensors or slot go on to other requests)."""
+        n = min(cache.length, len(ids))
+        if not self.prefixes.enabled or n < 1:
+            return False
+        rows = KeptRows.of(cache, n)
+        return self.prefixes.add(ids[:n], rows, rows.nbytes)
+
+    def restore_prefix(self, entry, cache: KVCache, n: int) -> int:
+        """Fill a new cache's first ``n`` positions from a :meth:`keep_prefix` entry: ``n``, or 0 where it cannot."""
+        return entry.handle.restore(cache, n)
+
+    def kv_bytes_per_token(self, features: Sequence[int] = ()) -> int:
+        """Bytes a cached position holds: keys and values of every layer (and the feature rows of ``features``)."""
+        size = torch.empty((), dtype=self.cache_dtype).element_size()
+        return size * (2 * self.n_layers * self.n_kv_heads * self.head_dim + len(features) * self.hidden_size)
 
     @torch.inference_mode()
     def warm_graphs(self, pooling=None, max_len: int = 1, skips: Sequence[SkipSet] = ()) -> int:

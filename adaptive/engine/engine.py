@@ -24,11 +24,13 @@ from adaptive.engine.loop import (
     GenerationStats,
     Lane,
     Prefill,
+    as_poolings,
     default_acceptor,
     new_cache,
     new_generator,
     step,
 )
+from adaptive.engine.prefix import Match
 from adaptive.engine.protocol import DecodeState, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
 from adaptive.errors import ConfigError
 
@@ -205,6 +207,7 @@ class Session:
     stats: GenerationStats
     started: float
     decoded: bool = False
+    keep: bool = False  # once decoded, its keys go to the backbone's prefix cache
 
     @property
     def pooled(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
@@ -219,6 +222,8 @@ class Prefilling:
 
     task: ChunkedPrefill
     started: float
+    keep: bool = False  # the session's keys go to the prefix cache once decoded
+    cached: int = 0  # prompt tokens started from the prefix cache
 
     @property
     def remaining(self) -> int:
@@ -241,9 +246,9 @@ class Prefilling:
         if pre is None:
             return None
         t, cfg = self.task, self.task.cfg
-        stats = GenerationStats(prompt_tokens=len(t.prompt_ids), prefill_time=pre.time)
+        stats = GenerationStats(prompt_tokens=len(t.prompt_ids), prefill_time=pre.time, cached_tokens=self.cached)
         state = DecodeState(t.backbone, t.cache, list(t.prompt_ids) + [pre.first], cfg, t.generator)
-        return Session(list(t.prompt_ids), cfg, state, pre, stats, self.started)
+        return Session(list(t.prompt_ids), cfg, state, pre, stats, self.started, keep=self.keep)
 
 
 @dataclass(eq=False)
@@ -322,24 +327,49 @@ class Engine:
         return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
 
     def start(self, prompt_ids: list[int], config: GenerationConfig | None = None,
-              pool: bool | Pooling | tuple[Pooling, ...] = False) -> Session:
+              pool: bool | Pooling | tuple[Pooling, ...] = False, prefix: bool = False) -> Session:
         """Prefill ``prompt_ids`` (with the prompt's embedding when ``pool``: ``True`` for the final mean,
         a :class:`~adaptive.engine.config.Pooling`, or a tuple of them, all from the one prefill): a
-        :class:`Session` to decode."""
-        session = self.prefilling(prompt_ids, config, pool).advance()
+        :class:`Session` to decode. ``prefix``: use the backbone's prefix cache (see :meth:`prefilling`)."""
+        session = self.prefilling(prompt_ids, config, pool, prefix=prefix).advance()
         assert session is not None
         return session
 
     def prefilling(self, prompt_ids: list[int], config: GenerationConfig | None = None,
-                   pool: bool | Pooling | tuple[Pooling, ...] = False, chunk: int = 0) -> Prefilling:
+                   pool: bool | Pooling | tuple[Pooling, ...] = False, chunk: int = 0,
+                   prefix: bool = False) -> Prefilling:
         """:meth:`start` a chunk at a time: a :class:`Prefilling` whose :meth:`~Prefilling.advance`
         prefills ``chunk`` more prompt tokens (``0``: all of them) and returns the :class:`Session`
-        after the last chunk (``None`` before). The cache is allocated now."""
+        after the last chunk (``None`` before). The cache is allocated now.
+
+        ``prefix``: start from the longest prompt prefix the backbone's prefix cache holds
+        (:mod:`adaptive.engine.prefix`; its ``stats.cached_tokens``), and keep this request's keys there
+        once it is decoded. Not where a ``mean`` pooling is asked for (it needs every prompt
+        position's hidden state), nor while the cache has no budget. Measurements leave it off: a
+        prompt decoded twice would be prefilled once."""
         cfg = config or GenerationConfig()
         t0 = time.perf_counter()
         gen = new_generator(cfg, self.backbone.device)
-        cache = new_cache(self.backbone, len(prompt_ids), cfg)
-        return Prefilling(ChunkedPrefill(self.backbone, list(prompt_ids), cache, cfg, gen, pool, chunk), t0)
+        store = self.backbone.prefixes
+        keep = prefix and store.enabled and not any(p.mode == "mean" for p in as_poolings(pool))
+        match = store.lookup(prompt_ids) if keep else Match(None, 0)
+        try:
+            cache = new_cache(self.backbone, len(prompt_ids), cfg, shared=match.tokens)
+            cached = self.backbone.restore_prefix(match.entry, cache, match.tokens) if match.entry is not None else 0
+        finally:
+            if keep:
+                store.unpin(match.entry)
+        store.restored(cached)
+        cache.length = cached
+        task = ChunkedPrefill(self.backbone, list(prompt_ids), cache, cfg, gen, pool, chunk, position=cached)
+        return Prefilling(task, t0, keep=keep, cached=cached)
+
+    def _kept(self, decoding: Decoding) -> None:
+        """A finished decoding's keys to the prefix cache (once; only a session started with ``prefix``)."""
+        session = decoding.session
+        if session.keep and decoding.done:
+            session.keep = False
+            self.backbone.keep_prefix(session.state.cache, session.state.tokens)
 
     def begin(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,
               acceptor: Acceptor = default_acceptor) -> Decoding:
@@ -351,7 +381,9 @@ class Engine:
         session.decoded = True
         cfg = session.config
         lane = Lane(session.state, drafter, policy or FixedDraftLength(cfg.draft_len), cfg, session.stats, acceptor)
-        return Decoding(session, lane, TextStream(self._decode_text, self.eos, cfg))
+        decoding = Decoding(session, lane, TextStream(self._decode_text, self.eos, cfg))
+        self._kept(decoding)
+        return decoding
 
     def step(self, decodings: Sequence[Decoding], choices: Sequence[DraftChoice | None] | None = None,
              riders: Sequence[Prefilling] = ()) -> list[str]:
@@ -362,7 +394,10 @@ class Engine:
         if any(d.done for d in decodings):
             raise ConfigError("a finished decoding cannot step")
         chunks = step(self.backbone, [d.lane for d in decodings], choices, [p.task for p in riders])
-        return [d.out.push(c) for d, c in zip(decodings, chunks)]
+        deltas = [d.out.push(c) for d, c in zip(decodings, chunks)]
+        for d in decodings:
+            self._kept(d)
+        return deltas
 
     def decode(self, session: Session, drafter: Drafter | None = None, policy: DraftLengthPolicy | None = None,
                acceptor: Acceptor = default_acceptor) -> Iterator[str | GenerationResult]:

@@ -61,6 +61,7 @@ import torch
 from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
+from adaptive.engine.prefix import PrefixStore
 from adaptive.errors import ConfigError, ContextFullError, ModelNotFoundError, PromptTooLongError
 from adaptive.workdir import cache_dir, cpu_name, read_json, write_json
 
@@ -318,6 +319,21 @@ class LlamaCache:
             self._release()
 
 
+@dataclass(eq=False)
+class _KeptSequence:
+    """A prefix-cache entry's handle on llama.cpp: the sequence holding its cells (given back on release)."""
+
+    backbone: object  # weakref.ref to the LlamaCppBackbone: the entry does not keep the model alive
+    seq: int
+    released: bool = False
+
+    def release(self) -> None:
+        bb = self.backbone()
+        if not self.released and bb is not None:
+            self.released = True
+            bb._release(self.seq)
+
+
 class LlamaCppBackbone:
     """The engine's backbone over a GGUF file run by llama.cpp (see the module docstring).
 
@@ -389,6 +405,8 @@ class LlamaCppBackbone:
             attach(ctx, pool, None)
         self._free_seqs = list(range(sequences - 1, -1, -1))
         self._reserved: dict[int, int] = {}  # live sequence -> the positions its cache was made for
+        self._kept: dict[int, int] = {}  # a prefix-cache entry's sequence -> the cells it holds
+        self.prefixes = PrefixStore(0)  # finished requests' cells (:mod:`adaptive.engine.prefix`; no budget: off)
         self._scratch = sequences  # the routing embedding's sequence (see the module docstring)
         self.sequences = sequences
         self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
@@ -445,16 +463,23 @@ class LlamaCppBackbone:
 
     # -- caches ---------------------------------------------------------------------------------
 
-    def new_cache(self, max_len: int) -> LlamaCache:
+    def new_cache(self, max_len: int, shared: int = 0) -> LlamaCache:
         """A sequence for ``max_len`` positions; :class:`PromptTooLongError` beyond the context,
         :class:`ContextFullError` when live caches hold so many of its positions that this one could
         overflow it mid-request (:meth:`free_positions`), and :class:`ConfigError` when ``sequences``
-        caches are already alive."""
+        caches are already alive. Prefix-cache entries give their cells and sequences back, least recently
+        used first, as far as this one needs them; ``shared``: positions it will share with a kept
+        prefix (:meth:`restore_prefix`: those cells are held already)."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the llama.cpp context is {self.max_positions}")
+        while True:  # entries are evicted outside the lock (an eviction takes the store's lock, then this one)
+            with self._lock:
+                short = max_len - shared > self._cells_free() or not self._free_seqs
+            if not short or not self.prefixes.evict_one():
+                break
         with self._lock:  # checked and reserved under one lock: two callers cannot both take the last room
-            if not self.room_for(max_len):
+            if not self.room_for(max_len) or max_len - shared > self._cells_free():
                 raise ContextFullError(f"{max_len} positions are needed and live requests leave "
                                        f"{self.free_positions()} of the llama.cpp context's {self.max_positions}: "
                                        "retry when one has finished")
@@ -485,6 +510,10 @@ class LlamaCppBackbone:
         are free (:meth:`free_positions`), after collecting finished requests' caches where they are not."""
         return positions <= self.free_positions() or positions <= self.free_positions(collect=True)
 
+    def _cells_free(self) -> int:
+        """Cells neither a live cache was made for nor a prefix-cache entry holds."""
+        return self.max_positions - sum(self._reserved.values()) - sum(self._kept.values())
+
     def _release(self, seq: int) -> None:
         if not self._closer.alive:
             return
@@ -492,6 +521,37 @@ class LlamaCppBackbone:
             self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
             self._free_seqs.append(seq)
             self._reserved.pop(seq, None)
+            self._kept.pop(seq, None)
+
+    def keep_prefix(self, cache: LlamaCache, ids: Sequence[int]) -> bool:
+        """Keep a finished request's sequence (its first ``cache.length`` cells, of tokens ``ids``) in
+        :attr:`prefixes`: the sequence becomes the entry's, its cells beyond them dropped, and its
+        reservation shrinks to the cells it holds (an entry is evicted when a new cache needs the room)."""
+        n = min(cache.length, len(ids))
+        if not self.prefixes.enabled or n < 1 or cache._release is None or not cache._release.alive:
+            return False
+        with self._lock:
+            self._rewind(cache, n)
+            cache._release.detach()  # the sequence is the entry's now
+            self._reserved.pop(cache.seq, None)
+            self._kept[cache.seq] = n
+        return self.prefixes.add(ids[:n], _KeptSequence(weakref.ref(self), cache.seq), n * self.kv_bytes_per_token())
+
+    def restore_prefix(self, entry, cache: LlamaCache, n: int) -> int:
+        """Share a kept entry's first ``n`` cells with a new sequence (llama.cpp copies no keys: the
+        cells are tagged with both sequences): ``n``."""
+        with self._lock:
+            if cache.written:
+                raise ValueError("a prefix is restored into a new sequence only")
+            self._lib.llama_memory_seq_cp(self._mem, entry.handle.seq, cache.seq, 0, n)
+            cache.written = n
+        return n
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes a cached position holds: every layer's key and value in float16 (llama.cpp's default cache type)."""
+        lib, model = self._lib, self._model
+        head_dim = self.hidden_size // int(lib.llama_model_n_head(model))
+        return 2 * 2 * self.n_layers * int(lib.llama_model_n_head_kv(model)) * head_dim
 
     # -- forwards -------------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class GenerationStats:
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per step -> count
     draft_lengths: Counter = field(default_factory=Counter)  # drafted per step -> count
     prefill_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens a prefix cache held (not prefilled)
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
@@ -86,6 +87,7 @@ class GenerationStats:
         return {
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "steps": self.steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -141,17 +143,31 @@ def new_generator(cfg: GenerationConfig, device: torch.device) -> torch.Generato
     return gen
 
 
+def as_poolings(pool: bool | Pooling | tuple[Pooling, ...]) -> tuple[Pooling, ...]:
+    """A prefill's ``pool`` argument as a tuple of poolings (``True``: ``Pooling()``, the final mean;
+    ``False``: none)."""
+    if pool is True:
+        return (Pooling(),)
+    if not pool:
+        return ()
+    return tuple(pool) if isinstance(pool, tuple) else (pool,)
+
+
 def cache_positions(n_prompt: int, max_new_tokens: int, draft_len: int) -> int:
     """Positions a request's KV cache needs: the prompt, its new tokens and the longest draft beyond
     them (verified with the pending token). Example: ``cache_positions(10, 5, 8) == 24``."""
     return n_prompt + max_new_tokens + draft_len + 1
 
 
-def new_cache(backbone, n_prompt: int, cfg: GenerationConfig):
+def new_cache(backbone, n_prompt: int, cfg: GenerationConfig, shared: int = 0):
     """A KV cache with room for the prompt, ``cfg.max_new_tokens`` and the longest draft beyond them,
-    keeping the feature rows ``cfg.features`` names."""
+    keeping the feature rows ``cfg.features`` names; ``shared``: its first positions a kept prefix
+    will fill (:mod:`adaptive.engine.prefix`)."""
     positions = cache_positions(n_prompt, cfg.max_new_tokens, cfg.draft_len)
-    return backbone.new_cache(positions, features=cfg.features) if cfg.features else backbone.new_cache(positions)
+    extra = {"shared": shared} if shared else {}
+    if cfg.features:
+        extra["features"] = cfg.features
+    return backbone.new_cache(positions, **extra)
 
 
 def prefill(backbone, prompt_ids: list[int], cache, cfg: GenerationConfig, generator: torch.Generator | None,
@@ -202,11 +218,7 @@ class ChunkedPrefill:
     @property
     def poolings(self) -> tuple[Pooling, ...]:
         """The poolings asked for (``True``: ``Pooling()``, the final mean)."""
-        if self.pool is True:
-            return (Pooling(),)
-        if not self.pool:
-            return ()
-        return tuple(self.pool) if isinstance(self.pool, tuple) else (self.pool,)
+        return as_poolings(self.pool)
 
     @property
     def remaining(self) -> int:

@@ -1,0 +1,230 @@
+"""The prefix cache (:mod:`adaptive.engine.prefix`): the store's bookkeeping on literal ids, and on both
+engines a request started from a kept prefix decodes what it decodes from scratch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.engine.config import GenerationConfig, Pooling
+from adaptive.engine.engine import Engine
+from adaptive.engine.prefix import PrefixStore, budget_bytes, common_prefix
+from adaptive.errors import ConfigError
+from tests.conftest import tiny_lm
+
+
+class Held:
+    """A stand-in handle that records its release."""
+
+    def __init__(self):
+        self.released = False
+
+    def release(self):
+        self.released = True
+
+
+def test_common_prefix_on_literal_ids():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([7, 8], [7, 8]) == 2
+
+
+def test_lookup_leaves_the_last_prompt_token_to_prefill():
+    store = PrefixStore(1000)
+    store.add([5, 6, 7, 8], Held(), 10)
+    assert store.peek([5, 6, 9]) == 2
+    assert store.peek([5, 6]) == 1  # its last token is prefilled: its logits give the first new token
+    assert store.peek([5, 6, 7, 8, 1, 2]) == 4
+    assert store.peek([9]) == 0
+    m = store.lookup([5, 6, 7, 8, 1])
+    assert m.tokens == 4 and m.entry.pins == 1
+    store.unpin(m.entry)
+    store.restored(m.tokens)
+    s = store.stats()
+    assert (s.entries, s.tokens, s.nbytes, s.lookups, s.hits, s.cached_tokens) == (1, 4, 10, 1, 1, 4)
+
+
+def test_least_recently_used_entries_go_first_within_the_budget():
+    store = PrefixStore(25)
+    a, b, c = Held(), Held(), Held()
+    store.add([1, 2, 3], a, 10)
+    store.add([4, 5, 6], b, 10)
+    store.unpin(store.lookup([1, 2, 3, 9]).entry)  # [1, 2, 3] is now the most recently used
+    store.add([7, 8, 9], c, 10)  # 30 bytes > 25: the least recently used, [4, 5, 6], goes
+    assert b.released and not a.released and not c.released
+    assert store.stats().nbytes == 20 and store.stats().evictions == 1
+
+
+def test_a_next_turn_replaces_the_entry_it_extends_and_a_held_prefix_is_not_kept_twice():
+    store = PrefixStore(100)
+    first, second, again = Held(), Held(), Held()
+    assert store.add([1, 2, 3], first, 10)
+    assert store.add([1, 2, 3, 4, 5], second, 10)  # the conversation's next turn holds the first
+    assert first.released and store.stats().entries == 1
+    assert not store.add([1, 2, 3], again, 10)  # already held by the longer entry
+    assert again.released and store.stats().entries == 1
+
+
+def test_pinned_entries_are_not_evicted_and_oversized_or_disabled_adds_are_released():
+    store = PrefixStore(10)
+    a = Held()
+    store.add([1, 2], a, 10)
+    m = store.lookup([1, 2, 3])
+    assert not store.evict_one() and not a.released
+    store.unpin(m.entry)
+    assert store.evict_one() and a.released
+    big = Held()
+    assert not store.add([3, 4], big, 11) and big.released
+    off, h = PrefixStore(0), Held()
+    assert not off.enabled and not off.add([1], h, 1) and h.released
+    with pytest.raises(ConfigError):
+        PrefixStore(-1)
+    kept = PrefixStore(30)
+    handles = [Held() for _ in range(3)]
+    for i, h in enumerate(handles):
+        kept.add([i], h, 10)
+    kept.resize(15)  # the two least recently used make way
+    assert [h.released for h in handles] == [True, True, False] and kept.stats().budget == 15
+    kept.resize(0)
+    assert handles[2].released and not kept.enabled
+    with pytest.raises(ConfigError):
+        budget_bytes(-0.5)
+    assert budget_bytes(1) == 2**20
+
+
+# -- on the engines ------------------------------------------------------------------------------
+
+TURN1 = [5, 9, 14, 22, 9, 14, 22, 31, 7, 9, 14, 22, 40, 12]
+NEW_USER_TURN = [3, 17, 9, 14, 2, 28]
+
+
+def run(engine: Engine, ids: list[int], cfg: GenerationConfig, prefix: bool, drafter=None, chunk: int = 0,
+        pool=False):
+    task = engine.prefilling(ids, cfg, pool=pool, chunk=chunk, prefix=prefix)
+    while (session := task.advance()) is None:
+        pass
+    result = None
+    for item in engine.decode(session, drafter):
+        result = item
+    return result
+
+
+def conversation(engine: Engine, cfg: GenerationConfig, drafter_spec=None, chunk: int = 0, pool=False):
+    """Turn 1, then turn 2 (turn 1, its answer and a new user turn), both through the prefix cache: the
+    second turn's result."""
+    first = run(engine, TURN1, cfg, True, chunk=chunk, pool=pool)
+    second = TURN1 + first.token_ids + NEW_USER_TURN
+    drafter = build_drafter(drafter_spec, engine.backbone) if drafter_spec else None
+    return second, run(engine, second, cfg, True, drafter, chunk=chunk, pool=pool)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_torch_a_second_turn_from_the_cached_first_decodes_what_it_decodes_from_scratch(family, chunk):
+    lm = tiny_lm(family)
+    lm.backbone.prefixes.resize(budget_bytes(64))
+    engine = Engine(lm)
+    cfg = GenerationConfig(max_new_tokens=12, draft_len=3)
+    second, cached = conversation(engine, cfg, DrafterSpec("pld"), chunk=chunk, pool=Pooling(2, "last"))
+    assert cached.stats.cached_tokens >= len(TURN1)  # turn 1 and (most of) its answer
+    fresh = run(Engine(tiny_lm(family)), second, cfg, False)
+    assert fresh.stats.cached_tokens == 0
+    assert cached.token_ids == fresh.token_ids  # fp32: token for token
+    assert lm.backbone.prefixes.stats().entries == 1  # turn 2 replaced turn 1, which it extends
+
+
+def test_torch_sampling_from_a_cached_prefix_draws_what_it_draws_from_scratch():
+    lm = tiny_lm("llama")
+    lm.backbone.prefixes.resize(budget_bytes(64))
+    engine = Engine(lm)
+    cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    second, cached = conversation(engine, cfg)
+    assert cached.stats.cached_tokens > 0
+    assert cached.token_ids == run(Engine(tiny_lm("llama")), second, cfg, False).token_ids
+
+
+def test_torch_eagle_feature_rows_come_back_with_the_keys():
+    lm = tiny_lm("llama")
+    lm.backbone.prefixes.resize(budget_bytes(64))
+    engine = Engine(lm)
+    cfg = GenerationConfig(max_new_tokens=8, features=(1, 2, 4))
+    run(engine, TURN1, cfg, True)
+    task = engine.prefilling(TURN1 + [3, 4], cfg, prefix=True)
+    session = task.advance()
+    fresh = Engine(tiny_lm("llama")).prefilling(TURN1 + [3, 4], cfg).advance()
+    n = len(TURN1) + 2
+    assert task.cached == len(TURN1)
+    # the same rows as a prefill from scratch, to the rounding of a forward of another shape
+    assert torch.allclose(session.state.cache.features[:n], fresh.state.cache.features[:n], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(session.state.cache.k[:, :, :n], fresh.state.cache.k[:, :, :n], rtol=1e-4, atol=1e-4)
+    assert session.state.cache.features[:n].abs().sum() > 0
+    other = GenerationConfig(max_new_tokens=8, features=(1, 3, 4))  # other layers: nothing restored
+    assert Engine(lm).prefilling(TURN1 + [3, 4], other, prefix=True).cached == 0
+
+
+def test_torch_no_reuse_for_mean_pooling_or_without_the_flag():
+    lm = tiny_lm("llama")
+    lm.backbone.prefixes.resize(budget_bytes(64))
+    engine = Engine(lm)
+    cfg = GenerationConfig(max_new_tokens=6)
+    run(engine, TURN1, cfg, True)
+    assert engine.prefilling(TURN1 + [3], cfg, pool=Pooling(2, "mean"), prefix=True).cached == 0
+    assert engine.prefilling(TURN1 + [3], cfg).cached == 0
+    assert engine.prefilling(TURN1 + [3], cfg, pool=Pooling(2, "last"), prefix=True).cached == len(TURN1)
+
+
+def test_an_abandoned_decoding_keeps_nothing():
+    lm = tiny_lm("llama")
+    lm.backbone.prefixes.resize(budget_bytes(64))
+    engine = Engine(lm)
+    decoding = engine.begin(engine.start(TURN1, GenerationConfig(max_new_tokens=20), prefix=True))
+    engine.step([decoding])  # not done: a client that leaves now
+    del decoding
+    assert lm.backbone.prefixes.stats().entries == 0
+
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def cpp_lm(tiny_gguf):
+    """The tiny Llama on the llama.cpp engine, with a context of 256 positions (4 sequences)."""
+    from adaptive.models import LoadedModel
+    from tests.conftest import char_tokenizer
+
+    return LoadedModel(None, char_tokenizer(), "tiny-gguf", str(tiny_gguf[0]), torch.device("cpu"), torch.float32,
+                       engine="llama.cpp", threads=1, context=256)
+
+
+def test_llamacpp_a_second_turn_shares_the_first_turns_cells_and_decodes_the_same(cpp_lm):
+    bb = cpp_lm.backbone
+    bb.prefixes.resize(budget_bytes(64))
+    try:
+        engine = Engine(cpp_lm)
+        cfg = GenerationConfig(max_new_tokens=10, draft_len=3)
+        second, cached = conversation(engine, cfg, DrafterSpec("pld"), pool=Pooling(2, "last"))
+        assert cached.stats.cached_tokens >= len(TURN1)
+        bb.prefixes.clear()
+        assert bb.free_positions() == bb.max_positions  # the entries gave their sequences back
+        fresh = run(engine, second, cfg, False)
+        assert cached.token_ids == fresh.token_ids
+    finally:
+        bb.prefixes.resize(0)
+
+
+def test_llamacpp_entries_give_their_cells_and_sequences_to_new_requests(cpp_lm):
+    bb = cpp_lm.backbone
+    bb.prefixes.resize(budget_bytes(64))
+    try:
+        engine = Engine(cpp_lm)
+        cfg = GenerationConfig(max_new_tokens=40)
+        for i in range(6):  # more finished prompts than the context's 4 sequences and 256 cells hold
+            run(engine, [i + 1] * 30 + TURN1, cfg, True)
+        s = bb.prefixes.stats()
+        assert 1 <= s.entries <= bb.sequences and s.tokens <= bb.max_positions
+        cache = bb.new_cache(bb.max_positions)  # the whole context: every entry makes way
+        assert bb.prefixes.stats().entries == 0 and bb.prefixes.stats().evictions >= 6 - bb.sequences
+        cache.release()
+    finally:
+        bb.prefixes.resize(0)
