@@ -90,6 +90,7 @@ class EngineEstimate:
     prefill_s: float
     decode_s: float
     pace: float = 1.0  # the learned factor decode_s includes (:mod:`adaptive.runtime.pace`; 1: the calibrated price)
+    cached: int = 0  # prompt tokens its prefix cache holds (not in prefill_s)
 
     @property
     def expected_s(self) -> float:
@@ -97,7 +98,7 @@ class EngineEstimate:
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
-                "expected_s": round(self.expected_s, 4), "pace": round(self.pace, 4)}
+                "expected_s": round(self.expected_s, 4), "pace": round(self.pace, 4), "cached_tokens": self.cached}
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ class EngineChoice:
         notes = [f"priced as {self.domain}"] if self.domain is not None else []
         if round(self.priced_tokens) < self.new_tokens:
             notes.append(f"for {round(self.priced_tokens)} of {self.new_tokens} tokens")
-        return ("expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}" for e in ordered)
+        return ("expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}"
+                                        + (f" ({e.cached} prompt tokens cached)" if e.cached else "") for e in ordered)
                 + (f" ({', '.join(notes)})" if notes else ""))
 
     def to_dict(self) -> dict:
@@ -148,16 +150,17 @@ def added_step(verify: Sequence[float], running: int) -> float:
 
 
 def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: int = 0,
-             domain: str | None = None, pace: float = 1.0) -> EngineEstimate:
+             domain: str | None = None, pace: float = 1.0, cached: int = 0) -> EngineEstimate:
     """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
-    and ``new_tokens`` (an expectation may be fractional) at its expected pace in ``domain`` (``None``
-    or not one of its domains: the average, :meth:`Profile.seconds_per_token
-    <adaptive.profile.Profile.seconds_per_token>`) times ``pace`` (a learned correction,
-    :class:`~adaptive.runtime.pace.PaceLearner`), each step priced by :func:`added_step` with
+    less the ``cached`` ones its prefix cache holds, and ``new_tokens`` (an expectation may be
+    fractional) at its expected pace in ``domain`` (``None`` or not one of its domains: the average,
+    :meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`) times ``pace``
+    (a learned correction, :class:`~adaptive.runtime.pace.PaceLearner`), each step priced by :func:`added_step` with
     ``running`` requests already decoding there."""
     per_token = profile.seconds_per_token(domain) * pace * added_step(profile.cost_model.verify, running)
-    return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(prompt_tokens),
-                          new_tokens * per_token, pace)
+    uncached = max(prompt_tokens - cached, 1)
+    return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(uncached),
+                          new_tokens * per_token, pace, cached)
 
 
 def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
@@ -287,6 +290,10 @@ class TwoEngineRuntime:
     def warm(self) -> int:
         return sum(rt.warm() for rt in self.runtimes.values())
 
+    def prefix_caches(self) -> dict:
+        """Engine -> its prefix cache's :class:`~adaptive.engine.prefix.PrefixStats` (``/metrics``)."""
+        return {name: stats for rt in self.runtimes.values() for name, stats in rt.prefix_caches().items()}
+
     def bandit_state(self) -> dict:
         return {f"{name}/{k}": v for name, rt in self.runtimes.items() for k, v in rt.bandit_state().items()}
 
@@ -303,12 +310,15 @@ class TwoEngineRuntime:
         lexicon = self.profile.lexicon
         return lexicon.guess(prompt_ids) if lexicon is not None else None
 
-    def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None) -> EngineChoice:
+    def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None,
+               prompt_ids: Sequence[int] | None = None) -> EngineChoice:
         """Where a request of ``prompt_tokens`` and at most ``new_tokens`` runs, among the engines that can
         take it now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the
         cost, each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
         domains), priced for the tokens it is expected to decode (:attr:`lengths`; see the module
-        docstring)."""
+        docstring). Given its ``prompt_ids``, each engine prices only the prompt tokens its prefix
+        cache does not hold (:meth:`AdaptiveRuntime.cached_tokens`): a conversation stays where its
+        history is, unless the other engine is expected to finish first anyway."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
         # the engines that can take it now; none (its caller did not ask fits()): every engine, and the
@@ -316,7 +326,8 @@ class TwoEngineRuntime:
         names = self._fitting(prompt_tokens, new_tokens) or list(self.runtimes)
         expected = self.lengths.expected(domain, new_tokens) if self.lengths is not None else None
         estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens if expected is None else expected,
-                              running[name], domain, self.pace.factor(name, domain) if self.pace is not None else 1.0)
+                              running[name], domain, self.pace.factor(name, domain) if self.pace is not None else 1.0,
+                              self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0)
                      for name in names]
         return choose(estimates, prompt_tokens, new_tokens, domain, expected)
 
@@ -395,7 +406,7 @@ class TwoEngineRuntime:
         """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
-        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids))
+        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids)
         member = self.runtimes[choice.engine]
         items = member.stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(), **options)  # checks them now
         greedy = member.config(max_new_tokens, **{k: v for k, v in options.items() if k != "policy"}).greedy
@@ -428,7 +439,7 @@ class TwoEngineRuntime:
 
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> _ChosenPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
-        choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids))
+        choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids), prompt_ids)
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
         self._admit(choice.engine, task, choice, task.task.config.greedy)

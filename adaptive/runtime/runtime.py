@@ -37,6 +37,7 @@ from adaptive.drafters.model import build_draft_model
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Decoding, Engine, GenerationResult, Prefilling, Session
 from adaptive.engine.loop import cache_positions
+from adaptive.engine.prefix import DEFAULT_PREFIX_CACHE_MIB, PrefixStats, budget_bytes
 from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import ConfigError
@@ -226,12 +227,16 @@ class AdaptiveRuntime:
     profile; ``False`` turns it off, an :class:`OnlineSettings` tunes it. ``goodput`` (on by default):
     requests stepped together draft the lengths that maximise the batch's expected tokens per
     second (:meth:`batch_choices`); ``False``: each request's bandit chooses as if alone. Call
-    :meth:`close` when done (it saves what was learned).
+    :meth:`close` when done (it saves what was learned). ``prefix_cache``: the MiB of finished
+    requests' keys and values kept for later requests that start with the same tokens (a
+    conversation's next turn, a shared system prompt or document; :mod:`adaptive.engine.prefix`);
+    0 keeps none.
     """
 
     def __init__(self, profile: Profile, lm: LoadedModel, *, bandit: bool = True, seed: int | None = 0,
                  window: float = 500.0, reduced_vocab: bool = True, online: bool | OnlineSettings = True,
-                 goodput: bool = True, model_lock: TurnLock | None = None):
+                 goodput: bool = True, model_lock: TurnLock | None = None,
+                 prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
         self.profile = profile
@@ -262,6 +267,9 @@ class AdaptiveRuntime:
         captured = getattr(bb, "graphs", None) is not None and bb.graphs.enabled
         self.features = tuple(eagle.shape["layers"]) if eagle is not None and eagle.shape and \
             bb.engine == "torch" and not captured else ()
+        # finished requests' keys, reused by later requests sharing their first tokens (a conversation's
+        # history, a shared system prompt or document): MiB on this engine, 0 off (:mod:`adaptive.engine.prefix`)
+        bb.prefixes.resize(budget_bytes(prefix_cache))
         settings = OnlineSettings.coerce(online)
         self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits) if settings.enabled else None
 
@@ -470,6 +478,18 @@ class AdaptiveRuntime:
         need = cache_positions(prompt_tokens, max_new_tokens, self.draft_len)
         return need <= bb.max_positions and bb.room_for(need)
 
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """The prompt tokens a request would start from the prefix cache now (0 where it keeps none, or
+        routing pools a ``mean`` over every position), touching nothing: what the engine choice prices."""
+        store = self.engine.backbone.prefixes
+        if not store.enabled or self.profile.index.pooling.mode == "mean":
+            return 0
+        return store.peek(prompt_ids)
+
+    def prefix_caches(self) -> dict[str, PrefixStats]:
+        """Engine -> its prefix cache's entries, bytes and hits (``/metrics``)."""
+        return {self.lm.engine: self.engine.backbone.prefixes.stats()}
+
     def config(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] | str = (), seed: int | None = None,
                confidence_threshold: float | None = None) -> GenerationConfig:
@@ -502,11 +522,13 @@ class AdaptiveRuntime:
         pol = get_policy(policy)
         cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
         with self._lock:
-            task = self.engine.prefilling(list(prompt_ids), cfg, pool=self.profile.index.pooling, chunk=chunk)
+            task = self.engine.prefilling(list(prompt_ids), cfg, pool=self.profile.index.pooling, chunk=chunk,
+                                          prefix=True)
         return RoutedPrefilling(self, task, pol)
 
     def _start(self, ids: list[int], cfg: GenerationConfig, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
-        return self._route(self.engine.start(ids, cfg, pool=self.profile.index.pooling), pol, shared_draft_model)
+        return self._route(self.engine.start(ids, cfg, pool=self.profile.index.pooling, prefix=True), pol,
+                           shared_draft_model)
 
     def _route(self, session: Session, pol: Policy, shared_draft_model: bool) -> RoutedDecoding:
         """Route a prefilled session, plan it and make it ready to step (caller holds the model lock)."""

@@ -168,7 +168,8 @@ class _Endpoints:
             if result is None:  # the client left
                 return Response(status_code=499)
             req = job.request
-            usage = usage_body(job.admission.prompt_tokens, len(result.token_ids), extension(result))
+            usage = usage_body(job.admission.prompt_tokens, len(result.token_ids), extension(result),
+                               result.stats.cached_tokens)
             return JSONResponse(completion_body(req, self.model_name, result.text, FINISH_REASONS[result.finish_reason],
                                                 usage))
         finally:
@@ -196,7 +197,8 @@ class _Endpoints:
                         yield data(chunk_body(req, model, "", first=True))
                     yield data(chunk_body(req, model, "", FINISH_REASONS[r.finish_reason]))
                     if req.include_usage:
-                        usage = usage_body(job.admission.prompt_tokens, len(r.token_ids), extension(r))
+                        usage = usage_body(job.admission.prompt_tokens, len(r.token_ids), extension(r),
+                                           r.stats.cached_tokens)
                         yield data(chunk_body(req, model, None, usage=usage))
         except Exception as exc:  # noqa: BLE001 - a bug after the stream started: say so, then end it
             log.error("streaming request %s failed", req.id, exc_info=exc)
@@ -232,6 +234,13 @@ class _Endpoints:
             cost = learner.measure_cost()
             self.metrics.set("online_measure_seconds_total", cost["measure_seconds"])
             self.metrics.set("online_measure_waits_total", cost["measure_waits"])
+        caches = getattr(self.runtime, "prefix_caches", None)
+        for engine, stats in (caches() if caches is not None else {}).items():  # as each engine's store counts them
+            for name, value in (("prefix_cache_bytes", stats.nbytes), ("prefix_cache_budget_bytes", stats.budget),
+                                ("prefix_cache_entries", stats.entries), ("prefix_cache_hits_total", stats.hits),
+                                ("prefix_cached_tokens_total", stats.cached_tokens),
+                                ("prefix_cache_evictions_total", stats.evictions)):
+                self.metrics.set(name, value, engine=engine)
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     # -- the app's life ----------------------------------------------------------------------------

@@ -23,6 +23,12 @@ Series (all prefixed ``adaptive_``):
 ``batch_size``                         summary    requests verified together per decoding step
 ``online_measure_seconds_total``       counter    model time the online learner's background races took
 ``online_measure_waits_total``         counter    times a race block waited for serving to leave it room
+``prefix_cache_bytes{engine}``         gauge      bytes of keys and values the prefix cache keeps
+``prefix_cache_budget_bytes{engine}``  gauge      the prefix cache's budget (0: off)
+``prefix_cache_entries{engine}``       gauge      finished sequences the prefix cache keeps
+``prefix_cache_hits_total{engine}``    counter    requests started from a cached prefix
+``prefix_cached_tokens_total{engine}`` counter    prompt tokens not prefilled because they were cached
+``prefix_cache_evictions_total{engine}`` counter  entries evicted (the budget, or a new request's room)
 =====================================  =========  ============================================
 
 A request routed out of domain counts under ``domain="none"``.
@@ -53,6 +59,12 @@ _HELP = {
     "batch_size": ("summary", "Requests verified together per decoding step (_sum / _count: the mean)."),
     "online_measure_seconds_total": ("counter", "Model time taken by the online learner's background races."),
     "online_measure_waits_total": ("counter", "Times a background race block waited for serving to leave room."),
+    "prefix_cache_bytes": ("gauge", "Bytes of keys and values the prefix cache keeps, by engine."),
+    "prefix_cache_budget_bytes": ("gauge", "The prefix cache's budget in bytes, by engine (0: off)."),
+    "prefix_cache_entries": ("gauge", "Finished sequences the prefix cache keeps, by engine."),
+    "prefix_cache_hits_total": ("counter", "Requests started from a cached prefix, by engine."),
+    "prefix_cached_tokens_total": ("counter", "Prompt tokens not prefilled because they were cached, by engine."),
+    "prefix_cache_evictions_total": ("counter", "Prefix-cache entries evicted, by engine."),
 }
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
@@ -71,10 +83,10 @@ class Metrics:
         with self._lock:
             self._values[name][tuple(sorted(labels.items()))] += value
 
-    def set(self, name: str, value: float) -> None:
+    def set(self, name: str, value: float, **labels: str) -> None:
         self._check(name)
         with self._lock:
-            self._values[name][()] = value
+            self._values[name][tuple(sorted(labels.items()))] = value
 
     def observe(self, name: str, value: float, count: int = 1) -> None:
         """A summary's observation: ``value`` (seconds, or requests) over ``count`` events (e.g. tokens)."""

@@ -318,10 +318,14 @@ def parse_request(kind: str, body, served_model: str) -> ServeRequest:
 
 # -- responses -------------------------------------------------------------------------------------
 
-def usage_body(prompt_tokens: int, completion_tokens: int, extension: dict | None = None) -> dict:
-    """OpenAI's ``usage`` fields, plus ``adaptive``: how the request was decoded (see :func:`extension`)."""
+def usage_body(prompt_tokens: int, completion_tokens: int, extension: dict | None = None,
+               cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage`` fields, ``prompt_tokens_details.cached_tokens`` (the prompt tokens a prefix
+    cache held, as OpenAI defines it: counted in ``prompt_tokens`` too) included, plus ``adaptive``:
+    how the request was decoded (see :func:`extension`)."""
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if extension is not None:
         usage["adaptive"] = extension
     return usage
@@ -332,12 +336,13 @@ def extension(result) -> dict:
     ``domain`` (``None``: out-of-domain), the ``applied`` record, the ``policy``, the ``drafter``
     that decoded, the ``skip`` set it drafted with (text form, ``None`` without a layer-skip level),
     ``drafted``/``accepted`` tokens, ``acceptance_rate`` and ``mean_accepted_tokens``
-    (tokens per verification step, the target's own included), the ``engine`` that decoded it and,
-    from a two-engine profile, ``engine_choice`` (why: each engine's expected seconds)."""
+    (tokens per verification step, the target's own included), ``cached_tokens`` (prompt tokens
+    started from the prefix cache), the ``engine`` that decoded it and, from a two-engine profile,
+    ``engine_choice`` (why: each engine's expected seconds)."""
     s = result.stats
     out = {"domain": result.domain, "applied": result.applied, "policy": result.policy,
            "drafter": result.decision, "skip": result.skip.to_text() if result.skip is not None else None,
-           "drafted": s.drafted, "accepted": s.accepted,
+           "drafted": s.drafted, "accepted": s.accepted, "cached_tokens": s.cached_tokens,
            "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_tokens": round(s.mean_accepted_tokens, 4),
            "engine": result.engine or None}
     if result.engine_choice is not None:

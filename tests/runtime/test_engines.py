@@ -34,7 +34,8 @@ def test_choose_takes_the_least_expected_time_and_says_why():
     long = choose([replace(fast_decode, prefill_s=2.28), replace(fast_prefill, prefill_s=0.77)], 700, 64)
     assert long.engine == "torch" and long.reason == "expected 2.37 s on torch, 2.86 s on llama.cpp"
     d = long.to_dict()
-    assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37, "pace": 1.0}
+    assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37, "pace": 1.0,
+                                 "cached_tokens": 0}
     assert choose([fast_decode, replace(fast_decode, engine="torch")], 1, 1).engine == "llama.cpp"  # ties: first
     priced = choose([fast_decode, fast_prefill], 100, 256, "qa", expected_tokens=41.6)  # where answers end
     assert priced.reason == "expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa, for 42 of 256 tokens)"
@@ -74,6 +75,7 @@ def _runtime(two, pace=None, lengths=None, **kw):
 
     out, lms = two
     lock = TurnLock()
+    kw.setdefault("prefix_cache", 0)  # the members' backbones are shared by these tests: no entry carries over
     return TwoEngineRuntime({e: AdaptiveRuntime(load_profile(out, e), lm, online=False, model_lock=lock, **kw)
                              for e, lm in lms.items()}, "llama.cpp", pace, lengths)
 
@@ -189,6 +191,31 @@ def test_the_domain_guessed_from_the_prompt_prices_the_choice(two):
     r3 = rt.generate(code, max_new_tokens=8, policy="ar")
     assert r3.engine_choice["domain"] is None and "priced as" not in r3.engine_choice["reason"]
     assert r3.engine == "llama.cpp"  # the average, (25 / 4 + 25 + 25) / 3 ms a token, loses to 9
+
+
+@pytest.mark.parametrize("prefix_cache", [0, 64])
+def test_a_conversation_stays_on_the_engine_that_holds_its_history(two, prefix_cache):
+    """llama.cpp prefills 5 ms a token and decodes 9, torch 1 and 25: a short first turn goes to
+    llama.cpp; the second (the first, its reply and a new turn) would go to torch whole, but with
+    the first turn's keys cached on llama.cpp only its new part is priced there, and it stays."""
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+
+    rt = _runtime(two, prefix_cache=prefix_cache)
+    _set_costs(rt, llama_prefill_ms_per_token=5.0, torch_prefill_ms_per_token=1.0)
+    first = [{"role": "user", "content": "what is 2 plus 5? answer:"}]
+    r1 = rt.generate(first, max_new_tokens=16, policy="ar")
+    assert r1.engine == "llama.cpp" and r1.stats.cached_tokens == 0
+    second = first + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "and 3 plus 8? say it"}]
+    r2 = rt.generate(second, max_new_tokens=16, policy="ar")
+    held = {e["engine"]: e["cached_tokens"] for e in r2.engine_choice["estimates"]}
+    if not prefix_cache:
+        assert r2.engine == "torch" and held == {"llama.cpp": 0, "torch": 0}
+        return
+    assert r2.engine == "llama.cpp" and held["llama.cpp"] == r2.stats.cached_tokens > len(rt.encode(first))
+    assert held["torch"] == 0 and "prompt tokens cached" in r2.engine_choice["reason"]
+    plain = Engine(two[1]["llama.cpp"]).generate(rt.encode(second), GenerationConfig(max_new_tokens=16))
+    assert r2.token_ids == plain.token_ids
 
 
 def test_a_request_goes_where_the_positions_it_needs_are_free(two):

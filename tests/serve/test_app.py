@@ -169,6 +169,53 @@ def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tin
         rt.close()
 
 
+def test_a_conversation_re_sent_each_turn_starts_from_its_cached_history_and_is_lossless(runtime):
+    """Three turns, each re-sending the conversation so far (as chat clients do), and four clients
+    sharing a system prompt at once: every reply equals plain decoding of its conversation, the
+    later turns report the history's tokens as cached (OpenAI's field and ours), and /metrics counts
+    the hits."""
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+
+    def reference(messages, n):
+        return Engine(runtime.lm).generate(messages, GenerationConfig(max_new_tokens=n)).text
+
+    s = Server(create_app(runtime, max_queue=16, max_batch=4))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        messages, cached = [], []
+        for turn in ("what is 4 plus 7?", "and 5 plus 9?", "zz qq"):
+            messages.append({"role": "user", "content": turn})
+            r = client.chat.completions.create(model=model_name(runtime), messages=messages, max_tokens=6,
+                                               temperature=0)
+            reply = r.choices[0].message.content
+            assert reply == reference(messages, 6)
+            details = r.usage.prompt_tokens_details
+            assert details.cached_tokens == r.usage.model_extra["adaptive"]["cached_tokens"]
+            cached.append((details.cached_tokens, r.usage.prompt_tokens))
+            messages.append({"role": "assistant", "content": reply})
+        assert cached[0][0] < cached[0][1] and all(c > 0 for c, _ in cached[1:])
+        assert cached[2][0] > cached[1][0]  # the longer history
+
+        system = {"role": "system", "content": "You answer in one word, and only about sums of two numbers."}
+
+        def ask(i):
+            msgs = [system, {"role": "user", "content": PROMPTS[i]}]
+            r = client.chat.completions.create(model=model_name(runtime), messages=msgs, max_tokens=5, temperature=0)
+            return r.choices[0].message.content == reference(msgs, 5)
+
+        assert ask(0)  # the system prompt is cached now
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(ask, range(4)))
+        _, text = raw(s, "GET", "/metrics")
+        series = 'adaptive_prefix_cache_hits_total{engine="torch"}'
+        hits = [line for line in text.splitlines() if line.startswith(series)]
+        assert hits and float(hits[0].split()[-1]) >= 5
+        assert 'adaptive_prefix_cache_budget_bytes{engine="torch"}' in text
+    finally:
+        s.stop()
+
+
 def test_models_health_and_metrics(client, server, runtime):
     assert [m.id for m in client.models.list().data] == [model_name(runtime)]
     assert raw(server, "GET", "/health") == (200, {"status": "ok"})
