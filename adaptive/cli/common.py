@@ -4,6 +4,7 @@ options), click types for the options that are more than a number, and the share
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -157,6 +158,31 @@ class NameList(click.ParamType):
         if len(set(names)) != len(names):
             self.fail(f"a {self.noun} is listed twice in {value!r}", param, ctx)
         return names
+
+
+class MessagesFile(click.ParamType):
+    """A JSON file (``-``: standard input) holding a conversation: a non-empty list of
+    ``{"role": ..., "content": ...}`` objects whose fields are strings, as OpenAI's API takes them."""
+
+    name = "FILE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            text = sys.stdin.read() if value == "-" else Path(value).read_text(encoding="utf-8")
+        except OSError as exc:
+            self.fail(f"cannot read {value}: {exc.strerror or exc}", param, ctx)
+        try:
+            messages = json.loads(text)
+        except json.JSONDecodeError as exc:
+            self.fail(f"{value} is not JSON ({exc.msg} at line {exc.lineno})", param, ctx)
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            self.fail(f"{value} must hold a non-empty JSON list of {{\"role\": ..., \"content\": ...}} objects "
+                      "with string fields", param, ctx)
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def domain_prompts(pairs, option: str) -> dict[str, list[str]]:

@@ -7,10 +7,13 @@ drafter and its skip set, ``generate`` the profile and the routing policy.
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from adaptive.cli.common import (
     LayerList,
+    MessagesFile,
     command,
     device_option,
     dtype_option,
@@ -27,6 +30,7 @@ from adaptive.cli.common import (
 )
 from adaptive.drafters.factory import DRAFTERS, LAYER_SKIP_DRAFTERS, DrafterSpec, build_drafter
 from adaptive.engine.engine import Engine
+from adaptive.engine.prefix import DEFAULT_PREFIX_CACHE_MIB
 from adaptive.engine.skip import SkipSet
 from adaptive.runtime.policies import DISTILLED, POLICIES, ROUTED_POLICY
 
@@ -92,6 +96,8 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
     'adaptive generate "Summarise: ..." --profile my-profile --policy cascade --stream',
     'adaptive generate "What is 17 * 23?" --profile my-profile --policy early-exit --json',
     'adaptive generate "Fix this bug: ..." --profile my-profile --fixed-draft-len --full-vocab',
+    "adaptive generate --messages conversation.json --profile my-profile",
+    "adaptive generate --chat --profile my-profile   # a conversation, one user turn per line of stdin",
 ), terms=("Policies", {name: p.description for name, p in POLICIES.items()}), hints={
     "--profile": "without a profile, `adaptive decode PROMPT --drafter ...` decodes with a drafter you choose",
     "--skip-attn": "the skip set comes from the profile (`adaptive decode --skip-attn` takes one)",
@@ -101,7 +107,14 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
     "--raw": "with a profile the prompt is encoded as at calibration (`adaptive decode --raw` takes raw text)",
     "--method": "choose the routing with --policy",
 })
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("--messages", type=MessagesFile(), default=None,
+              help="A conversation to answer instead of PROMPT: a JSON list of {\"role\", \"content\"} objects "
+                   "(-: stdin).")
+@click.option("--chat", is_flag=True, help="Go on as a conversation: each line of stdin is the next user turn, "
+              "answered after the turns and replies so far (whose keys the prefix cache holds).")
+@click.option("--prefix-cache", type=click.FloatRange(min=0), default=DEFAULT_PREFIX_CACHE_MIB, show_default=True,
+              metavar="MIB", help="MiB of finished turns' keys and values kept for the next turn (0: none).")
 @click.option("--profile", "profile_dir", required=True, type=click.Path(file_okay=False),
               help="Calibration profile (`adaptive calibrate`) that routes the prompt.")
 @click.option("--policy", type=click.Choice(list(POLICIES)), default=ROUTED_POLICY, show_default=True,
@@ -121,25 +134,53 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
                    "generate itself saves nothing.")
 @stream_option
 @json_option
-def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, online, model_spec, dtype, weights, engine,
-                 device,
-                 stream, as_json, **sampling):
-    """Decode PROMPT through a profile (the runtime) and print the text.
+def generate_cmd(prompt, messages, chat, prefix_cache, profile_dir, policy, full_vocab, fixed_draft_len, online,
+                 model_spec, dtype, weights, engine, device, stream, as_json, **sampling):
+    """Decode PROMPT (or a conversation: --messages, --chat) through a profile (the runtime) and print the text.
 
     The prompt is routed to its domain (or out-of-domain: the global record), which says what
     drafts and how long. With a two-engine profile the prompt first goes to the engine expected to
     finish it first (`engine`, `engine_choice` with the expected times). With --json: one object
-    with the text, token_ids, stats, the route, the domain applied, the drafter and its draft lengths.
+    with the text, token_ids, stats, the route, the domain applied, the drafter and its draft lengths
+    (with --chat: one line per turn). With --chat, each turn after the first starts from the keys
+    of the turns before it (stats.cached_tokens), as `adaptive serve` does for a client re-sending
+    its conversation.
     """
+    if prompt is not None and messages is not None:
+        raise click.UsageError("give PROMPT or --messages, not both")
+    if prompt is None and messages is None and not chat:
+        raise click.UsageError("give a PROMPT, --messages FILE or --chat")
+    if chat and messages is None and prompt is None and sys.stdin.isatty():
+        info("a conversation: type a user turn per line, Ctrl-D to end")
     sampling_config(sampling)  # validated before the model loads
     from adaptive.runtime.online import OnlineSettings
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine, reduced_vocab=not full_vocab,
-                      bandit=not fixed_draft_len, online=OnlineSettings(enabled=online, persist=False))
+                      bandit=not fixed_draft_len, online=OnlineSettings(enabled=online, persist=False),
+                      prefix_cache=prefix_cache)
+    if not chat:
+        _answer(rt, messages if messages is not None else prompt, policy, stream, as_json, sampling)
+        return
+    history = list(messages or ([{"role": "user", "content": prompt}] if prompt is not None else []))
+    lines = sys.stdin
+    while True:
+        if not history or history[-1]["role"] == "assistant":
+            line = lines.readline()
+            if not line:
+                return
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line.rstrip("\n")})
+        result = _answer(rt, history, policy, stream, as_json, sampling)
+        history.append({"role": "assistant", "content": result.text})
+
+
+def _answer(rt, prompt, policy: str, stream: bool, as_json: bool, sampling: dict):
+    """Decode one prompt or conversation through the runtime, print it and what decoded it: the result."""
     items = rt.stream(prompt, policy=policy, **sampling)
     result = _print_stream(items, rt.lm, stream, as_json, getattr(rt, "runtimes", None))
     if as_json:
-        return
+        return result
     s = result.stats
     where = "out-of-domain (global set)" if result.domain is None else f"domain {result.domain}"
     how = []
@@ -150,8 +191,10 @@ def generate_cmd(prompt, profile_dir, policy, full_vocab, fixed_draft_len, onlin
     if result.engine_choice is not None:
         info(f"on the {result.engine} engine: {result.engine_choice['reason']} "
              f"({result.engine_choice['prompt_tokens']} prompt tokens, {result.engine_choice['new_tokens']} new)")
+    cached = f", {s.cached_tokens} of {s.prompt_tokens} prompt tokens cached" if s.cached_tokens else ""
     info(f"[{policy}] {where}, decoded with {result.drafter}" + (f" ({', '.join(how)})" if how else "")
-         + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}")
+         + f": {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}{cached}")
+    return result
 
 
 def _print_stream(items, lm, stream: bool, as_json: bool, members: dict | None = None):

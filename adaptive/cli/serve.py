@@ -14,6 +14,7 @@ from adaptive.cli.common import (
     model_option,
     weights_option,
 )
+from adaptive.engine.prefix import DEFAULT_PREFIX_CACHE_MIB
 from adaptive.errors import ConfigError
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 
@@ -78,9 +79,12 @@ class ReplicaId(click.ParamType):
 @click.option("--merge-interval", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="Seconds between reads of the other replicas' overlays while serving (0: before every "
               "request's learning).")
+@click.option("--prefix-cache", type=click.FloatRange(min=0), default=DEFAULT_PREFIX_CACHE_MIB, show_default=True,
+              metavar="MIB", help="MiB of finished requests' keys and values each engine keeps for requests that start "
+              "with the same tokens (a conversation's next turn, a shared system prompt or document); 0: none.")
 def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
               goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online,
-              online_path, replica_id, merge_interval):
+              online_path, replica_id, merge_interval, prefix_cache):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -89,7 +93,10 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     "adaptive" object: the routed domain, the drafter, acceptance. Up to --max-batch requests are
     decoded together: each step drafts for each of them and verifies all in one forward; waiting
     requests join as others finish, their prompts prefilled --prefill-chunk tokens between steps;
-    the batch's draft lengths are priced together (--goodput).
+    the batch's draft lengths are priced together (--goodput). A request that starts with the tokens
+    of one finished before (a conversation re-sending its history, a shared system prompt or
+    document) starts from their cached keys (--prefix-cache); usage.prompt_tokens_details.cached_tokens
+    says how many.
     Online learning (on by default) updates each domain's bigram table and bandits from the
     accepted output, discovers new domains among out-of-domain requests (measured in the
     background within a tenth of the model's time while serving is busy) and saves it all to
@@ -113,7 +120,8 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
                       online=OnlineSettings(enabled=online, path=online_path, replica=replica_id,
-                                            merge_interval=merge_interval), goodput=goodput)
+                                            merge_interval=merge_interval), goodput=goodput,
+                      prefix_cache=prefix_cache)
     captured = rt.warm()
     if captured:
         info(f"captured {captured} CUDA graphs of the model's steps")

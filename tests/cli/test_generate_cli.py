@@ -134,3 +134,45 @@ def test_a_model_named_explicitly_is_not_ignored_with_a_profile(capsys, tiny_pro
         code, _, err = run(capsys, command, "--profile", str(tiny_profile), *extra, *tail)
         assert code != 0 and "stopped here" in err
     assert asked == [DEFAULT_MODEL, None]
+
+
+def test_generate_a_conversation_reuses_each_turns_keys_and_decodes_what_it_would_from_scratch(
+        capsys, monkeypatch, tiny_model_dir, tiny_profile, tmp_path):
+    import io
+
+    base = ["--model", str(tiny_model_dir), "--profile", str(tiny_profile), "--max-new-tokens", "8",
+            "--dtype", "float32", "--json", "--no-online"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("what is 4 plus 7?\n\nand 5 plus 9?\n"))
+    out, _ = run_ok(capsys, "generate", "--chat", *base)
+    turns = [json.loads(line) for line in out.splitlines()]
+    assert len(turns) == 2  # one object per turn; the blank line is no turn
+    assert turns[0]["stats"]["cached_tokens"] == 0
+    assert turns[1]["stats"]["cached_tokens"] > turns[0]["stats"]["prompt_tokens"]  # turn 1 and its reply
+    conversation = [{"role": "user", "content": "what is 4 plus 7?"},
+                    {"role": "assistant", "content": turns[0]["text"]},
+                    {"role": "user", "content": "and 5 plus 9?"}]
+    path = tmp_path / "conversation.json"
+    path.write_text(json.dumps(conversation))
+    fresh, _ = run_ok(capsys, "generate", "--messages", str(path), *base, "--prefix-cache", "0")
+    fresh = json.loads(fresh)
+    assert fresh["stats"]["cached_tokens"] == 0
+    assert fresh["token_ids"] == turns[1]["token_ids"]  # fp32: the cached turn decodes what a fresh one does
+
+
+@pytest.mark.parametrize("args, content, message", [
+    (["hello", "--messages", "FILE"], "[{\"role\": \"user\", \"content\": \"hi\"}]", "not both"),
+    ([], None, "give a PROMPT, --messages FILE or --chat"),
+    (["--messages", "FILE"], "{\"role\": \"user\"}", "non-empty JSON list"),
+    (["--messages", "FILE"], "[{\"role\": \"user\", \"content\": 3}]", "string fields"),
+    (["--messages", "FILE"], "not json", "is not JSON"),
+    (["--messages", "MISSING"], None, "cannot read"),
+    (["hello", "--prefix-cache", "-1"], None, "prefix-cache"),
+])
+def test_generate_conversation_errors_are_one_line(capsys, tiny_model_dir, tiny_profile, tmp_path, args, content,
+                                                   message):
+    path = tmp_path / "m.json"
+    if content is not None:
+        path.write_text(content)
+    args = [str(path) if a == "FILE" else str(tmp_path / "none.json") if a == "MISSING" else a for a in args]
+    code, _, err = run(capsys, "generate", *args, "--model", str(tiny_model_dir), "--profile", str(tiny_profile))
+    assert code != 0 and message in err and "Traceback" not in err
