@@ -18,14 +18,30 @@ ORDERS = ("file", "mixed")  # `adaptive bench --order`: as read, or :func:`mixed
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
 
 
+# `adaptive bench --shared-context N`: the questions asked, one request each, after a RAG or summarization
+# prompt's own text (its document and instruction), so that the requests share that text as a prefix
+SHARED_QUESTIONS = (
+    "Answer the question above in one sentence.",
+    "Which names, places or numbers does the text above mention?",
+    "What is the text above mainly about? Answer in a few words.",
+    "Give one fact the text above states, quoting it.",
+    "Is there anything the text above leaves unclear? Say what, briefly.",
+    "Write a title for the text above.",
+)
+SHARED_GROUPS = frozenset({"rag", "summarization"})
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
-    """One benchmark item: its user turns (one unless all turns were asked for)."""
+    """One benchmark item: its user turns (one unless all turns were asked for). ``shared``: the
+    turns are separate requests over one shared text (each a whole prompt), not a conversation
+    (each after the earlier turns and replies)."""
 
     id: str
     group: str
     category: str
     turns: tuple[str, ...]
+    shared: bool = False
 
 
 def group_of(category: str, group_mt_bench: bool = True) -> str:
@@ -34,16 +50,23 @@ def group_of(category: str, group_mt_bench: bool = True) -> str:
 
 
 def load_bench_prompts(path: str | Path, per_category: int | None = None, group_mt_bench: bool = True,
-                       all_turns: bool = False, skip_first: int = 0) -> list[BenchPrompt]:
+                       all_turns: bool = False, skip_first: int = 0, shared_context: int = 0) -> list[BenchPrompt]:
     """Read benchmark prompts (errors name the file and line).
 
     ``skip_first`` drops the first N prompts of each group (those a profile was calibrated on),
     then ``per_category`` keeps the next N. ``all_turns`` keeps every user turn of Spec-Bench rows
     (each later turn is answered after the earlier turns and the reference method's replies).
-    A plain JSONL row with no ``category`` is in group ``default``.
+    ``shared_context`` N > 0: the shared-document workload, only the RAG and summarization groups,
+    each prompt asked N times, each time followed by one of :data:`SHARED_QUESTIONS` (separate
+    requests sharing the prompt's text). A plain JSONL row with no ``category`` is in group ``default``.
     """
     if per_category is not None and per_category < 1:
         raise PromptFileError(f"per-category must be >= 1, got {per_category}")
+    if not 0 <= shared_context <= len(SHARED_QUESTIONS):
+        raise PromptFileError(f"shared-context must be from 0 to {len(SHARED_QUESTIONS)}, got {shared_context}")
+    if shared_context and all_turns:
+        raise PromptFileError("shared-context asks separate questions over one text; all-turns answers a "
+                              "conversation: choose one")
     if skip_first < 0:
         raise PromptFileError(f"skip-first must be >= 0, got {skip_first}")
     path = Path(path)
@@ -56,6 +79,8 @@ def load_bench_prompts(path: str | Path, per_category: int | None = None, group_
     for i, row in enumerate(rows):
         category = str(row.get("category", "default"))
         group = group_of(category, group_mt_bench)
+        if shared_context and group not in SHARED_GROUPS:
+            continue
         seen[group] += 1
         if seen[group] <= skip_first:
             continue
@@ -64,9 +89,13 @@ def load_bench_prompts(path: str | Path, per_category: int | None = None, group_
         turns = (row["prompt"],)
         if all_rows and isinstance(all_rows[i].get("turns"), list):
             turns = tuple(str(t) for t in all_rows[i]["turns"] if str(t).strip()) or turns
-        out.append(BenchPrompt(str(row.get("question_id", i)), group, category, turns))
+        if shared_context:
+            turns = tuple(f"{row['prompt']}\n\n{q}" for q in SHARED_QUESTIONS[:shared_context])
+        out.append(BenchPrompt(str(row.get("question_id", i)), group, category, turns, shared=bool(shared_context)))
     if not out:
-        raise PromptFileError(f"{path}: no prompts selected (skip-first {skip_first}, per-category {per_category})")
+        where = f" in groups {', '.join(sorted(SHARED_GROUPS))}" if shared_context else ""
+        raise PromptFileError(f"{path}: no prompts selected{where} (skip-first {skip_first}, "
+                              f"per-category {per_category})")
     return out
 
 

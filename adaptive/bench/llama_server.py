@@ -68,6 +68,9 @@ class ServerSettings:
     # llama.cpp's repacked and AMX weight layouts: off where the Python binding's probe found them faulting
     # (adaptive.engine.llamacpp.extra_buffers_ok; the build script compiles the same llama.cpp version natively)
     repack: bool = True
+    # reuse a slot's cached prompt for the next request sharing its start (llama-server's default; off by
+    # default here, for single-turn fairness against our runs, which start from nothing either)
+    cache_prompt: bool = False
 
     def __post_init__(self):
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
@@ -112,10 +115,13 @@ def free_port() -> int:
 
 
 def server_command(binary: Path, settings: ServerSettings, port: int) -> list[str]:
-    """The command line: the settings' slots, no web UI, no prompt cache in RAM, loopback only."""
+    """The command line: the settings' slots, no web UI, no prompt cache in RAM, loopback only (and
+    with ``cache_prompt`` off, no reuse of a slot's cached prompt either)."""
     cmd = [str(binary), "-m", str(settings.gguf), "-t", str(settings.threads), "-tb", str(settings.threads),
            "-np", str(settings.slots), "-c", str(settings.n_ctx), "--host", HOST, "--port", str(port),
-           "--no-webui", "--no-cache-prompt", "--cache-ram", "0"]
+           "--no-webui", "--cache-ram", "0"]
+    if not settings.cache_prompt:
+        cmd.append("--no-cache-prompt")
     if settings.spec_type is not None:
         cmd += ["--spec-type", settings.spec_type]
     if not settings.repack:
@@ -123,11 +129,11 @@ def server_command(binary: Path, settings: ServerSettings, port: int) -> list[st
     return cmd
 
 
-def completion_request(ids: list[int], max_new_tokens: int) -> dict:
+def completion_request(ids: list[int], max_new_tokens: int, cache_prompt: bool = False) -> dict:
     """The ``/completion`` body: the prompt as token ids, greedy with every penalty and sampler off,
-    no prompt cache, the generated token ids asked back."""
+    the slot's cached prompt reused only with ``cache_prompt``, the generated token ids asked back."""
     return {"prompt": [int(t) for t in ids], "n_predict": int(max_new_tokens), "stream": False,
-            "cache_prompt": False, "return_tokens": True,
+            "cache_prompt": bool(cache_prompt), "return_tokens": True,
             "temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "seed": 0,
             "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0, "ignore_eos": False, "n_probs": 0}
@@ -155,10 +161,11 @@ class LlamaServer:
     when it drafted)."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, spec_type: str | None = None,
-                 binary: Path | None = None, slots: int = 1):
+                 binary: Path | None = None, slots: int = 1, cache_prompt: bool = False):
         self.binary = binary if binary is not None else find_server()
         self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots,
-                                       repack=not llamacpp.available() or llamacpp.extra_buffers_ok(gguf))
+                                       repack=not llamacpp.available() or llamacpp.extra_buffers_ok(gguf),
+                                       cache_prompt=cache_prompt)
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.log_path: Path | None = None
@@ -196,13 +203,15 @@ class LlamaServer:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
-        """Greedy tokens after ``ids`` (up to and including an EOS) and the request's wall time in seconds."""
-        if self.settings.spec_type in STATEFUL_SPEC_TYPES and self._requests > 0:
+    def generate(self, ids: list[int], max_new_tokens: int, eos: set[int],
+                 fresh: bool = True) -> tuple[list[int], float]:
+        """Greedy tokens after ``ids`` (up to and including an EOS) and the request's wall time in seconds.
+        ``fresh=False``: the request goes on a conversation, so a stateful speculation type keeps its pool."""
+        if self.settings.spec_type in STATEFUL_SPEC_TYPES and self._requests > 0 and fresh:
             self.start()  # untimed: a fresh n-gram pool, so this run cannot draft from an earlier one
         if self.proc is None:
             self.start()
-        body = json.dumps(completion_request(ids, max_new_tokens)).encode()
+        body = json.dumps(completion_request(ids, max_new_tokens, self.settings.cache_prompt)).encode()
         t = time.perf_counter()
         status, data = self._call("POST", "/completion", body, timeout=self.settings.request_timeout_s)
         reply = json.loads(data)

@@ -104,6 +104,10 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
     agreement = [r["agreement"] for r in mine if r.get("agreement") is not None]
     draft_s = sum(r.get("draft_time_s") or 0.0 for r in stepped)
     agg, ref_agg = _aggregate(mine), _aggregate(ref)
+    ttft = _mean(r["ttft_s"] for r in mine if r.get("ttft_s") is not None)
+    turns = sorted({r["turn"] for r in mine if r.get("turn") is not None})
+    by_turn = {str(t): round(_mean(r["ttft_s"] for r in mine if r.get("turn") == t and r.get("ttft_s") is not None)
+                             or 0.0, 5) for t in turns}
     return {
         "prompts": len(mine),
         "tokens_per_s": round(tps, 3) if tps is not None else None,
@@ -121,6 +125,12 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
         "agreement_tokens": round(_mean(agreement), 2) if agreement else None,
         "differing_prompts": differing,
         "lossless_violations": sum(1 for r in mine if r.get("violation")),
+        # time to the first token (the prefill's; None where the method does not say), mean over the runs,
+        # and by turn (a conversation's, or a shared text's questions: `bench --all-turns`, `--shared-context`)
+        "ttft_s": round(ttft, 5) if ttft is not None else None,
+        "ttft_by_turn": by_turn,
+        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in mine),
+        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in mine),
     }
 
 
@@ -158,6 +168,18 @@ def markdown(summary: dict, methods: list[str]) -> str:
                + (f" ({f['aggregate_speedup']:.2f}x)" if f.get("aggregate_speedup") is not None else ""))
         pos = "/".join(f"{a:.2f}" for a in (f.get("position_acceptance") or [])[:4]) or "-"
         detail.append(f"| {m} | {agg} | {mat} | {acc} | {pos} | {dms} | {same} | {f['lossless_violations']} |")
+    turns = sorted({t for m in methods for t in summary[m].get("ttft_by_turn") or {}}, key=int)
+    if len(turns) > 1:  # conversations or shared texts: what the prefix caches saved at the first token
+        detail += ["", "| method | " + " | ".join(f"TTFT turn {t} (s)" for t in turns)
+                   + " | later turns / first | prompt tokens cached |", "|---|" + "---|" * (len(turns) + 2)]
+        for m in methods:
+            f = summary[m]
+            by = f.get("ttft_by_turn") or {}
+            cells = [f"{by[t]:.3f}" if by.get(t) else "-" for t in turns]
+            later = [by[t] for t in turns[1:] if by.get(t)]
+            ratio = f"{_mean(later) / by[turns[0]]:.3f}" if later and by.get(turns[0]) else "-"
+            share = f"{f['cached_tokens']} of {f['prompt_tokens']}" if f.get("prompt_tokens") else "-"
+            detail.append(f"| {m} | " + " | ".join(cells) + f" | {ratio} | {share} |")
     return head + "\n".join(lines) + "\n" + "\n".join(detail) + "\n"
 
 

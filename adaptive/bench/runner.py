@@ -27,6 +27,7 @@ from adaptive.engine.audit import audit_divergence, first_difference
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.llamacpp import ENGINE as LLAMA_CPP
+from adaptive.engine.prefix import PrefixStore, budget_bytes
 from adaptive.engine.quant import FLOAT_MODES
 from adaptive.errors import ConfigError
 from adaptive.models import load_model
@@ -135,8 +136,13 @@ class BenchSettings:
     max_new_tokens: int = 64
     warmup: int = 1
     threads: int | None = None
+    # MiB of prefix cache for our runtime methods (each method its own, emptied before each prompt's
+    # first turn), and llama-server's cache_prompt on; 0: every request prefilled whole (single turns' fairness)
+    prefix_cache: float = 0.0
 
     def __post_init__(self):
+        if self.prefix_cache < 0:
+            raise ConfigError(f"prefix-cache must be >= 0 MiB, got {self.prefix_cache}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.warmup < 0:
@@ -193,7 +199,8 @@ class _Methods:
                 if m.runs_on == "llama-server":
                     self.servers[m.name] = LlamaServer(gguf_path(lm), threads,
                                                        min(4096, lm.backbone.max_positions),
-                                                       spec_type=None if m.drafter == "ar" else m.drafter)
+                                                       spec_type=None if m.drafter == "ar" else m.drafter,
+                                                       cache_prompt=settings.prefix_cache > 0)
         except BaseException:
             self.close()
             raise
@@ -208,7 +215,9 @@ class _Methods:
                 # online learning off: a repeated prompt would otherwise be drafted from its own
                 # earlier output, and the figures measure the calibrated profile
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
-                                                     reduced_vocab=m.reduced_vocab, online=False)
+                                                     reduced_vocab=m.reduced_vocab, online=False,
+                                                     prefix_cache=settings.prefix_cache)
+        self._stores: dict[str, list[PrefixStore]] = {}  # method -> its own prefix stores, one per backbone
 
     def _two_engines(self, lm, profile) -> None:
         """Load the torch member of the two-engine profile ``profile`` belongs to (``lm``: its
@@ -220,8 +229,10 @@ class _Methods:
         tp = load_profile(home, "torch")
         tlm = load_model(tp.model.spec or lm.name, device="cpu", dtype=tp.model.dtype or "auto",
                          weights=tp.model.weights, engine="torch")
-        mine = AdaptiveRuntime(profile, lm, seed=0, online=False)
-        self.torch_runtime = AdaptiveRuntime(tp, tlm, seed=0, online=False, model_lock=mine.model_lock)
+        cache = self.settings.prefix_cache
+        mine = AdaptiveRuntime(profile, lm, seed=0, online=False, prefix_cache=cache)
+        self.torch_runtime = AdaptiveRuntime(tp, tlm, seed=0, online=False, model_lock=mine.model_lock,
+                                             prefix_cache=cache)
         self.two = TwoEngineRuntime({lm.engine: mine, "torch": self.torch_runtime}, read_engines(home).default)
         self.other = Engine(tlm)
 
@@ -266,7 +277,32 @@ class _Methods:
         chat = self.profile.runtime.chat if self.profile is not None else None
         return self.engine.encode(messages, chat=chat)
 
-    def run(self, method: str, messages) -> dict:
+    def new_conversation(self) -> None:
+        """Empty every method's prefix cache: the next prompt's first turn starts from nothing."""
+        for stores in self._stores.values():
+            for store in stores:
+                store.clear()
+
+    def run(self, method: str, messages, fresh: bool = True) -> dict:
+        """One run of ``method`` on ``messages``. With a prefix cache, each of our runtime methods reads and
+        writes only its own (no method starts from another's turns), and llama-server keeps its slot's
+        cache; ``fresh``: a new conversation (a stateful llama-server speculation type restarts)."""
+        m = BENCH_METHODS[method]
+        if not self.settings.prefix_cache or m.runs_on not in ("runtime", "engines", "torch"):
+            return self._run(method, messages, fresh)
+        backbones = [self.lm.backbone] + ([self.other.backbone] if self.other is not None else [])
+        stores = self._stores.setdefault(method, [PrefixStore(budget_bytes(self.settings.prefix_cache))
+                                                  for _ in backbones])
+        saved = [bb.prefixes for bb in backbones]
+        for bb, store in zip(backbones, stores):
+            bb.prefixes = store
+        try:
+            return self._run(method, messages, fresh)
+        finally:
+            for bb, store in zip(backbones, saved):
+                bb.prefixes = store
+
+    def _run(self, method: str, messages, fresh: bool) -> dict:
         m = BENCH_METHODS[method]
         n = self.settings.max_new_tokens
         if m.runs_on == "hf":
@@ -277,11 +313,16 @@ class _Methods:
                     "drafted": None, "accepted": None, "info": {}}
         if m.runs_on == "llama-server":
             server = self.servers[method]
-            out, dt = server.generate(self.ids(messages), n, self.engine.eos)
-            drafted = None if m.drafter == "ar" else server.last_timings.get("draft_n", 0)
-            accepted = None if m.drafter == "ar" else server.last_timings.get("draft_n_accepted", 0)
+            ids = self.ids(messages)
+            out, dt = server.generate(ids, n, self.engine.eos, fresh=fresh)
+            timings = server.last_timings
+            drafted = None if m.drafter == "ar" else timings.get("draft_n", 0)
+            accepted = None if m.drafter == "ar" else timings.get("draft_n_accepted", 0)
+            prompt_ms, prompt_n = timings.get("prompt_ms"), timings.get("prompt_n")
             return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "seconds": dt, "steps": None,
-                    "drafted": drafted, "accepted": accepted, "info": {}}
+                    "drafted": drafted, "accepted": accepted, "info": {},
+                    "ttft_s": round(prompt_ms / 1e3, 5) if prompt_ms is not None else None,
+                    "cached_tokens": max(len(ids) - int(prompt_n), 0) if prompt_n is not None else None}
         if m.runs_on == "engine":
             cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
             drafter = build_drafter(DrafterSpec(m.drafter), self.lm.backbone)
@@ -353,7 +394,8 @@ def _from_result(r) -> dict:
     return {"token_ids": r.token_ids, "tokens_per_s": s.tokens_per_s, "seconds": s.total_time, "steps": s.steps,
             "drafted": s.drafted,
             "accepted": s.accepted, "draft_time_s": round(s.draft_time, 5),
-            "prefill_time_s": round(s.prefill_time, 5), "info": info}
+            "prefill_time_s": round(s.prefill_time, 5), "info": info,
+            "ttft_s": round(s.prefill_time, 5), "cached_tokens": s.cached_tokens}
 
 
 def balanced_order(methods: Sequence[str], k: int) -> list[str]:
@@ -408,6 +450,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
             for messages in (firsts[0], firsts[longest]) if longest else (firsts[0],):
                 for m in methods:
                     runner.run(m, messages)
+                runner.new_conversation()
         items = [(p, t) for p in prompts for t in range(len(p.turns))]
         bar = None
         if progress:
@@ -419,17 +462,19 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
         t_start = time.perf_counter()
         for k, (p, t) in enumerate(items):
             messages = []
-            for j in range(t):
+            for j in range(0 if p.shared else t):  # a conversation: the earlier turns and ar's replies first
                 messages += [{"role": "user", "content": p.turns[j]},
                              {"role": "assistant", "content": replies[(p.id, j)]}]
             messages.append({"role": "user", "content": p.turns[t]})
+            if t == 0:
+                runner.new_conversation()
             item_id = p.id if len(p.turns) == 1 else f"{p.id}/turn{t + 1}"
             ref = None
             ids = runner.ids(messages)
             outs = {}
             for m in balanced_order(methods, k):  # interleaved: every method on this prompt before the next prompt
                 captured = runner.captures()
-                outs[m] = runner.run(m, messages)
+                outs[m] = runner.run(m, messages, fresh=t == 0)
                 if captured is not None and runner.captures() > captured:  # one-time work inside this run's time
                     outs[m]["graph_captures"] = runner.captures() - captured
                 if bar is not None:
@@ -441,7 +486,10 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                        "tokens_per_s": round(out["tokens_per_s"], 4), "seconds": round(out["seconds"], 5),
                        "steps": out["steps"],
                        "drafted": out["drafted"], "accepted": out["accepted"], "draft_time_s": out.get("draft_time_s"),
-                       "prefill_time_s": out.get("prefill_time_s"), **out["info"]}
+                       "prefill_time_s": out.get("prefill_time_s"), "ttft_s": out.get("ttft_s"),
+                       "cached_tokens": out.get("cached_tokens"), **out["info"]}
+                if len(p.turns) > 1:
+                    rec["turn"] = t + 1
                 if "graph_captures" in out:
                     rec["graph_captures"] = out["graph_captures"]
                 if m == "ar":
@@ -478,6 +526,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
         "model": {"name": lm.name, "engine": lm.engine, "weights": lm.weights, "n_layers": lm.n_layers,
                   "dtype": lm.dtype_name},
         "settings": {"max_new_tokens": settings.max_new_tokens, "warmup": settings.warmup,
+                     "prefix_cache_mib": settings.prefix_cache,
                      "threads": torch.get_num_threads() if lm.model is not None else lm.backbone.threads,
                      "prompts": len(items),
                      "profile": str(profile.path) if profile is not None else None, "greedy": True,

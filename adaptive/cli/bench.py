@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from adaptive.bench.data import ORDERS, load_bench_prompts, mixed_stream
+from adaptive.bench.data import ORDERS, SHARED_QUESTIONS, load_bench_prompts, mixed_stream
 from adaptive.bench.report import markdown, plot
 from adaptive.bench.runner import BENCH_METHODS, DISTILLED_KIND, BenchSettings, run_bench
 from adaptive.cli.common import (
@@ -34,6 +34,10 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
     "adaptive bench --data prompts.jsonl --profile my-profile --methods ar,early-exit,early-exit-fixed "
     "--markdown report.md --plot report.png",
     "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd --skip-first 16 --order mixed",
+    "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd,llama-server --all-turns "
+    "--prefix-cache 256",
+    "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd --shared-context 4 "
+    "--prefix-cache 256",
 ), terms=("Methods (* needs --profile)", {m.name + (" *" if m.needs_profile else ""): m.description
                                          for m in BENCH_METHODS.values()}))
 @click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
@@ -48,6 +52,12 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
               help="Leave out the first N of each group (e.g. the prompts a profile was calibrated on).")
 @click.option("--no-group-mt-bench", is_flag=True, help="Keep the eight MT-bench categories apart.")
 @click.option("--all-turns", is_flag=True, help="Every turn, each after the earlier turns and ar's replies.")
+@click.option("--shared-context", type=click.IntRange(0, len(SHARED_QUESTIONS)), default=0, show_default=True,
+              help="The shared-document workload: only RAG and summarization prompts, each asked N times followed "
+                   "by one of N fixed questions (separate requests sharing its text).")
+@click.option("--prefix-cache", type=click.FloatRange(min=0), default=0, show_default=True, metavar="MIB",
+              help="Our runtime methods keep finished requests' keys (each method its own cache, emptied before "
+                   "each prompt's first turn) and llama-server its slot's (cache_prompt); 0: all prefilled whole.")
 @click.option("--order", type=click.Choice(ORDERS), default="file", show_default=True,
               help="file: the prompts in file order (group after group); mixed: round-robin over the groups "
                    "(sorted names), a mixed-domain stream as KNN-SSD evaluates on.")
@@ -65,14 +75,20 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
 @quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
-              order, max_new_tokens, warmup, threads, dtype, weights, engine, device, out_json, out_md, out_png, quiet):
-    """Measure speedup, acceptance and equality with ar per group, for each method."""
+              shared_context, prefix_cache, order, max_new_tokens, warmup, threads, dtype, weights, engine, device,
+              out_json, out_md, out_png, quiet):
+    """Measure speedup, acceptance and equality with ar per group, for each method.
+
+    Conversations (--all-turns) and questions over one shared text (--shared-context) with
+    --prefix-cache add the time to the first token by turn, and the prompt tokens each method's
+    cache held, below the table.
+    """
     method_list = ["ar", *(m for m in methods if m != "ar")]  # ar first: the reference
-    settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads)
+    settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads, prefix_cache=prefix_cache)
     needs = [m for m in method_list if BENCH_METHODS[m].needs_profile]
     if needs and not profile_dir:
         raise click.UsageError(f"method(s) {', '.join(needs)} need --profile DIR (from adaptive calibrate)")
-    prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first)
+    prompts = load_bench_prompts(data_file, per_category, not no_group_mt_bench, all_turns, skip_first, shared_context)
     if order == "mixed":
         prompts = mixed_stream(prompts)
     profile = load_profile(profile_dir, None if engine == "auto" else engine) if profile_dir else None
@@ -85,7 +101,8 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     lm = load(spec, device, dtype, weights, engine, threads)
     report = run_bench(lm, prompts, method_list, settings, profile, progress=not quiet)
     report["settings"].update(data=str(data_file), per_category=per_category, skip_first=skip_first,
-                              group_mt_bench=not no_group_mt_bench, all_turns=all_turns, order=order)
+                              group_mt_bench=not no_group_mt_bench, all_turns=all_turns,
+                              shared_context=shared_context, order=order)
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     table = markdown(report["results"], method_list)

@@ -119,6 +119,24 @@ def test_repacking_is_turned_off_only_when_the_settings_say_so(tmp_path):
     assert "--no-repack" not in on and off == on + ["--no-repack"]
 
 
+def test_with_cache_prompt_the_slot_keeps_its_prompt_and_a_conversation_keeps_a_stateful_pool(fake, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    assert "--no-cache-prompt" in server_command(Path("llama-server"), ServerSettings(gguf, 2, 512), 8080)
+    cached = server_command(Path("llama-server"), ServerSettings(gguf, 2, 512, cache_prompt=True), 8080)
+    assert "--no-cache-prompt" not in cached and cached[cached.index("--cache-ram") + 1] == "0"
+    assert completion_request([1], 4, cache_prompt=True)["cache_prompt"] is True
+    server = LlamaServer(gguf, threads=1, n_ctx=64, spec_type="ngram-mod", cache_prompt=True)
+    try:
+        server.generate([1], 4, eos={2})
+        server.generate([1, 5], 4, eos={2}, fresh=False)  # the conversation's next turn: same process
+        assert len([r for r in fake() if "argv" in r]) == 1
+        server.generate([7], 4, eos={2})  # a new conversation: a fresh pool
+        assert len([r for r in fake() if "argv" in r]) == 2
+        assert [r["body"]["cache_prompt"] for r in fake() if "body" in r] == [True, True, True]
+    finally:
+        server.close()
+
+
 def test_the_request_is_greedy_uncached_token_ids_and_asks_for_tokens_back():
     body = completion_request([1, 2, 3], 16)
     assert body["prompt"] == [1, 2, 3] and body["n_predict"] == 16

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from adaptive.bench.data import BenchPrompt, load_bench_prompts, mixed_stream
+from adaptive.bench.data import SHARED_QUESTIONS, BenchPrompt, load_bench_prompts, mixed_stream
 from adaptive.bench.report import markdown, plot, position_acceptance, summarize
 from adaptive.bench.runner import parse_methods
 from adaptive.calibrate.sources import PromptFileError
@@ -118,6 +118,41 @@ def test_load_spec_bench_format(tmp_path):
     with pytest.raises(PromptFileError, match=":2"):
         (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
         load_bench_prompts(tmp_path / "bad.jsonl")
+
+
+def test_load_the_shared_context_workload(tmp_path):
+    f = tmp_path / "sb.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"text {i}"]}
+            for i, c in enumerate(["rag", "qa", "summarization", "writing"])]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_bench_prompts(f, shared_context=2)
+    assert [(p.id, p.group, p.shared) for p in ps] == [("0", "rag", True), ("2", "summarization", True)]
+    assert ps[0].turns == (f"text 0\n\n{SHARED_QUESTIONS[0]}", f"text 0\n\n{SHARED_QUESTIONS[1]}")
+    with pytest.raises(PromptFileError, match="choose one"):
+        load_bench_prompts(f, shared_context=2, all_turns=True)
+    with pytest.raises(PromptFileError, match="shared-context must be"):
+        load_bench_prompts(f, shared_context=len(SHARED_QUESTIONS) + 1)
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"prompt": "x", "category": "qa"}\n')
+    with pytest.raises(PromptFileError, match="in groups rag, summarization"):
+        load_bench_prompts(qa, shared_context=1)
+
+
+def test_ttft_by_turn_and_its_table_worked_example():
+    def run(method, id_, turn, ttft, cached, prompt):
+        return {"id": id_, "group": "g", "method": method, "tokens_per_s": 10.0, "seconds": 1.0, "new_tokens": 10,
+                "steps": None, "turn": turn, "ttft_s": ttft, "cached_tokens": cached, "prompt_tokens": prompt}
+
+    runs = [run("ar", "a/turn1", 1, 0.4, 0, 100), run("ar", "a/turn2", 2, 0.8, 0, 200),
+            run("knn-ssd", "a/turn1", 1, 0.4, 0, 100), run("knn-ssd", "a/turn2", 2, 0.1, 150, 200)]
+    s = summarize(runs, ["ar", "knn-ssd"])
+    assert s["knn-ssd"]["ttft_by_turn"] == {"1": 0.4, "2": 0.1} and s["knn-ssd"]["ttft_s"] == 0.25
+    assert (s["knn-ssd"]["cached_tokens"], s["knn-ssd"]["prompt_tokens"]) == (150, 300)
+    table = markdown(s, ["ar", "knn-ssd"])
+    assert "| ar | 0.400 | 0.800 | 2.000 | 0 of 300 |" in table
+    assert "| knn-ssd | 0.400 | 0.100 | 0.250 | 150 of 300 |" in table
+    single = summarize([{**r, "turn": None} for r in runs[:1]], ["ar"])
+    assert single["ar"]["ttft_by_turn"] == {} and "TTFT turn" not in markdown(single, ["ar"])
 
 
 def test_mixed_stream_worked_example():

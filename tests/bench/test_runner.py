@@ -37,9 +37,9 @@ def test_the_bench_runs_each_prompt_s_methods_in_its_row_and_lists_them_in_order
     called = []
     run = runner._Methods.run
 
-    def logged(self, method, messages):
+    def logged(self, method, messages, fresh=True):
         called.append((messages[-1]["content"], method))
-        return run(self, method, messages)
+        return run(self, method, messages, fresh)
 
     monkeypatch.setattr(runner._Methods, "run", logged)
     prompts = [BenchPrompt(f"p{i}", "g", "g", (f"abc abc {i} abc",)) for i in range(3)]

@@ -55,6 +55,45 @@ def test_bench_all_turns(capsys, tiny_model_dir, data_file, tmp_path):
             assert tokens[i] > tokens[i.replace("turn2", "turn1")]
 
 
+def test_bench_conversations_with_a_prefix_cache_report_ttft_by_turn(capsys, tiny_model_dir, tiny_profile, data_file,
+                                                                       tmp_path):
+    """Two turns with --prefix-cache: the routed runtime's second turns start from its own first turns'
+    keys (plain decoding, the reference, never caches), outputs stay identical, and the TTFT table
+    by turn is printed; --shared-context asks each RAG prompt several times over its shared text."""
+    out = tmp_path / "r.json"
+    table, _ = run_ok(capsys, "bench", "--data", str(data_file), "--profile", str(tiny_profile), "--model",
+                      str(tiny_model_dir), "--methods", "ar,knn-ssd,cascade", "--per-category", "1", "--all-turns",
+                      "--prefix-cache", "16", "--max-new-tokens", "6", "--dtype", "float32", "--out", str(out),
+                      "--quiet")
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert report["settings"]["prefix_cache_mib"] == 16
+    assert all(r["identical"] for r in runs)
+    for r in runs:
+        assert r["turn"] in (1, 2) and r["ttft_s"] > 0
+        if r["method"] == "ar":
+            assert r["cached_tokens"] == 0
+        elif r["turn"] == 1:  # each method's cache is its own and emptied before each prompt's first turn
+            assert r["cached_tokens"] == 0
+        else:  # the first turn and its reply (ar's, which the lossless runs decoded too)
+            first = next(x for x in runs if x["method"] == r["method"] and x["id"] == r["id"].replace("2", "1"))
+            assert r["cached_tokens"] >= first["prompt_tokens"]
+    res = report["results"]["knn-ssd"]
+    assert set(res["ttft_by_turn"]) == {"1", "2"} and res["cached_tokens"] > 0
+    assert "| method | TTFT turn 1 (s) | TTFT turn 2 (s) | later turns / first | prompt tokens cached |" in table
+
+    rag = tmp_path / "rag.jsonl"
+    rag.write_text("".join(json.dumps({"question_id": f"r{i}", "category": cat, "turns": [f"doc {i} says abc abc"]})
+                           + "\n" for i, cat in enumerate(["rag", "qa", "summarization"])))
+    run_ok(capsys, "bench", "--data", str(rag), "--profile", str(tiny_profile), "--model", str(tiny_model_dir),
+           "--methods", "ar,knn-ssd", "--shared-context", "3", "--prefix-cache", "16", "--max-new-tokens", "4",
+           "--dtype", "float32", "--out", str(out), "--quiet", "--warmup", "0")
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted({r["id"] for r in runs}) == ["r0/turn1", "r0/turn2", "r0/turn3", "r2/turn1", "r2/turn2", "r2/turn3"]
+    later = [r for r in runs if r["method"] == "knn-ssd" and r["turn"] > 1]
+    assert later and all(r["cached_tokens"] > 0 for r in later) and all(r["identical"] for r in runs)
+
+
 def test_bench_mixed_order_interleaves_the_groups(capsys, tiny_model_dir, data_file, tmp_path):
     out = tmp_path / "r.json"
     run_ok(capsys, "bench", "--data", str(data_file), "--model", str(tiny_model_dir), "--methods", "ar,pld",
