@@ -407,6 +407,9 @@ class LlamaCppBackbone:
         self._reserved: dict[int, int] = {}  # live sequence -> the positions its cache was made for
         self._kept: dict[int, int] = {}  # a prefix-cache entry's sequence -> the cells it holds
         self.prefixes = PrefixStore(0)  # finished requests' cells (:mod:`adaptive.engine.prefix`; no budget: off)
+        # every store that has held one of this context's sequences (one swapped out, e.g. a benchmark's
+        # per-method store, still holds cells a new cache may need: it is asked to evict too)
+        self._holders: weakref.WeakSet = weakref.WeakSet()
         self._scratch = sequences  # the routing embedding's sequence (see the module docstring)
         self.sequences = sequences
         self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
@@ -476,7 +479,7 @@ class LlamaCppBackbone:
         while True:  # entries are evicted outside the lock (an eviction takes the store's lock, then this one)
             with self._lock:
                 short = max_len - shared > self._cells_free() or not self._free_seqs
-            if not short or not self.prefixes.evict_one():
+            if not short or not any(store.evict_one() for store in (self.prefixes, *self._holders)):
                 break
         with self._lock:  # checked and reserved under one lock: two callers cannot both take the last room
             if not self.room_for(max_len) or max_len - shared > self._cells_free():
@@ -535,6 +538,7 @@ class LlamaCppBackbone:
             cache._release.detach()  # the sequence is the entry's now
             self._reserved.pop(cache.seq, None)
             self._kept[cache.seq] = n
+        self._holders.add(self.prefixes)
         return self.prefixes.add(ids[:n], _KeptSequence(weakref.ref(self), cache.seq), n * self.kv_bytes_per_token())
 
     def restore_prefix(self, entry, cache: LlamaCache, n: int) -> int:

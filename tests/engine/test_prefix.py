@@ -228,3 +228,23 @@ def test_llamacpp_entries_give_their_cells_and_sequences_to_new_requests(cpp_lm)
         cache.release()
     finally:
         bb.prefixes.resize(0)
+
+
+def test_llamacpp_a_store_swapped_out_still_gives_its_cells_to_new_requests(cpp_lm):
+    """A benchmark swaps stores per method: the cells an idle store's entries hold are evicted from it
+    (through it: its entries go) when the context needs them."""
+    bb = cpp_lm.backbone
+    idle, current = PrefixStore(budget_bytes(64)), PrefixStore(budget_bytes(64))
+    try:
+        engine = Engine(cpp_lm)
+        bb.prefixes = idle
+        for i in range(bb.sequences):
+            run(engine, [i + 1] * 30 + TURN1, GenerationConfig(max_new_tokens=8), True)
+        assert idle.stats().entries >= 2
+        bb.prefixes = current
+        cache = bb.new_cache(bb.max_positions)
+        assert idle.stats().entries == 0 and current.stats().entries == 0
+        cache.release()
+    finally:
+        idle.resize(0)
+        bb.prefixes = PrefixStore(0)
