@@ -21,6 +21,7 @@ drafter ``adaptive distill`` stored in the profile (EESD).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
 from adaptive.index.router import RouteDecision, decision_of, route_vector
 from adaptive.models import LoadedModel, load_model
-from adaptive.profile import DomainRecord, Profile, ProfileError, load_profile
+from adaptive.profile import DomainRecord, Profile, ProfileError, is_two_engine, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
 from adaptive.runtime.policies import ROUTED_POLICY, Policy, get_policy
@@ -287,8 +288,12 @@ class AdaptiveRuntime:
 
         A model the profile was not calibrated for, or on another engine, is a
         :class:`~adaptive.profile.ProfileError`. ``dtype``, ``weights`` and ``engine`` default to the
-        ones calibration used.
+        ones calibration used. A two-engine profile's directory gives its default member alone (said
+        once, as a warning): ``adaptive.open(directory)`` gives both, choosing the engine per request.
         """
+        if is_two_engine(directory):
+            warnings.warn(f"{directory} is a two-engine profile: AdaptiveRuntime.from_profile loads its default "
+                          "member alone (no engine choice); adaptive.open(directory) loads both", stacklevel=2)
         profile = load_profile(directory)
         if isinstance(model, LoadedModel):
             lm = model

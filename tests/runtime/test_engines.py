@@ -604,3 +604,33 @@ def test_a_stream_is_no_load_but_shares_the_machine_with_a_request_admitted_besi
     assert pace.state()["llama.cpp"]["requests"] == 2  # alone again
     with pytest.raises(ConfigError, match="unknown routing policy"):
         rt.stream("what is 2 plus 5? answer:", max_new_tokens=8, policy="nope")  # checked when called
+
+
+def test_adaptive_open_gives_the_runtime_the_profile_describes(two, tiny_profile, tiny_model_dir, monkeypatch):
+    import warnings
+
+    import adaptive
+    from adaptive.runtime import AdaptiveRuntime, TwoEngineRuntime
+    from adaptive.runtime import engines as engines_module
+    from adaptive.runtime import runtime as runtime_module
+
+    out, lms = two
+
+    def loaded(spec, engine="auto", **kw):  # the fixture's models (their in-process tokenizer has no file)
+        return lms[engine]
+
+    monkeypatch.setattr(engines_module, "load_model", loaded)
+    monkeypatch.setattr(runtime_module, "load_model", loaded)
+    both = adaptive.open(out, online=False)
+    try:
+        assert isinstance(both, TwoEngineRuntime) and set(both.runtimes) == {"llama.cpp", "torch"}
+    finally:
+        both.close()
+    one = adaptive.open(tiny_profile, model=str(tiny_model_dir), dtype="float32", online=False)
+    assert isinstance(one, AdaptiveRuntime)
+    one.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        member = AdaptiveRuntime.from_profile(out, online=False)  # the default member alone, said
+    member.close()
+    assert any("adaptive.open" in str(w.message) for w in caught)
