@@ -44,7 +44,10 @@ def test_calibration_races_only_what_the_engine_runs(cpp_profile):
 
 
 def test_the_runtime_routes_and_decodes_as_plain_decoding(cpp_profile, cpp_lm):
-    rt = AdaptiveRuntime(cpp_profile, cpp_lm, online=False)
+    # no prefix cache: a prompt started from cached keys may part from plain decoding at a near-tie on
+    # llama.cpp (its kernels round by batch shape; tests/engine/test_prefix.py audits that), and this
+    # test holds routing and drafting to plain decoding token for token
+    rt = AdaptiveRuntime(cpp_profile, cpp_lm, online=False, prefix_cache=0)
     plain = Engine(cpp_lm)
     for name, prompts in TINY_DOMAINS.items():
         r = rt.generate(prompts[5], max_new_tokens=20)
@@ -52,7 +55,8 @@ def test_the_runtime_routes_and_decodes_as_plain_decoding(cpp_profile, cpp_lm):
         assert r.token_ids == ref.token_ids, name
         assert r.route is not None
     prompt = TINY_DOMAINS["code"][4] * 3
-    fixed = AdaptiveRuntime(cpp_profile, cpp_lm, online=False, bandit=False)  # the bandit may choose not to draft
+    fixed = AdaptiveRuntime(cpp_profile, cpp_lm, online=False, bandit=False,  # the bandit may choose not to draft
+                            prefix_cache=0)
     r = fixed.generate(prompt, max_new_tokens=20, policy="cascade")  # every request drafts with its domain's cascade
     assert r.drafter == "cascade" and r.stats.drafted > 0
     assert r.token_ids == plain.generate(rt.encode(prompt), GenerationConfig(max_new_tokens=20)).token_ids

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from adaptive.drafters.factory import DrafterSpec, build_drafter
+from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.engine import Engine
 from adaptive.engine.prefix import PrefixStore, budget_bytes, common_prefix
@@ -208,7 +209,31 @@ def test_llamacpp_a_second_turn_shares_the_first_turns_cells_and_decodes_the_sam
         bb.prefixes.clear()
         assert bb.free_positions() == bb.max_positions  # the entries gave their sequences back
         fresh = run(engine, second, cfg, False)
-        assert cached.token_ids == fresh.token_ids
+        # llama.cpp's kernels round by batch shape: the cached keys (computed in other forwards) may make
+        # it part from a prefill from scratch, at a near-tie only (the audit's tolerance)
+        assert not audit_divergence(bb, second, fresh.token_ids, cached.token_ids).violation
+    finally:
+        bb.prefixes.resize(0)
+
+
+def test_llamacpp_requests_sharing_prefixes_part_from_scratch_only_at_near_ties(cpp_lm):
+    """Prompts sharing starts of every length (a template, a document, a conversation), greedy and
+    drafting: each decodes from the cache what it decodes from scratch, or parts at a near-tie."""
+    bb = cpp_lm.backbone
+    bb.prefixes.resize(budget_bytes(64))
+    try:
+        engine = Engine(cpp_lm)
+        cfg = GenerationConfig(max_new_tokens=16, draft_len=3)
+        prompts = [TURN1[:k] + NEW_USER_TURN[: 1 + k % 5] for k in range(2, len(TURN1), 2)]
+        prompts += [TURN1 + NEW_USER_TURN + [9, 14, 22] * k for k in range(1, 4)]
+        hits = identical = 0
+        for ids in prompts:
+            cached = run(engine, ids, cfg, True, build_drafter(DrafterSpec("pld"), bb))
+            fresh = run(engine, ids, cfg, False)
+            hits += cached.stats.cached_tokens > 0
+            identical += cached.token_ids == fresh.token_ids
+            assert not audit_divergence(bb, ids, fresh.token_ids, cached.token_ids).violation, ids
+        assert hits >= len(prompts) - 1 and identical >= len(prompts) // 2
     finally:
         bb.prefixes.resize(0)
 
