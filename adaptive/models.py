@@ -46,6 +46,7 @@ from adaptive.engine.backbone import Backbone
 from adaptive.engine.engine import eos_ids
 from adaptive.engine.quant import check_weights, resolve_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
+from adaptive.progress import quiet_library_bars
 from adaptive.workdir import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -362,6 +363,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantise a GGUF file with transformers and save it as a plain HF directory, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_library_bars()  # its per-tensor bar is carriage-return redraws in a log
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -418,6 +420,7 @@ def _read_gguf_tokenizer(gguf: Path, converted: Path):
     if not (target / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
+        quiet_library_bars()
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except Exception as exc:  # transformers raises many types for unreadable GGUF files

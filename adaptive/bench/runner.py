@@ -32,6 +32,7 @@ from adaptive.engine.quant import FLOAT_MODES
 from adaptive.errors import ConfigError
 from adaptive.models import load_model
 from adaptive.profile import is_two_engine, load_profile, read_engines
+from adaptive.progress import progress_bar
 from adaptive.runtime import POLICIES, AdaptiveRuntime, RuntimeResult, TwoEngineRuntime
 from adaptive.runtime.policies import DISTILLED
 from adaptive.workdir import cpu_name
@@ -454,9 +455,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
         items = [(p, t) for p in prompts for t in range(len(p.turns))]
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(items) * len(methods), desc="bench", unit="run")
+            bar = progress_bar(len(items) * len(methods), "bench", unit="run")
         runs: list[dict] = []
         replies: dict[tuple[str, int], str] = {}
         t_start = time.perf_counter()

@@ -6,12 +6,14 @@ before anything runs (:func:`budgets`): a prompt's preparation costs its prefill
 one teacher-forced forward over the domain's continuations; a raced block its tokens once for
 ``ar`` and once per drafter. A phase advances the bar by its budget spread over its items, and by
 what is left of it when it ends early (a race that settled, a search the bound stopped), so the
-bar always ends full and the ETA (tqdm's, from the rate so far) corrects itself as it goes.
+bar always ends full and the ETA (from the rate so far) corrects itself as it goes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+from adaptive.progress import progress_bar
 
 PREFILL_TOKENS_PER_STEP = 12  # prompt tokens a prefill processes in the time of one decoding step (2-core CPU)
 VERIFY_UNITS = 60  # timing a domain's verification costs (13 forward sizes, 5 repeats)
@@ -35,17 +37,15 @@ def budgets(settings, prompt_tokens: Mapping[str, list[int]], tasks: list[str]) 
 
 
 class Progress:
-    """The calibration's bar (tqdm on stderr; nothing when ``enabled`` is false)."""
+    """The calibration's bar on stderr (lines off a terminal; nothing when ``enabled`` is false)."""
 
     def __init__(self, enabled: bool, budget: dict[tuple[str, str], float]):
         self.budget = dict(budget)
         self.spent: dict[tuple[str, str], float] = {}
         self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=max(round(sum(self.budget.values())), 1), desc="calibrate",
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}] {postfix}")
+        if enabled:  # a bar on a terminal, a line per tenth elsewhere (adaptive.progress)
+            self.bar = progress_bar(max(round(sum(self.budget.values())), 1), "calibrate", unit="units",
+                                    bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}] {postfix}")
 
     def advance(self, key: tuple[str, str], units: float, **postfix) -> None:
         """Count ``units`` of ``key``'s budget as done (never more than its budget)."""

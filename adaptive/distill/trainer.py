@@ -53,6 +53,7 @@ from adaptive.measure.decision import ROLES, decide
 from adaptive.measure.race import race_domain
 from adaptive.measure.timing import Candidate
 from adaptive.profile import DistilledRecord, load_profile, save_profile
+from adaptive.progress import progress_bar
 from adaptive.workdir import CHECKPOINT_FORMAT, WorkDir, atomic_write, checkpointed
 
 KINDS = ("early-exit", "draft-model", "eagle")
@@ -387,9 +388,7 @@ def distill(lm, profile_dir: str | Path, domains: dict[str, list[str]], config: 
             f"{run.eval_ds.rows} held-out positions")
         bar = None
         if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=run.step, desc=f"distill {kind}", unit="step", leave=False)
+            bar = progress_bar(cfg.steps, f"distill {kind}", unit="step", initial=run.step, leave=False)
         run.run(work.file("checkpoint", ext="pt"), bar, on_step)
         if bar is not None:
             bar.close()
@@ -471,9 +470,7 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             f"{coverage:.1%} of the held-out answers' tokens")
         bar = None
         if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=run.total, initial=run.step, desc="distill eagle", unit="step", leave=False)
+            bar = progress_bar(run.total, "distill eagle", unit="step", initial=run.step, leave=False)
         t_run = time.perf_counter()
         while run.total is None or run.step < run.total:
             loss = run.train_step(train)
