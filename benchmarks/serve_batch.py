@@ -56,7 +56,8 @@ def free_port() -> int:
 def start_server(args, batch: int, engine: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
-           "--max-batch", str(batch), "--max-queue", "256", "--prefill-chunk", str(args.prefill_chunk)] + \
+           "--max-batch", str(batch), "--max-queue", "256", "--prefill-chunk", str(args.prefill_chunk),
+           "--prefix-cache", str(args.prefix_cache)] + \
         ([] if args.goodput else ["--no-goodput"]) + (["--engine", engine] if engine else [])
     if getattr(args, "online", False):  # learning from this run only: a fresh overlay per server
         cmd += ["--online", "--online-path", os.path.join(tempfile.mkdtemp(prefix="serve-batch-"), "overlay")]
@@ -91,7 +92,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def load(args, url: str, clients: int, record: str, speculation: str | None = None) -> dict:
     cmd = [sys.executable, str(HERE / "serve_load.py"), "--url", url, "--data", args.data, "--clients", str(clients),
            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-           "--skip-first", str(args.skip_first), "--record", record] + \
+           "--skip-first", str(args.skip_first), "--record", record, "--turns", str(args.turns)] + \
         (["--categories", *args.categories] if args.categories else []) + \
         (["--speculation", speculation] if speculation else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -123,6 +124,10 @@ def main() -> None:
     ap.add_argument("--speculation", nargs="+", default=["auto"], choices=["auto", "off"],
                     help="what adaptive serve's requests ask for (off: plain decoding, batched all the same)")
     ap.add_argument("--prefill-chunk", type=int, default=128, help="adaptive serve's --prefill-chunk")
+    ap.add_argument("--turns", type=int, default=1, help="requests per conversation (serve_load.py --turns)")
+    ap.add_argument("--prefix-cache", type=float, default=None,
+                    help="adaptive serve's --prefix-cache MiB, and llama-server's cache_prompt on when > 0 "
+                         "(default: 256 with --turns above 1, else 0: single turns as measured before)")
     ap.add_argument("--no-goodput", dest="goodput", action="store_false", help="adaptive serve --no-goodput")
     ap.add_argument("--online", action="store_true",
                     help="adaptive serve with online learning on (a fresh overlay each start; default: off)")
@@ -135,6 +140,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama-server's -t/-tb (ours: the engine's default)")
     ap.add_argument("--slot-context", type=int, default=2048, help="llama-server's context per slot (-c: this x -np)")
     args = ap.parse_args()
+    if args.prefix_cache is None:
+        args.prefix_cache = 256.0 if args.turns > 1 else 0.0
     if (args.llama_server or args.llama_server_spec) and not args.gguf:
         raise SystemExit("--llama-server needs --gguf (the file the profile's model was loaded from)")
     peers = ([None] if args.llama_server else []) + list(args.llama_server_spec)
@@ -178,7 +185,7 @@ def main() -> None:
 
                 label = f"llama-server-np{slots}" + (f"-{spec_type}" if spec_type else "")
                 with LlamaServer(Path(args.gguf), args.threads, args.slot_context * slots, spec_type,
-                                 slots=slots) as server:
+                                 slots=slots, cache_prompt=args.prefix_cache > 0) as server:
                     measure(label, server.url, tmp, rep)
 
     # the reference texts: one at a time with the fewest clients (without --batches 1: the smallest batch)
@@ -203,11 +210,14 @@ def main() -> None:
             "latency_p90_s": med([r["latency_s"]["p90"] for r in rs if r["latency_s"]["p90"] is not None]),
             "server_errors": sum(r["server_errors"] for r in rs),
             "engines": [r.get("engines") for r in rs] if any(r.get("engines") for r in rs) else None,
+            "ttft_by_turn_s": [r.get("ttft_by_turn_s") for r in rs],
+            "cached_tokens": [r.get("cached_tokens") for r in rs],
             "online": [r["online"] for r in rs if "online" in r] or None,
             "texts": total, "texts_differing_from_one_at_a_time": differ,
         })
     report = {"profile": args.profile, "categories": args.categories or "all", "requests": args.requests,
               "max_tokens": args.max_tokens, "prefill_chunk": args.prefill_chunk, "goodput": args.goodput,
+              "turns": args.turns, "prefix_cache_mib": args.prefix_cache,
               "repeats": args.repeats, "rows": rows}
     print(json.dumps(report, indent=1))
     if args.out:

@@ -10,7 +10,11 @@ tokens/s, time to first token and per-request latency (median and 90th percentil
 Prompts are the held-out ones of each group (``--skip-first``), taken round robin over the groups;
 request ``i`` asks about prompt ``i`` (in turn), so runs with the same ``--requests`` ask the same
 questions; ``--record FILE`` writes each valid request's prompt index and streamed text (JSON lines)
-for comparing outputs across server settings (``benchmarks/serve_batch.py`` does).
+for comparing outputs across server settings (``benchmarks/serve_batch.py`` does). ``--turns T``:
+each job is a conversation of T requests, each turn re-sending the earlier turns and the replies
+streamed to them (as chat clients do): the prompt's own later turns where the file has them (MT-bench),
+else :data:`FOLLOW_UP`; the time to first token is reported by turn too (``ttft_by_turn_s``), and a
+recorded text's index is ``PROMPT/TURN``.
 
     adaptive serve --profile /tmp/sb-prof &
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --data ../shared/data/spec_bench_dev.jsonl \\
@@ -28,16 +32,19 @@ import threading
 import time
 from urllib.parse import urlparse
 
+FOLLOW_UP = "Thank you. Now say that again in two sentences."  # a later turn where the file has none
 
-def prompts_from(path: str, skip: int, categories: list[str] | None = None) -> list[str]:
+
+def prompts_from(path: str, skip: int, categories: list[str] | None = None, turns: int = 1) -> list:
     """The held-out prompts (all but the first ``skip`` of each group; only ``categories`` if given),
-    round robin over the groups."""
+    round robin over the groups; with ``turns`` > 1 each is a list of that many user turns."""
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    by_cat: dict[str, list[str]] = {}
+    by_cat: dict[str, list] = {}
     for r in rows:
         if categories and r.get("category", "") not in categories:
             continue
-        text = r["turns"][0] if "turns" in r else r["prompt"]
+        said = [str(t) for t in r["turns"] if str(t).strip()] if "turns" in r else [r["prompt"]]
+        text = said[0] if turns == 1 else (said + [FOLLOW_UP] * turns)[:turns]
         by_cat.setdefault(r.get("category", ""), []).append(text)
     groups = [texts[skip:] for texts in by_cat.values() if len(texts) > skip]
     # round robin over the groups, so that any number of requests asks about every group alike
@@ -70,6 +77,8 @@ class Stats:
         self.latency: list[float] = []
         self.texts: list[tuple[int, str]] = []  # (prompt index, streamed text) of each valid request
         self.engines: dict[str, int] = {}  # requests per engine that decoded them (usage.adaptive.engine)
+        self.ttft_by_turn: dict[int, list[float]] = {}
+        self.cached_tokens = 0  # usage.prompt_tokens_details.cached_tokens, where the server says
 
     def add(self, key: str, error: str | None = None):
         with self.lock:
@@ -78,7 +87,8 @@ class Stats:
                 self.errors.append(error)
 
 
-def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int = -1) -> None:
+def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index=-1, turn: int = 1) -> str | None:
+    """Send one request and stream its answer: the text, or ``None`` when it failed (counted in ``stats``)."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=600)
     try:
@@ -112,6 +122,8 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int 
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
                 engine = (chunk["usage"].get("adaptive") or {}).get("engine")
+                with stats.lock:
+                    stats.cached_tokens += (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             elif chunk.get("timings", {}).get("predicted_n"):  # llama-server's own count, when it sends no usage
                 tokens = chunk["timings"]["predicted_n"]
         if not done:
@@ -125,11 +137,14 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index: int 
                 stats.engines[engine] = stats.engines.get(engine, 0) + 1
             if first is not None:
                 stats.ttft.append(first)
+                stats.ttft_by_turn.setdefault(turn, []).append(first)
         stats.add("valid 200")
+        return "".join(pieces)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         stats.add("exception", f"{type(exc).__name__}: {exc}")
     finally:
         conn.close()
+    return None
 
 
 def main() -> None:
@@ -146,6 +161,7 @@ def main() -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", default=None, help="write each valid request's prompt index and text here (JSON lines)")
+    ap.add_argument("--turns", type=int, default=1, help="requests per conversation, each after the last's reply")
     ap.add_argument("--speculation", default=None,
                     help="the body's 'speculation' field (adaptive serve's extension: auto, off or a policy)")
     args = ap.parse_args()
@@ -159,7 +175,7 @@ def main() -> None:
     conn.request("GET", "/v1/models", headers=headers)
     model = json.loads(conn.getresponse().read())["data"][0]["id"]
     conn.close()
-    prompts = prompts_from(args.data, args.skip_first, args.categories)
+    prompts = prompts_from(args.data, args.skip_first, args.categories, args.turns)
     bad = invalid_bodies(model)
     rng = random.Random(args.seed)
     lock = threading.Lock()
@@ -174,20 +190,34 @@ def main() -> None:
             if not args.requests and time.perf_counter() >= deadline:
                 return None
             i = counter[0]
-            counter[0] += 1
+            counter[0] += args.turns  # a conversation is its turns' requests
             if rng.random() < args.invalid:
                 return rng.choice(bad)[1], False, i
-        body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-                "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        return None, True, i // args.turns % len(prompts)
+
+    def body_of(messages) -> bytes:
+        body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
         if args.speculation:
             body["speculation"] = args.speculation
-        return json.dumps(body).encode(), True, i % len(prompts)
+        return json.dumps(body).encode()
 
     def client():
         while (job := next_job()) is not None:
             body, valid, index = job
-            one(host, port, headers, body, valid, stats, index)
+            if not valid:
+                one(host, port, headers, body, valid, stats, index)
+                continue
+            if args.turns == 1:
+                one(host, port, headers, body_of([{"role": "user", "content": prompts[index]}]), True, stats, index)
+                continue
+            messages = []
+            for k, turn in enumerate(prompts[index], start=1):
+                messages.append({"role": "user", "content": turn})
+                reply = one(host, port, headers, body_of(messages), True, stats, f"{index}/{k}", k)
+                if reply is None:
+                    break
+                messages.append({"role": "assistant", "content": reply})
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(args.clients)]
@@ -198,7 +228,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     if args.record:
         with open(args.record, "w", encoding="utf-8") as f:
-            for index, text in sorted(stats.texts):
+            for index, text in sorted(stats.texts, key=lambda it: str(it[0])):
                 f.write(json.dumps({"prompt": index, "text": text}) + "\n")
 
     def pct(xs, q):
@@ -214,6 +244,8 @@ def main() -> None:
         "latency_s": {"median": round(statistics.median(stats.latency), 3) if stats.latency else None,
                       "p90": pct(stats.latency, 9)},
         "engines": dict(sorted(stats.engines.items())),
+        "ttft_by_turn_s": {str(k): round(statistics.median(v), 3) for k, v in sorted(stats.ttft_by_turn.items())},
+        "cached_tokens": stats.cached_tokens,
     }, indent=1))
 
 
