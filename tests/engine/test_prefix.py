@@ -273,3 +273,24 @@ def test_llamacpp_a_store_swapped_out_still_gives_its_cells_to_new_requests(cpp_
     finally:
         idle.resize(0)
         bb.prefixes = PrefixStore(0)
+
+
+def test_the_budget_holds_over_many_requests_and_eviction_loses_only_speed():
+    """Sixty requests (some extending earlier ones) through a budget that holds a few entries: the kept
+    bytes never exceed it, entries are evicted, and every request still decodes what plain decoding does."""
+    lm = tiny_lm("llama")
+    per_token = lm.backbone.kv_bytes_per_token()
+    budget = 3 * 40 * per_token  # about three 40-token entries
+    lm.backbone.prefixes.resize(budget)
+    engine, plain = Engine(lm), Engine(tiny_lm("llama"))
+    cfg = GenerationConfig(max_new_tokens=6)
+    history: list[list[int]] = []
+    for i in range(60):
+        ids = (history[-1] + [3, 4]) if i % 3 == 2 and history else [5 + i % 7] * (10 + i % 17) + TURN1
+        out = run(engine, ids, cfg, True)
+        history.append(ids + out.token_ids)
+        assert lm.backbone.prefixes.stats().nbytes <= budget
+        if i % 10 == 0:
+            assert out.token_ids == run(plain, ids, cfg, False).token_ids
+    s = lm.backbone.prefixes.stats()
+    assert s.evictions > 0 and s.hits > 0 and 1 <= s.entries <= 3
