@@ -105,6 +105,14 @@ class PrefixStore:
             raise ConfigError(f"the prefix cache's budget must be >= 0 bytes, got {self.budget}")
         self._stats.budget = self.budget
 
+    def __getstate__(self) -> dict:
+        """Pickled (a model sent to a calibration worker process) with its budget and no entries: they are
+        this process's tensors and this context's cells."""
+        return {"budget": self.budget}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["budget"])
+
     @property
     def enabled(self) -> bool:
         return self.budget > 0

@@ -67,6 +67,16 @@ def test_a_next_turn_replaces_the_entry_it_extends_and_a_held_prefix_is_not_kept
     assert again.released and store.stats().entries == 1
 
 
+def test_a_store_pickles_with_its_budget_and_without_its_entries():
+    import pickle
+
+    store = PrefixStore(100)
+    store.add([1, 2, 3], Held(), 10)
+    copy = pickle.loads(pickle.dumps(store))  # a model sent to a worker process carries its backbone's store
+    assert copy.budget == 100 and copy.stats().entries == 0 and store.stats().entries == 1
+    assert copy.add([4, 5], Held(), 10) and copy.peek([4, 5, 6]) == 2
+
+
 def test_pinned_entries_are_not_evicted_and_oversized_or_disabled_adds_are_released():
     store = PrefixStore(10)
     a = Held()
