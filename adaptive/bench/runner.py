@@ -137,8 +137,8 @@ class BenchSettings:
     max_new_tokens: int = 64
     warmup: int = 1
     threads: int | None = None
-    # MiB of prefix cache for our runtime methods (each method its own, emptied before each prompt's
-    # first turn), and llama-server's cache_prompt on; 0: every request prefilled whole (single turns' fairness)
+    # MiB of prefix cache for our runtime methods (each method its own, kept across prompts as a server
+    # keeps it), and llama-server's cache_prompt on; 0: every request prefilled whole (single turns' fairness)
     prefix_cache: float = 0.0
 
     def __post_init__(self):
@@ -279,15 +279,16 @@ class _Methods:
         return self.engine.encode(messages, chat=chat)
 
     def new_conversation(self) -> None:
-        """Empty every method's prefix cache: the next prompt's first turn starts from nothing."""
+        """Empty every method's prefix cache (after the warm-up: no measured prompt starts from its runs)."""
         for stores in self._stores.values():
             for store in stores:
                 store.clear()
 
     def run(self, method: str, messages, fresh: bool = True) -> dict:
         """One run of ``method`` on ``messages``. With a prefix cache, each of our runtime methods reads and
-        writes only its own (no method starts from another's turns), and llama-server keeps its slot's
-        cache; ``fresh``: a new conversation (a stateful llama-server speculation type restarts)."""
+        writes only its own, kept across prompts as a server keeps it (no method starts from another's
+        turns; what prompts share, the chat template's start, is reused as llama-server's slot reuses
+        it); ``fresh``: a new conversation (a stateful llama-server speculation type restarts)."""
         m = BENCH_METHODS[method]
         if not self.settings.prefix_cache or m.runs_on not in ("runtime", "engines", "torch"):
             return self._run(method, messages, fresh)
@@ -465,8 +466,6 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                 messages += [{"role": "user", "content": p.turns[j]},
                              {"role": "assistant", "content": replies[(p.id, j)]}]
             messages.append({"role": "user", "content": p.turns[t]})
-            if t == 0:
-                runner.new_conversation()
             item_id = p.id if len(p.turns) == 1 else f"{p.id}/turn{t + 1}"
             ref = None
             ids = runner.ids(messages)

@@ -56,8 +56,8 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
               help="The shared-document workload: only RAG and summarization prompts, each asked N times followed "
                    "by one of N fixed questions (separate requests sharing its text).")
 @click.option("--prefix-cache", type=click.FloatRange(min=0), default=0, show_default=True, metavar="MIB",
-              help="Our runtime methods keep finished requests' keys (each method its own cache, emptied before "
-                   "each prompt's first turn) and llama-server its slot's (cache_prompt); 0: all prefilled whole.")
+              help="Our runtime methods keep finished requests' keys (each method its own cache, kept across "
+                   "prompts) and llama-server its slot's (cache_prompt); 0: all prefilled whole.")
 @click.option("--order", type=click.Choice(ORDERS), default="file", show_default=True,
               help="file: the prompts in file order (group after group); mixed: round-robin over the groups "
                    "(sorted names), a mixed-domain stream as KNN-SSD evaluates on.")

@@ -73,8 +73,8 @@ def test_bench_conversations_with_a_prefix_cache_report_ttft_by_turn(capsys, tin
         assert r["turn"] in (1, 2) and r["ttft_s"] > 0
         if r["method"] == "ar":
             assert r["cached_tokens"] == 0
-        elif r["turn"] == 1:  # each method's cache is its own and emptied before each prompt's first turn
-            assert r["cached_tokens"] == 0
+        elif r["turn"] == 1:  # each method's own cache: at most what prompts share (the chat template's start)
+            assert r["cached_tokens"] < r["prompt_tokens"] // 2
         else:  # the first turn and its reply (ar's, which the lossless runs decoded too)
             first = next(x for x in runs if x["method"] == r["method"] and x["id"] == r["id"].replace("2", "1"))
             assert r["cached_tokens"] >= first["prompt_tokens"]
