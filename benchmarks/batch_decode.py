@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    rt = AdaptiveRuntime.from_profile(args.profile, model=args.model, dtype=args.dtype, online=False)
+    rt = AdaptiveRuntime.from_profile(args.profile, model=args.model, dtype=args.dtype, online=False, prefix_cache=0)
     prompts = prompts_from(args.data, args.skip_first, args.categories)[: args.requests]
     rt.generate(prompts[0], max_new_tokens=4, policy="ar")  # warm-up
     ref = run(rt, prompts, "ar", 1, args.max_tokens)["ids"]  # the lossless reference: plain, alone

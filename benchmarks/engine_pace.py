@@ -52,9 +52,9 @@ def main() -> None:
     if learn - {"pace", "lengths"}:
         ap.error(f"--learn takes pace, lengths, or both (pace,lengths), not {args.learn!r}")
 
-    base = TwoEngineRuntime.from_profile(args.profile, online=False)
+    base = TwoEngineRuntime.from_profile(args.profile, online=False, prefix_cache=0)
     lock = TurnLock()
-    members = {e: AdaptiveRuntime(rt.profile, rt.lm, online=False, model_lock=lock, seed=args.seed)
+    members = {e: AdaptiveRuntime(rt.profile, rt.lm, online=False, model_lock=lock, seed=args.seed, prefix_cache=0)
                for e, rt in base.runtimes.items()}
     pace = PaceLearner(PaceSettings(explore=args.explore), seed=args.seed) if "pace" in learn else None
     lengths = LengthLearner() if "lengths" in learn else None

@@ -128,7 +128,7 @@ def main() -> None:
         return lambda p: rt.generate([{"role": "user", "content": p}], max_new_tokens=args.max_tokens, policy=policy)
 
     # -- part 1: a new domain ---------------------------------------------------------------------
-    adapted = AdaptiveRuntime(without, lm, online=OnlineSettings(path=tmp / "p1.online"))
+    adapted = AdaptiveRuntime(without, lm, online=OnlineSettings(path=tmp / "p1.online"), prefix_cache=0)
     learn = []
     audit = {"identical": 0, "near_ties": 0, "violations": 0}
     t0 = time.perf_counter()
@@ -154,8 +154,8 @@ def main() -> None:
                                                     for n, d in adapted.online.learned.items()}}
     print(json.dumps({k: v for k, v in report["part1_learning"].items() if k != "requests"}, indent=1),
           file=sys.stderr)
-    frozen = AdaptiveRuntime(without, lm, online=False)
-    calibrated = AdaptiveRuntime(with_, lm, online=False)
+    frozen = AdaptiveRuntime(without, lm, online=False, prefix_cache=0)
+    calibrated = AdaptiveRuntime(with_, lm, online=False, prefix_cache=0)
     ev = group[args.learn: args.learn + args.eval]
     report["part1_eval"] = timed({"adapted": gen(adapted), "without_online_off": gen(frozen),
                                   "with_group_calibrated": gen(calibrated)}, ev, args.max_tokens, engine, lm.backbone)
@@ -176,8 +176,8 @@ def main() -> None:
         group_of = {q: p.stem for p, g in zip(others, groups) for q in g}
         mixed = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
         warm, ev_in = mixed[: args.warm], mixed[args.warm: args.warm + args.eval_in]
-        online = AdaptiveRuntime(without, lm, online=OnlineSettings(path=tmp / "p2.online"))
-        offline = AdaptiveRuntime(without, lm, online=False)
+        online = AdaptiveRuntime(without, lm, online=OnlineSettings(path=tmp / "p2.online"), prefix_cache=0)
+        offline = AdaptiveRuntime(without, lm, online=False, prefix_cache=0)
         t0 = time.perf_counter()
         warm_log = []
         for prompt in warm:  # both serve the warm-up traffic: their bandits learn alike, only one learns online

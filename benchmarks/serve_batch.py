@@ -54,10 +54,12 @@ def free_port() -> int:
 
 
 def start_server(args, batch: int, engine: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``adaptive serve`` on a free port with ``args``' settings (no prefix cache unless ``args.prefix_cache``:
+    the single-request measurements repeat prompts); the process and its URL once it answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "adaptive.cli.main", "serve", "--profile", args.profile, "--port", str(port),
            "--max-batch", str(batch), "--max-queue", "256", "--prefill-chunk", str(args.prefill_chunk),
-           "--prefix-cache", str(args.prefix_cache)] + \
+           "--prefix-cache", str(getattr(args, "prefix_cache", 0))] + \
         ([] if args.goodput else ["--no-goodput"]) + (["--engine", engine] if engine else [])
     if getattr(args, "online", False):  # learning from this run only: a fresh overlay per server
         cmd += ["--online", "--online-path", os.path.join(tempfile.mkdtemp(prefix="serve-batch-"), "overlay")]

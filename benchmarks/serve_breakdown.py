@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--steep", action="store_true", help="price batch drafts on a steep verify table")
     args = ap.parse_args()
     prompts = [p.turns[0] for p in load_bench_prompts(args.data, args.per_category, skip_first=args.skip_first)]
-    runtime = TwoEngineRuntime.from_profile(args.profile, online=False)
+    runtime = TwoEngineRuntime.from_profile(args.profile, online=False, prefix_cache=0)
     spent, calls = collections.Counter(), collections.Counter()
     instrument(spent, calls, args.steep)
     scheduler = Scheduler(runtime, max_batch=args.max_batch, default_max_tokens=args.max_tokens)

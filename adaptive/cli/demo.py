@@ -97,7 +97,8 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
             profile = calibrate(lm, domains, profile_dir, CalibrationSettings.quick(), device=device, dtype=dtype,
                                 progress=not quiet, log=log)
     engine = Engine(lm)
-    runtime = AdaptiveRuntime(profile, lm, online=False)  # timed with repeats: nothing learned from them
+    # timed with repeats of one prompt: nothing learned from them, no prefix kept between them
+    runtime = AdaptiveRuntime(profile, lm, online=False, prefix_cache=0)
     prompt = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
     decision = runtime.route(prompt)
     applied = profile.domain(decision.route.domain)
@@ -223,7 +224,7 @@ def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, devic
         if e not in runtimes:
             p = load_profile(profile_dir, e)
             lm = load(model_spec, device, p.model.dtype or "auto", p.model.weights, engine=e)
-            runtimes[e] = AdaptiveRuntime(p, lm, online=False, model_lock=primary.model_lock)
+            runtimes[e] = AdaptiveRuntime(p, lm, online=False, model_lock=primary.model_lock, prefix_cache=0)
     two = TwoEngineRuntime(runtimes, members.default)
     rows = []
     short = builtin_domains()[DEMO_DOMAIN][DEMO_PROMPT_INDEX]
