@@ -355,13 +355,16 @@ class Engine:
         match = store.lookup(prompt_ids) if keep else Match(None, 0)
         try:
             cache = new_cache(self.backbone, len(prompt_ids), cfg, shared=match.tokens)
+            t_restore = time.perf_counter()
             cached = self.backbone.restore_prefix(match.entry, cache, match.tokens) if match.entry is not None else 0
         finally:
             if keep:
                 store.unpin(match.entry)
         store.restored(cached)
         cache.length = cached
-        task = ChunkedPrefill(self.backbone, list(prompt_ids), cache, cfg, gen, pool, chunk, position=cached)
+        # the copy of a cached prefix counts as prefill time: it is what the request waits for instead
+        task = ChunkedPrefill(self.backbone, list(prompt_ids), cache, cfg, gen, pool, chunk, position=cached,
+                              elapsed=time.perf_counter() - t_restore if cached else 0.0)
         return Prefilling(task, t0, keep=keep, cached=cached)
 
     def _kept(self, decoding: Decoding) -> None:
