@@ -293,8 +293,9 @@ class _Methods:
         if not self.settings.prefix_cache or m.runs_on not in ("runtime", "engines", "torch"):
             return self._run(method, messages, fresh)
         backbones = [self.lm.backbone] + ([self.other.backbone] if self.other is not None else [])
-        stores = self._stores.setdefault(method, [PrefixStore(budget_bytes(self.settings.prefix_cache))
-                                                  for _ in backbones])
+        if method not in self._stores:
+            self._stores[method] = [PrefixStore(budget_bytes(self.settings.prefix_cache)) for _ in backbones]
+        stores = self._stores[method]
         saved = [bb.prefixes for bb in backbones]
         for bb, store in zip(backbones, stores):
             bb.prefixes = store
