@@ -139,8 +139,17 @@ def test_the_usage_extension_gives_the_skip_set_as_text():
     r = SimpleNamespace(stats=stats, domain="maths", applied="maths", policy="knn-ssd", decision="ssd",
                         skip=SkipSet((1, 2), (3,)), engine="torch", engine_choice=None)
     assert extension(r) == {"domain": "maths", "applied": "maths", "policy": "knn-ssd", "drafter": "ssd",
-                            "skip": "attn=1-2;mlp=3", "drafted": 4, "accepted": 3, "acceptance_rate": 0.75,
-                            "mean_accepted_tokens": 2.5, "engine": "torch"}
+                            "skip": "attn=1-2;mlp=3", "drafted": 4, "accepted": 3, "cached_tokens": 0,
+                            "acceptance_rate": 0.75, "mean_accepted_tokens": 2.5, "engine": "torch"}
     assert extension(SimpleNamespace(**{**vars(r), "decision": "pld", "skip": None}))["skip"] is None
     why = {"engine": "torch", "reason": "expected 1.00 s on torch, 2.00 s on llama.cpp"}
     assert extension(SimpleNamespace(**{**vars(r), "engine_choice": why}))["engine_choice"] == why
+
+
+def test_usage_counts_cached_prompt_tokens_as_openai_defines_them():
+    from adaptive.serve.wire import usage_body
+
+    assert usage_body(10, 4, None, cached_tokens=6) == {
+        "prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,  # cached tokens stay in prompt_tokens
+        "prompt_tokens_details": {"cached_tokens": 6}}
+    assert usage_body(3, 1, {"engine": "torch"})["prompt_tokens_details"] == {"cached_tokens": 0}
