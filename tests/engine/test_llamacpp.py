@@ -97,10 +97,10 @@ def test_layer_pools_of_a_prompt_longer_than_llama_cpp_s_micro_batch(long_gguf):
 def test_without_layer_inputs_routing_falls_back_to_the_last_layer_once(tiny_gguf, monkeypatch, capsys):
     """A build of llama.cpp without the layer-input API (or a model whose graph gives no rows) routes on
     today's embedding, the final layer's last position, and says so once."""
-    from adaptive.engine import llamacpp
+    from adaptive.engine import llamacpp, llamacpp_host
 
-    monkeypatch.setattr(llamacpp, "_layer_input_api", lambda lib: None)
-    monkeypatch.setattr(llamacpp, "_WARNED", set())
+    monkeypatch.setattr(llamacpp, "layer_input_api", lambda lib: None)
+    monkeypatch.setattr(llamacpp_host, "_WARNED", set())
     cpp = LlamaCppBackbone(tiny_gguf[0], threads=1, context=64, sequences=1)
     assert not cpp.layer_pools
     for _ in range(2):
@@ -340,7 +340,6 @@ def test_the_engine_decodes_text_on_llama_cpp(tiny_gguf):
 def test_layer_inputs_are_probed_once_per_architecture_in_a_child_process(tiny_gguf, tmp_path, monkeypatch):
     """llama.cpp aborts the process when a graph builder (Qwen2's) never records a layer's input: the
     first probe of an architecture runs in a child process, and its answer is kept."""
-    import json
     import subprocess
 
     from adaptive.engine import llamacpp
@@ -380,103 +379,6 @@ def test_loading_drops_the_file_s_pages_and_decoding_reads_the_same_weights(tiny
     kept = LlamaCppBackbone(path, threads=2, context=64, sequences=1)
     assert torch.equal(ours, kept.forward(ids, kept.new_cache(32), 0, logits="all").logits)
     kept.close()
-
-
-AMX_INFO = "CPU : AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 | "
-
-
-class _Children:
-    """A stand-in for ``subprocess.run``: each probe child's exit code and output, and how many ran."""
-
-    def __init__(self, returncode: int, stdout: str = ""):
-        self.returncode, self.stdout, self.runs = returncode, stdout, 0
-
-    def __call__(self, cmd, **kwargs):
-        import subprocess
-
-        self.runs += 1
-        assert kwargs["env"]["ADAPTIVE_LLAMACPP_EXTRA_BUFFERS"] == "1"  # the child decodes with them on
-        return subprocess.CompletedProcess(cmd, self.returncode, self.stdout, "ggml: some error")
-
-
-@pytest.fixture
-def amx_build(monkeypatch, tmp_path):
-    """A build with AMX kernels, a private cache, nothing said yet, no forced answer."""
-    monkeypatch.setattr(llamacpp, "system_info", lambda: AMX_INFO)
-    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("ADAPTIVE_LLAMACPP_EXTRA_BUFFERS", raising=False)
-    monkeypatch.setattr(llamacpp, "_WARNED", set())
-    return tmp_path
-
-
-def test_without_amx_kernels_nothing_is_probed(monkeypatch, tmp_path):
-    monkeypatch.setattr(llamacpp, "system_info", lambda: "CPU : AVX2 = 1 | FMA = 1 | REPACK = 1 | ")
-    monkeypatch.delenv("ADAPTIVE_LLAMACPP_EXTRA_BUFFERS", raising=False)
-    child = _Children(-11)
-    monkeypatch.setattr("subprocess.run", child)
-    assert llamacpp.extra_buffers_ok(tmp_path / "m.gguf") is True and child.runs == 0
-
-
-def test_a_probe_killed_by_a_fault_turns_extra_buffers_off_and_is_kept(amx_build, monkeypatch, capsys):
-    gguf = amx_build / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    child = _Children(-11)  # SIGSEGV: llama.cpp's AMX product faulted
-    monkeypatch.setattr("subprocess.run", child)
-    assert llamacpp.extra_buffers_ok(gguf) is False
-    assert "llama.cpp's AMX kernels fault on this machine" in capsys.readouterr().err
-    assert llamacpp.extra_buffers_ok(gguf) is False and child.runs == 1  # the kept answer, not a second probe
-    kept = json.loads((amx_build / "cache" / "llama.cpp" / "extra-buffers.json").read_text())
-    assert list(kept.values()) == [False] and str(gguf.resolve()) in next(iter(kept))  # not a GGUF: by path
-    other = amx_build / "other.gguf"
-    other.write_bytes(b"GGUF....")
-    assert llamacpp.extra_buffers_ok(other) is False and child.runs == 2  # another file: probed on its own
-
-
-def test_files_of_one_weight_type_share_one_answer(amx_build, monkeypatch, tiny_gguf):
-    path, _ = tiny_gguf
-    copy = amx_build / "copy.gguf"
-    copy.write_bytes(Path(path).read_bytes())
-    child = _Children(0, "ok")
-    monkeypatch.setattr("subprocess.run", child)
-    assert llamacpp.extra_buffers_ok(path) is True and llamacpp.extra_buffers_ok(copy) is True
-    assert child.runs == 1
-    kept = json.loads((amx_build / "cache" / "llama.cpp" / "extra-buffers.json").read_text())
-    assert [k.rsplit("|", 1)[1] for k in kept] == ["file type 0"]  # the tiny file's F32 weights
-
-
-def test_a_probe_that_decodes_keeps_extra_buffers_on(amx_build, monkeypatch):
-    gguf = amx_build / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    child = _Children(0, "loaded\nok\n")
-    monkeypatch.setattr("subprocess.run", child)
-    assert llamacpp.extra_buffers_ok(gguf) is True and llamacpp.extra_buffers_ok(gguf) is True
-    assert child.runs == 1
-
-
-@pytest.mark.parametrize("returncode", [1, -9])  # an error, an out-of-memory kill: not the kernels' answer
-def test_a_probe_that_fails_otherwise_answers_no_for_this_process_only(amx_build, monkeypatch, capsys, returncode):
-    gguf = amx_build / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    child = _Children(returncode)
-    monkeypatch.setattr("subprocess.run", child)
-    assert llamacpp.extra_buffers_ok(gguf) is False
-    err = capsys.readouterr().err
-    assert f"failed (exit {returncode}): ggml: some error" in err and "kernels fault" not in err
-    assert llamacpp.extra_buffers_ok(gguf) is False and child.runs == 2  # nothing kept: probed again
-
-
-def test_a_forced_answer_is_not_probed(amx_build, monkeypatch):
-    monkeypatch.setattr("subprocess.run", _Children(-11))
-    for forced, expected in (("0", False), ("1", True)):
-        monkeypatch.setenv("ADAPTIVE_LLAMACPP_EXTRA_BUFFERS", forced)
-        assert llamacpp.extra_buffers_ok(amx_build / "absent.gguf") is expected
-
-
-def test_the_probe_child_decodes_a_real_file(tiny_gguf, amx_build):
-    path, _ = tiny_gguf
-    assert llamacpp.extra_buffers_ok(path) is True  # a real child process decoded it with the extra buffers on
-    kept = json.loads((amx_build / "cache" / "llama.cpp" / "extra-buffers.json").read_text())
-    assert list(kept.values()) == [True]
 
 
 def test_a_backbone_loads_without_extra_buffers_where_the_probe_said_no(tiny_gguf, monkeypatch):
