@@ -36,7 +36,9 @@ little by every replica is found), and the domains they learned are adopted (a d
 lie within the out-of-domain threshold of an earlier one is left out: one domain per traffic). One
 replica measures a proposed domain at a time: it holds ``PROFILE.online.d/measuring.lock``
 (``lock_timeout`` makes a dead holder's lock stale); the others adopt its record at their next merge,
-and drop their buffered requests it took as members.
+and drop their buffered requests it took as members. Which files changed, the lock and the
+publishing thread are :mod:`adaptive.runtime.replicas`'; folding the others' state into this
+replica's tables, bandits and domains is the learner's, here.
 
 Everything here only changes what is *drafted*: verification still decides every
 token, so outputs stay those of plain decoding.
@@ -44,9 +46,7 @@ token, so outputs stay those of plain decoding.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -73,20 +73,18 @@ from adaptive.profile.overlay import (
     check_replica_id,
     default_replica_id,
     load_overlay,
-    load_replicas,
     merge_overlays,
     overlay_path,
     profile_digest,
-    replica_dir,
     replica_path,
     save_overlay,
 )
+from adaptive.runtime.replicas import MeasuringLock, Publisher, ReplicaFiles, lock_path
 from adaptive.runtime.turns import ShareGuard
 
 log = logging.getLogger("adaptive.online")
 
 LEARNED_PREFIX = "learned-"
-LOCK_NAME = "measuring.lock"  # in PROFILE.online.d: the replica measuring a proposed domain
 
 
 @dataclass(frozen=True)
@@ -242,13 +240,15 @@ class OnlineLearner:
         self._since_save = 0
         self.others: dict[str, OnlineOverlay] = {}  # the other replicas' overlays, as last read
         self._others_merged = merge_overlays({})
-        self._seen: dict[str, tuple[int, int]] = {}  # file -> (mtime_ns, size) when last read
+        self._replicas = ReplicaFiles(self.path, self.own_path, self.replica, self._digest or None,
+                                      self._bad_file) if self.path is not None else None
+        self._measuring_lock = MeasuringLock(lock_path(self.path) if self.persist else None, self.replica,
+                                             settings.lock_timeout)
         self._merged_at = 0.0
-        self._publisher: threading.Thread | None = None
+        self._publisher: Publisher | None = None
         self._merge_lock = threading.Lock()
         self._others_keys: dict[str, int] = {}  # table -> hash of the others' counts it was given
         self._unadopted: dict[str, PairCounts] = {}  # own counts of tables of domains not adopted yet
-        self._files: dict = {}  # load_replicas' cache: file -> ((mtime_ns, size), overlay)
         self._closing = threading.Event()
         self.merges = 0
         self.merge_seconds = 0.0
@@ -309,22 +309,11 @@ class OnlineLearner:
             return False
         self._merged_at = now
         t0 = time.perf_counter()
-        files = [self.path] + sorted(replica_dir(self.path).glob("*.online"))
-        stamp = {}
-        for f in files:
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            if f != self.own_path:
-                stamp[str(f)] = (st.st_mtime_ns, st.st_size)
-        if stamp == self._seen and not force:
+        others, shared = self._replicas.changed(force)  # only the files that changed are read
+        if others is None:
             self.merge_seconds += time.perf_counter() - t0
             return False
-        others = load_replicas(self.path, self._digest or None, skip=self.replica, on_error=self._bad_file,
-                               cache=self._files)  # only the files that changed are read
-        self._seen = stamp
-        if stamp and self.persist:
+        if shared and self.persist:
             self._start_publisher()
         merged = merge_overlays(others)
         with self._lock:
@@ -397,24 +386,17 @@ class OnlineLearner:
         return self.own_path
 
     def _start_publisher(self) -> None:
-        """Among other replicas: a thread that, every ``merge_interval`` (at least 0.5 s), merges and saves
-        what is unsaved, so an idle replica's last requests and the others' domains do not wait for its
-        next request."""
-        if self._publisher is not None:
-            return
+        """Among other replicas: a :class:`~adaptive.runtime.replicas.Publisher` that, every
+        ``merge_interval`` (at least 0.5 s), merges and saves what is unsaved, so an idle replica's last
+        requests and the others' domains do not wait for its next request."""
+        if self._publisher is None:
+            self._publisher = Publisher(self._publish, self.settings.merge_interval, self._closing,
+                                        self.errors.append)
 
-        def run():
-            while not self._closing.wait(max(self.settings.merge_interval, 0.5)):
-                try:
-                    self.merge()
-                    if self._since_save > 0:
-                        self._save_quietly()
-                except Exception as exc:  # noqa: BLE001 - a background thread must not die silently
-                    log.warning("publishing the online overlay failed: %s", exc)
-                    self.errors.append(f"publish: {type(exc).__name__}: {exc}")
-
-        self._publisher = threading.Thread(target=run, name="adaptive-online-publish", daemon=True)
-        self._publisher.start()
+    def _publish(self) -> None:
+        self.merge()
+        if self._since_save > 0:
+            self._save_quietly()
 
     def _members(self) -> set[str]:
         """The ids of the buffered requests (of any replica) that formed the domains held (caller holds the lock)."""
@@ -429,54 +411,6 @@ class OnlineLearner:
         if theirs and self._learned_index is not None:
             theirs = [b for b in theirs if self._learned_index.route(b.vector).out_of_domain]
         return list(self.buffer) + theirs
-
-    def _lock_path(self) -> Path | None:
-        return replica_dir(self.path) / LOCK_NAME if self.persist else None
-
-    def _measuring_elsewhere(self) -> bool:
-        """Whether another replica holds a live measuring lock."""
-        lock = self._lock_path()
-        if lock is None:
-            return False
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except OSError:
-            return False
-        return age < self.settings.lock_timeout
-
-    def _take_lock(self) -> bool:
-        """Take the measuring lock (``True``), or learn that another replica holds it; a stale one
-        (older than ``lock_timeout``) is taken over. Without persistence there is no one to share with."""
-        lock = self._lock_path()
-        if lock is None:
-            return True
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"replica": self.replica, "pid": os.getpid(), "time": time.time()}).encode()
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    if time.time() - lock.stat().st_mtime < self.settings.lock_timeout:
-                        return False
-                    lock.unlink()  # a dead holder's: take it over
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            return True
-        return False
-
-    def _release_lock(self) -> None:
-        lock = self._lock_path()
-        if lock is None:
-            return
-        try:
-            if json.loads(lock.read_bytes()).get("replica") == self.replica:
-                lock.unlink()
-        except (OSError, ValueError):
-            pass
 
     # -- routing and tables ------------------------------------------------------------------
 
@@ -584,7 +518,7 @@ class OnlineLearner:
         another replica measures."""
         if self._pending is not None or self._since_attempt < max(1, self.settings.min_cluster // 2):
             return False
-        if len(self._pooled()) < self.settings.min_cluster or self._measuring_elsewhere():
+        if len(self._pooled()) < self.settings.min_cluster or self._measuring_lock.held_elsewhere():
             return False
         self._since_attempt = 0
         return True
@@ -593,13 +527,13 @@ class OnlineLearner:
         """A new domain from the pooled buffer, if a coherent group is there: under the measuring lock,
         after a merge (so a domain another replica just learned is not proposed again). The caller does
         not hold the learner's lock."""
-        if not self._take_lock():
+        if not self._measuring_lock.take():
             return None
         self.merge(force=True)  # holding the lock: the domains learned and requests buffered up to now
         with self._lock:
             pending = self._cluster() if self._pending is None else None
         if pending is None:
-            self._release_lock()
+            self._measuring_lock.release()
         return pending
 
     def _cluster(self) -> _Pending | None:
@@ -682,7 +616,7 @@ class OnlineLearner:
         log.info("learned domain %s from %d requests: %s at %.2fx", domain.name, domain.members,
                  rec.decision.drafter, rec.decision.speedup)
         self._save_quietly()  # saved before the lock goes: the others adopt it at their next merge
-        self._release_lock()
+        self._measuring_lock.release()
 
     def _give_back(self, pending: _Pending) -> None:
         """A measurement that did not finish: this replica's members go back to its buffer (the other
@@ -691,7 +625,7 @@ class OnlineLearner:
         with self._lock:
             self.buffer.extendleft(reversed(mine))
             self._pending = None
-        self._release_lock()
+        self._measuring_lock.release()
 
     def _joins_learned(self, obs: Observation) -> LiveBigramTable | None:
         """The table of a domain learned after ``obs`` was routed out-of-domain, if it now routes there:

@@ -26,7 +26,7 @@ from adaptive.profile.overlay import (
 )
 from adaptive.runtime import AdaptiveRuntime, OnlineSettings
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
-from adaptive.runtime.online import LOCK_NAME
+from adaptive.runtime.replicas import LOCK_NAME
 from tests.conftest import TINY_DOMAINS
 from tests.runtime.test_online import OOD, _ar, cascades, scripted_profile
 
