@@ -279,10 +279,14 @@ class _Methods:
         return self.engine.encode(messages, chat=chat)
 
     def new_conversation(self) -> None:
-        """Empty every method's prefix cache (after the warm-up: no measured prompt starts from its runs)."""
+        """Empty every method's prefix cache, and restart (untimed) the llama-server processes that keep
+        theirs: after the warm-up, no measured prompt starts from its runs (a slot keeps its last prompt)."""
         for stores in self._stores.values():
             for store in stores:
                 store.clear()
+        for server in self.servers.values():
+            if server.settings.cache_prompt:
+                server.start()
 
     def run(self, method: str, messages, fresh: bool = True) -> dict:
         """One run of ``method`` on ``messages``. With a prefix cache, each of our runtime methods reads and

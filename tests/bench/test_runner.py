@@ -53,3 +53,29 @@ def test_the_bench_runs_each_prompt_s_methods_in_its_row_and_lists_them_in_order
     assert [(r["id"], r["method"]) for r in report["runs"]] == [(i, m) for i in ids for m in methods]
     assert seen == report["runs"] and all(r["identical"] for r in report["runs"])
     assert called[-1][0] == "and again abc" and called[-2][0] == "and again abc"  # the second turn after ar's reply
+
+
+def test_after_the_warm_up_every_cache_is_emptied_and_cache_keeping_servers_restart():
+    from types import SimpleNamespace
+
+    from adaptive.engine.prefix import PrefixStore
+
+    class Held:
+        def release(self):
+            pass
+
+    class Server:
+        def __init__(self, cache_prompt):
+            self.settings, self.starts = SimpleNamespace(cache_prompt=cache_prompt), 0
+
+        def start(self):
+            self.starts += 1
+
+    methods = runner._Methods.__new__(runner._Methods)  # its state alone: no model needed
+    store = PrefixStore(100)
+    store.add([1, 2, 3], Held(), 10)
+    methods._stores = {"knn-ssd": [store]}
+    methods.servers = {"llama-server": Server(True), "llama-server-ngram-mod": Server(False)}
+    methods.new_conversation()
+    assert store.stats().entries == 0
+    assert [s.starts for s in methods.servers.values()] == [1, 0]  # a slot keeps its last prompt: a fresh process
