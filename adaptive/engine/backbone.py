@@ -18,6 +18,11 @@ On CUDA, forwards of up to 32 tokens that ask for logits only (plain, draft and 
 steps, short prefills) replay CUDA graphs of a static-shape step (:mod:`adaptive.engine.graphs`)
 over caches from a pool of fixed-capacity slots; longer inputs, ``logits="none"``, pooled, hidden
 or read-only forwards, another head and an adapter run this module's eager forward.
+
+Why it runs past 600 lines: its one concern, the torch step over transformers' modules, takes a
+forward, its batched form, the cache (with eagle feature rows and the prefix cache's copies), the
+weights' layouts (dense, packed, int8/int4, rows read from a GGUF file) and the pooled embeddings
+routing reads, all of which must see the same modules; the static CUDA step is :mod:`graphs`'.
 """
 
 from __future__ import annotations

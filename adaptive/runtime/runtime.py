@@ -16,6 +16,11 @@ lookup, ``cascade``, or ``ar``); ``cascade`` drafts every request with its domai
 bigram-backed statistical drafter under and after the domain's skip set), its split and draft
 length chosen by a two-level Thompson sampler; ``early-exit`` and ``draft-model`` draft with the
 drafter ``adaptive distill`` stored in the profile (EESD).
+
+Why it runs past 600 lines: its one concern is that request path, and each of its steps (routing,
+the plan of every policy, the distilled drafters' parts built once, prefilling a chunk at a time,
+the batch's step and its draft lengths) is a method of the runtime; what stands apart already
+lives apart (bandits, policies, online learning, the two-engine choice, replicas).
 """
 
 from __future__ import annotations
