@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from adaptive.codec import record
-from adaptive.engine import llamacpp
+from adaptive.engine import llamacpp, llamacpp_host
 from adaptive.engine.backbone import Backbone
 from adaptive.engine.engine import eos_ids
 from adaptive.engine.quant import check_weights, resolve_weights
@@ -469,7 +469,7 @@ def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, 
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "auto":
         fits = gguf is not None and device.type == "cpu" and weights in ("auto", "dense") and dtype == "auto"
-        return llamacpp.ENGINE if fits and llamacpp.available() else "torch"
+        return llamacpp.ENGINE if fits and llamacpp_host.available() else "torch"
     if engine == llamacpp.ENGINE:
         if gguf is None:
             raise ConfigError("the llama.cpp engine runs GGUF files: load an embedded model or a .gguf path, "
@@ -482,8 +482,8 @@ def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, 
         if dtype != "auto":
             raise ConfigError(f"--dtype {str(dtype).replace('torch.', '')} is the torch engine's: llama.cpp computes "
                               "with the GGUF file's own types")
-        if not llamacpp.available():
-            raise ConfigError(f"the llama.cpp engine needs llama-cpp-python: {llamacpp.INSTALL}")
+        if not llamacpp_host.available():
+            raise ConfigError(f"the llama.cpp engine needs llama-cpp-python: {llamacpp_host.INSTALL}")
     return engine
 
 

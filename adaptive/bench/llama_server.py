@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaptive.engine import llamacpp
+from adaptive.engine import llamacpp_host
 from adaptive.errors import ConfigError
 from adaptive.workdir import cache_dir
 
@@ -66,7 +66,7 @@ class ServerSettings:
     request_timeout_s: float = 600.0
     slots: int = 1
     # llama.cpp's repacked and AMX weight layouts: off where the Python binding's probe found them faulting
-    # (adaptive.engine.llamacpp.extra_buffers_ok; the build script compiles the same llama.cpp version natively)
+    # (adaptive.engine.llamacpp_host.extra_buffers_ok; the build script compiles the same llama.cpp version natively)
     repack: bool = True
     # reuse a slot's cached prompt for the next request sharing its start (llama-server's default; off by
     # default here, for single-turn fairness against our runs, which start from nothing either)
@@ -164,7 +164,7 @@ class LlamaServer:
                  binary: Path | None = None, slots: int = 1, cache_prompt: bool = False):
         self.binary = binary if binary is not None else find_server()
         self.settings = ServerSettings(Path(gguf), threads, n_ctx, spec_type, slots=slots,
-                                       repack=not llamacpp.available() or llamacpp.extra_buffers_ok(gguf),
+                                       repack=not llamacpp_host.available() or llamacpp_host.extra_buffers_ok(gguf),
                                        cache_prompt=cache_prompt)
         self.proc: subprocess.Popen | None = None
         self.port = 0

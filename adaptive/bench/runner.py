@@ -23,7 +23,7 @@ from adaptive.bench.llamacpp import LlamaCpp, gguf_path
 from adaptive.bench.report import summarize
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
-from adaptive.engine.audit import audit_divergence, first_difference
+from adaptive.engine.audit import audit_divergence, common_prefix
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.engine.llamacpp import ENGINE as LLAMA_CPP
@@ -372,12 +372,6 @@ class _Methods:
                 break
         return {"token_ids": out, "tokens_per_s": len(out) / dt if dt > 0 else 0.0, "seconds": dt, "steps": None,
                 "drafted": None, "accepted": None, "info": {}}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share: ``common_prefix([1, 2, 3], [1, 2, 4]) == 2``."""
-    i = first_difference(a, b)
-    return len(a) if i is None else i
 
 
 def _from_result(r) -> dict:

@@ -22,6 +22,7 @@ of 0, 0.125 or 0.25 (ties at bf16's resolution of the logits).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -56,6 +57,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: ``common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2``,
+    ``common_prefix([7, 8], [7, 8]) == 2`` (the prefix cache's match, the bench's agreement)."""
+    i = first_difference(a, b)
+    return len(a) if i is None else i
 
 
 @torch.inference_mode()

@@ -62,19 +62,15 @@ import torch
 from adaptive.engine.backbone import ForwardOutput, Segment
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
-from adaptive.engine.llamacpp_host import (  # noqa: F401 - the engine's face: available, INSTALL, ... re-exported
-    INSTALL,
-    available,
+from adaptive.engine.llamacpp_host import (
     default_threads,
     extra_buffers_ok,
     init_backend,
     layer_input_api,
     library,
-    mapped_resident,
     probe,
     release_mapped_file,
     say_once,
-    system_info,
     threadpool_api,
 )
 from adaptive.engine.prefix import PrefixStore

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from adaptive.engine.audit import common_prefix
 from adaptive.errors import ConfigError
 
 DEFAULT_PREFIX_CACHE_MIB = 256  # the byte budget of each engine's prefix cache, in MiB (0: no cache)
@@ -52,15 +53,6 @@ class Entry:
     @property
     def tokens(self) -> int:
         return len(self.ids)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix. Example: ``common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2``."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass(frozen=True)

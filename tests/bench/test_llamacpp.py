@@ -7,7 +7,7 @@ import pytest
 from adaptive.bench import llamacpp
 from adaptive.bench.llamacpp import LlamaCpp, gguf_path
 from adaptive.bench.report import markdown, summarize
-from adaptive.bench.runner import common_prefix
+from adaptive.engine.audit import common_prefix
 from adaptive.errors import ConfigError
 from tests.conftest import tiny_lm
 

@@ -20,7 +20,8 @@ from adaptive.engine import llamacpp  # noqa: E402
 from adaptive.engine.backbone import Segment  # noqa: E402
 from adaptive.engine.config import GenerationConfig, Pooling  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
-from adaptive.engine.llamacpp import LlamaCppBackbone, mapped_resident  # noqa: E402
+from adaptive.engine.llamacpp import LlamaCppBackbone  # noqa: E402
+from adaptive.engine.llamacpp_host import mapped_resident  # noqa: E402
 from adaptive.engine.loop import GenerationStats  # noqa: E402
 from adaptive.engine.skip import SkipSet  # noqa: E402
 from adaptive.errors import ConfigError, ContextFullError, PromptTooLongError  # noqa: E402

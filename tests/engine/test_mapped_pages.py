@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive.engine.llamacpp import mapped_resident, release_mapped_file
+from adaptive.engine.llamacpp_host import mapped_resident, release_mapped_file
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from adaptive.drafters.factory import DrafterSpec, build_drafter
-from adaptive.engine.audit import audit_divergence
+from adaptive.engine.audit import audit_divergence, common_prefix
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.engine import Engine
-from adaptive.engine.prefix import PrefixStore, budget_bytes, common_prefix
+from adaptive.engine.prefix import PrefixStore, budget_bytes
 from adaptive.errors import ConfigError
 from tests.conftest import tiny_lm
 

@@ -128,11 +128,11 @@ def test_the_second_model_is_a_known_name():
 def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from adaptive.engine import llamacpp
+    from adaptive.engine import llamacpp_host
     from adaptive.models import resolve_engine
 
     cpu, gguf = torch.device("cpu"), Path("m.gguf")
-    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    monkeypatch.setattr(llamacpp_host, "available", lambda: True)
     assert resolve_engine("auto", gguf, cpu, "auto", "dense") == "llama.cpp"
     assert resolve_engine("auto", None, cpu, "auto", "dense") == "torch"  # not a GGUF file
     assert resolve_engine("auto", gguf, cpu, "float32", "dense") == "torch"  # a dtype is the torch engine's
@@ -147,7 +147,7 @@ def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_
             resolve_engine("llama.cpp", *args)
     with pytest.raises(ConfigError, match="unknown engine 'vllm'"):
         resolve_engine("vllm", gguf, cpu, "auto", "dense")
-    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    monkeypatch.setattr(llamacpp_host, "available", lambda: False)
     assert resolve_engine("auto", gguf, cpu, "auto", "dense") == "torch"
     with pytest.raises(ConfigError, match="needs llama-cpp-python"):
         resolve_engine("llama.cpp", gguf, cpu, "auto", "dense")
@@ -156,16 +156,16 @@ def test_the_engine_is_resolved_from_the_model_and_the_options(monkeypatch, tmp_
 
 
 def test_auto_calibrates_both_engines_where_llama_cpp_runs_the_model(monkeypatch, tmp_path, tiny_model_dir):
-    from adaptive.engine import llamacpp
+    from adaptive.engine import llamacpp_host
     from adaptive.models import auto_engines
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    monkeypatch.setattr(llamacpp_host, "available", lambda: True)
     assert auto_engines(str(gguf), "cpu") == ("llama.cpp", "torch")
     assert auto_engines(str(gguf), "cpu", dtype="float32") == ("torch",)  # a torch dtype: one engine
     assert auto_engines(str(tiny_model_dir), "cpu") == ("torch",)  # not a GGUF model
-    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    monkeypatch.setattr(llamacpp_host, "available", lambda: False)
     assert auto_engines(str(gguf), "cpu") == ("torch",)
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         auto_engines(str(tmp_path / "missing.gguf"))
