@@ -2,9 +2,11 @@
 
 README.md: its first screen (60 lines) says what it is, the two commands, what to expect and where
 to read on; no paragraph runs over 80 words. docs/results.md: under 150 lines, each table row short
-enough to render in about three lines (its text, link targets aside, at most 300 characters).
+enough to render in about three lines (its text, link targets aside, at most 300 characters). No
+module in ``adaptive/`` runs past 600 lines unless its docstring says why.
 """
 
+import ast
 import re
 from pathlib import Path
 
@@ -13,6 +15,7 @@ README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results.md"
 MAX_WORDS = 80
 MAX_ROW_CHARS = 300
+MAX_MODULE_LINES = 600
 
 
 def paragraphs(text: str) -> list[str]:
@@ -80,3 +83,24 @@ def test_the_readme_links_lead_somewhere():
             headings = [line for line in (ROOT / target).read_text(encoding="utf-8").splitlines()
                         if line.startswith("#")]
             assert anchor in {slug(h) for h in headings}, f"{target}#{anchor}"
+
+
+def silent_long_modules(package: Path) -> list[str]:
+    """Modules under ``package`` over :data:`MAX_MODULE_LINES` lines whose docstring does not say why
+    ("... past 600 lines ...")."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > MAX_MODULE_LINES and f"past {MAX_MODULE_LINES} lines" not in doc:
+            out.append(path.relative_to(package).as_posix())
+    return out
+
+
+def test_a_module_past_600_lines_says_why(tmp_path):
+    body = "x = 1\n" * MAX_MODULE_LINES
+    (tmp_path / "short.py").write_text('"""Short."""\n' + "x = 1\n" * 10)
+    (tmp_path / "silent.py").write_text('"""Long."""\n' + body)
+    (tmp_path / "says.py").write_text('"""Long. Why it runs past 600 lines: one concern."""\n' + body)
+    assert silent_long_modules(tmp_path) == ["silent.py"]
+    assert silent_long_modules(ROOT / "adaptive") == []

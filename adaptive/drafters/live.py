@@ -42,6 +42,12 @@ DECAY = 0.5
 DROP_BELOW = 0.25
 
 
+def accepted_text(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
+    """The tokens a finished request teaches a table: the prompt's last token, then the output (the
+    pair across the boundary is the model's too). Example: ``([5, 6], [7, 8])`` -> ``[6, 7, 8]``."""
+    return [int(t) for t in prompt[-1:]] + [int(t) for t in output]
+
+
 class LiveBigramTable:
     """Calibration's ``base`` table (or none) plus decayed pair counts from accepted output."""
 

@@ -10,7 +10,7 @@ lookup's measured acceptance, the bigram-backed drafter's teacher-forced one).
 Calibration (:mod:`adaptive.calibrate.domain`) races :func:`statistical_candidates` plus the best
 skip set, checkpointed, and adds the search's layer-skip prior, skip set, reduced vocabulary and
 tables; the online learner (:mod:`adaptive.runtime.online`) races a learned domain's statistical
-drafters only.
+drafters only (:func:`measure_learned_domain`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import numpy as np
 
 from adaptive.costs import STAT_DRAFT_COST
 from adaptive.drafters.cascade import CascadePlan
+from adaptive.drafters.live import LiveBigramTable, accepted_text
 from adaptive.drafters.ngram import BigramTable
 from adaptive.engine.skip import SkipSet
 from adaptive.measure.decision import ROLES, decide
+from adaptive.measure.statistical import choose_cascade, statistical_acceptance
 from adaptive.measure.timing import Candidate, RaceConfig, race_candidates
 from adaptive.models import LoadedModel
 from adaptive.profile import (
@@ -35,6 +37,7 @@ from adaptive.profile import (
     MeasureSettings,
     Prior,
     Priors,
+    Profile,
     SkipSearch,
     StatisticalAcceptance,
     VocabChoice,
@@ -119,3 +122,25 @@ def race_domain(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[s
                             on_prompt=on_prompt, bigram=bigram, vocab=vocab, eagle=eagle, on_block=on_block,
                             guard=guard)
     return DomainRace(timed, decide(timed, settings.acceptance_floor))
+
+
+def measure_learned_domain(lm: LoadedModel, profile: Profile, name: str, sequences: list[tuple[list[int], list[int]]],
+                           prompts: int, table: LiveBigramTable, guard: Callable = nullcontext,
+                           anchors: int = 0) -> DomainRecord:
+    """A learned domain's record, measured as calibration measures one (:mod:`adaptive.calibrate.domain`)
+    but without a skip-set search (layer skipping is searched offline only): the bigram-backed
+    drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
+    gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
+    ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
+    members' outputs, each raced prompt's own output taken out: :meth:`LiveBigramTable.snapshot`;
+    ``guard``: the model lock, one block at a time), and decided
+    (:func:`race_domain`, with the profile's settings, as calibration).
+    Verification costs: the global record's."""
+    s, glob = profile.settings, profile.global_set
+    max_len = profile.runtime.cascade_max_draft_len
+    stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
+    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
+    candidates = statistical_candidates(profile.runtime.pld_draft_len, plan)
+    tables = [table.snapshot(without=accepted_text(p, out)) for p, out in sequences[:prompts]]
+    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=tables, guard=guard)
+    return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)

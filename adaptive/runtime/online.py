@@ -12,12 +12,13 @@ Three things are learned, all from what the target model itself accepted, so dra
    :func:`~adaptive.index.cluster.find_cluster` looks for a coherent group (FAISS k-means, then the
    calibration's leave-one-out test: at least ``coherence`` of the members lie within the
    out-of-domain threshold of anchors fitted without them). A group becomes a proposed domain; a
-   background thread measures it as calibration measures a domain (:func:`measure_domain`: the
-   statistical drafters' teacher-forced acceptance on the members' outputs, then prompt lookup and
-   the cascade raced against ``ar`` in paired blocks with bootstrap intervals, and the pure
-   decision: :func:`~adaptive.measure.race.race_domain`, as calibration). Until that finishes its
-   requests use the global record; after, they route to it (its anchors are searched when the
-   calibrated index says out-of-domain). The race takes the model lock one block at a time through a
+   background thread measures it as calibration measures a domain
+   (:func:`~adaptive.measure.race.measure_learned_domain`: the statistical drafters' teacher-forced
+   acceptance on the members' outputs, then prompt lookup and the cascade raced against ``ar`` in
+   paired blocks with bootstrap intervals, and the pure decision:
+   :func:`~adaptive.measure.race.race_domain`, as calibration). Until that finishes its requests use
+   the global record; after, they route to it (its anchors are searched when the calibrated index
+   says out-of-domain). The race takes the model lock one block at a time through a
    :class:`~adaptive.runtime.turns.ShareGuard`: at once while serving is idle, and under load only
    while its own model time stays within ``share`` of the wall time (10% by default), so a
    measurement costs a busy server about that share of its throughput.
@@ -36,12 +37,19 @@ little by every replica is found), and the domains they learned are adopted (a d
 lie within the out-of-domain threshold of an earlier one is left out: one domain per traffic). One
 replica measures a proposed domain at a time: it holds ``PROFILE.online.d/measuring.lock``
 (``lock_timeout`` makes a dead holder's lock stale); the others adopt its record at their next merge,
-and drop their buffered requests it took as members. Which files changed, the lock and the
-publishing thread are :mod:`adaptive.runtime.replicas`'; folding the others' state into this
-replica's tables, bandits and domains is the learner's, here.
+and drop their buffered requests it took as members. Which files changed, the others' merged
+state, which of their domains are adopted, the lock and the publishing thread are
+:mod:`adaptive.runtime.replicas`'; folding the others' state into this replica's tables, bandits
+and domains is the learner's, here (:meth:`OnlineLearner.merge`).
 
 Everything here only changes what is *drafted*: verification still decides every
 token, so outputs stay those of plain decoding.
+
+Why it runs past 600 lines: its one concern is the learner's state under its one lock (the tables,
+the buffer, the learned domains, the domain being proposed and measured), and each change to it is
+a method here; what only reads or writes beside it lives apart (the replicas' files, lock and
+merged state in :mod:`adaptive.runtime.replicas`, a learned domain's race in
+:mod:`adaptive.measure.race`, the overlay format in :mod:`adaptive.profile.overlay`).
 """
 
 from __future__ import annotations
@@ -51,18 +59,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable
+from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, LiveBigramTable, accepted_text
 from adaptive.errors import AdaptiveError, ContextFullError
 from adaptive.index.anchors import AnchorIndex, Route
 from adaptive.index.cluster import find_cluster
-from adaptive.measure.race import race_domain, statistical_candidates
-from adaptive.measure.statistical import choose_cascade, statistical_acceptance
+from adaptive.measure.race import measure_learned_domain
 from adaptive.profile import GLOBAL, DomainRecord, Profile
 from adaptive.profile.overlay import (
     BufferedRequest,
@@ -72,14 +78,12 @@ from adaptive.profile.overlay import (
     PairCounts,
     check_replica_id,
     default_replica_id,
-    load_overlay,
-    merge_overlays,
     overlay_path,
     profile_digest,
     replica_path,
     save_overlay,
 )
-from adaptive.runtime.replicas import MeasuringLock, Publisher, ReplicaFiles, lock_path
+from adaptive.runtime.replicas import MeasuringLock, Others, Publisher, ReplicaFiles, adoptable, load_own, lock_path
 from adaptive.runtime.turns import ShareGuard
 
 log = logging.getLogger("adaptive.online")
@@ -144,41 +148,6 @@ class OnlineSettings:
         return cls(enabled=bool(online) if online is not None else True)
 
 
-def accepted_text(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
-    """The tokens a finished request teaches a table: the prompt's last token, then the output (the
-    pair across the boundary is the model's too). Example: ``([5, 6], [7, 8])`` -> ``[6, 7, 8]``."""
-    return [int(t) for t in prompt[-1:]] + [int(t) for t in output]
-
-
-def measure_domain(lm, profile: Profile, name: str, sequences: list[tuple[list[int], list[int]]],
-                   prompts: int, table: LiveBigramTable, guard: Callable = nullcontext,
-                   anchors: int = 0) -> DomainRecord:
-    """A learned domain's record, measured as calibration measures one (:mod:`adaptive.calibrate.domain`)
-    but without a skip-set search (layer skipping is searched offline only): the bigram-backed
-    drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
-    gives the cascade's plan; prompt lookup and the cascade are raced against ``ar`` on up to
-    ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
-    members' outputs, each raced prompt's own output taken out: :meth:`LiveBigramTable.snapshot`;
-    ``guard``: the model lock, one block at a time), and decided
-    (:func:`~adaptive.measure.race.race_domain`, with the profile's settings, as calibration).
-    Verification costs: the global record's."""
-    s, glob = profile.settings, profile.global_set
-    max_len = profile.runtime.cascade_max_draft_len
-    stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
-    plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
-    candidates = statistical_candidates(profile.runtime.pld_draft_len, plan)
-    tables = [table.snapshot(without=accepted_text(p, out)) for p, out in sequences[:prompts]]
-    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=tables, guard=guard)
-    return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)
-
-
-def _near(a: np.ndarray, b: np.ndarray, threshold: float) -> bool:
-    """Whether two domains' anchors (unit rows, ``[m, d]`` and ``[n, d]``) come within ``threshold``
-    (squared L2, the index's out-of-domain radius): the same traffic learned twice."""
-    d = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * a @ b.T
-    return bool(d.min() <= threshold)
-
-
 class _Stopped(Exception):
     """The learner was closed while a measurement ran."""
 
@@ -238,20 +207,14 @@ class OnlineLearner:
         self.requests = 0  # this replica's
         self.generation = 0
         self._since_save = 0
-        self.others: dict[str, OnlineOverlay] = {}  # the other replicas' overlays, as last read
-        self._others_merged = merge_overlays({})
-        self._replicas = ReplicaFiles(self.path, self.own_path, self.replica, self._digest or None,
-                                      self._bad_file) if self.path is not None else None
+        files = ReplicaFiles(self.path, self.own_path, self.replica, self._digest or None,
+                             self._bad_file) if self.path is not None else None
+        self._others = Others(files, settings.merge_interval, self._lock)  # the other replicas', as last read
         self._measuring_lock = MeasuringLock(lock_path(self.path) if self.persist else None, self.replica,
                                              settings.lock_timeout)
-        self._merged_at = 0.0
         self._publisher: Publisher | None = None
-        self._merge_lock = threading.Lock()
-        self._others_keys: dict[str, int] = {}  # table -> hash of the others' counts it was given
         self._unadopted: dict[str, PairCounts] = {}  # own counts of tables of domains not adopted yet
         self._closing = threading.Event()
-        self.merges = 0
-        self.merge_seconds = 0.0
         self.update_seconds = 0.0  # time spent in observe() (tables, buffer, discovery; not measuring)
         self.measure_seconds = 0.0  # model time taken by finished measurements' race blocks
         self.measure_waits = 0  # race blocks that waited for their share while serving was busy
@@ -266,12 +229,8 @@ class OnlineLearner:
 
     def _load(self) -> None:
         """This replica's own overlay (a replica restarted with its id continues from it)."""
-        ov = load_overlay(self.own_path)  # a damaged one: OverlayError, and the runtime does not start
+        ov = load_own(self.own_path, self._digest)  # a damaged one: OverlayError, and the runtime does not start
         if ov is None:
-            return
-        if self._digest and ov.profile != self._digest:
-            log.warning("%s: belongs to another calibration of the profile; starting afresh (the next save "
-                        "replaces it)", self.own_path)
             return
         self.generation, self.requests = ov.generation, ov.requests
         for d in ov.learned:
@@ -294,70 +253,39 @@ class OnlineLearner:
         """Read the other replicas' overlays that changed since the last read and fold them in (see the
         module doc); ``force``: now, else at most every ``merge_interval`` seconds. ``True`` if anything
         changed. A damaged file of another replica is left out and reported in :meth:`state`."""
-        if self.path is None:
-            return False
-        if not self._merge_lock.acquire(blocking=force):
-            return False  # another thread is merging now
-        try:
-            return self._merge(force)
-        finally:
-            self._merge_lock.release()
+        return self._others.merge(force, self._fold, self._after_merge)
 
-    def _merge(self, force: bool) -> bool:
-        now = time.monotonic()
-        if not force and now - self._merged_at < self.settings.merge_interval:
-            return False
-        self._merged_at = now
-        t0 = time.perf_counter()
-        others, shared = self._replicas.changed(force)  # only the files that changed are read
-        if others is None:
-            self.merge_seconds += time.perf_counter() - t0
-            return False
+    def _fold(self, merged: OnlineOverlay) -> None:
+        """Take the other replicas' merged state in (caller holds the lock): their learned domains
+        (:func:`~adaptive.runtime.replicas.adoptable`: one domain per traffic) are routed to from now
+        on, this replica's buffered requests that one took as members leave the buffer and those that
+        route to one feed its table; every table whose others' counts changed is given them."""
+        added = adoptable(merged.learned, self.learned, self.profile.domains, self.profile.index.ood_threshold)
+        for d in added:
+            self.learned[d.name] = d
+        if added:
+            self._rebuild_index()
+            taken = self._members()
+            kept = [b for b in self.buffer if b.id not in taken]
+            self.buffer.clear()
+            self.buffer.extend(kept)
+        for d in added:
+            own = self._unadopted.pop(d.name, None)
+            if own is not None:  # what this replica had taught it before a restart
+                self.table(d.name).load(own.prev, own.succ, own.count)
+            self._absorb(d.name, self.table(d.name))
+        held = [n for n in merged.counts if n in self.profile.domains or n == GLOBAL or n in self.learned]
+        for name, c in self._others.changed_counts(held):
+            self.table(name).set_others(c.prev, c.succ, c.count)
+
+    def _after_merge(self, merged: OnlineOverlay, shared: bool) -> None:
+        """Outside the lock: the publishing thread once other replicas exist, and the bandits rebased
+        on the others' evidence."""
         if shared and self.persist:
             self._start_publisher()
-        merged = merge_overlays(others)
-        with self._lock:
-            self.others, self._others_merged = others, merged
-            self._adopt(merged)
-            for name, c in merged.counts.items():
-                if name in self.profile.domains or name == GLOBAL or name in self.learned:
-                    key = hash((c.prev.tobytes(), c.succ.tobytes(), c.count.tobytes()))
-                    if self._others_keys.get(name) != key:  # only a table whose others' counts changed
-                        self.table(name).set_others(c.prev, c.succ, c.count)
-                        self._others_keys[name] = key
         for key, b in self._bandits().items():
             if hasattr(b, "rebase"):
                 b.rebase(merged.bandits.get(key, {}).get("states", []))
-        self.merges += 1
-        self.merge_seconds += time.perf_counter() - t0
-        return True
-
-    def _adopt(self, merged: OnlineOverlay) -> None:
-        """Take the other replicas' learned domains in (caller holds the lock): a domain of a name this
-        replica does not have, whose anchors are not within the out-of-domain threshold of one it has
-        (a second domain of the same traffic), is routed to from now on; this replica's buffered
-        requests that it took as members leave the buffer, those that route to it feed its table."""
-        threshold = self.profile.index.ood_threshold
-        added = []
-        for d in merged.learned:
-            if d.name in self.learned or d.name in self.profile.domains:
-                continue
-            if any(_near(d.anchors, k.anchors, threshold) for k in self.learned.values()):
-                continue  # another replica learned this traffic again: one domain for it
-            self.learned[d.name] = d
-            added.append(d.name)
-        if not added:
-            return
-        self._rebuild_index()
-        taken = self._members()
-        kept = [b for b in self.buffer if b.id not in taken]
-        self.buffer.clear()
-        self.buffer.extend(kept)
-        for name in added:
-            own = self._unadopted.pop(name, None)
-            if own is not None:  # what this replica had taught it before a restart
-                self.table(name).load(own.prev, own.succ, own.count)
-            self._absorb(name, self.table(name))
 
     def snapshot(self) -> OnlineOverlay:
         """What :meth:`save` writes: this replica's own contribution now (the live bandits' posteriors
@@ -407,7 +335,7 @@ class OnlineLearner:
         that now route to one): what discovery clusters (caller holds the lock)."""
         taken = self._members()
         mine = {b.id for b in self.buffer}
-        theirs = [b for b in self._others_merged.buffer if b.id not in taken and b.id not in mine]
+        theirs = [b for b in self._others.merged.buffer if b.id not in taken and b.id not in mine]
         if theirs and self._learned_index is not None:
             theirs = [b for b in theirs if self._learned_index.route(b.vector).out_of_domain]
         return list(self.buffer) + theirs
@@ -468,7 +396,7 @@ class OnlineLearner:
         try:
             if saved is not None and hasattr(bandit, "restore"):
                 bandit.restore(saved)
-            theirs = self._others_merged.bandits.get(key, {}).get("states", [])
+            theirs = self._others.merged.bandits.get(key, {}).get("states", [])
             if theirs and hasattr(bandit, "rebase"):
                 bandit.rebase(theirs)
         except (ValueError, KeyError, TypeError) as exc:
@@ -553,7 +481,7 @@ class OnlineLearner:
         kept = [b for b in self.buffer if b.id not in chosen]
         self.buffer.clear()
         self.buffer.extend(kept)
-        learned = set(self.learned) | {d.name for d in self._others_merged.learned}
+        learned = set(self.learned) | {d.name for d in self._others.merged.learned}
         taken = learned | set(self.profile.domains)
         n = len(learned) + 1
         while f"{LEARNED_PREFIX}{n}" in taken:
@@ -585,7 +513,7 @@ class OnlineLearner:
             prompts = min(self.settings.measure_prompts, len(seqs))
             share = pending.share = ShareGuard(self._guard, self.settings.share, self.settings.idle_s)
             try:
-                rec = measure_domain(self.lm, self.profile, pending.name, seqs, prompts, table,
+                rec = measure_learned_domain(self.lm, self.profile, pending.name, seqs, prompts, table,
                                      guard=lambda: self._race_guard(share), anchors=int(pending.anchors.shape[0]))
             finally:
                 with self._lock:
@@ -694,19 +622,17 @@ class OnlineLearner:
         replica's; ``buffered``: the pooled buffer), and each replica's part (``replicas``)."""
         self.merge()
         with self._lock:
-            others = self.others
+            others = self._others
             replicas = {self.replica: {"requests": self.requests, "saved": "", "generation": self.generation,
                                        "buffered": len(self.buffer), "learned": sorted(self._own_learned),
-                                       "self": True}}
-            for r, ov in sorted(others.items()):
-                replicas[r] = {"requests": ov.requests, "saved": ov.saved, "generation": ov.generation,
-                               "buffered": len(ov.buffer), "learned": [d.name for d in ov.learned]}
-            return {"replica": self.replica, "requests": self.requests + sum(o.requests for o in others.values()),
+                                       "self": True}, **others.summary()}
+            return {"replica": self.replica,
+                    "requests": self.requests + sum(o.requests for o in others.overlays.values()),
                     "own_requests": self.requests, "generation": self.generation, "saves": self.saves,
                     "path": str(self.own_path) if self.own_path else None, "persist": self.persist,
                     "buffered": len(self._pooled()), "measuring": self.measuring,
-                    "replicas": replicas, "merges": self.merges,
-                    "merge_ms": round(1e3 * self.merge_seconds, 3),
+                    "replicas": replicas, "merges": others.merges,
+                    "merge_ms": round(1e3 * others.seconds, 3),
                     "tables": {n: {"entries": len(t), "pairs": t.pairs, "observed": round(t.observed, 1)}
                                for n, t in sorted(self.tables.items())},
                     "learned": {n: {"members": d.members, "decision": d.record.decision.drafter,

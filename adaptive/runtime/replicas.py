@@ -1,6 +1,8 @@
 """What the online learner's replicas share on disk (issue 45), apart from what is learned: which of the
-other replicas' overlay files changed since they were last read, the lock that lets one replica at
-a time measure a proposed domain, and the thread that merges and publishes an idle replica's state.
+other replicas' overlay files changed since they were last read and their merged state
+(:class:`Others`), which of their learned domains a replica adopts (:func:`adoptable`), a replica's
+own overlay read back at start (:func:`load_own`), the lock that lets one replica at a time measure
+a proposed domain, and the thread that merges and publishes an idle replica's state.
 
 The learner (:mod:`adaptive.runtime.online`) folds what these give it into its tables, bandits and
 domains; the file formats and the merge of overlays are :mod:`adaptive.profile.overlay`'s.
@@ -13,10 +15,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-from adaptive.profile.overlay import OnlineOverlay, OverlayError, load_replicas, replica_dir
+import numpy as np
+
+from adaptive.profile.overlay import (
+    LearnedDomain,
+    OnlineOverlay,
+    OverlayError,
+    PairCounts,
+    load_overlay,
+    load_replicas,
+    merge_overlays,
+    replica_dir,
+)
 
 log = logging.getLogger("adaptive.online")
 
@@ -50,6 +64,113 @@ class ReplicaFiles:
         others = load_replicas(self.path, self.digest, skip=self.replica, on_error=self.on_error, cache=self._cache)
         self.stamps = stamp
         return others, bool(stamp)
+
+
+class Others:
+    """The other replicas' state as this replica last read it: their overlays by replica
+    (``overlays``) and merged (``merged``: :func:`~adaptive.profile.overlay.merge_overlays`). ``files``:
+    where they are read (``None``: a learner that is not on disk has no others); ``guard``: the
+    learner's lock, held while the new state replaces the old and is folded in. :meth:`merge` reads
+    what changed, at most every ``interval`` seconds unless forced, one thread at a time; ``merges``
+    and ``seconds`` count them."""
+
+    def __init__(self, files: ReplicaFiles | None, interval: float, guard: AbstractContextManager):
+        self.files, self.interval, self._guard = files, interval, guard
+        self.overlays: dict[str, OnlineOverlay] = {}
+        self.merged = merge_overlays({})
+        self.merges = 0
+        self.seconds = 0.0
+        self._at = 0.0
+        self._lock = threading.Lock()
+        self._keys: dict[str, int] = {}  # table -> hash of the others' counts it was last given
+
+    def merge(self, force: bool, fold: Callable[[OnlineOverlay], None],
+              after: Callable[[OnlineOverlay, bool], None]) -> bool:
+        """Read the files that changed; under the guard, take them in and call ``fold(merged)``; then,
+        the guard released, ``after(merged, shared)`` (``shared``: other replicas' files exist).
+        ``True`` if anything changed. Another thread merging now: ``False`` at once, unless ``force``
+        (then this one waits for it and reads again)."""
+        if self.files is None or not self._lock.acquire(blocking=force):
+            return False
+        try:
+            now = time.monotonic()
+            if not force and now - self._at < self.interval:
+                return False
+            self._at = now
+            t0 = time.perf_counter()
+            try:
+                overlays, shared = self.files.changed(force)  # only the files that changed are read
+                if overlays is None:
+                    return False
+                merged = merge_overlays(overlays)
+                with self._guard:
+                    self.overlays, self.merged = overlays, merged
+                    fold(merged)
+                after(merged, shared)
+                self.merges += 1
+                return True
+            finally:
+                self.seconds += time.perf_counter() - t0
+        finally:
+            self._lock.release()
+
+    def changed_counts(self, names: Iterable[str]) -> list[tuple[str, PairCounts]]:
+        """The merged pair counts of the tables among ``names`` whose counts changed since they were
+        last returned here (a table is given the others' counts only when they changed)."""
+        out = []
+        for name in names:
+            c = self.merged.counts.get(name)
+            if c is None:
+                continue
+            key = hash((c.prev.tobytes(), c.succ.tobytes(), c.count.tobytes()))
+            if self._keys.get(name) != key:
+                self._keys[name] = key
+                out.append((name, c))
+        return out
+
+    def summary(self) -> dict[str, dict]:
+        """Each other replica's part, for the learner's state: requests, when saved, generation,
+        buffered requests and the domains it learned."""
+        return {r: {"requests": ov.requests, "saved": ov.saved, "generation": ov.generation,
+                    "buffered": len(ov.buffer), "learned": [d.name for d in ov.learned]}
+                for r, ov in sorted(self.overlays.items())}
+
+
+def near(a: np.ndarray, b: np.ndarray, threshold: float) -> bool:
+    """Whether two domains' anchors (unit rows, ``[m, d]`` and ``[n, d]``) come within ``threshold``
+    (squared L2, the index's out-of-domain radius): the same traffic learned twice."""
+    d = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * a @ b.T
+    return bool(d.min() <= threshold)
+
+
+def adoptable(offered: Iterable[LearnedDomain], held: Mapping[str, LearnedDomain], calibrated: Collection[str],
+              threshold: float) -> list[LearnedDomain]:
+    """The domains other replicas learned that this one takes in: those of a name it has neither
+    learned (``held``) nor calibrated, whose anchors are not within ``threshold`` of a held one's (a
+    second domain of the same traffic) nor of one adopted before it in ``offered``."""
+    taken = dict(held)
+    out = []
+    for d in offered:
+        if d.name in taken or d.name in calibrated:
+            continue
+        if any(near(d.anchors, k.anchors, threshold) for k in taken.values()):
+            continue  # another replica learned this traffic again: one domain for it
+        taken[d.name] = d
+        out.append(d)
+    return out
+
+
+def load_own(path: Path, digest: str) -> OnlineOverlay | None:
+    """This replica's own overlay at ``path``, read back at start (a replica restarted with its id
+    continues from it); ``None`` when there is none or it belongs to another calibration of the
+    profile (``digest`` given and different: it starts afresh, and its next save replaces it). A
+    damaged file raises :class:`~adaptive.profile.overlay.OverlayError`."""
+    ov = load_overlay(path)
+    if ov is not None and digest and ov.profile != digest:
+        log.warning("%s: belongs to another calibration of the profile; starting afresh (the next save "
+                    "replaces it)", path)
+        return None
+    return ov
 
 
 class MeasuringLock:

@@ -216,7 +216,7 @@ def test_a_measurement_the_context_has_no_room_for_waits_for_later_quietly(tiny_
     from adaptive.errors import ContextFullError
     from adaptive.runtime import online as online_mod
 
-    real, calls = online_mod.measure_domain, []
+    real, calls = online_mod.measure_learned_domain, []
 
     def measure(*a, **k):
         calls.append(1)
@@ -224,7 +224,7 @@ def test_a_measurement_the_context_has_no_room_for_waits_for_later_quietly(tiny_
             raise ContextFullError("100 positions are needed and live requests leave 20")
         return real(*a, **k)
 
-    monkeypatch.setattr(online_mod, "measure_domain", measure)
+    monkeypatch.setattr(online_mod, "measure_learned_domain", measure)
     p = scripted_profile(cascades(tiny_profile), lm)
     settings = OnlineSettings(path=tmp_path / "t.online", background=False, min_cluster=4, measure_prompts=2)
     rt = AdaptiveRuntime(p, lm, seed=0, online=settings)
