@@ -293,3 +293,40 @@ def _fresh_overlay_per_test():
     _remove_shared_overlays()
     yield
     _remove_shared_overlays()
+
+
+class _RunWhenReplayed:
+    """A stand-in for a captured graph on the CPU: replaying runs the step into the output buffer."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self):
+        new = self.fn()
+        for buf, val in zip(self.out, new) if isinstance(new, tuple) else ((self.out, new),):
+            buf.copy_(val)
+
+
+@pytest.fixture
+def cpu_step_graphs(monkeypatch):
+    """A maker of backbones with StepGraphs on the CPU, every capture a step run when replayed (plain
+    kernels): the graph paths (batch 1 and batched) tested where no GPU is."""
+    from adaptive.engine.backbone import Backbone
+    from adaptive.engine.graphs import StepGraphs, _Captured
+
+    def capture_step(self, key, build, args):
+        step = build(None)
+        graph = _RunWhenReplayed(lambda: step(*args))
+        cap = self._graphs[key] = _Captured(graph, graph.out)
+        return cap
+
+    monkeypatch.setattr(StepGraphs, "_capture_step", capture_step)
+    monkeypatch.setattr("adaptive.engine.graphs.MIN_CAPACITY", 256)  # slots of the tiny model's 512 positions
+
+    def make(model):
+        bb = Backbone(model)
+        bb.graphs = StepGraphs(bb)
+        return bb
+
+    return make

@@ -122,6 +122,7 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
                       online=OnlineSettings(enabled=online, path=online_path, replica=replica_id,
                                             merge_interval=merge_interval), goodput=goodput,
                       prefix_cache=prefix_cache)
+    rt.reserve_batch(max_batch)  # before warming: the graphs are captured on the caches' batched layout
     captured = rt.warm()
     if captured:
         info(f"captured {captured} CUDA graphs of the model's steps")

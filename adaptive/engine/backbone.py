@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adaptive.engine.batched import SlabSlot
 from adaptive.engine.config import check_feature_layers
 from adaptive.engine.formulas import gated, rms_norm, rotate
 from adaptive.engine.gguf_file import GGUFFormatError
@@ -79,6 +80,9 @@ class KVCache:
     # full-model forward over this cache (an eagle head drafts from them; a rollback costs nothing)
     features: torch.Tensor | None = None
     feature_layers: tuple[int, ...] = ()
+    # where the tensors live in a slab of a server's batch (CUDA graphs with slabs: adaptive.engine.batched),
+    # so a batched step addresses this cache by index; None: tensors of their own, or a slot pool's
+    slot: SlabSlot | None = None
 
     def release(self) -> None:
         """Nothing to give back early: the tensors go with the object, or back to the slot pool when it is
@@ -364,9 +368,11 @@ class Backbone:
         """With CUDA graphs: capture the steps a request of up to ``max_len`` positions replays (decode,
         verify and prefill buckets; the routing prefill's with ``pooling``, a
         :class:`~adaptive.engine.config.Pooling`; the drafting steps of each skip set of ``skips``) now, as a
-        server does at startup, instead of inside the first requests. Returns the graphs captured (0 without
-        graphs, or when all were). In inference mode, as :meth:`forward` captures lazily: the compiled pieces
-        are guarded on the grad mode, so both share one compiled variant of each."""
+        server does at startup, instead of inside the first requests; after :meth:`reserve_batch`, the batched
+        steps too (:meth:`StepGraphs.warm_batches <adaptive.engine.graphs.StepGraphs.warm_batches>`). Returns
+        the graphs captured (0 without graphs, or when all were). In inference mode, as :meth:`forward`
+        captures lazily: the compiled pieces are guarded on the grad mode, so both share one compiled
+        variant of each."""
         if self.graphs is None or not self.graphs.enabled:
             return 0
         layer = None
@@ -377,7 +383,19 @@ class Backbone:
         n = self.graphs.warm(cache, self._full, layer)
         for skip in dict.fromkeys(s for s in skips if s):  # each distinct non-empty skip set once
             n += self.graphs.warm(cache, skip.masks(self.n_layers), drafting=True)
-        return n
+        return n + self.graphs.warm_batches(self.graphs.slab_slots, self._full, max_len)  # after reserve_batch
+
+    def reserve_batch(self, requests: int) -> bool:
+        """Lay out the caches made from now on for batches of up to ``requests`` (a server's ``max_batch``):
+        with CUDA graphs, slots of slabs of that many (:mod:`adaptive.engine.batched`), so that
+        :meth:`forward_batch` replays one batched graph per step instead of running eagerly. ``False``
+        (nothing changes) without graphs: the CPU's batch stays the eager, ragged forward."""
+        if requests < 1:
+            raise ValueError(f"a batch holds at least one request, not {requests}")
+        if self.graphs is None or not self.graphs.enabled:
+            return False
+        self.graphs.slab_slots = max(self.graphs.slab_slots, requests)
+        return True
 
     @torch.inference_mode()
     def decode_chain(self, token: int, cache: KVCache, start: int, n: int) -> list[int] | None:
@@ -647,6 +665,10 @@ class Backbone:
         """
         if not segments:
             return []
+        if self.graphs is not None and not read_only:  # a server's batch on a GPU: batched graphs where they serve
+            out = self.graphs.forward_batch(segments, skip_masks or self._full)
+            if out is not NotImplemented:
+                return out
         spans, cos, sin, row = [], [], [], 0
         for s in segments:
             T = int(s.ids.numel())

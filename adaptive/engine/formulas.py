@@ -1,9 +1,12 @@
-"""The per-row formulas the eager step (:mod:`adaptive.engine.backbone`), the static CUDA step
-(:mod:`adaptive.engine.graphs`) and the llama.cpp engine's pools share: one place for each."""
+"""The per-row formulas the eager step (:mod:`adaptive.engine.backbone`), the static CUDA steps
+(:mod:`adaptive.engine.graphs`, :mod:`adaptive.engine.batched`) and the llama.cpp engine's pools
+share, and the static steps' pieces between their matrix products: one place for each."""
 
 from __future__ import annotations
 
 import torch
+
+Masks = tuple[tuple[bool, ...], tuple[bool, ...]]  # (attention skipped, MLP skipped) per layer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,3 +27,59 @@ def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
     """A gated MLP's hidden rows: ``act(gate) * up`` of ``[T, 2 I]`` (gate and up side by side)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
+
+
+def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual stream after a sublayer and its RMSNorm for the next one: ``(h + delta, norm(h + delta))``.
+    One fused kernel when compiled."""
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`add_norm` with nothing to add (the first sublayer that runs)."""
+    return rms_norm(h, weight, eps)
+
+
+def split_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, qk_eps: float,
+                heads: int, kv_heads: int, dtype: torch.dtype, scaling: float):
+    """Queries, keys and values of one projection ``qkv`` (``[Tb, (H + 2 KV) * D]``): Qwen3's per-head norms
+    (if any), rotary embedding (``cos``/``sin`` ``[Tb, 1, D]``, :meth:`Backbone.rope_table`'s signed
+    layout), queries scaled by ``scaling`` and laid out for grouped attention, ``[KV, G * Tb, D]``; keys
+    and values ``[KV, Tb, D]``, all in ``dtype`` (the cache's)."""
+    Tb = qkv.shape[0]
+    H, KV = heads, kv_heads
+    x = qkv.view(Tb, H + 2 * KV, -1)
+    D = x.shape[-1]
+    q, k, v = x[:, :H], x[:, H:H + KV], x[:, H + KV:]
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k = rotate(q, cos, sin) * scaling, rotate(k, cos, sin)
+    q = q.reshape(Tb, KV, H // KV, D).permute(1, 2, 0, 3).reshape(KV, (H // KV) * Tb, D)
+    return q, k.transpose(0, 1), v.transpose(0, 1)
+
+
+def split_heads_into(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, qk_eps: float,
+                     heads: int, kv_heads: int, dtype: torch.dtype, scaling: float, k: torch.Tensor, v: torch.Tensor,
+                     pos: torch.Tensor) -> torch.Tensor:
+    """:func:`split_heads` that also writes the keys and values into one layer's cache (``k``/``v``
+    ``[KV, C, D]``) at ``pos`` (``[Tb]``), returning the queries: one compiled piece instead of the
+    split and two cache writes."""
+    q, kn, vn = split_heads(qkv, cos, sin, q_norm, k_norm, qk_eps, heads, kv_heads, dtype, scaling)
+    k.index_copy_(1, pos, kn)
+    v.index_copy_(1, pos, vn)
+    return q
+
+
+def masked_softmax(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Attention weights from ``scores`` (``[KV, G * Tb, C]``), ``banned`` (``[Tb, C]``, True: may not look)."""
+    KV, GT, C = scores.shape
+    Tb = banned.shape[0]
+    return torch.softmax(scores.view(KV, GT // Tb, Tb, C).masked_fill(banned, float("-inf")), dim=-1).view(KV, GT, C)
+
+
+def merge_heads(out: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[KV, G * Tb, D]`` attention outputs as ``[Tb, H * D]`` rows in ``dtype`` (the o projection's input)."""
+    KV, GT, D = out.shape
+    return out.view(KV, GT // tokens, tokens, D).permute(2, 0, 1, 3).reshape(tokens, -1).to(dtype)

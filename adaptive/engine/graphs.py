@@ -43,7 +43,26 @@ from dataclasses import InitVar, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.formulas import gated, rms_norm, rotate
+from adaptive.engine.batched import (
+    BATCH_BUCKETS,
+    ROW_BUCKETS,
+    BatchedStep,
+    Slab,
+    SlabSlot,
+    batch_bucket,
+    row_bucket,
+    span_for,
+)
+from adaptive.engine.formulas import (
+    Masks,
+    add_norm,
+    gated,
+    masked_softmax,
+    merge_heads,
+    norm,
+    rms_norm,
+    split_heads_into,
+)
 
 COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
 RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
@@ -55,9 +74,6 @@ PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last re
 CHAIN_MAX = 64  # the most tokens one chained decode (StepGraphs.chain) writes before the host reads them
 MIN_CAPACITY = 2048
 GC_INTERVAL = 1.0  # seconds between the collections a slot pool makes before making a slot
-
-Masks = tuple[tuple[bool, ...], tuple[bool, ...]]
-
 
 def bucket_for(tokens: int) -> int | None:
     """The smallest bucket holding ``tokens`` rows, ``None`` beyond the largest.
@@ -138,62 +154,6 @@ class SlotPool:
     def bind(self, cache, capacity: int) -> None:
         """Return ``cache``'s tensors to the pool when the cache object is collected."""
         weakref.finalize(cache, self.give, capacity, cache.k, cache.v)
-
-
-def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The residual stream after a sublayer and its RMSNorm for the next one: ``(h + delta, norm(h + delta))``.
-    One fused kernel when compiled."""
-    h = h + delta
-    return h, rms_norm(h, weight, eps)
-
-
-def norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`add_norm` with nothing to add (the first sublayer that runs)."""
-    return rms_norm(h, weight, eps)
-
-
-def split_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, qk_eps: float,
-                heads: int, kv_heads: int, dtype: torch.dtype, scaling: float):
-    """Queries, keys and values of one projection ``qkv`` (``[Tb, (H + 2 KV) * D]``): Qwen3's per-head norms
-    (if any), rotary embedding (``cos``/``sin`` ``[Tb, 1, D]``, :meth:`Backbone.rope_table`'s signed
-    layout), queries scaled by ``scaling`` and laid out for grouped attention, ``[KV, G * Tb, D]``; keys
-    and values ``[KV, Tb, D]``, all in ``dtype`` (the cache's)."""
-    Tb = qkv.shape[0]
-    H, KV = heads, kv_heads
-    x = qkv.view(Tb, H + 2 * KV, -1)
-    D = x.shape[-1]
-    q, k, v = x[:, :H], x[:, H:H + KV], x[:, H + KV:]
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    q, k = rotate(q, cos, sin) * scaling, rotate(k, cos, sin)
-    q = q.reshape(Tb, KV, H // KV, D).permute(1, 2, 0, 3).reshape(KV, (H // KV) * Tb, D)
-    return q, k.transpose(0, 1), v.transpose(0, 1)
-
-
-def split_heads_into(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, qk_eps: float,
-                     heads: int, kv_heads: int, dtype: torch.dtype, scaling: float, k: torch.Tensor, v: torch.Tensor,
-                     pos: torch.Tensor) -> torch.Tensor:
-    """:func:`split_heads` that also writes the keys and values into one layer's cache (``k``/``v``
-    ``[KV, C, D]``) at ``pos`` (``[Tb]``), returning the queries: one compiled piece instead of the
-    split and two cache writes."""
-    q, kn, vn = split_heads(qkv, cos, sin, q_norm, k_norm, qk_eps, heads, kv_heads, dtype, scaling)
-    k.index_copy_(1, pos, kn)
-    v.index_copy_(1, pos, vn)
-    return q
-
-
-def masked_softmax(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-    """Attention weights from ``scores`` (``[KV, G * Tb, C]``), ``banned`` (``[Tb, C]``, True: may not look)."""
-    KV, GT, C = scores.shape
-    Tb = banned.shape[0]
-    return torch.softmax(scores.view(KV, GT // Tb, Tb, C).masked_fill(banned, float("-inf")), dim=-1).view(KV, GT, C)
-
-
-def merge_heads(out: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[KV, G * Tb, D]`` attention outputs as ``[Tb, H * D]`` rows in ``dtype`` (the o projection's input)."""
-    KV, GT, D = out.shape
-    return out.view(KV, GT // tokens, tokens, D).permute(2, 0, 1, 3).reshape(tokens, -1).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -349,17 +309,24 @@ class StepGraphs:
     # H100) or "none" (every piece a plain PyTorch kernel)
     compile: str = "ops"
     replays: int = 0
+    # > 0: caches are slots of slabs of this many (adaptive.engine.batched), so that a server's batch of
+    # decoding steps and verifications replays one batched graph (forward_batch); 0: a tensor pair each
+    slab_slots: int = 0
+    batched_replays: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _inputs: dict = field(default_factory=dict, repr=False)  # bucket -> [bucket + 2] long: ids, start, last row
     _rope: dict = field(default_factory=dict, repr=False)  # capacity -> (cos, sin)
     _chain: tuple | None = field(default=None, repr=False)  # (state [4], out [CHAIN_MAX]): ChainedStep's buffers
     _mempool: object = field(default=None, repr=False)
     _ops: StepOps | None = field(default=None, repr=False)
+    _slabs: dict = field(default_factory=dict, repr=False)  # capacity -> [Slab]
+    _batch_inputs: dict = field(default_factory=dict, repr=False)  # (B, R) -> [B * R + 2 * B] long
 
     def __post_init__(self, owner):
         self._owner = weakref.ref(owner)
-        self.pool = SlotPool(functools.partial(zeros_kv, (owner.n_layers, owner.n_kv_heads), owner.head_dim,
-                                               owner.cache_dtype, owner.device))
+        self._allocate = functools.partial(zeros_kv, (owner.n_layers, owner.n_kv_heads), owner.head_dim,
+                                           owner.cache_dtype, owner.device)
+        self.pool = SlotPool(self._allocate)
 
     @property
     def backbone(self):
@@ -371,12 +338,124 @@ class StepGraphs:
         return len(self._graphs)
 
     def new_cache(self, max_len: int, cache_type):
-        """A cache of ``max_len`` positions over a pooled slot."""
+        """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`)."""
         capacity = capacity_for(max_len, self.backbone.max_positions)
+        if self.slab_slots > 0:
+            at = self._slab_slot(capacity)
+            k, v = at.slab.view(at.index)
+            cache = cache_type(k=k, v=v, limit=max_len, slot=at)
+            weakref.finalize(cache, at.slab.give, at.index)
+            return cache
         k, v = self.pool.take(capacity)
         cache = cache_type(k=k, v=v, limit=max_len)
         self.pool.bind(cache, capacity)
         return cache
+
+    def _slab_slot(self, capacity: int) -> SlabSlot:
+        """A free slot of a slab of ``capacity``: a new slab (and new graphs for it) only when every slab's
+        slots are taken, even after collecting finished requests' caches that a cycle still held."""
+        slabs = self._slabs.setdefault(capacity, [])
+        for attempt in range(2):
+            for slab in slabs:
+                index = slab.take()
+                if index is not None:
+                    return SlabSlot(slab, index)
+            if attempt == 0 and slabs:
+                gc.collect()
+        slab = Slab(self._allocate, self.slab_slots, capacity)
+        slabs.append(slab)
+        self.pool.allocated += 1
+        return SlabSlot(slab, slab.take())
+
+    def forward_batch(self, segments, masks: Masks) -> list[torch.Tensor | None] | object:
+        """:meth:`Backbone.forward_batch <adaptive.engine.backbone.Backbone.forward_batch>` by replaying
+        graphs: the segments that want logits (decoding steps and verifications) as batched steps, one per
+        slab and :data:`~adaptive.engine.batched.BATCH_BUCKETS`' largest group, the others (prompt chunks)
+        as :meth:`forward`'s prefill chunks. ``NotImplemented`` where no static step serves the call
+        (graphs off, no slabs, a cache that is not a slab's slot or keeps feature rows, a segment of more
+        rows than :data:`~adaptive.engine.batched.ROW_BUCKETS`' largest or past its cache); the caller
+        runs eagerly."""
+        if not self.enabled or self.slab_slots < 1:
+            return NotImplemented
+        wanted = [s for s in segments if s.logits]
+        sizes = [int(s.ids.numel()) for s in segments]
+        if not wanted or any(getattr(s.cache, "slot", None) is None or s.cache.features is not None
+                             or s.start + t > s.cache.max_len for s, t in zip(segments, sizes)):
+            return NotImplemented
+        R = row_bucket(max(int(s.ids.numel()) for s in wanted))
+        if R is None:
+            return NotImplemented
+        for s in segments:
+            if not s.logits and self.forward(s.ids.reshape(-1), s.cache, s.start, masks, "none") is NotImplemented:
+                return NotImplemented
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(segments):
+            if s.logits:
+                groups.setdefault(id(s.cache.slot.slab), []).append(i)
+        out: list = [None] * len(segments)
+        for members in groups.values():
+            for a in range(0, len(members), BATCH_BUCKETS[-1]):
+                part = members[a:a + BATCH_BUCKETS[-1]]
+                logits = self._replay_batch([segments[i] for i in part], R, masks)
+                if logits is NotImplemented:
+                    return NotImplemented
+                for i, rows in zip(part, logits):
+                    out[i] = rows
+        return out
+
+    def _replay_batch(self, segments, R: int, masks: Masks):
+        """One batched step of ``segments`` (all in one slab, at most the largest batch bucket)."""
+        n, slab = len(segments), segments[0].cache.slot.slab
+        B = batch_bucket(n)
+        A = span_for(max(s.start for s in segments) + R, slab.capacity)
+        host = torch.zeros(B * R + 2 * B, dtype=torch.long)  # ids [B, R], slots [B], starts [B]: one copy
+        ids = host[:B * R].view(B, R)
+        host[B * R:B * R + B] = slab.dummy
+        for b, s in enumerate(segments):
+            ids[b, :s.ids.numel()] = s.ids.reshape(-1).cpu()
+            host[B * R + b] = s.cache.slot.index
+            host[B * R + B + b] = s.start
+        cap = self._batch_graph(slab, B, R, A, masks)
+        if cap is None:
+            return NotImplemented
+        self._batch_inputs[(B, R)].copy_(host, non_blocking=True)
+        cap.graph.replay()
+        self.batched_replays += 1
+        return [cap.out[b, :int(s.ids.numel())].clone() for b, s in enumerate(segments)]
+
+    def _batch_graph(self, slab: Slab, B: int, R: int, A: int, masks: Masks) -> _Captured | None:
+        """The batched step's graph for ``slab`` and ``(B, R, A, masks)``, captured now if it was not
+        (over the dummy slot: the inputs' values are not part of a graph); ``None`` when capturing failed."""
+        key = ("batch", slab.k.data_ptr(), B, R, A, masks)
+        cap = self._graphs.get(key)
+        if cap is not None:
+            return cap
+        buf = self._batch_inputs.get((B, R))
+        if buf is None:
+            buf = self._batch_inputs[(B, R)] = torch.zeros(B * R + 2 * B, dtype=torch.long,
+                                                          device=self.backbone.device)
+        buf[B * R:B * R + B].fill_(slab.dummy)
+        buf[B * R + B:].zero_()
+        cos, sin = self._tables(slab.capacity)
+        args = (buf[:B * R].view(B, R), buf[B * R:B * R + B], buf[B * R + B:], slab.k, slab.v, cos, sin)
+        return self._capture_step(key, lambda ops: BatchedStep(self.backbone, B, R, A, masks, ops), args)
+
+    def warm_batches(self, requests: int, masks: Masks, max_len: int = 1) -> int:
+        """Capture the batched steps a server of up to ``requests`` decoding together replays first (every
+        batch bucket up to ``requests``' and every row bucket, attending :data:`~adaptive.engine.batched.MIN_SPAN`
+        keys) on the slab of caches of ``max_len`` positions; longer spans are captured when a batch reaches
+        them. Returns the graphs captured now (0 without slabs)."""
+        if not self.enabled or self.slab_slots < 1:
+            return 0
+        before = self.captures
+        at = self._slab_slot(capacity_for(max_len, self.backbone.max_positions))
+        at.slab.give(at.index)
+        span = span_for(1, at.slab.capacity)
+        for B in BATCH_BUCKETS[:BATCH_BUCKETS.index(batch_bucket(min(requests, BATCH_BUCKETS[-1]))) + 1]:
+            for R in ROW_BUCKETS:
+                if self._batch_graph(at.slab, B, R, span, masks) is None:
+                    return self.captures - before
+        return self.captures - before
 
     def forward(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str,
                 pool_layer: int | None = None):
@@ -485,8 +564,6 @@ class StepGraphs:
                  chained: bool = False) -> _Captured | None:
         """Capture the static step of ``key`` (with ``chained``: its :class:`ChainedStep`, over :meth:`chain`'s
         buffers), after compiling its pieces and a warm-up run on a side stream."""
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
         cos, sin = self._tables(cache.k.shape[2])
         if chained:
             args = (*self._chain, cache.k, cache.v, cos, sin)
@@ -498,6 +575,13 @@ class StepGraphs:
             step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer)
             return ChainedStep(step) if chained else step
 
+        return self._capture_step(key, build, args)
+
+    def _capture_step(self, key, build: Callable, args: tuple) -> _Captured | None:
+        """Capture ``build(ops)(*args)`` under ``key``: its pieces compiled as :attr:`compile` says, a warm-up
+        run on a side stream, then the capture. ``None`` (and graphs off, said once) when capturing fails."""
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
         if self.compile == "ops":
             try:  # compiled here, outside any capture (a compilation cannot run inside one)
                 if self._ops is None:

@@ -287,6 +287,9 @@ class TwoEngineRuntime:
     def route(self, prompt) -> RouteDecision:
         return self.primary.route(prompt)
 
+    def reserve_batch(self, requests: int) -> bool:
+        return any([rt.reserve_batch(requests) for rt in self.runtimes.values()])
+
     def warm(self) -> int:
         return sum(rt.warm() for rt in self.runtimes.values())
 

@@ -310,6 +310,16 @@ class AdaptiveRuntime:
                             weights=weights or profile.model.weights, engine=eng)
         return cls(profile, lm, **kwargs)
 
+    def reserve_batch(self, requests: int) -> bool:
+        """A server decodes up to ``requests`` together: the engine lays its caches out for one batched
+        step (:meth:`Backbone.reserve_batch <adaptive.engine.backbone.Backbone.reserve_batch>`; CUDA graphs
+        only). ``True`` where it did; the CPU and llama.cpp keep their eager batch."""
+        reserve = getattr(self.engine.backbone, "reserve_batch", None)  # the llama.cpp engine has none
+        if reserve is None:
+            return False
+        with self._lock:
+            return reserve(requests)
+
     def warm(self) -> int:
         """Capture the CUDA graphs of plain decoding, verification, the routing prefill and the drafting
         steps of every skip set of the profile's records (:meth:`Profile.skip_sets

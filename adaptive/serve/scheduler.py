@@ -120,6 +120,9 @@ class Scheduler:
         # engine's backbone measured it to pay (the runtime's ``carry_chunks``)
         self.carry = bool(runtime.carry_chunks) if carry is None else carry
         self.runtime = runtime
+        # on a GPU the batch's steps replay one captured graph (the runtime's caches laid out for it);
+        # elsewhere the eager batched forward runs them
+        self.batched_graphs = bool(getattr(runtime, "reserve_batch", lambda n: False)(max_batch))
         self.metrics = metrics or Metrics()
         self.max_queue = max_queue
         self.max_batch = max_batch

@@ -282,6 +282,7 @@ def test_warm_graphs_captures_in_inference_mode(monkeypatch):
 
     class Graphs:
         enabled = True
+        slab_slots = 0
 
         def new_cache(self, max_len, cls):
             k, v = bb.allocate_kv(max_len)
@@ -291,9 +292,13 @@ def test_warm_graphs_captures_in_inference_mode(monkeypatch):
             modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
             return 1
 
+        def warm_batches(self, requests, masks, max_len=1):  # the batched steps (none before reserve_batch)
+            modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+            return 0
+
     monkeypatch.setattr(bb, "graphs", Graphs())
     assert bb.warm_graphs(max_len=8, skips=[SkipSet(attn=(1,))]) == 2
-    assert modes == [(True, False), (True, False)]
+    assert modes == [(True, False)] * 3
 
 
 def test_a_chained_step_decodes_as_plain_greedy_steps():

@@ -134,6 +134,42 @@ def test_concurrent_clients_are_batched_and_get_their_own_lossless_outputs(runti
         s.stop()
 
 
+def test_the_server_batches_on_graphs_where_they_run_and_eagerly_elsewhere(runtime, tiny_profile, tiny_model_dir,
+                                                                         cpu_step_graphs):
+    """On the CPU the server's batch is the eager forward; with CUDA graphs (stood in for on the CPU) it
+    lays its caches out in slabs and four clients at once step through batched graphs, every greedy
+    output equal to plain decoding of its prompt alone."""
+    from adaptive.models import load_model
+    from adaptive.profile import load_profile
+    from adaptive.runtime import AdaptiveRuntime
+    from tests.helpers.profiles import with_domains
+
+    cpu = create_app(runtime, max_batch=4)
+    assert not cpu.state.scheduler.batched_graphs
+    cpu.state.scheduler.close()
+    lm = load_model(str(tiny_model_dir), dtype="float32")
+    lm.__dict__["backbone"] = bb = cpu_step_graphs(lm.model)
+    rt = AdaptiveRuntime(with_domains(load_profile(tiny_profile), lambda n: "pld" if n == "math" else "ssd"), lm,
+                         seed=0, online=False)
+    s = Server(create_app(rt, max_queue=8, max_batch=4))
+    try:
+        assert s.app.state.scheduler.batched_graphs and bb.graphs.slab_slots == 4
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(i):
+            kw = dict(model=model_name(rt), messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                      max_tokens=8 + 2 * i, temperature=0, extra_body={"speculation": ("auto", "off")[i % 2]})
+            return client.chat.completions.create(**kw).choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+        assert got == [plain(runtime, PROMPTS[i % len(PROMPTS)], 8 + 2 * i) for i in range(4)]
+        assert bb.graphs.batched_replays > 0
+    finally:
+        s.stop()
+        rt.close()
+
+
 def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tiny_profile, tiny_model_dir, tmp_path):
     """A profile with an eagle head: every request's cache keeps the head's feature rows, batched steps
     (and the prefill chunks they carry) write each one's own, and greedy outputs equal plain decoding."""
