@@ -23,11 +23,20 @@ Parts (``--parts``, comma-separated; all by default):
   (``knn-ssd``), ``pld``, ``hf``, ``hf-static`` and ``hf-pld``, interleaved; then in fp32
   (``--fp32-methods``, ``--fp32-per-category`` prompts) for token equality with ``ar``; and each
   domain's speedups as its race measured them on the calibration prompts beside the bench's.
+* ``serving`` (issue 64): ``adaptive serve`` on the embedded model in bf16 with the profile of part
+  ``embedded`` (calibrated here if that part did not run), ``--max-batch`` the most clients, loaded
+  by ``benchmarks/serve_load.py`` with 1, 8, 32 and 64 streaming greedy clients (``--quick``: 1 and
+  2) over the held-out prompts, 64 new tokens (quick: 8), speculation on (``auto``) and off, in
+  turn: aggregate tok/s, time to first token and inter-token latency (median, p90), errors; whether
+  the server's batch ran batched graphs (its caches in slabs); then the peer, transformers' batched
+  ``generate`` with the static cache at the same batch sizes (the same prompts, left-padded, every
+  row decoding all its new tokens).
 
 Writes ``--out``/device_check.json and prints the table (Markdown).
 
     python benchmarks/device_check.py --device cuda --data ../shared/data/spec_bench_dev.jsonl --out /tmp/dc
     python benchmarks/device_check.py --device cpu --quick --parts shapes --out /tmp/dc
+    python benchmarks/device_check.py --device cuda --parts serving --out /tmp/dc
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ import argparse
 import gc
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -67,6 +78,7 @@ QUICK_SHAPES = {
                                  tie_word_embeddings=True)),
 }
 EMBEDDED_METHODS = ("ar", "knn-ssd", "pld", "hf", "hf-static", "hf-pld")
+SERVE_CLIENTS, QUICK_SERVE_CLIENTS = (1, 8, 32, 64), (1, 2)  # part serving's client counts
 MAX_DRAFTS = 16
 
 
@@ -340,19 +352,28 @@ def run(cmd: list[str], timeout: float, log_path: Path) -> dict:
     return {"ok": rc == 0, "rc": rc, "seconds": round(time.perf_counter() - t, 1), "tail": tail}
 
 
-def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
-    cli = [sys.executable, "-m", "adaptive.cli.main"]
+CLI = [sys.executable, "-m", "adaptive.cli.main"]
+
+
+def calibrated(args, dev: torch.device, out_dir: Path) -> dict:
+    """Calibrate the embedded model in bf16 on ``--data``'s groups into ``out_dir``/profile (resumed: a
+    second call after a finished one costs nothing); :func:`run`'s result."""
     domains = out_dir / "domains"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "specbench_domains.py"), args.data, str(domains)],
                    check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    cal = [*CLI, "calibrate", "--model", args.model, "--engine", "torch", "--device", dev.type, "--dtype", "bfloat16",
+           *(["--quick"] if args.calibration == "quick" else []), "--out", str(out_dir / "profile"), "--resume"]
+    for f in sorted(domains.glob("*.jsonl")):
+        cal += ["--domains", f"{f.stem}={f}"]
+    return run(cal, args.calibrate_timeout, out_dir / "calibrate.log")
+
+
+def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
+    cli = CLI
     common = ["--model", args.model, "--engine", "torch", "--device", dev.type]
     profile = out_dir / "profile"
     res: dict = {}
-    cal = [*cli, "calibrate", *common, "--dtype", "bfloat16", *(["--quick"] if args.calibration == "quick" else []),
-           "--out", str(profile), "--resume"]
-    for f in sorted(domains.glob("*.jsonl")):
-        cal += ["--domains", f"{f.stem}={f}"]
-    res["calibrate"] = run(cal, args.calibrate_timeout, out_dir / "calibrate.log")
+    res["calibrate"] = calibrated(args, dev, out_dir)
     if res["calibrate"]["ok"]:
         res["raced"] = raced(profile)
     methods = [m for m in args.methods.split(",") if res["calibrate"]["ok"] or m != "knn-ssd"]
@@ -371,6 +392,106 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
             res[f"bench_{dtype}"]["report"] = data["results"]
             res[f"bench_{dtype}"]["runs"] = data["runs"]
     return res
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+def part_serving(args, dev: torch.device, out_dir: Path) -> dict:
+    """``adaptive serve`` under 1 .. 64 streaming clients, speculation on and off, then transformers'
+    batched static ``generate`` at the same batch sizes (the module doc)."""
+    clients = QUICK_SERVE_CLIENTS if args.quick else SERVE_CLIENTS
+    new_tokens = 8 if args.quick else 64
+    res: dict = {"clients": list(clients), "max_new_tokens": new_tokens, "rows": [], "peer": []}
+    cal = calibrated(args, dev, out_dir)
+    if not cal["ok"]:
+        res["error"] = f"calibration failed: {cal['tail'][-300:]}"
+        return res
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = out_dir / "serve.log"
+    cmd = [*CLI, "serve", "--profile", str(out_dir / "profile"), "--model", args.model, "--engine", "torch",
+           "--device", dev.type, "--dtype", "bfloat16", "--max-batch", str(max(clients)), "--port", str(port),
+           "--max-queue", str(4 * max(clients)), "--no-online"]
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            if not wait_ready(url, proc, args.calibrate_timeout):
+                res["error"] = f"the server did not start: {log_path.read_text()[-300:]}"
+                return res
+            for n in clients:
+                for speculation in ("auto", "off"):
+                    load = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", url,
+                            "--data", args.data, "--skip-first", str(args.skip_first), "--clients", str(n),
+                            "--requests", str(max(2 * n, 4)), "--max-tokens", str(new_tokens),
+                            "--speculation", speculation]
+                    out = subprocess.run(load, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
+                    row = {"clients": n, "speculation": speculation}
+                    if out.returncode != 0:
+                        row["error"] = out.stderr[-300:]
+                    else:
+                        r = json.loads(out.stdout)
+                        row.update({k: r[k] for k in ("tokens_per_s", "ttft_s", "itl_s", "server_errors",
+                                                       "requests", "generated_tokens")})
+                    res["rows"].append(row)
+                    log(f"serving {n} clients, speculation {speculation}: {row.get('tokens_per_s', row.get('error'))}")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    res["batched_graphs"] = "batched steps replay CUDA graphs" in log_path.read_text()
+    res["peer"] = [hf_static_batch(args, dev, n, new_tokens) for n in clients]
+    return res
+
+
+def hf_static_batch(args, dev: torch.device, batch: int, new_tokens: int) -> dict:
+    """transformers' batched greedy ``generate`` with the static cache: ``batch`` held-out prompts,
+    left-padded, every row decoding ``new_tokens``; tok/s of the second of two runs (the first compiles)."""
+    from adaptive.models import load_model
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import prompts_from
+
+    try:
+        lm = load_model(args.model, device=dev.type, dtype="bfloat16", engine="torch")
+        tok = lm.tokenizer
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        prompts = prompts_from(args.data, args.skip_first)
+        texts = [tok.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}], tokenize=False,
+                                         add_generation_prompt=True) for i in range(batch)]
+        enc = tok(texts, return_tensors="pt", padding=True).to(dev)
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  cache_implementation="static", pad_token_id=tok.pad_token_id)
+        with lm.backbone.module_weights():
+            lm.model.generate(**enc, **kw)
+            sync(dev)
+            t0 = time.perf_counter()
+            out = lm.model.generate(**enc, **kw)
+            sync(dev)
+            wall = time.perf_counter() - t0
+        tokens = (out.shape[1] - enc["input_ids"].shape[1]) * batch
+        row = {"batch": batch, "tokens_per_s": round(tokens / wall, 1), "seconds": round(wall, 3)}
+    except Exception as exc:  # noqa: BLE001 - a failed peer is reported in the table, the check goes on
+        row = {"batch": batch, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    log(f"transformers static batch {batch}: {row.get('tokens_per_s', row.get('error'))}")
+    return row
 
 
 def raced(profile_dir: Path) -> dict:
@@ -454,13 +575,31 @@ def markdown(result: dict) -> str:
         for key in ("calibrate", "bench_bfloat16", "bench_float32"):
             if key in emb and not emb[key]["ok"]:
                 lines += [f"{key} failed (rc {emb[key]['rc']}): " + " / ".join(emb[key]["tail"])]
+    srv = result.get("serving")
+    if srv:
+        lines += ["", f"## serving: adaptive serve, bf16, {srv['max_new_tokens']} new tokens, streaming greedy clients "
+                  f"(batched graphs: {'yes' if srv.get('batched_graphs') else 'no'})", ""]
+        if "error" in srv:
+            lines += [f"failed: {srv['error']}"]
+        lines += ["| clients | speculation | tok/s | TTFT median / p90 s | ITL median / p90 s | server errors |",
+                  "|---|---|---|---|---|---|"]
+        for r in srv["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['clients']} | {r['speculation']} | failed: {r['error'][-120:]} | | | |")
+                continue
+            ttft, itl = r["ttft_s"], r["itl_s"]
+            lines.append(f"| {r['clients']} | {r['speculation']} | {r['tokens_per_s']} | {ttft['median']} / "
+                         f"{ttft['p90']} | {itl['median']} / {itl['p90']} | {r['server_errors']} |")
+        lines += ["", "transformers batched generate, static cache: " + ", ".join(
+            f"batch {r['batch']}: " + (f"{r['tokens_per_s']} tok/s" if "error" not in r else f"failed ({r['error']})")
+            for r in srv["peer"])]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--parts", default="shapes,embedded", help="shapes, kernels, compile, embedded")
+    ap.add_argument("--parts", default="shapes,embedded,serving", help="shapes, kernels, compile, embedded, serving")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (the CPU run CI makes)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"))
     ap.add_argument("--model", default="smollm2-135m")
@@ -487,9 +626,9 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     result = {"device": name, "torch": torch.__version__, "context": args.context, "quick": args.quick}
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"shapes", "kernels", "compile", "embedded"}
+    unknown = set(parts) - {"shapes", "kernels", "compile", "embedded", "serving"}
     if unknown:
-        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; choose shapes, kernels, compile, embedded")
+        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; choose shapes, kernels, compile, embedded, serving")
     t0 = time.perf_counter()
     if "shapes" in parts:
         result["shapes"] = part_shapes(args, dev)
@@ -499,6 +638,8 @@ def main() -> None:
         result["compiled"] = part_compile(args, dev)
     if "embedded" in parts:
         result["embedded"] = part_embedded(args, dev, out_dir)
+    if "serving" in parts:
+        result["serving"] = part_serving(args, dev, out_dir)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     tmp = out_dir / "device_check.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))

@@ -6,7 +6,8 @@ Spec-Bench-format file; with ``--invalid F`` a fraction F of requests are malfor
 (bad JSON, wrong types, unknown fields, ``max_tokens`` 0 or beyond the context, an unknown model,
 an oversized body), each of which must get a 4xx. Reports requests by status, server errors (5xx,
 broken streams, a 4xx for a valid request or a 2xx for an invalid one), aggregate generated
-tokens/s, time to first token and per-request latency (median and 90th percentile), as JSON.
+tokens/s, time to first token, per-request latency and inter-token latency (each request's mean gap
+between its tokens after the first; median and 90th percentile), as JSON.
 Prompts are the held-out ones of each group (``--skip-first``), taken round robin over the groups;
 request ``i`` asks about prompt ``i`` (in turn), so runs with the same ``--requests`` ask the same
 questions; ``--record FILE`` writes each valid request's prompt index and streamed text (JSON lines)
@@ -75,6 +76,7 @@ class Stats:
         self.tokens = 0
         self.ttft: list[float] = []
         self.latency: list[float] = []
+        self.itl: list[float] = []  # each request's mean inter-token latency after its first text
         self.texts: list[tuple[int, str]] = []  # (prompt index, streamed text) of each valid request
         self.engines: dict[str, int] = {}  # requests per engine that decoded them (usage.adaptive.engine)
         self.ttft_by_turn: dict[int, list[float]] = {}
@@ -102,7 +104,7 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index=-1, t
         if r.status != 200:
             stats.add(f"valid {r.status}", f"valid request answered {r.status}: {r.read()[:200]!r}")
             return
-        first, tokens, done, pieces, engine = None, 0, False, [], None
+        first, last, tokens, done, pieces, engine = None, None, 0, False, [], None
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: "):
@@ -117,8 +119,9 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index=-1, t
             content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
             if content:
                 pieces.append(content)
+                last = time.perf_counter() - t0
                 if first is None:
-                    first = time.perf_counter() - t0
+                    first = last
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
                 engine = (chunk["usage"].get("adaptive") or {}).get("engine")
@@ -135,6 +138,8 @@ def one(host, port, headers, body: bytes, valid: bool, stats: Stats, index=-1, t
             stats.texts.append((index, "".join(pieces)))
             if engine is not None:  # the engine that decoded it (adaptive serve's usage.adaptive)
                 stats.engines[engine] = stats.engines.get(engine, 0) + 1
+            if first is not None and tokens > 1:
+                stats.itl.append((last - first) / (tokens - 1))
             if first is not None:
                 stats.ttft.append(first)
                 stats.ttft_by_turn.setdefault(turn, []).append(first)
@@ -231,8 +236,10 @@ def main() -> None:
             for index, text in sorted(stats.texts, key=lambda it: str(it[0])):
                 f.write(json.dumps({"prompt": index, "text": text}) + "\n")
 
-    def pct(xs, q):
-        return round(statistics.quantiles(xs, n=10)[q - 1], 3) if len(xs) >= 2 else (round(xs[0], 3) if xs else None)
+    def pct(xs, q, digits=3):
+        if len(xs) < 2:
+            return round(xs[0], digits) if xs else None
+        return round(statistics.quantiles(xs, n=10)[q - 1], digits)
 
     print(json.dumps({
         "clients": args.clients, "wall_s": round(wall, 1), "requests": sum(stats.status.values()),
@@ -243,6 +250,8 @@ def main() -> None:
                    "p90": pct(stats.ttft, 9)},
         "latency_s": {"median": round(statistics.median(stats.latency), 3) if stats.latency else None,
                       "p90": pct(stats.latency, 9)},
+        "itl_s": {"median": round(statistics.median(stats.itl), 4) if stats.itl else None,
+                  "p90": pct(stats.itl, 9, 4)},
         "engines": dict(sorted(stats.engines.items())),
         "ttft_by_turn_s": {str(k): round(statistics.median(v), 3) for k, v in sorted(stats.ttft_by_turn.items())},
         "cached_tokens": stats.cached_tokens,

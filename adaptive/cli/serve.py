@@ -129,6 +129,8 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     app = create_app(rt, served_model=served_model_name, api_key=api_key, max_queue=max_queue, max_batch=max_batch,
                      prefill_chunk=prefill_chunk, max_body=max_body, default_max_tokens=default_max_tokens,
                      drain_timeout=drain_timeout)
+    if app.state.scheduler.batched_graphs:
+        info(f"batched steps replay CUDA graphs (up to {max_batch} requests a step)")
 
     def ready(server):
         sock = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)

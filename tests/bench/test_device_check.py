@@ -20,7 +20,7 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
     proc = subprocess.run([str(ROOT / "benchmarks" / "device_check.sh"), "--quick", "--model", str(tiny_model_dir),
-                           "--parts", "shapes,kernels,embedded",
+                           "--parts", "shapes,kernels,embedded,serving",
                            "--data", str(data), "--skip-first", "2", "--per-category", "1", "--fp32-per-category", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,3 +44,12 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     assert all(r["decision"] and all(x > 0 for x in r["raced"].values()) for r in emb["raced"].values())
     assert "| knn-ssd |" in proc.stdout and "(b) random-weight shapes" in proc.stdout
     assert "where the plain step's time goes" in proc.stdout and "raced on the calibration prompts" in proc.stdout
+    serving = result["serving"]  # issue 64's serving part: every client count, speculation on and off
+    assert "error" not in serving, serving.get("error")
+    assert [(r["clients"], r["speculation"]) for r in serving["rows"]] == [(1, "auto"), (1, "off"), (2, "auto"),
+                                                                          (2, "off")]
+    assert all("error" not in r and r["tokens_per_s"] > 0 and r["server_errors"] == 0 for r in serving["rows"])
+    assert all(r["ttft_s"]["median"] > 0 and r["itl_s"]["median"] > 0 for r in serving["rows"])
+    assert not serving["batched_graphs"]  # the CPU batches eagerly
+    assert [r["batch"] for r in serving["peer"]] == [1, 2] and all(r["tokens_per_s"] > 0 for r in serving["peer"])
+    assert "## serving: adaptive serve" in proc.stdout
