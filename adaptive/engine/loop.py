@@ -19,7 +19,13 @@ import torch
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig, Pooling
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, DraftLengthPolicy, FixedDraftLength
-from adaptive.engine.sampling import greedy_accept_host, greedy_accept_ids, speculative_accept, warp_probs
+from adaptive.engine.sampling import (
+    greedy_accept_batch,
+    greedy_accept_host,
+    greedy_accept_ids,
+    speculative_accept,
+    warp_probs,
+)
 from adaptive.errors import ConfigError
 
 NO_DRAFT = Draft(torch.empty(0, dtype=torch.long))  # a plain step's (one shared: made once, not per token)
@@ -403,7 +409,9 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
     lane without riders through :meth:`~adaptive.engine.backbone.Backbone.forward`, otherwise
     through :meth:`~adaptive.engine.backbone.Backbone.forward_batch` (ragged: each its own cache,
     position and draft length, so nothing is padded and nothing padded can be accepted). Then each
-    lane accepts from its own logits. The verification's time counts in every lane's
+    lane accepts from its own logits: the greedy ones together, counted on the device with one host
+    read for all (:func:`~adaptive.engine.sampling.greedy_accept_batch`), the sampling ones each with
+    its own random stream. The verification's time counts in every lane's
     ``verify_time``; a rider's share of it (by rows) in its prefill time.
     """
     carried = [r.ride() for r in riders]
@@ -425,7 +433,14 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
             logits = [backbone.forward(s.ids, s.cache, s.start, logits="all").logits]  # [k + 1, V]
         else:
             logits = backbone.forward_batch(segments + carried)[:len(segments)]
-        new = [lane.accept(d, p) for lane, d, p in zip(lanes, drafts, logits)]
+        # greedy lanes accept together on the device: one host read for the batch (issue 64)
+        greedy = [i for i, lane in enumerate(lanes) if lane.cfg.greedy and lane.acceptor is default_acceptor]
+        counted = {}
+        if len(greedy) > 1:
+            counted = dict(zip(greedy, greedy_accept_batch([drafts[i].tokens for i in greedy],
+                                                           [logits[i].argmax(-1) for i in greedy])))
+        new = [lane._keep(d, *counted[i]) if i in counted else lane.accept(d, p)
+               for i, (lane, d, p) in enumerate(zip(lanes, drafts, logits))]
         rows = sum(int(s.ids.numel()) for s in segments + carried)
     elapsed = time.perf_counter() - t0
     for lane in lanes:

@@ -6,7 +6,12 @@ one target forward that yields ``k + 1`` rows of ``p`` (the last one for the bon
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from adaptive.engine.batched import NOT_ACCEPTED, accept_greedy
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -73,6 +78,31 @@ def greedy_accept_host(draft: list[int], target_argmax: list[int]) -> tuple[int,
         raise ValueError(f"{len(draft)} drafts need {len(draft) + 1} target rows, got {len(target_argmax)}")
     n = next((i for i, (d, t) in enumerate(zip(draft, target_argmax)) if d != t), len(draft))
     return n, target_argmax[:n + 1]
+
+
+def greedy_accept_batch(drafts: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
+    """:func:`greedy_accept_ids` of several requests at once, with one host read for all of them:
+    ``drafts[i]`` ``[k_i]`` ids (on any device), ``targets[i]`` the target's argmax at its ``k_i + 1``
+    rows (all on one device); the matching prefixes are counted there for the whole batch
+    (:func:`~adaptive.engine.batched.accept_greedy`). Example: drafts ``[5, 7, 9]`` and ``[]``, targets
+    ``[5, 7, 2, 4]`` and ``[3]`` -> ``[(2, [5, 7, 2]), (0, [3])]``."""
+    if len(drafts) != len(targets) or not targets:
+        raise ValueError(f"{len(drafts)} drafts for {len(targets)} targets")
+    dev = targets[0].device
+    target = pad_sequence(list(targets), batch_first=True)  # [B, R]
+    B, R = target.shape
+    if R > 1:
+        draft = pad_sequence([d.to(dev) if d.numel() else torch.zeros(0, dtype=torch.long, device=dev) for d in drafts]
+                             + [torch.zeros(R - 1, dtype=torch.long, device=dev)], batch_first=True)[:B]
+    else:
+        draft = torch.zeros(B, 0, dtype=torch.long, device=dev)
+    counts = torch.tensor([d.numel() for d in drafts], device=dev)
+    rows = accept_greedy(target, draft, counts).tolist()  # the one read
+    out = []
+    for row in rows:
+        ids = row[:row.index(NOT_ACCEPTED)] if NOT_ACCEPTED in row else row
+        out.append((len(ids) - 1, ids))
+    return out
 
 
 def speculative_accept(

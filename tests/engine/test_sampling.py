@@ -95,3 +95,28 @@ def test_greedy_accept_host_keeps_the_longest_matching_prefix(draft, target):
     while n < len(draft) and draft[n] == target[n]:  # the rule, spelled out
         n += 1
     assert greedy_accept_host(draft, target) == (n, target[: n + 1])
+
+
+def test_greedy_accept_batch_counts_every_request_in_one_read():
+    from adaptive.engine.sampling import greedy_accept_batch
+
+    t = torch.tensor
+    drafts = [t([5, 7, 9]), t([], dtype=torch.long), t([4, 4]), t([1])]
+    targets = [t([5, 7, 2, 4]), t([3]), t([4, 4, 8]), t([2, 6])]
+    assert greedy_accept_batch(drafts, targets) == [(2, [5, 7, 2]), (0, [3]), (2, [4, 4, 8]), (0, [2])]
+    assert greedy_accept_batch([t([], dtype=torch.long)] * 2, [t([3]), t([9])]) == [(0, [3]), (0, [9])]  # plain
+    with pytest.raises(ValueError, match="drafts for"):
+        greedy_accept_batch(drafts[:1], targets)
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=6), st.integers(0, 3)), min_size=1, max_size=5))
+def test_greedy_accept_batch_is_each_alone(cases):
+    """Whatever the draft lengths, the batch's answer is each request's own (ids drawn from 4 values:
+    matches are common)."""
+    from adaptive.engine.sampling import greedy_accept_batch, greedy_accept_host
+
+    drafts = [torch.tensor(d, dtype=torch.long) for d, _ in cases]
+    targets = [torch.tensor([(x + s) % 4 for x in d] + [s], dtype=torch.long) if s % 2 else
+               torch.tensor(d + [s], dtype=torch.long) for d, s in cases]
+    want = [greedy_accept_host(d.tolist(), tg.tolist()) for d, tg in zip(drafts, targets)]
+    assert greedy_accept_batch(drafts, targets) == want
