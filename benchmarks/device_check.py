@@ -10,7 +10,9 @@ Parts (``--parts``, comma-separated; all by default):
   (every weight once, the LM head included, and the keys and values of the context) over its time
   as a share of the device's bandwidth, measured in the same run by a large device-to-device copy;
   and the verification table, a forward over ``k + 1`` tokens for ``k = 1 .. 16`` drafts, in units
-  of the plain step.
+  of the plain step; and the verify table by batch size (issue 64): a server's batched step of 1, 8,
+  32 and 64 requests (``--quick``: 1 and 2) feeding 1, 2, 4 or 8 rows each, in plain steps of one
+  request (on CUDA its captured graphs as ``adaptive serve`` warms and times them).
 * ``compile``: the embedded model's shape with torch.compile'd (Inductor) steps captured instead of
   eager ones: compile seconds and step ms (an experiment: is compiling worth its minutes?).
 * ``kernels``: where the plain step's time goes, per shape of ``--shapes`` (default the embedded
@@ -79,6 +81,7 @@ QUICK_SHAPES = {
 }
 EMBEDDED_METHODS = ("ar", "knn-ssd", "pld", "hf", "hf-static", "hf-pld")
 SERVE_CLIENTS, QUICK_SERVE_CLIENTS = (1, 8, 32, 64), (1, 2)  # part serving's client counts
+BATCHES, QUICK_BATCHES = (1, 8, 32, 64), (1, 2)  # the verify table by batch size (part shapes)
 MAX_DRAFTS = 16
 
 
@@ -141,7 +144,7 @@ def weight_bytes(bb) -> int:
 
 
 def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype: torch.dtype, context: int,
-                  repeats: int, bandwidth: float | None) -> dict:
+                  repeats: int, bandwidth: float | None, batches: tuple[int, ...] = ()) -> dict:
     """One shape's row: the plain step eager and replayed (plain kernels, then the default compiled pieces,
     with the seconds its first step took: compiling and capturing), its share of ``bandwidth``, the
     verification table and plain decoding through the loop (tokens/s, the host's work included)."""
@@ -189,7 +192,7 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
     prompt = ids[:context].tolist()
 
     def decode(chain: int = 0):
-        """Tokens/s and tokens of plain decoding after the prompt's prefill: through the loop, step by step,
+        """Tokens/s and tokens of plain decoding after the prompt's prefill: through the loop (chains of 8 on CUDA),
         or (``chain``) by :meth:`Backbone.decode_chain`, reading the tokens every ``chain`` steps."""
         c = new_cache(bb, len(prompt), cfg)
         first = prefill(bb, prompt, c, cfg, None).first
@@ -219,9 +222,42 @@ def measure_shape(name: str, family: str, fields: dict, dev: torch.device, dtype
                 row[f"chain{chain}_same"] = toks == plain_tokens
         except Exception as exc:  # noqa: BLE001 - reported in the row
             row["chain_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    if batches:
+        try:  # beside the row too
+            row["batch_verify"] = batch_table(bb, dev, batches, context, max(5, repeats // 4))
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            row["batch_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    if bb.graphs is not None:
         row["captures"] = bb.graphs.captures
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
+
+
+def batch_table(bb, dev: torch.device, batches: tuple[int, ...], context: int, repeats: int) -> dict:
+    """The verify table by batch size (issue 64): ``{B: [cost of a batched step feeding R = 1, 2, 4, 8 rows
+    a request]}`` in plain steps of one request, attending the smallest span. On CUDA the server's own
+    batched graphs, captured and timed as it warms them (:meth:`StepGraphs.warm_batches`); elsewhere the
+    same static step run eagerly."""
+    from adaptive.engine.batched import MIN_SPAN, ROW_BUCKETS, BatchedStep, Slab, batch_bucket
+
+    if bb.graphs is not None:
+        bb.reserve_batch(max(batches))
+        bb.graphs.warm_batches(max(batches), bb._full, context, repeats)
+        secs = bb.graphs.batch_seconds
+        return {str(b): [round(secs[batch_bucket(b)][r] / secs[1][1], 3) for r in ROW_BUCKETS] for b in batches}
+    slab = Slab(bb.allocate_kv, max(batches), capacity=2 * MIN_SPAN)
+    cos, sin = bb.rope_table(slab.capacity)
+    times = {}
+    with torch.inference_mode():
+        for b in sorted({1, *batches}):
+            for r in ROW_BUCKETS:
+                step = BatchedStep(bb, b, r, MIN_SPAN, bb._full)
+                ids = torch.zeros(b, r, dtype=torch.long, device=dev)
+                slots = torch.arange(b, device=dev) % slab.slots
+                starts = torch.full((b,), MIN_SPAN - ROW_BUCKETS[-1], dtype=torch.long, device=dev)
+                args = (ids, slots, starts, slab.k, slab.v, cos, sin)
+                times[b, r] = timed(lambda step=step, args=args: step(*args), dev, repeats)
+    return {str(b): [round(times[b, r] / times[1, 1], 3) for r in ROW_BUCKETS] for b in batches}
 
 
 def compile_experiment(dev: torch.device, dtype: torch.dtype, context: int, repeats: int) -> dict:
@@ -261,7 +297,8 @@ def part_shapes(args, dev: torch.device) -> dict:
         if args.shapes and name not in args.shapes.split(","):
             continue
         try:
-            rows.append(measure_shape(name, family, fields, dev, dtype, args.context, args.repeats, bw))
+            rows.append(measure_shape(name, family, fields, dev, dtype, args.context, args.repeats, bw,
+                                      batches=QUICK_BATCHES if args.quick else BATCHES))
             log(f"shape {name}: {rows[-1]}")
             gc.collect()  # the backbone and its graphs hold each other: free the model before the next
             if dev.type == "cuda":
@@ -527,6 +564,14 @@ def markdown(result: dict) -> str:
                              f"{r.get(f'chain{c}_tok_s', '-')}" + ("" if r.get(f"chain{c}_same", True)
                                                                    else " (TOKENS DIFFER)") for c in (8, 63)))
                          + " |")
+        batched = [r for r in shapes["rows"] if "batch_verify" in r or "batch_error" in r]
+        if batched:
+            lines += ["", "verify table by batch size: a batched step of B requests feeding R = 1, 2, 4, 8 rows each, "
+                      "in plain steps of one request", ""]
+            for r in batched:
+                table = r.get("batch_verify")
+                cells = "; ".join(f"B={b}: {', '.join(map(str, v))}" for b, v in (table or {}).items())
+                lines.append(f"- {r['shape']}: " + (cells if table else f"failed: {r['batch_error']}"))
     if "kernels" in result:
         lines += ["", "## where the plain step's time goes (the default step, captured on CUDA; torch.profiler)", "",
                   "| shape | step ms | kernels a step | kernel time ms | share of the step | top kernels (us a step) |",

@@ -20,7 +20,7 @@ is never expected to make a step slower than plain batched decoding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from adaptive.costs.model import extrapolate
 
@@ -69,3 +69,55 @@ def batch_draft_lengths(gains: Sequence[Sequence[float]], costs: Sequence[Sequen
         tokens, drafting, rows = tokens + gain, drafting + costs[best][k[best]], rows + 1
         step += row_cost
         k[best] += 1
+
+
+def padded_draft_lengths(gains: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
+                         steps: Mapping[int, float], fixed_rows: int = 0) -> list[int]:
+    """Each request's draft length for one batched verification replayed as a static step (CUDA graphs,
+    :mod:`adaptive.engine.batched`): every request feeds the same ``R`` rows (the row bucket of the
+    longest draft plus one), so a step's cost is that of its ``R``, whatever the drafts inside it.
+
+    ``steps``: the batch's step cost by rows ``R`` (``{1: plain, 2: ..., 4: ..., 8: ...}``, for this
+    batch's size, in one-token steps of a lone request), measured on the device; ``R = 1`` is the
+    plain step and must be there. For each ``R`` every request drafts up to ``R - 1`` tokens (rows it
+    pays for anyway), each token kept while its expected gain is worth its drafting cost at that
+    ``R``'s goodput; the ``R`` with the best goodput ``(B + sum gains) / (steps[R] + sum drafting)``
+    wins, so speculation is off (all 0) where no ``R`` beats plain decoding. ``fixed_rows``: requests
+    in the step not priced here (one token each).
+
+    Worked example, two requests, statistical drafts (cost 0), gains ``[0.9, 0.81, 0.73]`` and
+    ``[0.3, 0.09, 0.03]``, steps ``{1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}``: plain gives 2 / 1.0 = 2.0;
+    ``R = 2`` gives (2 + 1.2) / 1.05 = 3.05; ``R = 4``: (2 + 2.44 + 0.42) / 1.2 = 4.05; ``R = 8``
+    can draft no more (3 gains each): 4.86 / 2.0 = 2.43: ``[3, 3]``. With steps ``{1: 1.0, 2: 2.0,
+    4: 4.0, 8: 8.0}`` (a step that grows with its rows, as at a large batch) nothing beats plain: ``[0, 0]``.
+    """
+    if len(gains) != len(costs):
+        raise ValueError(f"gains and costs need one entry per request ({len(gains)} != {len(costs)})")
+    if any(len(g) != len(c) for g, c in zip(gains, costs)):
+        raise ValueError("each request needs one cost per drafted position")
+    if 1 not in steps or any(r < 1 or s <= 0 for r, s in steps.items()):
+        raise ValueError(f"steps needs the plain step (R = 1) and positive costs, got {dict(steps)}")
+    base = float(len(gains) + fixed_rows)
+    best_k, best = [0] * len(gains), base / steps[1]
+    for R in sorted(steps):
+        if R == 1:
+            continue
+        k, tokens, drafting = [0] * len(gains), base, 0.0
+        while True:  # add the draft token with the most gain per cost while it raises this R's goodput
+            pick, pick_ratio = None, -1.0
+            for i, g in enumerate(gains):
+                if k[i] < min(R - 1, len(g)):
+                    ratio = g[k[i]] / max(costs[i][k[i]], 1e-12)
+                    if ratio > pick_ratio:
+                        pick, pick_ratio = i, ratio
+            if pick is None:
+                break
+            gain, cost = gains[pick][k[pick]], costs[pick][k[pick]]
+            if (tokens + gain) * (steps[R] + drafting) <= tokens * (steps[R] + drafting + cost):
+                break
+            tokens, drafting = tokens + gain, drafting + cost
+            k[pick] += 1
+        goodput = tokens / (steps[R] + drafting)
+        if any(k) and goodput > best:
+            best_k, best = k, goodput
+    return best_k

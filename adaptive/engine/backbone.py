@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.batched import SlabSlot
+from adaptive.engine.batched import BATCH_BUCKETS, SlabSlot, batch_bucket
 from adaptive.engine.config import check_feature_layers
 from adaptive.engine.formulas import gated, rms_norm, rotate
 from adaptive.engine.gguf_file import GGUFFormatError
@@ -397,14 +397,29 @@ class Backbone:
         self.graphs.slab_slots = max(self.graphs.slab_slots, requests)
         return True
 
+    def batch_step_costs(self, requests: int) -> dict[int, float] | None:
+        """What one batched step of ``requests`` costs by the rows each request feeds (``{R: cost}``, ``R``
+        in :data:`~adaptive.engine.batched.ROW_BUCKETS`), in plain steps of a lone request, as the batched
+        graphs were timed when warmed (:meth:`warm_graphs` after :meth:`reserve_batch`); ``None`` where
+        no batched graphs run or they were not timed (the eager batch is priced by the profile's table)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.enabled or graphs.slab_slots < 1 or requests > BATCH_BUCKETS[-1]:
+            return None
+        table = graphs.batch_seconds.get(batch_bucket(requests))
+        unit = graphs.batch_seconds.get(1, {}).get(1)
+        if not table or 1 not in table or not unit:
+            return None
+        return {r: s / unit for r, s in sorted(table.items())}
+
     @torch.inference_mode()
     def decode_chain(self, token: int, cache: KVCache, start: int, n: int) -> list[int] | None:
         """Plain greedy decoding of ``n`` tokens (up to :data:`~adaptive.engine.graphs.CHAIN_MAX`) after
         feeding ``token`` at ``start``, replayed on the device with one read at the end
         (:meth:`StepGraphs.chain <adaptive.engine.graphs.StepGraphs.chain>`): the tokens plain decoding gives,
         keys written up to ``start + n - 1``, ``cache.length`` unchanged. ``None`` without CUDA graphs (the
-        caller decodes step by step). Measured by the device check beside the step-by-step loop; the
-        runtime does not use it yet."""
+        caller decodes step by step). Plain greedy decoding at batch 1 runs in chains of
+        :data:`~adaptive.engine.loop.CHAIN_TOKENS` (:meth:`Lane.chain <adaptive.engine.loop.Lane.chain>`);
+        the device check measures it beside the step-by-step loop."""
         if self.graphs is None:
             return None
         if start + n > cache.max_len:

@@ -32,6 +32,8 @@ Acceptance happens on the device too, for the whole batch (:func:`accept_greedy`
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -116,6 +118,53 @@ class SlabSlot:
     index: int
 
 
+class SlabPool:
+    """The slabs of each capacity (:class:`Slab` of ``slots`` slots each): :meth:`take` a free slot, a
+    new slab only when every slab of that capacity is full, even after collecting finished requests'
+    caches that a reference cycle still held (their slots go back when a cache object is collected)."""
+
+    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]], slots: int):
+        self._allocate, self.slots = allocate, slots
+        self.slabs: dict[int, list[Slab]] = {}  # capacity -> its slabs
+
+    def take(self, capacity: int) -> SlabSlot:
+        slabs = self.slabs.setdefault(capacity, [])
+        for attempt in range(2):
+            for slab in slabs:
+                index = slab.take()
+                if index is not None:
+                    return SlabSlot(slab, index)
+            if attempt == 0 and slabs:
+                gc.collect()
+        slab = Slab(self._allocate, self.slots, capacity)
+        slabs.append(slab)
+        return SlabSlot(slab, slab.take())
+
+    def bind(self, cache, at: SlabSlot) -> None:
+        """Give ``at`` back to its slab when ``cache`` is collected."""
+        weakref.finalize(cache, at.slab.give, at.index)
+
+
+def pack_inputs(segments, B: int, R: int, dummy: int) -> torch.Tensor:
+    """A batched step's inputs on the host, ``[B * R + 2 * B]`` long: the ids ``[B, R]`` (each segment's
+    ids, padded with 0), the slot indices ``[B]`` (padding requests: ``dummy``) and the first positions
+    ``[B]`` (padding: 0), for one copy to the device (:func:`unpack_inputs` views it there).
+    Example: segments ``[7, 8]`` at 40 in slot 3 and ``[9]`` at 5 in slot 0, ``B = 2, R = 2``, dummy 4:
+    ``[7, 8, 9, 0, 3, 0, 40, 5]``."""
+    host = torch.zeros(B * R + 2 * B, dtype=torch.long)
+    ids, slots, starts = unpack_inputs(host, B, R)
+    slots.fill_(dummy)
+    for b, s in enumerate(segments):
+        ids[b, :s.ids.numel()] = s.ids.reshape(-1).cpu()
+        slots[b], starts[b] = s.cache.slot.index, s.start
+    return host
+
+
+def unpack_inputs(buf: torch.Tensor, B: int, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of :func:`pack_inputs`' layout: ``(ids [B, R], slots [B], starts [B])``."""
+    return buf[:B * R].view(B, R), buf[B * R:B * R + B], buf[B * R + B:]
+
+
 def per_request(q: torch.Tensor, groups: int, batch: int) -> torch.Tensor:
     """:func:`~.formulas.split_heads`' queries of ``batch * R`` rows, ``[KV, G * B * R, D]`` (row
     ``g * B * R + b * R + r``), as one attention batch per kv head and request: ``[KV * B, G * R, D]``."""
@@ -149,7 +198,7 @@ class BatchedStep:
     ``starts`` ``[B]`` long (padding: 0), the slab's ``k``/``v`` ``[L, KV, S + 1, C, D]``, and the rotary
     tables ``cos``/``sin`` ``[C, 1, D]``. Returns float32 logits ``[B, R, V]``. Skipped sublayers
     (``masks``) add nothing, as in the eager forward. ``ops``: the pieces between the products shared with
-    the batch-1 step (:class:`~.graphs.StepOps`: add_norm, norm, gated; plain when ``None``)."""
+    the batch-1 step (:class:`~.formulas.StepOps`: add_norm, norm, gated; plain when ``None``)."""
 
     def __init__(self, backbone, batch: int, rows: int, span: int, masks: Masks, ops=None):
         self.bb, self.batch, self.rows, self.span, self.masks = backbone, batch, rows, span, masks

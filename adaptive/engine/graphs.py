@@ -48,24 +48,16 @@ from adaptive.engine.batched import (
     ROW_BUCKETS,
     BatchedStep,
     Slab,
-    SlabSlot,
+    SlabPool,
     batch_bucket,
+    pack_inputs,
     row_bucket,
     span_for,
+    unpack_inputs,
 )
-from adaptive.engine.formulas import (
-    Masks,
-    add_norm,
-    gated,
-    masked_softmax,
-    merge_heads,
-    norm,
-    rms_norm,
-    split_heads_into,
-)
+from adaptive.engine.formulas import Masks, StepOps, rms_norm
 
 COMPILE_MODES = ("ops", "step", "none")  # StepGraphs.compile
-RECOMPILE_LIMIT = 64  # compiled variants of one piece per process (StepOps.compiled)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts of the static steps (decode, draft, verify)
 PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last real row only)
 # the smallest slot (positions). Every slot's capacity has its own graphs, and on an H100 a capture cost
@@ -154,46 +146,6 @@ class SlotPool:
     def bind(self, cache, capacity: int) -> None:
         """Return ``cache``'s tensors to the pool when the cache object is collected."""
         weakref.finalize(cache, self.give, capacity, cache.k, cache.v)
-
-
-@dataclass(frozen=True)
-class StepOps:
-    """The static step's pieces between its matrix products, as functions: plain PyTorch
-    (:meth:`plain`), or each compiled by Inductor into one or two fused kernels (:meth:`compiled`; the
-    CUDA default), which replaces about forty small kernels a layer by about fifteen. The products stay
-    cuBLAS's; compiled pieces are shared by every bucket, skip set and slot (automatic dynamic shapes).
-    The split writes the keys and values into the cache itself (:func:`split_heads_into`), so Inductor
-    compiles the writes with the rotary embedding that computes them. Measured on an H100 (2026-11-27,
-    the embedded model's shape): the captured step took 1.153 ms, against 1.219 ms with the writes as
-    two ``index_copy_`` after a compiled split; attention as one ``scaled_dot_product_attention`` kernel
-    over the slot (with an additive causal bias) was slower, 1.846 ms, and was removed. Compiled with
-    grad recorded, the split is a training graph that mutates a grad-requiring cache (~0.3 ms a token
-    slower on an H100): the backbone's weights require no grad, and its steps run in inference mode."""
-
-    add_norm: Callable
-    norm: Callable
-    split_heads_into: Callable
-    masked_softmax: Callable
-    merge_heads: Callable
-    gated: Callable
-
-    @classmethod
-    def plain(cls) -> StepOps:
-        return cls(add_norm, norm, split_heads_into, masked_softmax, merge_heads, gated)
-
-    @classmethod
-    def compiled(cls) -> StepOps:
-        """Each piece compiled (automatic dynamic shapes: a second row count or model size recompiles it
-        once, with symbolic sizes). Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT`: one
-        piece sees one-row and many-row steps, of each model in the process (its default, 8, was hit
-        by three models' steps in one process, and the step fell back to plain kernels)."""
-        import torch._dynamo
-
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.6
-        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        return cls(*(torch.compile(f, fullgraph=True) for f in (add_norm, norm, split_heads_into, masked_softmax,
-                                                                 merge_heads, gated)))
 
 
 class StaticStep:
@@ -313,13 +265,15 @@ class StepGraphs:
     # decoding steps and verifications replays one batched graph (forward_batch); 0: a tensor pair each
     slab_slots: int = 0
     batched_replays: int = 0
+    # batch bucket -> {rows R: seconds of one replay}: the batched steps timed when warmed (warm_batches),
+    # what a server's draft lengths are priced by (Backbone.batch_step_costs)
+    batch_seconds: dict = field(default_factory=dict, repr=False)
     _graphs: dict = field(default_factory=dict, repr=False)
     _inputs: dict = field(default_factory=dict, repr=False)  # bucket -> [bucket + 2] long: ids, start, last row
     _rope: dict = field(default_factory=dict, repr=False)  # capacity -> (cos, sin)
     _chain: tuple | None = field(default=None, repr=False)  # (state [4], out [CHAIN_MAX]): ChainedStep's buffers
     _mempool: object = field(default=None, repr=False)
     _ops: StepOps | None = field(default=None, repr=False)
-    _slabs: dict = field(default_factory=dict, repr=False)  # capacity -> [Slab]
     _batch_inputs: dict = field(default_factory=dict, repr=False)  # (B, R) -> [B * R + 2 * B] long
 
     def __post_init__(self, owner):
@@ -327,6 +281,7 @@ class StepGraphs:
         self._allocate = functools.partial(zeros_kv, (owner.n_layers, owner.n_kv_heads), owner.head_dim,
                                            owner.cache_dtype, owner.device)
         self.pool = SlotPool(self._allocate)
+        self.slabs = SlabPool(self._allocate, 0)  # slots per slab: slab_slots, once set
 
     @property
     def backbone(self):
@@ -341,31 +296,16 @@ class StepGraphs:
         """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`)."""
         capacity = capacity_for(max_len, self.backbone.max_positions)
         if self.slab_slots > 0:
-            at = self._slab_slot(capacity)
+            self.slabs.slots = self.slab_slots
+            at = self.slabs.take(capacity)
             k, v = at.slab.view(at.index)
             cache = cache_type(k=k, v=v, limit=max_len, slot=at)
-            weakref.finalize(cache, at.slab.give, at.index)
+            self.slabs.bind(cache, at)
             return cache
         k, v = self.pool.take(capacity)
         cache = cache_type(k=k, v=v, limit=max_len)
         self.pool.bind(cache, capacity)
         return cache
-
-    def _slab_slot(self, capacity: int) -> SlabSlot:
-        """A free slot of a slab of ``capacity``: a new slab (and new graphs for it) only when every slab's
-        slots are taken, even after collecting finished requests' caches that a cycle still held."""
-        slabs = self._slabs.setdefault(capacity, [])
-        for attempt in range(2):
-            for slab in slabs:
-                index = slab.take()
-                if index is not None:
-                    return SlabSlot(slab, index)
-            if attempt == 0 and slabs:
-                gc.collect()
-        slab = Slab(self._allocate, self.slab_slots, capacity)
-        slabs.append(slab)
-        self.pool.allocated += 1
-        return SlabSlot(slab, slab.take())
 
     def forward_batch(self, segments, masks: Masks) -> list[torch.Tensor | None] | object:
         """:meth:`Backbone.forward_batch <adaptive.engine.backbone.Backbone.forward_batch>` by replaying
@@ -408,13 +348,7 @@ class StepGraphs:
         n, slab = len(segments), segments[0].cache.slot.slab
         B = batch_bucket(n)
         A = span_for(max(s.start for s in segments) + R, slab.capacity)
-        host = torch.zeros(B * R + 2 * B, dtype=torch.long)  # ids [B, R], slots [B], starts [B]: one copy
-        ids = host[:B * R].view(B, R)
-        host[B * R:B * R + B] = slab.dummy
-        for b, s in enumerate(segments):
-            ids[b, :s.ids.numel()] = s.ids.reshape(-1).cpu()
-            host[B * R + b] = s.cache.slot.index
-            host[B * R + B + b] = s.start
+        host = pack_inputs(segments, B, R, slab.dummy)  # one copy to the device
         cap = self._batch_graph(slab, B, R, A, masks)
         if cap is None:
             return NotImplemented
@@ -434,28 +368,49 @@ class StepGraphs:
         if buf is None:
             buf = self._batch_inputs[(B, R)] = torch.zeros(B * R + 2 * B, dtype=torch.long,
                                                           device=self.backbone.device)
-        buf[B * R:B * R + B].fill_(slab.dummy)
-        buf[B * R + B:].zero_()
+        ids, slots, starts = unpack_inputs(buf, B, R)
+        slots.fill_(slab.dummy)
+        starts.zero_()
         cos, sin = self._tables(slab.capacity)
-        args = (buf[:B * R].view(B, R), buf[B * R:B * R + B], buf[B * R + B:], slab.k, slab.v, cos, sin)
+        args = (ids, slots, starts, slab.k, slab.v, cos, sin)
         return self._capture_step(key, lambda ops: BatchedStep(self.backbone, B, R, A, masks, ops), args)
 
-    def warm_batches(self, requests: int, masks: Masks, max_len: int = 1) -> int:
+    def warm_batches(self, requests: int, masks: Masks, max_len: int = 1, repeats: int = 10) -> int:
         """Capture the batched steps a server of up to ``requests`` decoding together replays first (every
         batch bucket up to ``requests``' and every row bucket, attending :data:`~adaptive.engine.batched.MIN_SPAN`
         keys) on the slab of caches of ``max_len`` positions; longer spans are captured when a batch reaches
-        them. Returns the graphs captured now (0 without slabs)."""
+        them. Each is then timed over ``repeats`` replays (:attr:`batch_seconds`, the median of three
+        blocks). Returns the graphs captured now (0 without slabs)."""
         if not self.enabled or self.slab_slots < 1:
             return 0
         before = self.captures
-        at = self._slab_slot(capacity_for(max_len, self.backbone.max_positions))
+        self.slabs.slots = self.slab_slots
+        at = self.slabs.take(capacity_for(max_len, self.backbone.max_positions))
         at.slab.give(at.index)
         span = span_for(1, at.slab.capacity)
         for B in BATCH_BUCKETS[:BATCH_BUCKETS.index(batch_bucket(min(requests, BATCH_BUCKETS[-1]))) + 1]:
             for R in ROW_BUCKETS:
-                if self._batch_graph(at.slab, B, R, span, masks) is None:
+                cap = self._batch_graph(at.slab, B, R, span, masks)
+                if cap is None:
                     return self.captures - before
+                if repeats > 0:
+                    self.batch_seconds.setdefault(B, {})[R] = self._timed(cap, repeats)
         return self.captures - before
+
+    def _timed(self, cap: _Captured, repeats: int) -> float:
+        """Seconds of one replay of ``cap``: the median of three blocks of ``repeats`` replays."""
+        dev = self.backbone.device
+        blocks = []
+        for _ in range(3):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                cap.graph.replay()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            blocks.append((time.perf_counter() - t0) / repeats)
+        return sorted(blocks)[1]
 
     def forward(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str,
                 pool_layer: int | None = None):
@@ -541,7 +496,8 @@ class StepGraphs:
         (``"all"`` logits, every bucket) and prefill chunks (``"last"``, every bucket and prefill bucket, with
         ``pool_layer``'s routing pool if given). A skip set's (``drafting=True``): what its drafters replay, one
         token's ``"last"`` logits (layer skip) and ``"all"`` logits of every bucket (a cascade's check of a
-        statistical proposal). Writes keys the next request overwrites. Returns the graphs captured now."""
+        statistical proposal). The full model's also captures plain greedy decoding's chain (:meth:`chain`).
+        Writes keys the next request overwrites. Returns the graphs captured now."""
         before = self.captures
         ids = torch.zeros(PREFILL_BUCKETS[-1], dtype=torch.long)
         if drafting:
@@ -552,6 +508,8 @@ class StepGraphs:
         for Tb, logits, layer in steps:
             if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, layer) is NotImplemented:
                 break  # a failed capture turned graphs off
+        if not drafting and self.enabled:
+            self.chain(0, cache, 0, 1, masks)  # plain greedy decoding's chain (Lane.chain)
         return self.captures - before
 
     def _tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from adaptive.engine.sampling import (
 )
 from adaptive.errors import ConfigError
 
+CHAIN_TOKENS = 8  # plain greedy steps replayed on the device between two host reads (batch 1, CUDA graphs)
 NO_DRAFT = Draft(torch.empty(0, dtype=torch.long))  # a plain step's (one shared: made once, not per token)
 
 # (draft, p_logits [k+1, V], config, generator) -> (n_accepted, new ids: the n accepted drafts and the next token)
@@ -374,6 +375,34 @@ class Lane:
         acceptance reads nothing else)."""
         return self._keep(draft, *greedy_accept_host(proposed, target_argmax))
 
+    def chains(self, draft: Draft) -> bool:
+        """Whether this step may be a chained decode (:meth:`chain`): plain greedy decoding (no drafter),
+        the default acceptor, more than one token left."""
+        return (self.drafter is None and draft is NO_DRAFT and self.cfg.greedy and self.acceptor is default_acceptor
+                and self.cfg.max_new_tokens - self.produced > 1)
+
+    def chain(self, backbone) -> list[int] | None:
+        """Up to :data:`CHAIN_TOKENS` plain greedy steps replayed on the device with one host read
+        (:meth:`Backbone.decode_chain <adaptive.engine.backbone.Backbone.decode_chain>`, CUDA graphs): the
+        tokens they produce, the last one pending, as that many plain steps would; ``None`` where the
+        backbone cannot chain (no CUDA graphs, llama.cpp), and the caller steps once. EOS and stop strings
+        are found by the caller among the tokens, so a chain may decode a few tokens past them (never
+        past ``max_new_tokens``)."""
+        decode_chain = getattr(backbone, "decode_chain", None)
+        if decode_chain is None:
+            return None
+        state = self.state
+        n = min(CHAIN_TOKENS, self.cfg.max_new_tokens - self.produced)
+        new = decode_chain(state.tokens[-1], state.cache, state.position, n)
+        if new is None:
+            return None
+        state.cache.length += n  # the pending token and the first n - 1 of the new ones were fed
+        self.stats.steps += n
+        self.stats.accept_hist[0] += n
+        state.tokens.extend(new)
+        self.produced += n
+        return new
+
     def _keep(self, draft: Draft, n: int, new: list[int]) -> list[int]:
         """Record ``n`` accepted drafts and the step's ``new`` tokens (the accepted ones, then the next)."""
         state, stats = self.state, self.stats
@@ -420,7 +449,10 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
                           "pooling's (can_ride)")
     drafts = [lane.propose(c) for lane, c in zip(lanes, choices or [None] * len(lanes))]
     t0 = time.perf_counter()
-    if len(lanes) == 1 and not carried and lanes[0].argmax_only(drafts[0]):
+    chained = lanes[0].chain(backbone) if len(lanes) == 1 and not carried and lanes[0].chains(drafts[0]) else None
+    if chained is not None:  # plain greedy decoding replayed on the device, one host read for several tokens
+        new, rows = [chained], len(chained)
+    elif len(lanes) == 1 and not carried and lanes[0].argmax_only(drafts[0]):
         # greedy on a host draft reads only the target's argmax: ints all the way, no rows copied
         lane, draft = lanes[0], drafts[0]
         proposed = lane.draft_ids(draft)

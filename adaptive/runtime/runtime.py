@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from adaptive.costs import best_draft_length
-from adaptive.costs.batch import batch_draft_lengths
+from adaptive.costs.batch import batch_draft_lengths, padded_draft_lengths
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.drafters.early_exit import ExitBlock
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
@@ -588,7 +588,10 @@ class AdaptiveRuntime:
         (a Thompson bandit's :meth:`~adaptive.engine.protocol.DraftLengthPolicy.plan`) is given the
         length that maximises the batch's expected tokens per unit time on this engine's measured
         verification costs (the profile's global verify table, a forward over 1, 2, ... rows:
-        :func:`~adaptive.costs.batch.batch_draft_lengths`); ``None`` where the request's own length policy
+        :func:`~adaptive.costs.batch.batch_draft_lengths`), or, where the batch replays batched CUDA graphs, on
+        their step costs by row bucket timed at warm-up (:meth:`Backbone.batch_step_costs
+        <adaptive.engine.backbone.Backbone.batch_step_costs>`, :func:`~adaptive.costs.batch.padded_draft_lengths`:
+        speculation off where no bucket pays); ``None`` where the request's own length policy
         chooses (a fixed length) or it cannot draft (its row counts all the same)."""
         priced, plans, fixed = [], [], 0
         for i, d in enumerate(decodings):
@@ -600,8 +603,14 @@ class AdaptiveRuntime:
                 priced.append(i)
                 plans.append(plan)
         choices: list[DraftChoice | None] = [None] * len(decodings)
-        lengths = batch_draft_lengths([p.gains for p in plans], [p.costs for p in plans],
-                                      self.profile.global_set.verify, fixed_rows=fixed)
+        costs = getattr(self.engine.backbone, "batch_step_costs", None)  # batched graphs' own, timed at warm-up
+        steps = costs(len(decodings)) if costs is not None else None
+        if steps is not None:  # every request feeds the batch's row bucket: priced by bucket
+            lengths = padded_draft_lengths([p.gains for p in plans], [p.costs for p in plans], steps,
+                                           fixed_rows=fixed)
+        else:
+            lengths = batch_draft_lengths([p.gains for p in plans], [p.costs for p in plans],
+                                          self.profile.global_set.verify, fixed_rows=fixed)
         for i, plan, k in zip(priced, plans, lengths):
             choices[i] = plan.choice(k)
         return choices

@@ -28,6 +28,9 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     shapes = result["shapes"]["rows"]
     assert [r["shape"] for r in shapes] == ["tiny-llama", "tiny-qwen3"]
     assert all("error" not in r and r["step_ms"] > 0 and len(r["verify"]) == 16 for r in shapes)
+    assert all(sorted(r["batch_verify"]) == ["1", "2"] and r["batch_verify"]["1"][0] == 1.0
+               and all(x > 0 for x in r["batch_verify"]["2"]) for r in shapes)  # the verify table by batch size
+    assert "verify table by batch size" in proc.stdout
     (kernels,) = result["kernels"]["rows"]  # the first quick shape's step under the profiler
     assert kernels["shape"] == "tiny-llama" and kernels["kernels_per_step"] > 0 and kernels["top"]
     assert 0 < kernels["busy_ms"]

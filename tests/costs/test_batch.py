@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptive.costs import extrapolate
-from adaptive.costs.batch import batch_draft_lengths
+from adaptive.costs.batch import batch_draft_lengths, padded_draft_lengths
 
 FLAT = (1.0, 1.0, 1.0, 1.0, 1.1)
 STEEP = (1.0, 1.7, 2.5, 3.3)
@@ -62,3 +62,38 @@ def test_never_priced_below_plain_batched_decoding(gains, cost, verify, fixed):
     k = batch_draft_lengths(gains, costs, table, fixed)
     assert all(0 <= n <= len(g) for n, g in zip(k, gains))
     assert goodput(k, gains, costs, table, fixed) >= goodput([0] * len(gains), gains, costs, table, fixed) - 1e-12
+
+
+def test_padded_lengths_worked_example():
+    gains, costs = [[0.9, 0.81, 0.73], [0.3, 0.09, 0.03]], [[0.0] * 3, [0.0] * 3]
+    assert padded_draft_lengths(gains, costs, {1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}) == [3, 3]
+    assert padded_draft_lengths(gains, costs, {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}) == [0, 0]  # off: nothing pays
+    assert padded_draft_lengths(gains, costs, {1: 1.0, 2: 1.05}) == [1, 1]  # only R = 2 measured: one draft each
+    # drafting that costs 0.05 a token: the strong request's three pay, and the weak one's first (0.3:
+    # 4.74 / 1.4 = 3.39 against 4.44 / 1.35 = 3.29) but not its second (0.09: 4.83 / 1.45 = 3.33)
+    assert padded_draft_lengths(gains, [[0.05] * 3, [0.05] * 3], {1: 1.0, 4: 1.2}) == [3, 1]
+    # unpriced requests in the step share its cost: with many of them one request's drafts barely move
+    # the goodput, but free rows still pay
+    assert padded_draft_lengths([[0.5]], [[0.0]], {1: 1.0, 2: 1.1}, fixed_rows=7) == [0]
+    assert padded_draft_lengths([[0.5]], [[0.0]], {1: 1.0, 2: 1.01}, fixed_rows=7) == [1]
+    with pytest.raises(ValueError, match="plain step"):
+        padded_draft_lengths(gains, costs, {2: 1.0})
+    with pytest.raises(ValueError, match="one entry per request"):
+        padded_draft_lengths(gains, costs[:1], {1: 1.0})
+
+
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=7), min_size=1, max_size=4),
+       st.floats(1.0, 3.0), st.floats(1.0, 3.0))
+@settings(max_examples=60, deadline=None)
+def test_padded_lengths_never_price_below_plain(gains, s4, s8):
+    """Whatever the acceptance, the chosen lengths' expected goodput is at least plain decoding's, each
+    fits the chosen row bucket, and all requests share one bucket."""
+    gains = [sorted(g, reverse=True) for g in gains]
+    costs = [[0.01] * len(g) for g in gains]
+    steps = {1: 1.0, 2: 1.0 + (s4 - 1.0) / 3, 4: s4, 8: max(s8, s4)}
+    k = padded_draft_lengths(gains, costs, steps)
+    R = 1 if not any(k) else min(r for r in steps if r >= max(k) + 1)
+    tokens = len(gains) + sum(sum(g[:n]) for g, n in zip(gains, k))
+    drafting = sum(sum(c[:n]) for c, n in zip(costs, k))
+    assert tokens / (steps[R] + drafting) >= len(gains) / steps[1] - 1e-9
+    assert all(0 <= n <= len(g) for n, g in zip(k, gains))

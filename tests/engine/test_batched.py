@@ -251,7 +251,7 @@ def test_a_batch_of_sessions_replays_batched_graphs_and_decodes_as_each_alone(cp
     assert [out[i] for i in range(len(LANES))] == alone
     assert bb.graphs.batched_replays > 0  # the batches' verifications replayed batched steps
     assert any(key[0] == "batch" for key in bb.graphs._graphs)
-    assert len(bb.graphs._slabs) == 1 and all(s.slots == 4 for s in next(iter(bb.graphs._slabs.values())))
+    assert len(bb.graphs.slabs.slabs) == 1 and all(s.slots == 4 for s in next(iter(bb.graphs.slabs.slabs.values())))
 
 
 def test_the_batch_path_is_the_graphs_where_they_run_and_eager_elsewhere(cpu_step_graphs):
@@ -270,9 +270,14 @@ def test_the_batch_path_is_the_graphs_where_they_run_and_eager_elsewhere(cpu_ste
     bb.reserve_batch(3)
     caches = [bb.new_cache(40) for _ in range(4)]  # four: a second slab of three
     assert all(c.slot is not None for c in caches) and caches[3].slot.slab is not caches[0].slot.slab
+    assert bb.batch_step_costs(3) is None  # not timed yet: the eager pricing
     n = bb.graphs.warm_batches(3, bb._full, 40)
     assert n == 3 * len(ROW_BUCKETS)  # batch buckets 1, 2 and 4, each row bucket, the smallest span
     assert bb.graphs.warm_batches(3, bb._full, 40) == 0
+    costs = bb.batch_step_costs(3)  # timed as warmed: batch bucket 4's steps in plain steps of one request
+    assert sorted(costs) == list(ROW_BUCKETS) and all(c > 0 for c in costs.values())
+    assert bb.batch_step_costs(1)[1] == 1.0 and bb.batch_step_costs(65) is None
+    assert cpu.batch_step_costs(3) is None
     torch.manual_seed(0)
     ids = torch.randint(3, bb.vocab_size, (12,))
     plain = [Backbone(model).new_cache(40) for _ in range(5)]

@@ -131,14 +131,18 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
     several chunks and a chunk cut near the slot's end give the eager path's tokens (fp32), and the
     captures are one per bucket used."""
 
-    def capture(self, key, cache, Tb, masks, logits, pool_layer=None):
+    def capture(self, key, cache, Tb, masks, logits, pool_layer=None, chained=False):
         cos, sin = self._tables(cache.k.shape[2])
-        buf = self._inputs[Tb]
         step = StaticStep(self.backbone, Tb, masks, logits, pool_layer=pool_layer)
         k, v = cache.k, cache.v  # the slot's tensors, not the cache (as a graph holds them)
+        if chained:  # plain greedy decoding's chain (Lane.chain), over the chain's buffers
+            chain, inputs = ChainedStep(step), self._chain
+        else:
+            buf = self._inputs[Tb]
+            chain, inputs = step, (buf[:Tb], buf[Tb:])
 
         def fn():
-            return step(buf[:Tb], buf[Tb:], k, v, cos, sin)
+            return chain(*inputs, k, v, cos, sin)
 
         cap = self._graphs[key] = _Captured(_EagerReplay(fn, fn()), None)
         cap.out = cap.graph.out
@@ -160,7 +164,7 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
         cfg = GenerationConfig(max_new_tokens=new, ignore_eos=True)
         assert static.generate(prompt, cfg).token_ids == eager.generate(prompt, cfg).token_ids, n_prompt
     assert static_bb.graphs.replays > 0
-    assert {key[1] for key in static_bb.graphs._graphs} >= {1, 64, 256}
+    assert {key[1] for key in static_bb.graphs._graphs} >= {"chain", 64, 256}  # plain greedy steps: chains
     ids = torch.randint(3, static_bb.vocab_size, (215,))
     slot = static_bb.new_cache(220)  # a slot of 256 positions: 65 rows at 150 are cut into 32 and 33 (bucket 64)
     plain = Backbone(model).new_cache(220)
@@ -180,11 +184,11 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
             assert (got.logits is None) == (logits == "none")
             if logits == "last":
                 assert torch.allclose(got.logits, want.logits, atol=1e-5)
-    assert any(key[4] is not None for key in static_bb.graphs._graphs)
+    assert any(len(key) > 4 and key[4] is not None for key in static_bb.graphs._graphs)  # a routing pool's
     # warming captures every bucket's step on a fresh slot; the next request on that slot captures nothing
     warm_bb = Backbone(model)
     warm_bb.graphs = StepGraphs(warm_bb)
-    n_all, n_last = len(BUCKETS), len(BUCKETS) + len(PREFILL_BUCKETS)
+    n_all, n_last = len(BUCKETS) + 1, len(BUCKETS) + len(PREFILL_BUCKETS)  # + 1: the chain
     assert warm_bb.warm_graphs() == n_all + n_last
     lm3 = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
     lm3.__dict__["backbone"] = warm_bb
@@ -242,7 +246,7 @@ def test_the_compiled_pieces_give_the_plain_step():
     """StepOps.compiled (what CUDA graphs capture by default) traces each piece whole, the split that writes
     the cache included (no graph break), and gives the plain pieces' logits and cache writes, for two buckets
     (automatic dynamic shapes) and a skip set."""
-    from adaptive.engine.graphs import StepOps
+    from adaptive.engine.formulas import StepOps
 
     bb = Backbone(tiny_model("qwen3", n_layers=3))
     torch.manual_seed(0)
@@ -425,3 +429,32 @@ def test_a_failed_capture_falls_back_to_eager_once(monkeypatch, capsys):
     assert eng.generate(list(range(3, 12)), cfg).token_ids == ref
     assert not bb.graphs.enabled
     assert capsys.readouterr().err.count("CUDA graph capture failed") == 1
+
+
+def test_plain_greedy_decoding_runs_in_chains_with_the_eager_tokens(cpu_step_graphs):
+    """With graphs (stood in for on the CPU), a plain greedy request decodes CHAIN_TOKENS tokens per host
+    read (Lane.chain) and gives the eager path's tokens and text: a length that is not a multiple of the
+    chain, and a stop string met inside a chain (the tokens decoded past it are not shown)."""
+    from adaptive.engine.loop import CHAIN_TOKENS
+
+    model = tiny_model("llama", n_layers=2)
+    eager = Engine(LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32))
+    bb = cpu_step_graphs(model)
+    lm = LoadedModel(model, char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    lm.__dict__["backbone"] = bb
+    chained = Engine(lm)
+    prompt = "the quick brown fox"
+    cfg = GenerationConfig(max_new_tokens=2 * CHAIN_TOKENS + 5, ignore_eos=True)
+    want = eager.generate(prompt, cfg)
+    got = chained.generate(prompt, cfg)
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert any(key[1] == "chain" for key in bb.graphs._graphs)
+    assert got.stats.steps == want.stats.steps  # a chain counts each of its tokens as a plain step
+    stop = want.text[CHAIN_TOKENS + 2:CHAIN_TOKENS + 4]  # met inside the second chain
+    assert len(stop) == 2 and stop not in want.text[:CHAIN_TOKENS + 2]
+    cfg = GenerationConfig(max_new_tokens=2 * CHAIN_TOKENS + 5, ignore_eos=True, stop=(stop,))
+    a, b = eager.generate(prompt, cfg), chained.generate(prompt, cfg)
+    assert a.text == b.text and a.finish_reason == b.finish_reason == "stop"
+    drafted = chained.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True, draft_len=3),
+                               drafter=build_drafter(DrafterSpec("pld"), bb))
+    assert drafted.token_ids == eager.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids

@@ -332,6 +332,31 @@ def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, draft
         assert r.result().token_ids == _ar(runtime, q, 16)
 
 
+@pytest.mark.parametrize("steps,drafts", [({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.02}, True),
+                                          ({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, False)])
+def test_a_batch_on_batched_graphs_is_priced_by_their_row_buckets(runtime, monkeypatch, steps, drafts):
+    """Where the batch replays batched graphs (their step costs by row bucket, timed at warm-up), every
+    request feeds the bucket's rows: a flat table drafts, a table whose step grows with its rows turns
+    speculation off (the profile's flat verify table notwithstanding); outputs stay plain greedy."""
+    p = with_domains(runtime.profile, lambda n: "pld" if n == "math" else "ssd")
+    p.global_set = dataclasses.replace(p.global_set, verify=(1.0,) * 40)  # the eager pricing would draft
+    rt = AdaptiveRuntime(p, runtime.lm, online=False)
+    asked = []
+    monkeypatch.setattr(runtime.lm.backbone, "batch_step_costs", lambda n: asked.append(n) or steps, raising=False)
+    jobs = [(q, pol) for q in PROMPTS[:3] for pol in ("knn-ssd", "ar")]
+    runs = [rt.start(q, max_new_tokens=16, policy=pol) for q, pol in jobs]
+    lengths = []
+    while not all(r.done for r in runs):
+        live = [r for r in runs if not r.done]
+        choices = rt.batch_choices(live)
+        lengths += [c.length for c in choices if c is not None]
+        assert all(c is None or c.length <= 7 for c in choices)  # within the largest row bucket
+        rt.step(live)
+    assert lengths and (max(lengths) > 0) == drafts and asked and max(asked) == len(jobs)
+    for (q, _), r in zip(jobs, runs):
+        assert r.result().token_ids == _ar(runtime, q, 16)
+
+
 def test_warm_captures_every_skip_set_a_request_may_draft_with(runtime, monkeypatch):
     """A server's startup warms the routing prefill and every record's skip set: those its decisions draft
     with and those a request asking for knn-skip or ssd-static would (the backbone captures them:
