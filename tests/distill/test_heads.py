@@ -135,7 +135,8 @@ def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_los
     rt2 = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)
     bb = rt2.lm.backbone
     bb.graphs = SimpleNamespace(enabled=True, forward=lambda *a, **k: NotImplemented,
-                                new_cache=lambda n, cls: cls(*bb.allocate_kv(n)))
+                                forward_batch=lambda *a, **k: NotImplemented, chain=lambda *a, **k: NotImplemented,
+                                slab_slots=0, new_cache=lambda n, cls: cls(*bb.allocate_kv(n)))
     rt3 = AdaptiveRuntime(rt2.profile, rt2.lm, online=False, bandit=False)
     assert rt3.features == ()
     again = rt3.generate(prompt, max_new_tokens=24)
