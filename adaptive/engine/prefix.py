@@ -30,7 +30,7 @@ only into a cache keeping the same layers).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adaptive.engine.audit import common_prefix
@@ -188,6 +188,16 @@ class PrefixStore:
                     self._stats.evictions += 1
                     return True
             return False
+
+    def evict_stale(self, stale: Callable[[object], bool]) -> int:
+        """Evict every unpinned entry whose handle ``stale(handle)`` says has outlived its use (a backbone's
+        own rule: llama.cpp's kept cells slow every decode); the number evicted."""
+        with self._lock:
+            old = [e for e in self._entries if e.pins == 0 and stale(e.handle)]
+            for e in old:
+                self._drop(e)
+            self._stats.evictions += len(old)
+            return len(old)
 
     def clear(self) -> None:
         with self._lock:

@@ -104,6 +104,18 @@ def test_pinned_entries_are_not_evicted_and_oversized_or_disabled_adds_are_relea
     assert budget_bytes(1) == 2**20
 
 
+def test_stale_entries_are_evicted_by_the_backbones_rule_pinned_ones_kept():
+    store, handles = PrefixStore(100), [Held() for _ in range(3)]
+    for i, h in enumerate(handles):
+        h.age = i  # the rule's input: here an age in the handle
+        store.add([i, i], h, 10)
+    m = store.lookup([0, 0, 5])  # the oldest, pinned: a request restores from it now
+    assert store.evict_stale(lambda h: h.age < 2) == 0 + 1  # entry 1 only: 0 is pinned, 2 is young
+    assert [h.released for h in handles] == [False, True, False] and store.stats().evictions == 1
+    store.unpin(m.entry)
+    assert store.evict_stale(lambda h: h.age < 2) == 1 and handles[0].released and not handles[2].released
+
+
 # -- on the engines ------------------------------------------------------------------------------
 
 TURN1 = [5, 9, 14, 22, 9, 14, 22, 31, 7, 9, 14, 22, 40, 12]
@@ -261,6 +273,39 @@ def test_llamacpp_entries_give_their_cells_and_sequences_to_new_requests(cpp_lm)
         cache = bb.new_cache(bb.max_positions)  # the whole context: every entry makes way
         assert bb.prefixes.stats().entries == 0 and bb.prefixes.stats().evictions >= 6 - bb.sequences
         cache.release()
+    finally:
+        bb.prefixes.resize(0)
+
+
+def test_the_stale_horizon_follows_the_reuses_seen():
+    from adaptive.engine.llamacpp import MIN_STALE_ROWS, STALE_ROWS, stale_horizon
+
+    assert stale_horizon([]) == stale_horizon([5, 5, 5]) == STALE_ROWS == 4096  # too few: the break-even
+    assert stale_horizon(range(100, 900, 100)) == 1600
+    assert stale_horizon([10] * 8) == MIN_STALE_ROWS == 256 and stale_horizon([5000] * 8) == STALE_ROWS
+
+
+def test_llamacpp_entries_not_reused_for_stale_rows_are_given_back(cpp_lm, monkeypatch):
+    """Every llama.cpp decode attends over every cell in use: an entry not restored within the stale horizon
+    (rows fed to the context; here 60) goes at the next request; one a request is restoring from stays."""
+    import adaptive.engine.llamacpp as cpp
+
+    monkeypatch.setattr(cpp, "stale_horizon", lambda ages: 60)  # the rule itself: the test above
+    bb = cpp_lm.backbone
+    bb.prefixes.resize(budget_bytes(64))
+    try:
+        engine = Engine(cpp_lm)
+        cfg = GenerationConfig(max_new_tokens=8)
+        before = bb.prefixes.stats().evictions  # the module's earlier tests used this store too
+        run(engine, [7] * 20 + TURN1, cfg, True)  # entry A
+        run(engine, TURN1, cfg, True)  # entry B
+        assert bb.prefixes.stats().entries == 2 and bb.prefixes.stats().evictions == before
+        run(engine, [3] * 40 + TURN1, cfg, True)  # 40 + rows more: A and B are past 60 rows unused now
+        # the next turn of B: its lookup pins B (restored, so young again); A goes at this request's start
+        second = run(engine, TURN1 + NEW_USER_TURN, cfg, True)
+        assert second.stats.cached_tokens >= len(TURN1) - 1
+        starts = [tuple(e.ids[:3]) for e in bb.prefixes._entries]
+        assert (7, 7, 7) not in starts and (3, 3, 3) in starts and bb.prefixes.stats().evictions == before + 1
     finally:
         bb.prefixes.resize(0)
 
