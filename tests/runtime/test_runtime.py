@@ -308,10 +308,10 @@ def test_requests_do_not_change_drafters(runtime, policy):
     assert len(plan1.spec.head) == n1 and plan1.spec.head is not plan2.spec.head
 
 
-@pytest.mark.parametrize("verify,drafts", [((1.0,) * 40, True), (tuple(1.0 + r for r in range(40)), False)])
-def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, drafts):
-    """Goodput pricing: where a forward's cost is flat in its rows the batch drafts; where every row
-    costs a whole step, no draft can pay and each request decodes plainly. Outputs stay plain greedy."""
+def _batched_lengths(runtime, verify: tuple[float, ...], most: int | None = None) -> list[int]:
+    """Six requests (three prompts, drafting and plain) stepped together to their end on a runtime whose
+    profile's verify table is ``verify``: every draft length the batch's pricing chose (each within the
+    request's longest, and within ``most`` if given), the outputs checked equal to plain greedy decoding."""
     p = with_domains(runtime.profile, lambda n: "pld" if n == "math" else "ssd")
     p.global_set = dataclasses.replace(p.global_set, verify=verify)
     rt = AdaptiveRuntime(p, runtime.lm, online=False)
@@ -320,16 +320,24 @@ def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, draft
     lengths = []
     while not all(r.done for r in runs):
         live = [r for r in runs if not r.done]
-        choices = rt.batch_choices(live)
-        for r, c in zip(live, choices):
+        for r, c in zip(live, rt.batch_choices(live)):
             lane = r.decoding.lane
             assert (c is None) == (lane.max_draft == 0) and (c is None or c.length <= lane.max_draft)
+            assert c is None or most is None or c.length <= most
             if c is not None:
                 lengths.append(c.length)
         rt.step(live)
-    assert lengths and (max(lengths) > 0) == drafts
     for (q, _), r in zip(jobs, runs):
         assert r.result().token_ids == _ar(runtime, q, 16)
+    return lengths
+
+
+@pytest.mark.parametrize("verify,drafts", [((1.0,) * 40, True), (tuple(1.0 + r for r in range(40)), False)])
+def test_a_batch_drafts_what_its_verification_costs_allow(runtime, verify, drafts):
+    """Goodput pricing: where a forward's cost is flat in its rows the batch drafts; where every row
+    costs a whole step, no draft can pay and each request decodes plainly. Outputs stay plain greedy."""
+    lengths = _batched_lengths(runtime, verify)
+    assert lengths and (max(lengths) > 0) == drafts
 
 
 @pytest.mark.parametrize("steps,drafts", [({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.02}, True),
@@ -338,23 +346,10 @@ def test_a_batch_on_batched_graphs_is_priced_by_their_row_buckets(runtime, monke
     """Where the batch replays batched graphs (their step costs by row bucket, timed at warm-up), every
     request feeds the bucket's rows: a flat table drafts, a table whose step grows with its rows turns
     speculation off (the profile's flat verify table notwithstanding); outputs stay plain greedy."""
-    p = with_domains(runtime.profile, lambda n: "pld" if n == "math" else "ssd")
-    p.global_set = dataclasses.replace(p.global_set, verify=(1.0,) * 40)  # the eager pricing would draft
-    rt = AdaptiveRuntime(p, runtime.lm, online=False)
     asked = []
     monkeypatch.setattr(runtime.lm.backbone, "batch_step_costs", lambda n: asked.append(n) or steps, raising=False)
-    jobs = [(q, pol) for q in PROMPTS[:3] for pol in ("knn-ssd", "ar")]
-    runs = [rt.start(q, max_new_tokens=16, policy=pol) for q, pol in jobs]
-    lengths = []
-    while not all(r.done for r in runs):
-        live = [r for r in runs if not r.done]
-        choices = rt.batch_choices(live)
-        lengths += [c.length for c in choices if c is not None]
-        assert all(c is None or c.length <= 7 for c in choices)  # within the largest row bucket
-        rt.step(live)
-    assert lengths and (max(lengths) > 0) == drafts and asked and max(asked) == len(jobs)
-    for (q, _), r in zip(jobs, runs):
-        assert r.result().token_ids == _ar(runtime, q, 16)
+    lengths = _batched_lengths(runtime, (1.0,) * 40, most=7)  # the eager pricing alone would draft
+    assert lengths and (max(lengths) > 0) == drafts and asked and max(asked) == 6
 
 
 def test_warm_captures_every_skip_set_a_request_may_draft_with(runtime, monkeypatch):
