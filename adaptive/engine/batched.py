@@ -33,6 +33,7 @@ Acceptance happens on the device too, for the whole batch (:func:`accept_greedy`
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # requests per batched step
 ROW_BUCKETS = (1, 2, 4, 8)  # tokens per request: a plain step (1) or a verification of up to 7 drafts
 MIN_SPAN = 256  # the fewest keys a batched step attends per request
 NOT_ACCEPTED = -1  # a row of acceptance's [B, R] result past the tokens a request takes
+GC_INTERVAL = 1.0  # seconds between the collections a pool of slots or slabs makes before making a new one
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -126,15 +128,18 @@ class SlabPool:
     def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]], slots: int):
         self._allocate, self.slots = allocate, slots
         self.slabs: dict[int, list[Slab]] = {}  # capacity -> its slabs
+        self._collected = float("-inf")  # when take() last collected garbage (time.monotonic)
 
     def take(self, capacity: int) -> SlabSlot:
+        """A free slot of a slab of ``capacity`` (collecting at most every :data:`GC_INTERVAL` seconds)."""
         slabs = self.slabs.setdefault(capacity, [])
         for attempt in range(2):
             for slab in slabs:
                 index = slab.take()
                 if index is not None:
                     return SlabSlot(slab, index)
-            if attempt == 0 and slabs:
+            if attempt == 0 and slabs and time.monotonic() - self._collected > GC_INTERVAL:
+                self._collected = time.monotonic()
                 gc.collect()
         slab = Slab(self._allocate, self.slots, capacity)
         slabs.append(slab)

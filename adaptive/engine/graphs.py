@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from adaptive.engine.batched import (
     BATCH_BUCKETS,
+    GC_INTERVAL,
     ROW_BUCKETS,
     BatchedStep,
     Slab,
@@ -65,7 +66,6 @@ PREFILL_BUCKETS = (64, 128, 256)  # and of prefill chunks (logits of the last re
 # over 2048 positions instead of 256 reads ~47 MB more a step for the embedded model (~16 us at 3 TB/s)
 CHAIN_MAX = 64  # the most tokens one chained decode (StepGraphs.chain) writes before the host reads them
 MIN_CAPACITY = 2048
-GC_INTERVAL = 1.0  # seconds between the collections a slot pool makes before making a slot
 
 def bucket_for(tokens: int) -> int | None:
     """The smallest bucket holding ``tokens`` rows, ``None`` beyond the largest.
@@ -261,9 +261,6 @@ class StepGraphs:
     # H100) or "none" (every piece a plain PyTorch kernel)
     compile: str = "ops"
     replays: int = 0
-    # > 0: caches are slots of slabs of this many (adaptive.engine.batched), so that a server's batch of
-    # decoding steps and verifications replays one batched graph (forward_batch); 0: a tensor pair each
-    slab_slots: int = 0
     batched_replays: int = 0
     # batch bucket -> {rows R: seconds of one replay}: the batched steps timed when warmed (warm_batches),
     # what a server's draft lengths are priced by (Backbone.batch_step_costs)
@@ -281,7 +278,17 @@ class StepGraphs:
         self._allocate = functools.partial(zeros_kv, (owner.n_layers, owner.n_kv_heads), owner.head_dim,
                                            owner.cache_dtype, owner.device)
         self.pool = SlotPool(self._allocate)
-        self.slabs = SlabPool(self._allocate, 0)  # slots per slab: slab_slots, once set
+        self.slabs = SlabPool(self._allocate, 0)  # no slabs until reserve_batch sets their slots
+
+    @property
+    def slab_slots(self) -> int:
+        """Slots per slab (> 0: caches are slots of slabs, :mod:`adaptive.engine.batched`, so that a server's
+        batch of steps and verifications replays one batched graph, :meth:`forward_batch`); 0: a slot each."""
+        return self.slabs.slots
+
+    @slab_slots.setter
+    def slab_slots(self, slots: int) -> None:
+        self.slabs.slots = slots
 
     @property
     def backbone(self):
@@ -296,7 +303,6 @@ class StepGraphs:
         """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`)."""
         capacity = capacity_for(max_len, self.backbone.max_positions)
         if self.slab_slots > 0:
-            self.slabs.slots = self.slab_slots
             at = self.slabs.take(capacity)
             k, v = at.slab.view(at.index)
             cache = cache_type(k=k, v=v, limit=max_len, slot=at)
@@ -384,7 +390,6 @@ class StepGraphs:
         if not self.enabled or self.slab_slots < 1:
             return 0
         before = self.captures
-        self.slabs.slots = self.slab_slots
         at = self.slabs.take(capacity_for(max_len, self.backbone.max_positions))
         at.slab.give(at.index)
         span = span_for(1, at.slab.capacity)
