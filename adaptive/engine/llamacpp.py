@@ -87,9 +87,10 @@ N_UBATCH = 512
 # 2026-11-28): 12 kept sequences, 3,396 cells, took plain decoding from 100.9 to 83.2 tok/s, ~0.6 us a cell a
 # token, against ~3 ms a token to prefill (330 tok/s): an entry unused for ~4,800 rows has cost more than it saves
 STALE_ROWS = 4096
-# once REUSE_SAMPLES entries were restored, the horizon follows the traffic: twice the 90th percentile of the rows
-# between an entry's keeping and its reuse (most reuses come well before the break-even: a conversation's next
-# turn), at least MIN_STALE_ROWS, at most STALE_ROWS
+# the horizon follows the traffic (stale_horizon): the break-even scaled by the share of entries that were reused
+# (for at least half their cells: a shared chat template alone does not make a long entry worth its cells), and,
+# once REUSE_SAMPLES reuses were seen, at most twice the 90th percentile of the rows between an entry's keeping and
+# its reuse (a conversation's next turn comes well before the break-even); at least MIN_STALE_ROWS
 REUSE_SAMPLES, MIN_STALE_ROWS = 8, 256
 
 
@@ -120,12 +121,15 @@ class _KeptSequence:
     backbone: object  # weakref.ref to the LlamaCppBackbone: the entry does not keep the model alive
     seq: int
     used_at: int = 0  # the backbone's rows fed (LlamaCppBackbone.rows) when kept or last restored
+    tokens: int = 0  # the cells it holds
+    reused: bool = False  # restored for at least half its cells since kept
     released: bool = False
 
     def release(self) -> None:
         bb = self.backbone()
         if not self.released and bb is not None:
             self.released = True
+            bb._kept_reused.append(self.reused)
             bb._release(self.seq)
 
 
@@ -207,6 +211,7 @@ class LlamaCppBackbone:
         self._holders: weakref.WeakSet = weakref.WeakSet()
         self.rows = 0  # token rows fed to this context so far (each paid attention over every cell in use)
         self._reuse_ages: deque[int] = deque(maxlen=64)  # rows between an entry's keeping (or reuse) and its reuse
+        self._kept_reused: deque[bool] = deque(maxlen=64)  # of the entries given back: whether each was reused
         self._scratch = sequences  # the routing embedding's sequence (see the module docstring)
         self.sequences = sequences
         self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
@@ -337,12 +342,12 @@ class LlamaCppBackbone:
             self._reserved.pop(cache.seq, None)
             self._kept[cache.seq] = n
         self._holders.add(self.prefixes)
-        return self.prefixes.add(ids[:n], _KeptSequence(weakref.ref(self), cache.seq, self.rows),
+        return self.prefixes.add(ids[:n], _KeptSequence(weakref.ref(self), cache.seq, self.rows, n),
                                  n * self.kv_bytes_per_token())
 
     def stale_rows(self) -> int:
         """Rows fed after which an entry not restored is given back (:func:`stale_horizon` of the reuses seen)."""
-        return stale_horizon(self._reuse_ages)
+        return stale_horizon(self._reuse_ages, self._kept_reused)
 
     def _evict_stale(self) -> None:
         """Give back the kept entries (of every store that held this context's) not restored within the
@@ -365,8 +370,10 @@ class LlamaCppBackbone:
                 raise ValueError("a prefix is restored into a new sequence only")
             self._lib.llama_memory_seq_cp(self._mem, entry.handle.seq, cache.seq, 0, n)
             cache.written = n
-            self._reuse_ages.append(self.rows - entry.handle.used_at)
-            entry.handle.used_at = self.rows
+            handle = entry.handle
+            if 2 * n >= handle.tokens:  # a reuse of the entry, not only of a start it shares with others
+                self._reuse_ages.append(self.rows - handle.used_at)
+                handle.used_at, handle.reused = self.rows, True
         return n
 
     def kv_bytes_per_token(self) -> int:
@@ -698,17 +705,21 @@ class _LayerTaps:
         return {layer: torch.stack([self.sums[layer] / n, self.last[layer]]) for layer in self.layers}
 
 
-def stale_horizon(ages: Sequence[int]) -> int:
-    """Rows fed after which a kept entry not restored is given back, from the ``ages`` (rows between an
-    entry's keeping or last reuse and its reuse) of the reuses seen: :data:`STALE_ROWS` (the break-even)
-    until :data:`REUSE_SAMPLES` were seen, then twice their 90th percentile, within :data:`MIN_STALE_ROWS` ..
-    :data:`STALE_ROWS`. Examples: 3 ages -> 4,096; ages 100 .. 800 by 100 -> 1,600; eight of 10 -> 256;
-    eight of 5,000 -> 4,096."""
+def stale_horizon(ages: Sequence[int], reused: Sequence[bool] = ()) -> int:
+    """Rows fed after which a kept entry not restored is given back. ``reused``: of the entries given back
+    lately, whether each had been reused (for half its cells or more); ``ages``: the rows between an
+    entry's keeping or last reuse and its reuse, of the reuses seen. The break-even :data:`STALE_ROWS`,
+    scaled by the share reused once :data:`REUSE_SAMPLES` entries went (an entry is worth its cells only
+    as likely as it is reused); once as many reuses were seen, at most twice their 90th percentile; at
+    least :data:`MIN_STALE_ROWS`. Examples: nothing seen -> 4,096; eight entries, two reused -> 1,024;
+    eight, none reused (a single-turn mix) -> 256; every entry reused, ages 100 .. 800 by 100 -> 1,600."""
+    horizon = STALE_ROWS
+    if len(reused) >= REUSE_SAMPLES:
+        horizon = int(STALE_ROWS * sum(map(bool, reused)) / len(reused))
     ordered = sorted(ages)
-    if len(ordered) < REUSE_SAMPLES:
-        return STALE_ROWS
-    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return max(MIN_STALE_ROWS, min(STALE_ROWS, 2 * p90))
+    if len(ordered) >= REUSE_SAMPLES:
+        horizon = min(horizon, 2 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])
+    return max(MIN_STALE_ROWS, min(STALE_ROWS, horizon))
 
 
 def _ids(x) -> list[int]:

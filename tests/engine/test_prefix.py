@@ -280,9 +280,11 @@ def test_llamacpp_entries_give_their_cells_and_sequences_to_new_requests(cpp_lm)
 def test_the_stale_horizon_follows_the_reuses_seen():
     from adaptive.engine.llamacpp import MIN_STALE_ROWS, STALE_ROWS, stale_horizon
 
-    assert stale_horizon([]) == stale_horizon([5, 5, 5]) == STALE_ROWS == 4096  # too few: the break-even
-    assert stale_horizon(range(100, 900, 100)) == 1600
-    assert stale_horizon([10] * 8) == MIN_STALE_ROWS == 256 and stale_horizon([5000] * 8) == STALE_ROWS
+    assert stale_horizon([]) == stale_horizon([5, 5, 5], [True] * 3) == STALE_ROWS == 4096  # too few seen
+    assert stale_horizon([], [True, True] + [False] * 6) == 1024  # a quarter reused: a quarter of the break-even
+    assert stale_horizon([], [False] * 8) == MIN_STALE_ROWS == 256  # nothing reused (single turns): soon
+    assert stale_horizon(range(100, 900, 100), [True] * 8) == 1600  # reuses come early: twice their p90
+    assert stale_horizon([10] * 8, [True] * 8) == 256 and stale_horizon([5000] * 8, [True] * 8) == STALE_ROWS
 
 
 def test_llamacpp_entries_not_reused_for_stale_rows_are_given_back(cpp_lm, monkeypatch):
@@ -290,7 +292,7 @@ def test_llamacpp_entries_not_reused_for_stale_rows_are_given_back(cpp_lm, monke
     (rows fed to the context; here 60) goes at the next request; one a request is restoring from stays."""
     import adaptive.engine.llamacpp as cpp
 
-    monkeypatch.setattr(cpp, "stale_horizon", lambda ages: 60)  # the rule itself: the test above
+    monkeypatch.setattr(cpp, "stale_horizon", lambda ages, reused: 60)  # the rule itself: the test above
     bb = cpp_lm.backbone
     bb.prefixes.resize(budget_bytes(64))
     try:
