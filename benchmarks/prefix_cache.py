@@ -58,9 +58,20 @@ def use(rt, stores: list[PrefixStore]) -> None:
         bb.prefixes = store
 
 
+def new_stores(rt, args) -> tuple[list[PrefixStore], list[PrefixStore]]:
+    """Each backbone's store with the cache on (``--budget``) and off: what :func:`use` swaps in."""
+    return ([PrefixStore(budget_bytes(args.budget)) for _ in backbones(rt)],
+            [PrefixStore(0) for _ in backbones(rt)])
+
+
+def timed(rt, messages, args):
+    t = time.perf_counter()
+    res = rt.generate(messages, max_new_tokens=args.max_new_tokens)
+    return res, time.perf_counter() - t
+
+
 def single(rt, prompts, args) -> dict:
-    on_stores = [PrefixStore(budget_bytes(args.budget)) for _ in backbones(rt)]
-    off_stores = [PrefixStore(0) for _ in backbones(rt)]
+    on_stores, off_stores = new_stores(rt, args)
     totals = {"on": [0, 0.0], "off": [0, 0.0]}
     cached, same, runs = 0, 0, 0
     for r in range(args.repeats):
@@ -71,9 +82,7 @@ def single(rt, prompts, args) -> dict:
             out = {}
             for mode in order:
                 use(rt, on_stores if mode == "on" else off_stores)
-                t = time.perf_counter()
-                res = rt.generate([{"role": "user", "content": p.turns[0]}], max_new_tokens=args.max_new_tokens)
-                dt = time.perf_counter() - t
+                res, dt = timed(rt, [{"role": "user", "content": p.turns[0]}], args)
                 totals[mode][0] += len(res.token_ids)
                 totals[mode][1] += dt
                 out[mode] = res
@@ -87,17 +96,10 @@ def single(rt, prompts, args) -> dict:
             "cached_tokens_per_request": round(cached / runs, 1), "identical_outputs": f"{same} of {runs}"}
 
 
-def timed(rt, messages, args):
-    t = time.perf_counter()
-    res = rt.generate(messages, max_new_tokens=args.max_new_tokens)
-    return res, time.perf_counter() - t
-
-
 def turns(rt, args) -> dict:
     rows = [p for p in load_bench_prompts(args.turns_data, args.per_category, all_turns=True,
                                           skip_first=args.skip_first) if len(p.turns) > 1]
-    on_stores = [PrefixStore(budget_bytes(args.budget)) for _ in backbones(rt)]
-    off_stores = [PrefixStore(0) for _ in backbones(rt)]
+    on_stores, off_stores = new_stores(rt, args)
     ttft = {(m, t): [] for m in ("on", "off") for t in (1, 2)}
     work = {"on": [0, 0.0], "off": [0, 0.0]}
     cached, same, n = 0, 0, 0
@@ -138,8 +140,7 @@ def shared(rt, args) -> dict:
 
     docs = load_bench_prompts(args.shared_data, args.per_category, skip_first=args.skip_first,
                               shared_context=args.questions)
-    on_stores = [PrefixStore(budget_bytes(args.budget)) for _ in backbones(rt)]
-    off_stores = [PrefixStore(0) for _ in backbones(rt)]
+    on_stores, off_stores = new_stores(rt, args)
     first, later, off_first, off_later = [], [], [], []
     for i, doc in enumerate(docs):
         for store in on_stores:

@@ -92,8 +92,8 @@ def greedy_accept_batch(drafts: Sequence[torch.Tensor], targets: Sequence[torch.
     target = pad_sequence(list(targets), batch_first=True)  # [B, R]
     B, R = target.shape
     if R > 1:
-        draft = pad_sequence([d.to(dev) if d.numel() else torch.zeros(0, dtype=torch.long, device=dev) for d in drafts]
-                             + [torch.zeros(R - 1, dtype=torch.long, device=dev)], batch_first=True)[:B]
+        draft = pad_sequence([d.to(dev) for d in drafts] + [torch.zeros(R - 1, dtype=torch.long, device=dev)],
+                             batch_first=True)[:B]  # [B, R - 1]: the zeros row makes every row R - 1 wide
     else:
         draft = torch.zeros(B, 0, dtype=torch.long, device=dev)
     counts = torch.tensor([d.numel() for d in drafts], device=dev)
