@@ -7,10 +7,16 @@ against a bare loop of ``llama_decode`` calls on the same context, interleaved, 
   token through the backbone's ctypes batch and the argmax of llama.cpp's logits read in place
   (numpy over the pointer, no copy): what any Python caller of llama.cpp pays at least.
 
-Both produce the same tokens (checked). Prints ms per token of each, their difference, and with
+With ``--server``, also ``llama-server`` (built by ``benchmarks/build_llama_server.sh``; one slot, no
+prompt cache) on the same GGUF, prompt and thread count: its wall time of the ``/completion`` request
+less its own ``prompt_ms``, per token after the first (what a caller of llama-server waits per token,
+HTTP included), and its own ``predicted_per_second``.
+
+All produce the same tokens (checked). Prints ms per token of each, their difference, and with
 ``--profile`` the top of a cProfile of ``ours``.
 
     python benchmarks/llamacpp_overhead.py --tokens 64 --rounds 5 --profile
+    python benchmarks/llamacpp_overhead.py --tokens 128 --rounds 8 --server
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--server", action="store_true", help="also llama-server on the same GGUF (one slot, no cache)")
     args = ap.parse_args()
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine
@@ -71,22 +78,46 @@ def main() -> None:
         s = r.stats
         return r.token_ids, s.total_time - s.prefill_time
 
-    ours()
-    bare(bb, prompt, args.tokens)  # warm
-    per = {"ours": [], "bare": []}
-    for i in range(args.rounds):
-        for name in (("ours", "bare") if i % 2 == 0 else ("bare", "ours")):
-            ids, dt = ours() if name == "ours" else bare(bb, prompt, args.tokens)
-            per[name].append(1e3 * dt / (len(ids) - 1))
-            if name == "ours":
-                ref = ids
-            else:
-                check = ids
-    assert ref == check, "ours and the bare loop decoded different tokens"
-    o, b = statistics.median(per["ours"]), statistics.median(per["bare"])
+    server = None
+    if args.server:
+        from adaptive.bench.llama_server import LlamaServer
+
+        server = LlamaServer(bb.path, threads=bb.threads, n_ctx=len(prompt) + args.tokens + 64)
+
+    def served():
+        ids, wall = server.generate(prompt, args.tokens, set(), ignore_eos=True)
+        timings = server.last_timings
+        per["server (own timing)"].append(1e3 / timings["predicted_per_second"])
+        return ids, wall - timings["prompt_ms"] / 1e3
+
+    runs = {"ours": ours, "bare": lambda: bare(bb, prompt, args.tokens)}
+    if server is not None:
+        runs["server"] = served
+    per = {name: [] for name in runs} | ({"server (own timing)": []} if server is not None else {})
+    try:
+        for run in runs.values():  # warm
+            run()
+        per = {name: [] for name in per}
+        outputs = {}
+        for i in range(args.rounds):
+            names = list(runs)
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                ids, dt = runs[name]()
+                per[name].append(1e3 * dt / (len(ids) - 1))
+                outputs[name] = ids
+    finally:
+        if server is not None:
+            server.close()
+    assert all(ids == outputs["ours"] for ids in outputs.values()), "the ways decoded different tokens"
+    med = {name: statistics.median(v) for name, v in per.items()}
+    o, b = med["ours"], med["bare"]
     print(f"ms per token (median of {args.rounds}): ours {o:.3f}, bare llama_decode loop {b:.3f}, "
           f"overhead {o - b:.3f} ms ({100 * (o - b) / b:.1f}% of a bare step)")
-    print("ours:", [round(x, 3) for x in per["ours"]], "bare:", [round(x, 3) for x in per["bare"]])
+    if server is not None:
+        sv = med["server"]
+        print(f"llama-server {sv:.3f} ms per token by the request's wall time ({med['server (own timing)']:.3f} by its "
+              f"own timing): ours at {sv / o:.3f}x its pace")
+    print({name: [round(x, 3) for x in v] for name, v in per.items()})
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -73,6 +73,11 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
                    "256 positions per step (eagle) [4].")
 @click.option("--new-tokens", type=int, default=None,
               help="Tokens generated per prompt for the data [48; eagle: 96].")
+@click.option("--samples", type=int, default=HeadConfig.samples, show_default=True,
+              help="eagle: continuations decoded per training prompt, the first greedy, the others sampled at "
+                   "--temperature (more of the target's text per prompt).")
+@click.option("--temperature", type=float, default=HeadConfig.temperature, show_default=True,
+              help="eagle: the temperature of the sampled continuations (--samples 2 or more).")
 @click.option("--prompts-per-domain", type=int, default=None,
               help="First N prompts of each domain [16; eagle: all]; the last quarter of them (eagle: a tenth) is "
                    "held out for evaluation.")
@@ -88,8 +93,8 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
 @quiet_option
 @json_option
 def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, jsd_beta, data_source, steps, minutes,
-                feature_layers, vocab, unroll, race, lr, batch_size, new_tokens, prompts_per_domain, refresh_every,
-                eval_every, plot, resume, seed, dtype, device, quiet, as_json):
+                feature_layers, vocab, unroll, race, lr, batch_size, new_tokens, samples, temperature,
+                prompts_per_domain, refresh_every, eval_every, plot, resume, seed, dtype, device, quiet, as_json):
     """Distill a drafter for the profile's model and store it in the profile.
 
     early-exit: the target's first --exit-layer layers plus a trained exit block; eagle: a head
@@ -103,10 +108,12 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                                "draft model")
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
+    if drafter != EAGLE and (samples != HeadConfig.samples or temperature != HeadConfig.temperature):
+        raise click.UsageError(f"--samples and --temperature are for --drafter {EAGLE}")
     if drafter == EAGLE:
         return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr,
-                              batch_size, new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device,
-                              quiet, as_json)
+                              batch_size, new_tokens, samples, temperature, prompts_per_domain, eval_every, plot,
+                              resume, seed, dtype, device, quiet, as_json)
     d = DistillConfig()  # the options the eagle head defaults otherwise take DistillConfig's defaults
     eval_every = eval_every or d.eval_every
     cfg = DistillConfig(divergence=divergence, jsd_beta=jsd_beta, data_source=data_source,
@@ -140,10 +147,12 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
 
 
 def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr, batch_size,
-                   new_tokens, prompts_per_domain, eval_every, plot, resume, seed, dtype, device, quiet, as_json):
+                   new_tokens, samples, temperature, prompts_per_domain, eval_every, plot, resume, seed, dtype, device,
+                   quiet, as_json):
     d = HeadConfig()
     cfg = HeadConfig(layers=feature_layers or None, vocab=vocab, minutes=minutes, steps=steps, unroll=unroll,
                      lr=lr or d.lr, batch=batch_size or d.batch, new_tokens=new_tokens or d.new_tokens,
+                     samples=samples, temperature=temperature,
                      prompts_per_domain=prompts_per_domain, eval_every=eval_every or d.eval_every, seed=seed)
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)

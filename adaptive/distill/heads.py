@@ -32,9 +32,11 @@ import torch.nn.functional as F
 from adaptive.drafters.eagle import EagleHead, HeadCache, HeadShape, default_layers, lookup_tokens
 from adaptive.drafters.head import rank_tokens
 from adaptive.engine.backbone import Segment
+from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
 
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5)  # the loss weight of unrolled step s (later steps matter less: fewer reach them)
+SAMPLE_TEMPERATURE = 0.7  # sampled continuations' temperature (``samples`` > 1)
 
 
 def check_training(cfg, counts: tuple[str, ...]) -> None:
@@ -54,7 +56,9 @@ def check_training(cfg, counts: tuple[str, ...]) -> None:
 @dataclass(frozen=True)
 class HeadConfig:
     """How to train an eagle head. ``layers`` ``None``: :func:`~adaptive.drafters.eagle.default_layers`.
-    ``steps`` ``None``: as many as fit in ``minutes``. ``batch``: windows of ``window`` positions per step."""
+    ``steps`` ``None``: as many as fit in ``minutes``. ``batch``: windows of ``window`` positions per step.
+    ``samples``: continuations decoded per training prompt, the first greedy, the others sampled at
+    ``temperature`` (held-out prompts: the greedy one alone, what greedy verification accepts)."""
 
     layers: tuple[int, ...] | None = None
     vocab: int = 8192
@@ -66,6 +70,8 @@ class HeadConfig:
     lr: float = 3e-3
     warmup: int = 50
     new_tokens: int = 96
+    samples: int = 1
+    temperature: float = SAMPLE_TEMPERATURE
     prompts_per_domain: int | None = None
     held_out: float = 0.1
     generate_batch: int = 32
@@ -83,8 +89,10 @@ class HeadConfig:
             raise ConfigError(f"--minutes must be a positive number, got {self.minutes}")
         if not 1 <= self.unroll <= len(STEP_WEIGHTS):
             raise ConfigError(f"--unroll must be in 1..{len(STEP_WEIGHTS)}, got {self.unroll}")
-        check_training(self, ("vocab", "batch", "window", "new_tokens", "generate_batch", "eval_every",
+        check_training(self, ("vocab", "batch", "window", "new_tokens", "samples", "generate_batch", "eval_every",
                               "checkpoint_every", "lookup"))
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"--temperature must be a positive number, got {self.temperature}")
         if self.prompts_per_domain is not None and self.prompts_per_domain < 2:
             raise ConfigError(f"prompts-per-domain must be >= 2, got {self.prompts_per_domain}")
 
@@ -108,19 +116,28 @@ def head_shape(bb, cfg: HeadConfig) -> HeadShape:
 
 @torch.inference_mode()
 def decode_with_features(bb, prompts: list[list[int]], new_tokens: int, eos: set[int], layers: tuple[int, ...],
-                         batch: int = 32, log=lambda m: None) -> list[tuple[list[int], torch.Tensor]]:
-    """Each prompt with the target's greedy continuation (up to ``new_tokens``, ending at an EOS), and the
-    feature rows of every position of it (``[T, len(layers), H]``, bf16 on the host), all from the decoding
-    itself: each prompt's prefill and each decoding step write them into its cache. The last token the
-    decoding chose is not kept (no forward has fed it, so it has no features)."""
+                         batch: int = 32, log=lambda m: None, temperature: float = 0.0,
+                         seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt with the target's continuation (up to ``new_tokens``, ending at an EOS; greedy at
+    ``temperature`` 0, else sampled at it from a generator seeded with ``seed``), and the feature rows of
+    every position of it (``[T, len(layers), H]``, bf16 on the host), all from the decoding itself: each
+    prompt's prefill and each decoding step write them into its cache. The last token the decoding chose
+    is not kept (no forward has fed it, so it has no features)."""
     out: list[tuple[list[int], torch.Tensor]] = []
+    gen = torch.Generator(device=bb.device).manual_seed(seed)
+
+    def choose(logits: torch.Tensor) -> int:
+        if temperature == 0.0:
+            return int(logits.argmax())
+        return int(torch.multinomial(warp_probs(logits.float(), temperature), 1, generator=gen))
+
     t0 = time.perf_counter()
     for b0 in range(0, len(prompts), batch):
         group = prompts[b0:b0 + batch]
         caches, seqs, pending = [], [], []
         for p in group:
             cache = bb.new_cache(len(p) + new_tokens + 1, features=layers)
-            pending.append(int(bb.forward(torch.tensor(p, device=bb.device), cache, 0).logits[0].argmax()))
+            pending.append(choose(bb.forward(torch.tensor(p, device=bb.device), cache, 0).logits[0]))
             caches.append(cache)
             seqs.append(list(p))
         live = list(range(len(group)))
@@ -132,7 +149,7 @@ def decode_with_features(bb, prompts: list[list[int]], new_tokens: int, eos: set
                                        for i in live])
             for i, lg in zip(live, logits):
                 seqs[i].append(pending[i])
-                pending[i] = int(lg[0].argmax())
+                pending[i] = choose(lg[0])
         for seq, cache in zip(seqs, caches):
             out.append((seq, cache.features[:len(seq)].to(device="cpu", dtype=torch.bfloat16).clone()))
         log(f"decoded {len(out)}/{len(prompts)} prompts' continuations ({time.perf_counter() - t0:.0f} s)")
@@ -169,8 +186,9 @@ class HeadData:
 
     def window(self, picks: list[int], width: int, gen: torch.Generator | None, device):
         """A batch of windows: ``(features [B, W, n, H], tokens [B, W], lookups [B, W], top [B, W, H],
-        labels [B, W], valid [B, W], answer [B, W])``; ``labels``: the token at ``j + 2`` (-1 past the end);
-        ``answer``: rows whose label is in the answer (the target's own greedy tokens)."""
+        labels [B, W], valid [B, W], answer [B, W], prompts)``; ``labels``: the token at ``j + 2`` (-1 past the
+        end); ``answer``: rows whose label is in the answer (the target's own greedy tokens); ``prompts``: each
+        sequence's prompt ids (a list of ``[P_b]``: its tokens join the head's rows, as a request's do)."""
         B = len(picks)
         n, H = self.features[0].shape[1:]
         feats = torch.zeros(B, width, n, H)
@@ -193,7 +211,8 @@ class HeadData:
             labels[b, :m] = ids[r + 2]
             valid[b, :m] = True
             answer[b, :m] = r + 2 >= self.starts[s]
-        return tuple(t.to(device) for t in (feats, tokens, looks, top, labels, valid, answer))
+        prompts = [self.ids[s][:self.starts[s]].to(device) for s in picks]
+        return (*(t.to(device) for t in (feats, tokens, looks, top, labels, valid, answer)), prompts)
 
 
 class HeadTrainer:
@@ -224,27 +243,49 @@ class HeadTrainer:
     def _emb(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids.clamp(min=0), self.embed).float()
 
+    def rows_for(self, prompts: list[torch.Tensor]):
+        """The rows a batch's sequences draft over: the head's own, then the tokens of the batch's prompts
+        outside them. For one sequence these are exactly its drafter's rows at run time (the head's joined
+        with the request's prompt tokens, :func:`~adaptive.drafters.factory.eagle_vocab`), which
+        :meth:`evaluate` measures; a training batch of several shares theirs (a few rows more than each
+        one's: unmasked, the target's own distribution puts next to nothing there). ``(ids [V' + E],
+        lm [V' + E, H], map [vocab])``: the rows' tokens, their LM-head rows, a token's row (-1: none)."""
+        n = len(self.head.ids)
+        dev = self.index.device
+        every = torch.unique(torch.cat([p.to(dev) for p in prompts])) if prompts else self.head.ids[:0]
+        extra = every[self.index[every] < 0]
+        mapping = self.index.clone()
+        if not extra.numel():
+            return self.head.ids, self.head.lm, mapping
+        mapping[extra] = torch.arange(n, n + extra.numel(), device=dev)
+        return torch.cat([self.head.ids, extra]), torch.cat([self.head.lm, self.bb.head_rows(extra).float()]), mapping
+
     def _outputs(self, batch, steps: int):
-        feats, tokens, looks, top, labels, valid, answer = batch
+        feats, tokens, looks, top, labels, valid, answer, prompts = batch
         with torch.autocast(**self.autocast):
             outs = self.head.unrolled(feats, self._emb(tokens), self._emb(looks), looks >= 0, valid, steps)
-        index = torch.where(looks >= 0, self.index[looks.clamp(min=0)], -1)
-        return outs, index
+        ids, lm, mapping = self.rows_for(prompts)
+        index = torch.where(looks >= 0, mapping[looks.clamp(min=0)], -1)
+        return outs, index, ids, lm
+
+    def _logits(self, g, index, lm) -> torch.Tensor:
+        with torch.autocast(**self.autocast):
+            return self.head.logits(g, index, lm).float()
 
     def loss(self, batch) -> torch.Tensor:
-        """Weighted forward KL over the unrolled steps, at every row with a label."""
-        feats, tokens, looks, top, labels, valid, answer = batch
-        outs, index = self._outputs(batch, self.cfg.unroll)
-        with torch.no_grad():
-            logp = torch.log_softmax(F.linear(F.rms_norm(top, (top.shape[-1],), self.norm, self.eps), self.head.lm), -1)
+        """Weighted forward KL over the unrolled steps, at every row with a label, over the batch's rows
+        (the target's distribution renormalised over them)."""
+        feats, tokens, looks, top, labels, valid, answer, prompts = batch
+        outs, index, _, lm = self._outputs(batch, self.cfg.unroll)
+        with torch.no_grad(), torch.autocast(**self.autocast):  # the target's logits in bf16, as it runs
+            logp = torch.log_softmax(F.linear(F.rms_norm(top, (top.shape[-1],), self.norm, self.eps), lm).float(), -1)
+            p = logp.exp()
         total = 0.0
         for s, g in enumerate(outs):
             mask = labels >= 0
             mask[:, :s] = False  # rows without s target-feature rows before them
-            with torch.autocast(**self.autocast):
-                lg = self.head.logits(g, index)
-            logq = torch.log_softmax(lg.float(), -1)
-            kl = (logp.exp() * (logp - logq)).sum(-1)
+            logq = torch.log_softmax(self._logits(g, index, lm), -1)
+            kl = (p * (logp - logq)).sum(-1)
             total = total + STEP_WEIGHTS[s] * kl[mask].mean()
         return total
 
@@ -280,10 +321,9 @@ class HeadTrainer:
         for s in range(len(data)):
             width = int(data.ids[s].numel()) - 2
             batch = data.window([s], width, None, self.bb.device)
-            outs, index = self._outputs(batch, steps)
+            outs, index, ids, lm = self._outputs(batch, steps)  # one sequence: its drafter's own rows
             labels = batch[4][0]
-            with torch.autocast(**self.autocast):
-                right = [self.head.ids[self.head.logits(g, index).argmax(-1)][0] == labels for g in outs]
+            right = [ids[self._logits(g, index, lm).argmax(-1)][0] == labels for g in outs]
             # row j drafts first for the pending token at j + 1; decoding's first draft follows the
             # prefill's token (row start - 1), so the rows before it are never drafted from
             rows = torch.zeros_like(labels, dtype=torch.bool)

@@ -454,8 +454,20 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
                                         cfg.generate_batch, log)
 
         decoded = checkpointed(work.file("sequences", ext="pt"), decode, load=_torch_load, save=_save_torch)
-        data_seconds = time.perf_counter() - t_start
         starts, names, n = [len(p) for _, p in everything], [d for d, _ in everything], len(train_p)
+        for k in range(1, cfg.samples):  # sampled continuations of the training prompts, each set checkpointed
+
+            def sample(k=k) -> list:
+                log(f"sampling continuation {k + 1} of {cfg.samples} of {len(train_p)} training prompts (temperature "
+                    f"{cfg.temperature:g}) ...")
+                return decode_with_features(bb, [p for _, p in train_p], cfg.new_tokens, eos, shape.layers,
+                                            cfg.generate_batch, log, temperature=cfg.temperature, seed=cfg.seed + k)
+
+            more = checkpointed(work.file(f"sampled-{k}", ext="pt"), sample, load=_torch_load, save=_save_torch)
+            decoded, starts, names = (more + decoded, [len(p) for _, p in train_p] + starts,
+                                      [d for d, _ in train_p] + names)
+            n += len(train_p)
+        data_seconds = time.perf_counter() - t_start
         train = HeadData.build(decoded[:n], starts[:n], names[:n], shape.lookup)
         held = HeadData.build(decoded[n:], starts[n:], names[n:], shape.lookup)
         vocab_ids, coverage = choose_vocab(train, held, min(cfg.vocab, bb.vocab_size), bb.vocab_size)

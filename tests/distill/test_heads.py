@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive.distill.heads import HeadConfig, HeadData, choose_vocab, decode_with_features
+from adaptive.distill.heads import HeadConfig, HeadData, HeadTrainer, choose_vocab, decode_with_features, head_shape
 from adaptive.distill.trainer import PACE_STEPS, DistillError, distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
@@ -32,6 +32,32 @@ def test_decoding_keeps_the_features_of_every_kept_position(lm):
         assert torch.allclose(feats.float(), cache.features[:len(ids)], rtol=2e-2, atol=2e-2)  # stored as bf16
 
 
+def test_sampled_continuations_differ_from_greedy_and_repeat_with_their_seed(lm):
+    bb = lm.backbone
+    prompts = [[5, 9, 12], [7, 3]]
+    greedy = decode_with_features(bb, prompts, 12, set(), (0, 4), batch=2)
+    hot = [decode_with_features(bb, prompts, 12, set(), (0, 4), batch=2, temperature=1.5, seed=s) for s in (1, 1, 2)]
+    assert [ids for ids, _ in hot[0]] == [ids for ids, _ in hot[1]]  # the same seed: the same text
+    assert [ids for ids, _ in hot[0]] != [ids for ids, _ in hot[2]]
+    assert [ids for ids, _ in hot[0]] != [ids for ids, _ in greedy]
+    for (ids, feats), prompt in zip(hot[0], prompts):  # its features: the target's, over the sampled text
+        assert ids[:len(prompt)] == prompt
+        cache = bb.new_cache(len(ids), features=(0, 4))
+        bb.forward(torch.tensor(ids), cache, 0)
+        assert torch.allclose(feats.float(), cache.features[:len(ids)], rtol=2e-2, atol=2e-2)
+
+
+def test_more_samples_train_on_more_text_and_evaluate_on_the_same(lm, prof, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(prof, other)
+    one = distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**{**FAST, "steps": 2}), progress=False, race=False).record
+    two = distill_head(lm, other, TINY_DOMAINS, HeadConfig(**{**FAST, "steps": 2, "samples": 3}), progress=False,
+                       race=False).record
+    assert two.train_prompts == one.train_prompts and two.eval_positions == one.eval_positions
+    assert two.train_positions > 2.5 * one.train_positions  # three continuations of each training prompt
+    assert two.config["samples"] == 3
+
+
 def test_the_vocabulary_is_the_most_frequent_training_tokens():
     feats = torch.zeros(5, 1, 2)
     train = HeadData.build([([3, 3, 3, 4, 4], feats), ([3, 5, 5], feats[:3])], [2, 2], ["a", "a"], 2)
@@ -41,6 +67,31 @@ def test_the_vocabulary_is_the_most_frequent_training_tokens():
     assert coverage == 0.0  # the answer [5, 6]: neither is among them
     ids, coverage = choose_vocab(train, held, 3, 8)
     assert ids.tolist() == [3, 4, 5] and coverage == 0.5
+
+
+def test_a_sequence_drafts_over_the_head_rows_and_its_prompt_tokens(lm):
+    # as a request's drafter does (eagle_vocab): the head's rows, then its prompt's tokens outside them;
+    # a training batch shares its sequences' rows
+    bb = lm.backbone
+    cfg = HeadConfig(**FAST)
+    run = HeadTrainer(bb, head_shape(bb, cfg), torch.tensor([1, 2, 3]), cfg)
+    ids, rows, mapping = run.rows_for([torch.tensor([5, 6, 2, 5]), torch.tensor([7])])
+    assert ids.tolist() == [1, 2, 3, 5, 6, 7]
+    assert torch.equal(rows, torch.cat([run.head.lm, bb.head_rows(torch.tensor([5, 6, 7])).float()]))
+    assert mapping[torch.tensor([1, 3, 5, 6, 7, 9])].tolist() == [0, 2, 3, 4, 5, -1]
+    ids, rows, _ = run.rows_for([torch.tensor([2, 3])])
+    assert ids.tolist() == [1, 2, 3] and rows is run.head.lm
+    # a text whose answer is its prompt's tokens outside the head's rows: the loss is finite (they are
+    # among its rows), and the head, which copies the lookup token, keeps drafts of them
+    feats = torch.randn(12, 3, bb.hidden_size)
+    text = HeadData.build([([5, 6, 7, 9, 5, 6, 7, 9, 5, 6, 7, 9], feats)], [4], ["a"], 2)
+    loss = run.loss(text.window([0], 10, None, bb.device))
+    assert torch.isfinite(loss) and loss > 0
+    with torch.no_grad():
+        run.head.bonus.bias.fill_(1e4)  # the lookup token always wins: every answer token is a copy
+    assert run.evaluate(text)["positions"][0] == 1.0
+    run.rows_for = lambda prompts: HeadTrainer.rows_for(run, [p[:0] for p in prompts])  # the head's rows alone
+    assert run.evaluate(text)["positions"][0] == 0.0  # none of 5, 6, 7, 9 among them
 
 
 def test_training_raises_acceptance_and_stores_the_head(lm, prof):
@@ -99,6 +150,10 @@ def test_bad_options_are_refused(lm, prof):
         HeadConfig(unroll=9)
     with pytest.raises(ConfigError, match="minutes"):
         HeadConfig(minutes=0)
+    with pytest.raises(ConfigError, match="samples"):
+        HeadConfig(samples=0)
+    with pytest.raises(ConfigError, match="temperature"):
+        HeadConfig(samples=2, temperature=0.0)
 
 
 def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
