@@ -8,6 +8,9 @@
 3. Where both engines run the model (a GGUF model on a CPU with llama-cpp-python: a two-engine
    profile), a short and a long prompt through the two-engine runtime: the engine each ran on,
    the expected times that chose it, and the measured time against plain decoding on each engine.
+4. On a CPU with a torch profile (a two-engine profile's torch member), a short eagle head
+   (``--head-minutes``; trained once, kept in the profile): its held-out acceptance, its race in each
+   domain, and the demo prompt decoded with it on the torch engine against plain decoding there.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ from adaptive.cli.common import (
     json_option,
     load,
     model_option,
+    profile_model,
     quiet_option,
 )
+from adaptive.distill.heads import HeadConfig
+from adaptive.distill.trainer import distill_head
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig
@@ -43,6 +49,9 @@ from adaptive.runtime import AdaptiveRuntime
 
 DEMO_DOMAIN = "math"
 DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first N calibration uses
+DEMO_HEAD_MINUTES = 2.0
+# the demo's head: 48 tokens of 12 prompts a domain decoded (about a minute on 2 cores), then its minutes
+DEMO_HEAD = dict(new_tokens=48, prompts_per_domain=12)
 
 
 @command("demo", examples=(
@@ -58,13 +67,15 @@ DEMO_PROMPT_INDEX = -1  # the last built-in maths prompt: never among the first 
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs per method (median).")
+@click.option("--head-minutes", type=click.FloatRange(min=0), default=DEMO_HEAD_MINUTES, show_default=True,
+              help="Train a short eagle head on the torch engine for this long (0: none), once per profile.")
 @dtype_option
 @engine_option
 @device_option
 @quiet_option
 @json_option
-def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtype, engine, device, quiet,
-             as_json):
+def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, head_minutes, dtype, engine, device,
+             quiet, as_json):
     """Calibrate on the built-in domains (quick), then route and decode a prompt and print the speedup."""
     engines = auto_engines(model_spec, device, dtype) if engine == "auto" else (engine,)
     lm = load(model_spec, device, dtype, engine=engines[0])
@@ -135,6 +146,12 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
     if is_two_engine(profile_dir):
         out["engines"] = engine_choices(profile_dir, runtime, model_spec, device, max_new_tokens, repeats)
         out["lossless_violations"] += sum(row["audit"]["violation"] for row in out["engines"])
+    torch_path = _torch_profile(profile_dir, lm)
+    if head_minutes > 0 and torch_path is not None and device in ("auto", "cpu"):
+        cfg = HeadConfig(minutes=head_minutes, **DEMO_HEAD)
+        out["head"] = head_demo(torch_path, model_spec, device, cfg, builtin_domains(), prompt, max_new_tokens, repeats,
+                                quiet)
+        out["lossless_violations"] += out["head"]["audit"]["violation"]
     if as_json:
         echo_json(out)
         return
@@ -175,6 +192,8 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, dtyp
                    f"acceptance {results[m].stats.acceptance_rate:.2f}, {same}")
     if "ssd" in methods:
         click.echo("  * ssd with the domain's best skip set, shown for comparison; the runtime would not use it")
+    if "head" in out:
+        click.echo("\n" + head_text(out["head"]))
     if "engines" in out:
         click.echo(f"\neach request on the engine expected to finish it first (two-engine profile; whole requests, "
                    f"prefill included, median of {repeats}):")
@@ -249,3 +268,85 @@ def engine_choices(profile_dir, primary: AdaptiveRuntime, model_spec: str, devic
                      "plain_s": {e: round(statistics.median(v), 3) for e, v in plain.items()},
                      "identical": audit.identical, "audit": audit.to_dict()})
     return rows
+
+
+def _torch_profile(profile_dir, lm) -> Path | None:
+    """The torch profile a head trains into: a two-engine profile's torch member, or the profile itself
+    when it was calibrated on the torch engine; ``None`` where there is none."""
+    if is_two_engine(profile_dir):
+        return Path(load_profile(profile_dir, "torch").path) if "torch" in read_engines(profile_dir).engines else None
+    return Path(profile_dir) if lm.engine == "torch" else None
+
+
+def head_demo(path: Path, model_spec: str, device: str, cfg: HeadConfig, domains: dict[str, list[str]], prompt: str,
+              max_new_tokens: int, repeats: int, quiet: bool) -> dict:
+    """Train an eagle head (``cfg``) on ``domains`` into the torch profile at ``path`` unless it holds one
+    (raced in every domain, :func:`~adaptive.distill.trainer.distill_head`), then decode ``prompt`` with
+    it (policy ``eagle``) and with the profile's routing (``knn-ssd``) on the torch engine against plain
+    decoding there, interleaved: tok/s, tokens per target forward, and the audit against plain decoding."""
+    profile = load_profile(path)
+    spec, dt, weights, _ = profile_model(profile, model_spec, "auto")
+    trained = "eagle" not in profile.distilled
+    if trained:
+        before = _decisions(profile)
+        click.echo(f"training an eagle head on the torch engine ({cfg.minutes:g} minutes after its data) ...", err=True)
+        dense = load(spec, device, dt, "dense", engine="torch")
+        distill_head(dense, path, domains, cfg, progress=not quiet, log=lambda m: click.echo(m, err=True))
+        del dense
+        profile = load_profile(path)
+    else:
+        before = None
+    rec = profile.distilled["eagle"]
+    lm = load(spec, device, dt, weights, engine="torch")
+    rt = AdaptiveRuntime(profile, lm, online=False, prefix_cache=0)
+    engine = Engine(lm)
+    ids = engine.encode(prompt)
+    runs = {"ar": lambda: engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)),
+            "eagle": lambda: rt.generate(prompt, max_new_tokens=max_new_tokens, policy="eagle"),
+            "routed": lambda: rt.generate(prompt, max_new_tokens=max_new_tokens)}
+    for run in runs.values():
+        run()  # warm-up
+    tps, results = {m: [] for m in runs}, {}
+    for _ in range(repeats):
+        for m, run in runs.items():
+            results[m] = run()
+            tps[m].append(results[m].stats.tokens_per_s)
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
+              for m in ("eagle", "routed")}
+    return {"profile": str(path), "trained_now": trained, "minutes": rec.train_seconds / 60,
+            "acceptance": rec.acceptance, "tau": rec.tau, "draft_cost": rec.draft_cost,
+            "decisions": _decisions(profile), "before": before,
+            "routed_decision": results["routed"].decision,
+            "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
+            "speedup": {m: round(med[m] / med["ar"], 3) for m in ("eagle", "routed")},
+            "tokens_per_forward": {m: round(len(results[m].token_ids) / max(results[m].stats.steps, 1), 2)
+                                   for m in ("eagle", "routed")},
+            "audit": {"violation": sum(a.violation for a in audits.values())},
+            "audits": {m: a.to_dict() for m, a in audits.items()}}
+
+
+def _decisions(profile) -> dict[str, str]:
+    """Each domain's decided drafter, and the global record's (out-of-domain requests) as ``(global)``."""
+    out = {n: d.decision.drafter for n, d in profile.domains.items()}
+    return {**out, "(global)": profile.global_set.decision.drafter}
+
+
+def head_text(h: dict) -> str:
+    """The head's part of the demo, as printed."""
+    changed = [f"{n} {h['before'][n]} -> {d}" for n, d in sorted(h["decisions"].items())
+               if h["before"] is not None and h["before"].get(n) != d]
+    eagle = sorted(n for n, d in h["decisions"].items() if d == "eagle")
+    lines = [f"an eagle head on the torch engine ({h['minutes']:.1f} min of training"
+             + (", this run" if h["trained_now"] else ", kept in the profile") + f"): held-out first draft kept "
+             f"{h['acceptance']:.2f}, tau {h['tau']:.2f} (3 drafts), a draft {h['draft_cost']:.3f} of a step",
+             "  raced in each domain: " + ("; ".join(changed) if changed else
+                                          "decisions unchanged" if h["before"] is not None else "(raced before)")
+             + "; decoding with it: " + (", ".join(eagle) if eagle else "none"),
+             f"  the maths prompt on the torch engine: ar {h['tokens_per_s']['ar']:.1f} tok/s"]
+    for m in ("eagle", "routed"):
+        label = "eagle " if m == "eagle" else f"routed ({h['routed_decision']})"
+        lines.append(f"  {label}: {h['tokens_per_s'][m]:.1f} tok/s, speedup {h['speedup'][m]:.2f}x, "
+                     f"{h['tokens_per_forward'][m]:.2f} tokens per target forward, "
+                     + _audit_text(h["audits"][m], "ar"))
+    return "\n".join(lines)

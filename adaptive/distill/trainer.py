@@ -473,11 +473,14 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
         vocab_ids, coverage = choose_vocab(train, held, min(cfg.vocab, bb.vocab_size), bb.vocab_size)
         run = HeadTrainer(bb, shape, vocab_ids, cfg)
         ckpt = work.file("checkpoint", ext="pt")
+        eval_seconds = 0.0  # one held-out evaluation's time: the budget pays for those to come too
         if ckpt.exists():
             run.load(_torch_load(ckpt))
             log(f"resuming from step {run.step} of {run.total} ({ckpt.parent})")
         else:
+            t_eval = time.perf_counter()
             run.history.append(_head_eval(run, held, 0.0))
+            eval_seconds = time.perf_counter() - t_eval
         log(f"eagle head: {train.rows} training positions, {held.rows} held-out; {len(vocab_ids)} rows covering "
             f"{coverage:.1%} of the held-out answers' tokens")
         bar = None
@@ -489,8 +492,9 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             run.history.append({"step": run.step, "train_loss": round(loss, 5)})
             if run.total is None and run.step >= PACE_STEPS:  # the schedule's length, fixed once from the pace
                 pace = (time.perf_counter() - t_run) / run.step
-                run.total = max(run.step, int(cfg.minutes * 60 / pace))
-                log(f"{pace:.2f} s a step: {run.total} steps in {cfg.minutes:g} minutes")
+                run.total = max(run.step, int(cfg.minutes * 60 / (pace + eval_seconds / cfg.eval_every)))
+                log(f"{pace:.2f} s a step and {eval_seconds:.0f} s an evaluation every {cfg.eval_every}: {run.total} "
+                    f"steps in {cfg.minutes:g} minutes")
                 if bar is not None:
                     bar.total = run.total
             if bar is not None:
@@ -535,7 +539,7 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
     return DistillResult(kind, profile_dir, record, written)
 
 
-PACE_STEPS = 5  # steps timed before a minutes budget fixes the schedule's length
+PACE_STEPS = 10  # steps timed before a minutes budget fixes the schedule's length
 
 
 def _head_eval(run: HeadTrainer, held: HeadData, seconds: float) -> dict:

@@ -10,16 +10,37 @@ def test_demo_reuses_a_profile_routes_and_reports_speedup(capsys, tiny_model_dir
     prof = tmp_path / "p"
     shutil.copytree(tiny_profile, prof)
     out, err = run_ok(capsys, "demo", "--model", str(tiny_model_dir), "--profile", str(prof), "--dtype", "float32",
-                      "--max-new-tokens", "8", "--repeats", "1", "--json")
+                      "--max-new-tokens", "8", "--repeats", "1", "--head-minutes", "0", "--json")
     assert "reusing the profile" in err
     data = json.loads(out)
     assert data["route"]["applied"] in ("math", "chat", "code", "global")
     assert set(data["speedup"]) >= {"routed"} and data["speedup"]["routed"] > 0
     assert all(data["identical"].values())  # fp32: token for token
-    assert data["lossless_violations"] == 0
+    assert data["lossless_violations"] == 0 and "head" not in data
     text, _ = run_ok(capsys, "demo", "--model", str(tiny_model_dir), "--profile", str(prof), "--dtype", "float32",
-                     "--max-new-tokens", "8", "--repeats", "1")
+                     "--max-new-tokens", "8", "--repeats", "1", "--head-minutes", "0")
     assert "speedup" in text and "routed to" in text and "casc.x [90%]" in text
+
+
+def test_the_demo_trains_a_head_once_and_decodes_with_it_as_plain_decoding_does(tiny_model_dir, tiny_profile, tmp_path):
+    from adaptive.cli import demo
+    from adaptive.distill.heads import HeadConfig
+    from tests.conftest import TINY_DOMAINS
+
+    prof = tmp_path / "p"
+    shutil.copytree(tiny_profile, prof)
+    cfg = HeadConfig(layers=(1, 2, 4), steps=10, new_tokens=8, vocab=32, batch=2, window=32, warmup=2, held_out=0.25)
+    prompt = TINY_DOMAINS["math"][-1]
+    h = demo.head_demo(prof, str(tiny_model_dir), "cpu", cfg, TINY_DOMAINS, prompt, 8, 1, quiet=True)
+    assert h["trained_now"] and h["before"] is not None and set(h["decisions"]) == set(h["before"])
+    assert 0 <= h["acceptance"] <= 1 and h["tau"] >= 1 and 0 < h["draft_cost"] < 1
+    assert set(h["tokens_per_s"]) == {"ar", "eagle", "routed"} and h["tokens_per_forward"]["eagle"] >= 1
+    assert h["audit"]["violation"] == 0 and all(a["identical"] for a in h["audits"].values())  # fp32
+    text = demo.head_text(h)
+    assert "an eagle head on the torch engine" in text and "this run" in text and "identical to ar" in text
+    again = demo.head_demo(prof, str(tiny_model_dir), "cpu", cfg, TINY_DOMAINS, prompt, 8, 1, quiet=True)
+    assert not again["trained_now"] and again["acceptance"] == h["acceptance"]  # kept in the profile
+    assert "kept in the profile" in demo.head_text(again)
 
 
 def test_demo_refuses_a_profile_of_another_model(capsys, tiny_profile, tmp_path):
