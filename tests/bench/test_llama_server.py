@@ -125,7 +125,8 @@ def test_with_cache_prompt_the_slot_keeps_its_prompt_and_a_conversation_keeps_a_
     cached = server_command(Path("llama-server"), ServerSettings(gguf, 2, 512, cache_prompt=True), 8080)
     assert "--no-cache-prompt" not in cached and cached[cached.index("--cache-ram") + 1] == "0"
     assert completion_request([1], 4, cache_prompt=True)["cache_prompt"] is True
-    assert completion_request([1], 4)["ignore_eos"] is False and completion_request([1], 4, ignore_eos=True)["ignore_eos"]
+    assert completion_request([1], 4)["ignore_eos"] is False
+    assert completion_request([1], 4, ignore_eos=True)["ignore_eos"] is True
     server = LlamaServer(gguf, threads=1, n_ctx=64, spec_type="ngram-mod", cache_prompt=True)
     try:
         server.generate([1], 4, eos={2})
