@@ -12,8 +12,9 @@ prompt cache) on the same GGUF, prompt and thread count: its wall time of the ``
 less its own ``prompt_ms``, per token after the first (what a caller of llama-server waits per token,
 HTTP included), and its own ``predicted_per_second``.
 
-All produce the same tokens (checked). Prints ms per token of each, their difference, and with
-``--profile`` the top of a cProfile of ``ours``.
+Ours and the bare loop produce the same tokens (checked; llama-server's build may part from them at a
+near-tie, reported). Prints ms per token of each, their difference, and with ``--profile`` the top of
+a cProfile of ``ours``.
 
     python benchmarks/llamacpp_overhead.py --tokens 64 --rounds 5 --profile
     python benchmarks/llamacpp_overhead.py --tokens 128 --rounds 8 --server
@@ -108,7 +109,10 @@ def main() -> None:
     finally:
         if server is not None:
             server.close()
-    assert all(ids == outputs["ours"] for ids in outputs.values()), "the ways decoded different tokens"
+    assert outputs["bare"] == outputs["ours"], "ours and the bare loop decoded different tokens"
+    if "server" in outputs and outputs["server"] != outputs["ours"]:  # another build's kernels: near-ties may part
+        same = next(i for i, (a, b) in enumerate(zip(outputs["server"] + [None], outputs["ours"] + [None])) if a != b)
+        print(f"llama-server's tokens part from ours at token {same} (another build of llama.cpp)")
     med = {name: statistics.median(v) for name, v in per.items()}
     o, b = med["ours"], med["bare"]
     print(f"ms per token (median of {args.rounds}): ours {o:.3f}, bare llama_decode loop {b:.3f}, "
