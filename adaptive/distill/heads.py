@@ -6,16 +6,19 @@ One run:
 2. decodes the target's greedy continuations of every prompt, several sequences per forward
    (:meth:`~adaptive.engine.backbone.Backbone.forward_batch`), each sequence's cache keeping the
    head's feature rows, so the features of prompt and continuation come from the decoding itself:
-   no second pass (checkpointed: the longest part);
+   no second pass (checkpointed: the longest part); with ``samples`` > 1, more continuations of the
+   training prompts sampled at ``temperature`` (each set checkpointed);
 3. picks the head's rows: the ``vocab`` most frequent tokens of the training text, then by id
    (:func:`~adaptive.drafters.head.rank_tokens`), and reports their coverage of the held-out answers;
-4. trains the head with AdamW on forward KL to the target's distribution renormalised over those rows
-   (soft targets), at every position of the training text, over ``unroll`` unrolled steps
+4. trains the head with AdamW on forward KL to the target's distribution (soft targets) renormalised
+   over a drafter's rows, those and the prompt's tokens (:meth:`HeadTrainer.rows_for`), at every
+   position of the training text, over ``unroll`` unrolled steps
    (:meth:`~adaptive.drafters.eagle.EagleHead.unrolled`); the number of steps is ``steps``, or as many
-   as the first steps' pace fits in ``minutes``, fixed once and checkpointed (a resumed run replays the
-   same schedule);
-5. evaluates on the held-out answers: per draft position, the share of positions whose first ``s``
-   drafts all equal the target's greedy tokens (greedy verification's acceptance), by domain;
+   as the first steps' pace and the evaluations fit in ``minutes``, fixed once and checkpointed (a
+   resumed run replays the same schedule);
+5. evaluates on the held-out answers over each one's drafter's rows: per draft position, the share
+   of positions whose first ``s`` drafts all equal the target's greedy tokens (greedy verification's
+   acceptance), by domain;
 6. checkpoints every ``checkpoint_every`` steps; measures the head's draft cost; stores the head.
 """
 
