@@ -291,7 +291,8 @@ def head_demo(path: Path, model_spec: str, device: str, cfg: HeadConfig, domains
         before = _decisions(profile)
         click.echo(f"training an eagle head on the torch engine ({cfg.minutes:g} minutes after its data) ...", err=True)
         dense = load(spec, device, dt, "dense", engine="torch")
-        distill_head(dense, path, domains, cfg, progress=not quiet, log=lambda m: click.echo(m, err=True))
+        say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
+        distill_head(dense, path, domains, cfg, progress=False, log=say)  # its lines, not a bar: a short log
         del dense
         profile = load_profile(path)
     else:
