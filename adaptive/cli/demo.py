@@ -122,14 +122,7 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, head
         ssd_cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=best.draft_len)
         runs["ssd"] = lambda: engine.generate(prompt, ssd_cfg, drafter=ssd)
     methods = list(runs)
-    tps = {m: [] for m in methods}
-    results = {}
-    for _ in range(repeats):  # interleaved so that machine drift hits all alike
-        for m in methods:
-            r = runs[m]()
-            tps[m].append(r.stats.tokens_per_s)
-            results[m] = r
-    med = {m: statistics.median(v) for m, v in tps.items()}
+    med, results = interleaved(runs, repeats)
     ids = engine.encode(prompt)
     audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
               for m in methods if m != "ar"}
@@ -202,6 +195,17 @@ def demo_cmd(model_spec, profile_dir, recalibrate, max_new_tokens, repeats, head
             click.echo(f"  {row['prompt']} prompt ({row['prompt_tokens']} tokens): ran on {row['engine']}, "
                        f"{row['reason']}; measured {row['measured_s']:.2f} s (plain decoding: {plain}); "
                        + _audit_text(row["audit"], "plain decoding there"))
+
+
+def interleaved(runs: dict, repeats: int) -> tuple[dict[str, float], dict]:
+    """Each of ``runs`` (name -> a call returning a generation result) ``repeats`` times, interleaved so
+    that machine drift hits all alike: ``(median tok/s by name, the last result by name)``."""
+    tps, results = {m: [] for m in runs}, {}
+    for _ in range(repeats):
+        for m, run in runs.items():
+            results[m] = run()
+            tps[m].append(results[m].stats.tokens_per_s)
+    return {m: statistics.median(v) for m, v in tps.items()}, results
 
 
 def _audit_text(audit: dict, reference: str) -> str:
@@ -307,12 +311,7 @@ def head_demo(path: Path, model_spec: str, device: str, cfg: HeadConfig, domains
             "routed": lambda: rt.generate(prompt, max_new_tokens=max_new_tokens)}
     for run in runs.values():
         run()  # warm-up
-    tps, results = {m: [] for m in runs}, {}
-    for _ in range(repeats):
-        for m, run in runs.items():
-            results[m] = run()
-            tps[m].append(results[m].stats.tokens_per_s)
-    med = {m: statistics.median(v) for m, v in tps.items()}
+    med, results = interleaved(runs, repeats)
     audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
               for m in ("eagle", "routed")}
     return {"profile": str(path), "trained_now": trained, "minutes": rec.train_seconds / 60,
@@ -321,8 +320,7 @@ def head_demo(path: Path, model_spec: str, device: str, cfg: HeadConfig, domains
             "routed_decision": results["routed"].decision,
             "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
             "speedup": {m: round(med[m] / med["ar"], 3) for m in ("eagle", "routed")},
-            "tokens_per_forward": {m: round(len(results[m].token_ids) / max(results[m].stats.steps, 1), 2)
-                                   for m in ("eagle", "routed")},
+            "tokens_per_forward": {m: round(results[m].stats.mean_accepted_tokens, 2) for m in ("eagle", "routed")},
             "audit": {"violation": sum(a.violation for a in audits.values())},
             "audits": {m: a.to_dict() for m, a in audits.items()}}
 
