@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptive.drafters.eagle import EagleHead, HeadCache, HeadShape, default_layers, lookup_tokens
+from adaptive.drafters.factory import eagle_vocab
 from adaptive.drafters.head import rank_tokens
 from adaptive.engine.backbone import Segment
 from adaptive.engine.sampling import warp_probs
@@ -231,8 +232,6 @@ class HeadTrainer:
             self.head = EagleHead(shape, vocab_ids.to(dev), rows, bb.final_norm_weight.detach()).to(dev)
         self.norm = bb.final_norm_weight.detach().float()
         self.eps = float(bb.norm_eps)
-        self.index = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=dev)
-        self.index[vocab_ids.to(dev)] = torch.arange(len(vocab_ids), device=dev)
         self.params = [p for p in self.head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -253,15 +252,11 @@ class HeadTrainer:
         :meth:`evaluate` measures; a training batch of several shares theirs (a few rows more than each
         one's: unmasked, the target's own distribution puts next to nothing there). ``(ids [V' + E],
         lm [V' + E, H], map [vocab])``: the rows' tokens, their LM-head rows, a token's row (-1: none)."""
-        n = len(self.head.ids)
-        dev = self.index.device
-        every = torch.unique(torch.cat([p.to(dev) for p in prompts])) if prompts else self.head.ids[:0]
-        extra = every[self.index[every] < 0]
-        mapping = self.index.clone()
-        if not extra.numel():
-            return self.head.ids, self.head.lm, mapping
-        mapping[extra] = torch.arange(n, n + extra.numel(), device=dev)
-        return torch.cat([self.head.ids, extra]), torch.cat([self.head.lm, self.bb.head_rows(extra).float()]), mapping
+        every = torch.cat(prompts) if prompts else self.head.ids[:0]
+        rows = eagle_vocab(self.head, self.bb, every.tolist())  # the drafter's own construction
+        mapping = torch.full((self.bb.vocab_size,), -1, dtype=torch.long, device=rows.ids.device)
+        mapping[rows.ids] = torch.arange(len(rows), device=rows.ids.device)
+        return rows.ids, rows.weight, mapping
 
     def _outputs(self, batch, steps: int):
         feats, tokens, looks, top, labels, valid, answer, prompts = batch
