@@ -44,7 +44,7 @@ from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.models import auto_engines
-from adaptive.profile import ProfileError, is_two_engine, load_profile, read_engines
+from adaptive.profile import ProfileError, is_two_engine, load_profile, member_dir, read_engines
 from adaptive.runtime import AdaptiveRuntime
 
 DEMO_DOMAIN = "math"
@@ -278,7 +278,7 @@ def _torch_profile(profile_dir, lm) -> Path | None:
     """The torch profile a head trains into: a two-engine profile's torch member, or the profile itself
     when it was calibrated on the torch engine; ``None`` where there is none."""
     if is_two_engine(profile_dir):
-        return Path(load_profile(profile_dir, "torch").path) if "torch" in read_engines(profile_dir).engines else None
+        return member_dir(profile_dir, "torch") if "torch" in read_engines(profile_dir).engines else None
     return Path(profile_dir) if lm.engine == "torch" else None
 
 

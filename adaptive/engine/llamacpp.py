@@ -351,7 +351,7 @@ class LlamaCppBackbone:
 
     def _evict_stale(self) -> None:
         """Give back the kept entries (of every store that held this context's) not restored within the
-        last :data:`STALE_ROWS` rows fed: every decode attends over the cells in use, kept ones
+        last :meth:`stale_rows` rows fed: every decode attends over the cells in use, kept ones
         included, so an entry not reused that long has cost more than prefilling it again would."""
         horizon = self.stale_rows()
 
