@@ -38,7 +38,7 @@ from adaptive.calibrate.settings import (
     check_domains,
     domains_digest,
 )
-from adaptive.costs import CostModel, measure_costs, measure_prefill
+from adaptive.costs import CostModel, CpuWatch, busy_warning, measure_costs, measure_prefill
 from adaptive.engine.config import Pooling
 from adaptive.errors import ConfigError
 from adaptive.index.anchors import AnchorIndex
@@ -179,6 +179,7 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
              "domains": domains_digest(domains),
              "costs": cost_model.to_dict() if cost_model is not None else "measured"}
     work = calibration_workdir(out)
+    watch = CpuWatch().start()  # how busy the machine was over the whole run (its races are timed too)
     with work.guarded(state, resume, "rerun with the same model, domains and settings, or delete it") as resumed:
         if resumed:
             log(f"resuming from {work.path}")
@@ -195,6 +196,11 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             worker.bars = None
         seconds = round(time.perf_counter() - started, 1)
         run = {"jobs": jobs, "backend": backend, "seconds": seconds, "pooling": choice}
+        if watch.stop() is not None and in_process(jobs, backend):  # else our own workers count as others
+            run["others_share"] = round(watch.others_share, 3)
+            warning = busy_warning(f"the {lm.engine} engine's races", watch.others_share)
+            if warning:
+                log(f"warning: {warning}")
         profile = _profile(fingerprint, s, costs, records, index, run, encoded)
         save_profile(profile, out)
     return profile
@@ -202,8 +208,13 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
 
 def _measure_costs(lm: LoadedModel, s: CalibrationSettings, log: Callable[[str], None]) -> dict:
     log("measuring the cost model ...")
-    costs = measure_costs(lm.backbone, context=s.cost_context)
-    return replace(costs, prefill=measure_prefill(lm.backbone)).to_dict()
+    with CpuWatch() as watch:
+        costs = measure_costs(lm.backbone, context=s.cost_context)
+        prefill = measure_prefill(lm.backbone)
+    warning = busy_warning(f"the {lm.engine} engine's cost model", watch.others_share)
+    if warning:
+        log(f"warning: {warning}")
+    return replace(costs, prefill=prefill, others_share=watch.others_share).to_dict()
 
 
 def _run_phases(worker: Worker, lm: LoadedModel, domains: dict[str, list[str]], costs: CostModel, jobs: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import click
 
@@ -34,7 +35,13 @@ for command in (demo_cmd, decode_cmd, calibrate_cmd, generate_cmd, route_cmd, pr
     cli.add_command(command)
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning on the command line: one line, ``Warning: ...``, as errors are ``Error: ...``."""
+    click.echo(f"Warning: {message}", err=True)
+
+
 def main(argv: list[str] | None = None) -> None:
+    warnings.showwarning = _one_line_warning
     try:
         cli.main(args=argv, prog_name="adaptive", standalone_mode=False)
     except click.exceptions.Abort:

@@ -174,6 +174,9 @@ class CostModel:
     ``step_ms``: the measured time of one full one-token step; ``context``: the cached positions it
     was measured at. ``prefill``: measured prefills, ``((prompt_tokens, ms), ...)`` by increasing
     length (empty in profiles calibrated before it was measured); :meth:`prefill_seconds` reads it.
+    ``others_share``: the share of the machine's CPU other work took while these were timed
+    (:mod:`adaptive.costs.busy`; ``None``: not measured); above :data:`~adaptive.costs.busy.BUSY_SHARE`
+    they read slow.
     """
 
     attn: tuple[float, ...]
@@ -183,8 +186,11 @@ class CostModel:
     step_ms: float = 0.0
     context: int = 0
     prefill: tuple[tuple[int, float], ...] = ()
+    others_share: float | None = None
 
     def __post_init__(self):
+        if self.others_share is not None and not 0.0 <= self.others_share <= 1.0:
+            raise ValueError(f"others_share is a share of the machine in [0, 1], got {self.others_share}")
         lengths = [n for n, _ in self.prefill]
         if any(n <= 0 or ms <= 0 for n, ms in self.prefill) or lengths != sorted(set(lengths)):
             raise ValueError(f"prefill points need increasing positive lengths and positive times, got {self.prefill}")
@@ -233,7 +239,8 @@ class CostModel:
         return cls(attn=tuple(map(float, d["attn"])), mlp=tuple(map(float, d["mlp"])), base=float(d["base"]),
                    verify=tuple(map(float, d["verify"])), step_ms=float(d.get("step_ms", 0.0)),
                    context=int(d.get("context", 0)),
-                   prefill=tuple((int(n), float(ms)) for n, ms in d.get("prefill", ())))
+                   prefill=tuple((int(n), float(ms)) for n, ms in d.get("prefill", ())),
+                   others_share=None if d.get("others_share") is None else float(d["others_share"]))
 
     @classmethod
     def uniform(cls, n_layers: int, attn_share: float = 0.48, mlp_share: float = 0.32,

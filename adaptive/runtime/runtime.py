@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive.costs import best_draft_length
+from adaptive.costs import best_draft_length, busy_warning
 from adaptive.costs.batch import batch_draft_lengths, padded_draft_lengths
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.drafters.early_exit import ExitBlock
@@ -245,6 +245,10 @@ class AdaptiveRuntime:
                  prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
+        busy = busy_warning(f"the {profile.model.engine} engine's costs in the profile "
+                            f"{profile.path or '(in memory)'}", profile.cost_model.others_share)
+        if busy:  # said once per profile a process loads: it skews every price, decisions and engine choice
+            warnings.warn(busy, stacklevel=2)
         self.profile = profile
         self.lm = lm
         self.engine = Engine(lm)

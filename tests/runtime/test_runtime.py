@@ -139,6 +139,21 @@ def test_from_profile_checks_the_model(tiny_profile, tiny_model_dir, tmp_path):
         AdaptiveRuntime.from_profile(tiny_profile, model=str(other), dtype="float32")
 
 
+def test_a_profile_timed_on_a_busy_machine_is_said_at_load(runtime):
+    """Costs timed while other work took the CPU read slow and skew every price: loading such a
+    profile says so once (a warning); costs timed on an idle machine, or not measured, say nothing."""
+    import warnings
+
+    p = runtime.profile
+    busy = dataclasses.replace(p, cost_model=dataclasses.replace(p.cost_model, others_share=0.45))
+    with pytest.warns(UserWarning, match="other work used 45% of this machine's CPU"):
+        AdaptiveRuntime(busy, runtime.lm, online=False).close()
+    idle = dataclasses.replace(p, cost_model=dataclasses.replace(p.cost_model, others_share=0.05))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdaptiveRuntime(idle, runtime.lm, online=False).close()
+
+
 def test_concurrent_requests_match_single_threaded_output(runtime):
     jobs = [(p, t, s) for p in PROMPTS for t, s in ((0.0, None), (0.7, 5))]
     expected = {j: runtime.generate(j[0], max_new_tokens=20, temperature=j[1], seed=j[2]).token_ids
