@@ -62,6 +62,9 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
                    "[an eighth, half and all of the model's layers].")
 @click.option("--vocab", type=int, default=HeadConfig.vocab, show_default=True,
               help="eagle: the head's rows (the training text's most frequent tokens; a request adds its prompt's).")
+@click.option("--head-width", type=click.IntRange(min=1), default=None, metavar="N",
+              help="eagle: the width of the head's MLP [the target's]; a narrower head trains more steps a minute "
+                   "where the target's MLP is wide (Qwen2.5-1.5B: 8960).")
 @click.option("--unroll", type=int, default=HeadConfig.unroll, show_default=True,
               help="eagle: unrolled draft steps trained (EAGLE-3's training-time test).")
 @click.option("--race/--no-race", default=True, show_default=True,
@@ -93,7 +96,7 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
 @quiet_option
 @json_option
 def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, jsd_beta, data_source, steps, minutes,
-                feature_layers, vocab, unroll, race, lr, batch_size, new_tokens, samples, temperature,
+                feature_layers, vocab, head_width, unroll, race, lr, batch_size, new_tokens, samples, temperature,
                 prompts_per_domain, refresh_every, eval_every, plot, resume, seed, dtype, device, quiet, as_json):
     """Distill a drafter for the profile's model and store it in the profile.
 
@@ -108,12 +111,13 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                                "draft model")
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
-    if drafter != EAGLE and (samples != HeadConfig.samples or temperature != HeadConfig.temperature):
-        raise click.UsageError(f"--samples and --temperature are for --drafter {EAGLE}")
+    if drafter != EAGLE and (samples != HeadConfig.samples or temperature != HeadConfig.temperature
+                             or head_width is not None):
+        raise click.UsageError(f"--samples, --temperature and --head-width are for --drafter {EAGLE}")
     if drafter == EAGLE:
-        return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr,
-                              batch_size, new_tokens, samples, temperature, prompts_per_domain, eval_every, plot,
-                              resume, seed, dtype, device, quiet, as_json)
+        return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, head_width, unroll,
+                              race, lr, batch_size, new_tokens, samples, temperature, prompts_per_domain, eval_every,
+                              plot, resume, seed, dtype, device, quiet, as_json)
     d = DistillConfig()  # the options the eagle head defaults otherwise take DistillConfig's defaults
     eval_every = eval_every or d.eval_every
     cfg = DistillConfig(divergence=divergence, jsd_beta=jsd_beta, data_source=data_source,
@@ -146,11 +150,12 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     click.echo(f"stored in {d['profile']}{curves}")
 
 
-def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, unroll, race, lr, batch_size,
-                   new_tokens, samples, temperature, prompts_per_domain, eval_every, plot, resume, seed, dtype, device,
-                   quiet, as_json):
+def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, head_width, unroll, race, lr,
+                   batch_size, new_tokens, samples, temperature, prompts_per_domain, eval_every, plot, resume, seed,
+                   dtype, device, quiet, as_json):
     d = HeadConfig()
-    cfg = HeadConfig(layers=feature_layers or None, vocab=vocab, minutes=minutes, steps=steps, unroll=unroll,
+    cfg = HeadConfig(layers=feature_layers or None, vocab=vocab, intermediate=head_width, minutes=minutes,
+                     steps=steps, unroll=unroll,
                      lr=lr or d.lr, batch=batch_size or d.batch, new_tokens=new_tokens or d.new_tokens,
                      samples=samples, temperature=temperature,
                      prompts_per_domain=prompts_per_domain, eval_every=eval_every or d.eval_every, seed=seed)

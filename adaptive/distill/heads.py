@@ -14,8 +14,9 @@ One run:
    over a drafter's rows, those and the prompt's tokens (:meth:`HeadTrainer.rows_for`), at every
    position of the training text, over ``unroll`` unrolled steps
    (:meth:`~adaptive.drafters.eagle.EagleHead.unrolled`); the number of steps is ``steps``, or as many
-   as the first steps' pace and the evaluations fit in ``minutes``, fixed once and checkpointed (a
-   resumed run replays the same schedule);
+   as fit in ``minutes``: set from the first steps' pace and the evaluations', then re-paced after
+   every evaluation over the steps since the last one (steps slow down as a run goes on), and
+   checkpointed with the run;
 5. evaluates on the held-out answers over each one's drafter's rows: per draft position, the share
    of positions whose first ``s`` drafts all equal the target's greedy tokens (greedy verification's
    acceptance), by domain;
@@ -62,10 +63,13 @@ class HeadConfig:
     """How to train an eagle head. ``layers`` ``None``: :func:`~adaptive.drafters.eagle.default_layers`.
     ``steps`` ``None``: as many as fit in ``minutes``. ``batch``: windows of ``window`` positions per step.
     ``samples``: continuations decoded per training prompt, the first greedy, the others sampled at
-    ``temperature`` (held-out prompts: the greedy one alone, what greedy verification accepts)."""
+    ``temperature`` (held-out prompts: the greedy one alone, what greedy verification accepts).
+    ``intermediate``: the width of the head's MLP (``None``: the target's; a narrower one trains
+    faster per step where the target's is wide, e.g. Qwen2.5-1.5B's 8,960)."""
 
     layers: tuple[int, ...] | None = None
     vocab: int = 8192
+    intermediate: int | None = None
     minutes: float = 8.0
     steps: int | None = None
     unroll: int = 3
@@ -97,6 +101,8 @@ class HeadConfig:
                               "checkpoint_every", "lookup"))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ConfigError(f"--temperature must be a positive number, got {self.temperature}")
+        if self.intermediate is not None and (not isinstance(self.intermediate, int) or self.intermediate < 1):
+            raise ConfigError(f"--head-width must be a positive integer, got {self.intermediate!r}")
         if self.prompts_per_domain is not None and self.prompts_per_domain < 2:
             raise ConfigError(f"prompts-per-domain must be >= 2, got {self.prompts_per_domain}")
 
@@ -107,14 +113,16 @@ class HeadConfig:
 
 
 def head_shape(bb, cfg: HeadConfig) -> HeadShape:
-    """The head's shape for the target ``bb`` (its sizes, the feature layers asked for, the top one included)."""
+    """The head's shape for the target ``bb`` (its sizes, the MLP's width unless ``cfg`` sets one, the feature
+    layers asked for, the top one included)."""
     layers = cfg.layers if cfg.layers is not None else default_layers(bb.n_layers)
     if bb.n_layers not in layers:
         raise ConfigError(f"the feature layers must include the top one ({bb.n_layers}): the head starts from it "
                           f"and the target's distribution is computed from it; got {list(layers)}")
     mc = bb.config
     theta = getattr(mc, "rope_theta", None) or (getattr(mc, "rope_parameters", None) or {}).get("rope_theta", 1e4)
-    return HeadShape(bb.hidden_size, bb.n_heads, bb.n_kv_heads, bb.head_dim, int(mc.intermediate_size),
+    width = cfg.intermediate if cfg.intermediate is not None else int(mc.intermediate_size)
+    return HeadShape(bb.hidden_size, bb.n_heads, bb.n_kv_heads, bb.head_dim, width,
                      tuple(layers), float(bb.norm_eps), float(theta), cfg.lookup)
 
 

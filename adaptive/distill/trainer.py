@@ -487,12 +487,13 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
         if progress:
             bar = progress_bar(run.total, "distill eagle", unit="step", initial=run.step, leave=False)
         t_run = time.perf_counter()
+        window = (t_run, run.step)  # since the last re-pacing: (its time, its step)
         while run.total is None or run.step < run.total:
             loss = run.train_step(train)
             run.history.append({"step": run.step, "train_loss": round(loss, 5)})
-            if run.total is None and run.step >= PACE_STEPS:  # the schedule's length, fixed once from the pace
+            if run.total is None and run.step >= PACE_STEPS:  # the schedule's length, from the first steps' pace
                 pace = (time.perf_counter() - t_run) / run.step
-                run.total = max(run.step, int(cfg.minutes * 60 / (pace + eval_seconds / cfg.eval_every)))
+                run.total = budget_steps(cfg.minutes, run.step, run.step * pace, pace + eval_seconds / cfg.eval_every)
                 log(f"{pace:.2f} s a step and {eval_seconds:.0f} s an evaluation every {cfg.eval_every}: {run.total} "
                     f"steps in {cfg.minutes:g} minutes")
                 if bar is not None:
@@ -503,6 +504,16 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             last = run.total is not None and run.step >= run.total
             if run.step % cfg.eval_every == 0 or last:
                 run.history.append(_head_eval(run, held, run.elapsed + time.perf_counter() - t_run))
+                if cfg.steps is None and run.total is not None and not last:  # re-paced over the last window
+                    now = time.perf_counter()
+                    pace = (now - window[0]) / max(run.step - window[1], 1)  # its evaluation included
+                    total = budget_steps(cfg.minutes, run.step, run.elapsed + now - t_run, pace)
+                    if abs(total - run.total) > 0.05 * run.total:
+                        log(f"{pace:.2f} s a step lately: {total} steps in {cfg.minutes:g} minutes "
+                            f"(not {run.total})")
+                    run.total, window = total, (now, run.step)
+                    if bar is not None:
+                        bar.total = run.total
             if run.step % cfg.checkpoint_every == 0 or last:
                 ck = run.state()
                 ck["elapsed"] = run.elapsed + time.perf_counter() - t_run
@@ -539,7 +550,14 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
     return DistillResult(kind, profile_dir, record, written)
 
 
-PACE_STEPS = 10  # steps timed before a minutes budget fixes the schedule's length
+PACE_STEPS = 10  # steps timed before a minutes budget sets the schedule's length (re-paced at each evaluation)
+
+
+def budget_steps(minutes: float, step: int, spent_s: float, pace_s: float) -> int:
+    """The schedule's length under a ``minutes`` budget: the ``step`` steps taken in ``spent_s``
+    seconds, and as many more as the rest holds at ``pace_s`` seconds a step (evaluations included),
+    at least one. Example: 10 minutes, 100 steps in 80 s, 0.9 s a step: 100 + 577 = 677."""
+    return step + max(int((minutes * 60 - spent_s) / max(pace_s, 1e-9)), 1)
 
 
 def _head_eval(run: HeadTrainer, held: HeadData, seconds: float) -> dict:

@@ -98,6 +98,8 @@ def test_invalid_combinations_do_not_parse(capsys, tmp_path, command, args, mess
     (["calibrate", "--backend", "mpi"], "Invalid value for '--backend'"),
     (["distill", "--profile", "p", "--data", "a="], "Invalid value for '--data': takes [NAME=]PATH"),
     (["distill", "--profile", "p", "--divergence", "kl"], "Invalid value for '--divergence'"),
+    (["distill", "--profile", "p", "--drafter", "eagle", "--head-width", "0"], "Invalid value for '--head-width'"),
+    (["distill", "--profile", "p", "--head-width", "64"], "--head-width are for --drafter eagle"),
     (["bench", "--data", "d.jsonl", "--methods", "ar,warp"], "unknown method(s) warp"),
     (["bench", "--data", "d.jsonl", "--methods", "ar,pld,ar"], "listed twice"),
     (["bench", "--data", "d.jsonl", "--methods", ","], "no method given"),

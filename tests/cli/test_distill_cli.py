@@ -74,9 +74,10 @@ def test_distill_an_eagle_head_then_generate_show_and_bench(capsys, tiny_model_d
     data = [x for f in files for x in ("--data", str(f))]
     out, _ = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--drafter", "eagle",
                     "--layers", "1,2,4", "--steps", "20", "--new-tokens", "12", "--vocab", "32", "--batch-size", "2",
-                    "--dtype", "float32", "--json", *data)
+                    "--head-width", "24", "--dtype", "float32", "--json", *data)
     obj = json.loads(out)
     assert obj["kind"] == "eagle" and obj["shape"]["layers"] == [1, 2, 4] and obj["vocab"] == 32
+    assert obj["shape"]["intermediate"] == 24  # a head narrower than the target's MLP, decoded below
     assert len(obj["positions"]) == 3 and obj["domains"] == ["chat", "code", "math"]
     text, _ = run_ok(capsys, "profile", "show", str(prof))
     assert "distilled eagle (features after layers 1,2,4; 32 rows" in text

@@ -1,6 +1,7 @@
 """Training an eagle head on the tiny model: held-out acceptance rises, the head round-trips through
-the profile, an interrupted run resumes to the same weights, a budget in minutes fixes the steps, and
-the runtime's ``eagle`` policy decodes exactly what plain decoding does."""
+the profile, an interrupted run resumes to the same weights, a budget in minutes sets the steps
+(re-paced as the steps slow), and the runtime's ``eagle`` policy decodes exactly what plain decoding
+does."""
 
 import shutil
 from dataclasses import replace
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from adaptive.distill.heads import HeadConfig, HeadData, HeadTrainer, choose_vocab, decode_with_features, head_shape
-from adaptive.distill.trainer import PACE_STEPS, DistillError, distill_head
+from adaptive.distill.trainer import PACE_STEPS, DistillError, budget_steps, distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
@@ -141,6 +142,33 @@ def test_a_budget_in_minutes_fixes_the_number_of_steps(lm, prof):
     steps = [h["step"] for h in r.record.history if "train_loss" in h]
     evals = [h["step"] for h in r.record.history if "positions" in h]
     assert steps[-1] >= PACE_STEPS and evals[-1] == steps[-1]  # paced, then trained to the fixed length
+
+
+def test_budget_steps_worked_example():
+    assert budget_steps(10, 100, 80.0, 0.9) == 677  # 100 taken, (600 - 80) / 0.9 = 577 more
+    assert budget_steps(1, 100, 90.0, 0.5) == 101  # the budget spent: one more step, which ends the run
+
+
+def test_steps_that_slow_down_shorten_the_schedule(lm, prof, monkeypatch):
+    """The first steps' pace sets the length; steps that then run slower (here: 0.05 s each, once
+    the pace is taken) are re-paced at each evaluation, so the run ends near its budget, not at the
+    first estimate's length (hundreds of steps at 0.05 s: tens of seconds)."""
+    import time
+
+    real = HeadTrainer.train_step
+
+    def slower(self, data):
+        loss = real(self, data)
+        if self.step > PACE_STEPS:
+            time.sleep(0.05)
+        return loss
+
+    monkeypatch.setattr(HeadTrainer, "train_step", slower)
+    cfg = HeadConfig(**{**FAST, "steps": None, "minutes": 0.05})  # 3 s
+    r = distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, race=False)
+    steps = [h["step"] for h in r.record.history if "train_loss" in h]
+    assert r.record.train_seconds < 3 + 2.5  # the budget, and at most about one evaluation window past it
+    assert steps[-1] < 3 / 0.05 + 2 * FAST["eval_every"]
 
 
 def test_bad_options_are_refused(lm, prof):
