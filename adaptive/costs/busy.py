@@ -2,7 +2,7 @@
 
 A timing taken while another process computes reads slow, and nothing in the timing says so: a
 calibration run beside a test suite measured llama.cpp's 32-token prefill at 2.1 s (0.1 s on an
-idle machine) and its step at 20 ms (9 ms), so every request of its two-engine profile went to
+idle machine) and its step at 20 ms (7.4 ms), so every request of its two-engine profile went to
 the torch engine. :class:`CpuWatch` measures, over a span of wall time, the **others' share**: the
 CPU time the rest of the machine used (other processes, and the hypervisor's *steal*: time our
 virtual CPUs waited while the host ran someone else) over the CPU time the machine had::
