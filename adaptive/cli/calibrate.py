@@ -27,6 +27,7 @@ from adaptive.cli.common import (
     quiet_option,
     weights_option,
 )
+from adaptive.costs import BUSY_SHARE
 from adaptive.distill.heads import HeadConfig
 from adaptive.distill.trainer import distill_head
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
@@ -253,7 +254,9 @@ def profile_show(directory, online_path, member, as_json):
                f"config {m.config_hash}, weights {m.weights_hash})")
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
-               + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))))
+               + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8)))
+               + (f"; timed while other work used {c.others_share:.0%} of the CPU"
+                  + (" (they read slow)" if c.others_share > BUSY_SHARE else "") if c.others_share is not None else ""))
     if c.prefill:
         click.echo("prefill " + ", ".join(f"{n} tokens {ms:.0f} ms" for n, ms in c.prefill)
                    + f"; expected {p.seconds_per_token() * 1e3:.1f} ms a new token over the domains")

@@ -149,6 +149,20 @@ def test_profile_show_and_reset_online(capsys, tiny_profile, tiny_model_dir, tmp
     assert (prof / "profile.json").is_file()  # the profile itself is untouched
 
 
+def test_profile_show_says_costs_timed_on_a_busy_machine(capsys, tiny_profile, tmp_path):
+    import dataclasses
+
+    from adaptive.profile import load_profile, save_profile
+
+    p = load_profile(tiny_profile)
+    text, _ = run_ok(capsys, "profile", "show", str(tiny_profile))
+    assert "timed while other work used" not in text  # not measured (a cost model given to calibration)
+    busy = dataclasses.replace(p, cost_model=dataclasses.replace(p.cost_model, others_share=0.45))
+    save_profile(busy, tmp_path / "busy")
+    text, _ = run_ok(capsys, "profile", "show", str(tmp_path / "busy"))
+    assert "timed while other work used 45% of the CPU (they read slow)" in text
+
+
 def test_profile_show_names_a_two_engine_profiles_members(capsys, two_engine_profile):
     out_dir, _ = two_engine_profile
     text, _ = run_ok(capsys, "profile", "show", str(out_dir))
