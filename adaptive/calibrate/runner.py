@@ -196,11 +196,12 @@ def calibrate(model: str | LoadedModel, domains: dict[str, list[str]], out: str 
             worker.bars = None
         seconds = round(time.perf_counter() - started, 1)
         run = {"jobs": jobs, "backend": backend, "seconds": seconds, "pooling": choice}
-        if watch.stop() is not None and in_process(jobs, backend):  # else our own workers count as others
-            run["others_share"] = round(watch.others_share, 3)
-            warning = busy_warning(f"the {lm.engine} engine's races", watch.others_share)
-            if warning:
-                log(f"warning: {warning}")
+        share = watch.stop()
+        share = share if in_process(jobs, backend) else None  # else our own workers count as others
+        run["others_share"] = None if share is None else round(share, 3)
+        warning = busy_warning(f"the {lm.engine} engine's races", share)
+        if warning:
+            log(f"warning: {warning}")
         profile = _profile(fingerprint, s, costs, records, index, run, encoded)
         save_profile(profile, out)
     return profile

@@ -252,11 +252,12 @@ def profile_show(directory, online_path, member, as_json):
     click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.engine} engine, {m.dtype or 'GGUF'}, "
                f"{m.weights} weights; "
                f"config {m.config_hash}, weights {m.weights_hash})")
+    busy = "" if c.others_share is None else f"; timed while other work used {c.others_share:.0%} of the CPU"
+    if c.others_share is not None and c.others_share > BUSY_SHARE:
+        busy += " (they read slow)"
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "
-               + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8)))
-               + (f"; timed while other work used {c.others_share:.0%} of the CPU"
-                  + (" (they read slow)" if c.others_share > BUSY_SHARE else "") if c.others_share is not None else ""))
+               + "/".join(f"{v:.2f}" for v in (c.verify_cost(0), c.verify_cost(4), c.verify_cost(8))) + busy)
     if c.prefill:
         click.echo("prefill " + ", ".join(f"{n} tokens {ms:.0f} ms" for n, ms in c.prefill)
                    + f"; expected {p.seconds_per_token() * 1e3:.1f} ms a new token over the domains")

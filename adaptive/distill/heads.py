@@ -58,6 +58,16 @@ def check_training(cfg, counts: tuple[str, ...]) -> None:
         raise ConfigError(f"held_out must be in (0, 1), got {cfg.held_out}")
 
 
+PACE_STEPS = 10  # steps timed before a minutes budget sets the schedule's length (re-paced at each evaluation)
+
+
+def budget_steps(minutes: float, step: int, spent_s: float, pace_s: float) -> int:
+    """The schedule's length under a ``minutes`` budget: the ``step`` steps taken in ``spent_s``
+    seconds, and as many more as the rest holds at ``pace_s`` seconds a step (evaluations included),
+    at least one. Example: 10 minutes, 100 steps in 80 s, 0.9 s a step: 100 + 577 = 677."""
+    return step + max(int((minutes * 60 - spent_s) / max(pace_s, 1e-9)), 1)
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     """How to train an eagle head. ``layers`` ``None``: :func:`~adaptive.drafters.eagle.default_layers`.
@@ -318,6 +328,12 @@ class HeadTrainer:
         return float(loss.detach())
 
     @torch.no_grad()
+    def evaluation(self, held: HeadData, seconds: float) -> dict:
+        """The history's record of a held-out evaluation now: :meth:`evaluate` with the step, the training
+        seconds so far, and the first draft's acceptance as ``greedy``."""
+        ev = self.evaluate(held)
+        return {"step": self.step, "seconds": round(seconds, 1), "greedy": ev["positions"][0], **ev}
+
     def evaluate(self, data: HeadData, steps: int = 3) -> dict:
         """Held-out acceptance per draft position: ``positions[s-1]``, the share of answer rows whose first
         ``s`` drafts all equal the target's greedy tokens, over the mix and ``by_domain``; ``tau``: the

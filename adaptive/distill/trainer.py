@@ -35,9 +35,11 @@ from adaptive.costs import best_draft_length, measure_draft_cost
 from adaptive.distill.data import DATA_SOURCES, TrainSequence, continue_ids
 from adaptive.distill.divergences import DIVERGENCES, divergence, greedy_agreement, sampling_acceptance
 from adaptive.distill.heads import (
+    PACE_STEPS,
     HeadConfig,
     HeadData,
     HeadTrainer,
+    budget_steps,
     check_training,
     choose_vocab,
     decode_with_features,
@@ -479,7 +481,7 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             log(f"resuming from step {run.step} of {run.total} ({ckpt.parent})")
         else:
             t_eval = time.perf_counter()
-            run.history.append(_head_eval(run, held, 0.0))
+            run.history.append(run.evaluation(held, 0.0))
             eval_seconds = time.perf_counter() - t_eval
         log(f"eagle head: {train.rows} training positions, {held.rows} held-out; {len(vocab_ids)} rows covering "
             f"{coverage:.1%} of the held-out answers' tokens")
@@ -492,8 +494,9 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             loss = run.train_step(train)
             run.history.append({"step": run.step, "train_loss": round(loss, 5)})
             if run.total is None and run.step >= PACE_STEPS:  # the schedule's length, from the first steps' pace
-                pace = (time.perf_counter() - t_run) / run.step
-                run.total = budget_steps(cfg.minutes, run.step, run.step * pace, pace + eval_seconds / cfg.eval_every)
+                spent = time.perf_counter() - t_run
+                pace = spent / run.step
+                run.total = budget_steps(cfg.minutes, run.step, spent, pace + eval_seconds / cfg.eval_every)
                 log(f"{pace:.2f} s a step and {eval_seconds:.0f} s an evaluation every {cfg.eval_every}: {run.total} "
                     f"steps in {cfg.minutes:g} minutes")
                 if bar is not None:
@@ -503,7 +506,7 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
                 bar.update(1)
             last = run.total is not None and run.step >= run.total
             if run.step % cfg.eval_every == 0 or last:
-                run.history.append(_head_eval(run, held, run.elapsed + time.perf_counter() - t_run))
+                run.history.append(run.evaluation(held, run.elapsed + time.perf_counter() - t_run))
                 if cfg.steps is None and run.total is not None and not last:  # re-paced over the last window
                     now = time.perf_counter()
                     pace = (now - window[0]) / max(run.step - window[1], 1)  # its evaluation included
@@ -548,21 +551,6 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
                               f"eagle head ({run.total} steps, {run.elapsed / 60:.1f} min): first draft kept "
                               f"{record.before['greedy']:.3f} -> {record.acceptance:.3f}, tau {record.tau:.2f}")
     return DistillResult(kind, profile_dir, record, written)
-
-
-PACE_STEPS = 10  # steps timed before a minutes budget sets the schedule's length (re-paced at each evaluation)
-
-
-def budget_steps(minutes: float, step: int, spent_s: float, pace_s: float) -> int:
-    """The schedule's length under a ``minutes`` budget: the ``step`` steps taken in ``spent_s``
-    seconds, and as many more as the rest holds at ``pace_s`` seconds a step (evaluations included),
-    at least one. Example: 10 minutes, 100 steps in 80 s, 0.9 s a step: 100 + 577 = 677."""
-    return step + max(int((minutes * 60 - spent_s) / max(pace_s, 1e-9)), 1)
-
-
-def _head_eval(run: HeadTrainer, held: HeadData, seconds: float) -> dict:
-    ev = run.evaluate(held)
-    return {"step": run.step, "seconds": round(seconds, 1), "greedy": ev["positions"][0], **ev}
 
 
 def race_head(lm, profile_dir: str | Path, head, record: DistilledRecord, held: dict[str, list[list[int]]],

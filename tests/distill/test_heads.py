@@ -10,8 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive.distill.heads import HeadConfig, HeadData, HeadTrainer, choose_vocab, decode_with_features, head_shape
-from adaptive.distill.trainer import PACE_STEPS, DistillError, budget_steps, distill_head
+from adaptive.distill.heads import (
+    PACE_STEPS,
+    HeadConfig,
+    HeadData,
+    HeadTrainer,
+    budget_steps,
+    choose_vocab,
+    decode_with_features,
+    head_shape,
+)
+from adaptive.distill.trainer import DistillError, distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide

@@ -69,7 +69,8 @@ def test_a_profile_keeps_its_settings_keys(prof, tmp_path):
                                          min_blocks=2, acceptance_floor=0.0)
     assert p.calibration["trials"] == 6 and p.calibration["backend"] == "loky" and "block_tokens" not in p.calibration
     written = json.loads((prof / "profile.json").read_text())["settings"]
-    assert set(written) == set(CalibrationSettings().to_dict()) | {"jobs", "backend", "seconds", "pooling"}
+    run = {"jobs", "backend", "seconds", "others_share", "pooling"}
+    assert set(written) == set(CalibrationSettings().to_dict()) | run
     again = json.loads((save_profile(p, tmp_path / "copy") / "profile.json").read_text())["settings"]
     assert again == written
 
