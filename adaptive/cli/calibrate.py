@@ -27,7 +27,7 @@ from adaptive.cli.common import (
     quiet_option,
     weights_option,
 )
-from adaptive.costs import BUSY_SHARE
+from adaptive.costs import is_busy
 from adaptive.distill.heads import HeadConfig
 from adaptive.distill.trainer import distill_head
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
@@ -253,7 +253,7 @@ def profile_show(directory, online_path, member, as_json):
                f"{m.weights} weights; "
                f"config {m.config_hash}, weights {m.weights_hash})")
     busy = "" if c.others_share is None else f"; timed while other work used {c.others_share:.0%} of the CPU"
-    if c.others_share is not None and c.others_share > BUSY_SHARE:
+    if is_busy(c.others_share):
         busy += " (they read slow)"
     click.echo(f"costs   attention {sum(c.attn):.2f}, MLP {sum(c.mlp):.2f}, rest {c.base:.2f} of a "
                f"{c.step_ms:.1f} ms step; verify 1/5/9 tokens "

@@ -92,10 +92,16 @@ def others_share(machine_busy_s: float, own_busy_s: float, wall_s: float, cpus: 
     return min(max((machine_busy_s - own_busy_s) / (wall_s * cpus), 0.0), 1.0)
 
 
+def is_busy(share: float | None) -> bool:
+    """Whether timings taken while others took ``share`` of the machine read slow: above
+    :data:`BUSY_SHARE` (``None``: not measured, not said to be)."""
+    return share is not None and share > BUSY_SHARE
+
+
 def busy_warning(what: str, share: float | None) -> str | None:
-    """A one-line warning where ``share`` (the others' share while ``what`` was timed) exceeds
-    :data:`BUSY_SHARE`, else ``None``."""
-    if share is None or share <= BUSY_SHARE:
+    """A one-line warning where ``share`` (the others' share while ``what`` was timed) :func:`is_busy`,
+    else ``None``."""
+    if not is_busy(share):
         return None
     return (f"other work used {share:.0%} of this machine's CPU while {what} was timed: its timings read slow "
             "(and the engine choice and decisions they price with them); time it again on an idle machine")

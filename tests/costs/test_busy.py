@@ -3,7 +3,7 @@
 import pytest
 
 import adaptive.costs.busy as busy
-from adaptive.costs import BUSY_SHARE, CostModel, CpuWatch, busy_warning, others_share
+from adaptive.costs import BUSY_SHARE, CostModel, CpuWatch, busy_warning, is_busy, others_share
 
 STAT = ("cpu  {user} 0 {system} 9000 10 0 {softirq} {steal} 0 0\n"
         "cpu0 1 0 1 1 0 0 0 0 0 0\ncpu1 1 0 1 1 0 0 0 0 0 0\nintr 5\n")
@@ -56,6 +56,7 @@ def test_watch_on_this_machine_is_a_share():
 
 
 def test_busy_warning_above_the_threshold_only():
+    assert not is_busy(None) and not is_busy(BUSY_SHARE) and is_busy(0.45)
     assert busy_warning("x", None) is None
     assert busy_warning("x", BUSY_SHARE) is None
     msg = busy_warning("the cost model", 0.45)
