@@ -79,12 +79,16 @@ class ReplicaId(click.ParamType):
 @click.option("--merge-interval", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="Seconds between reads of the other replicas' overlays while serving (0: before every "
               "request's learning).")
+@click.option("--refine-heads/--no-refine-heads", default=True, show_default=True,
+              help="With --online, where a profile's eagle head drafts (torch engine): refine each domain's head "
+              "on its served greedy text in the background, adopting a refined one only where its held-out "
+              "first drafts are kept more often (saved as PROFILE.online.d/REPLICA.head-DOMAIN.safetensors).")
 @click.option("--prefix-cache", type=click.FloatRange(min=0), default=DEFAULT_PREFIX_CACHE_MIB, show_default=True,
               metavar="MIB", help="MiB of finished requests' keys and values each engine keeps for requests that start "
               "with the same tokens (a conversation's next turn, a shared system prompt or document); 0: none.")
 def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
               goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online,
-              online_path, replica_id, merge_interval, prefix_cache):
+              online_path, replica_id, merge_interval, refine_heads, prefix_cache):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
 
     Each request is routed by the profile like `adaptive generate`; its body may choose speculation
@@ -100,9 +104,11 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
     Online learning (on by default) updates each domain's bigram table and bandits from the
     accepted output, discovers new domains among out-of-domain requests (measured in the
     background within a tenth of the model's time while serving is busy) and saves it all to
-    PROFILE.online.d/REPLICA.online; several servers over one profile directory (replicas behind a
-    load balancer) each write their own and merge the others' (see docs/deployment.md,
-    `adaptive profile show`, `adaptive profile reset-online`).
+    PROFILE.online.d/REPLICA.online. Where the profile's eagle head drafts (torch), each domain's
+    head is refined on its served text too, within the same share of the model (--refine-heads).
+    Several servers over one profile directory (replicas behind a load balancer) each write their
+    own and merge the others' (see docs/deployment.md, `adaptive profile show`,
+    `adaptive profile reset-online`).
     Needs the serve extra: pip install 'adaptive[serve]'.
 
     \b
@@ -122,6 +128,14 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
                       online=OnlineSettings(enabled=online, path=online_path, replica=replica_id,
                                             merge_interval=merge_interval), goodput=goodput,
                       prefix_cache=prefix_cache)
+    if online and refine_heads:
+        from adaptive.distill.refine import attach_refiner
+        from adaptive.runtime.turns import ShareGuard
+
+        settings = OnlineSettings()
+        if attach_refiner(rt, guard_for=lambda lock: ShareGuard(lock, settings.share, settings.idle_s),
+                          replica=replica_id) is not None:
+            info("refining the eagle head on the traffic served (--no-refine-heads: off)")
     rt.reserve_batch(max_batch)  # before warming: the graphs are captured on the caches' batched layout
     captured = rt.warm()
     if captured:

@@ -300,6 +300,15 @@ class TwoEngineRuntime:
     def bandit_state(self) -> dict:
         return {f"{name}/{k}": v for name, rt in self.runtimes.items() for k, v in rt.bandit_state().items()}
 
+    def add_listener(self, listener) -> None:
+        """Every member hands its finished requests to ``listener``
+        (:meth:`AdaptiveRuntime.add_listener <adaptive.runtime.runtime.AdaptiveRuntime.add_listener>`)."""
+        for rt in self.runtimes.values():
+            rt.add_listener(listener)
+
+    def listener_state(self) -> dict:
+        return {name: st for rt in self.runtimes.values() for name, st in rt.listener_state().items()}
+
     def close(self) -> None:
         for rt in self.runtimes.values():
             rt.close()

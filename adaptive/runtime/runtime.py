@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -58,6 +59,34 @@ from adaptive.runtime.policies import ROUTED_POLICY, Policy, get_policy
 from adaptive.runtime.turns import TurnLock
 
 THOMPSON = "thompson"
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request the runtime finished, as a :class:`RequestListener` sees it: the record it was decoded
+    with (``domain``, the applied record's name), its ``prompt`` and ``output`` token ids, the ``engine``
+    that decoded it and whether it was decoded greedily (its output is then the target's greedy text)."""
+
+    domain: str
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    engine: str
+    greedy: bool
+
+
+class RequestListener(Protocol):
+    """What learns from finished requests beside the online learner (:meth:`AdaptiveRuntime.add_listener`):
+    ``observe`` is called once per finished request, cheaply (a request's thread calls it, at times under
+    the model lock: heavy work belongs on the listener's own thread); ``state`` is what a server reports;
+    ``close`` stops it (:meth:`AdaptiveRuntime.close`)."""
+
+    name: str
+
+    def observe(self, finished: FinishedRequest) -> None: ...
+
+    def state(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 def beta_prior(a: float) -> tuple[float, float]:
@@ -268,6 +297,8 @@ class AdaptiveRuntime:
         self._exit_block: ExitBlock | None = None  # the distilled early-exit block, in the model's dtype
         self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
         self._eagle: EagleHead | None = None  # the distilled eagle head, on the model's device
+        self._domain_eagle: dict[str, EagleHead] = {}  # domain -> a head refined on its traffic (set_eagle_head)
+        self._listeners: list[RequestListener] = []
         # the feature rows every request's cache keeps: the eagle head's, where the profile holds one and the
         # engine gives them (torch, eagerly: a cache that keeps them runs outside CUDA graphs, which would cost
         # every request of a graph-captured runtime its pace, so there the head is not used); the routing
@@ -384,6 +415,8 @@ class AdaptiveRuntime:
                     self.profile.runtime.pld_draft_len
             else:  # a distilled drafter
                 spec, rec = self._distilled(kind)
+                if kind == "eagle" and dp.name in self._domain_eagle:  # refined on the domain's traffic
+                    spec = replace(spec, eagle=self._domain_eagle[dp.name])
                 if kind == "eagle":  # its rows joined with the request's prompt tokens
                     spec = replace(spec, head=eagle_vocab(spec.eagle, self.lm.backbone, prompt_ids))
                 prior, cost = rec.acceptance, rec.draft_cost
@@ -620,11 +653,45 @@ class AdaptiveRuntime:
         return choices
 
     def _observe(self, d: RoutedDecoding) -> None:
-        """Hand a finished request's output to the online learner (once)."""
-        if d.observation is None or d.observed or not d.done:
+        """Hand a finished request's output to the online learner and the listeners (once)."""
+        if d.observed or not d.done or (d.observation is None and not self._listeners):
             return
         d.observed = True
-        self.online.observe(replace(d.observation, output=tuple(d.decoding.out.ids)))
+        output = tuple(d.decoding.out.ids)
+        if d.observation is not None:
+            self.online.observe(replace(d.observation, output=output))
+        if self._listeners:
+            session = d.decoding.session
+            finished = FinishedRequest(d.plan.applied, tuple(session.prompt_ids), output, self.lm.engine,
+                                       session.config.temperature == 0.0)
+            for listener in list(self._listeners):
+                listener.observe(finished)
+
+    def add_listener(self, listener: RequestListener) -> None:
+        """Hand every request finished from now on to ``listener`` too (:class:`RequestListener`; e.g. a
+        :class:`~adaptive.distill.refine.HeadRefiner`); :meth:`close` closes it."""
+        self._listeners.append(listener)
+
+    def listener_state(self) -> dict:
+        """Each listener's :meth:`~RequestListener.state`, by its name."""
+        return {listener.name: listener.state() for listener in self._listeners}
+
+    def set_eagle_head(self, domain: str, head: EagleHead | None) -> None:
+        """Draft ``domain``'s requests with ``head`` (one refined on its traffic, of the profile's head's
+        shape and rows) where they draft with the eagle head; ``None``: the profile's head again. Requests
+        already decoding keep theirs."""
+        if head is not None and not self.features:
+            raise ConfigError(f"the {self.lm.engine} engine does not draft with an eagle head here")
+        with self._state_lock:
+            if head is None:
+                self._domain_eagle.pop(domain, None)
+            else:
+                self._domain_eagle[domain] = head.to(self.lm.backbone.device)
+
+    def eagle_heads(self) -> dict[str, EagleHead]:
+        """The domains drafting with a head of their own (:meth:`set_eagle_head`), and those heads."""
+        with self._state_lock:
+            return dict(self._domain_eagle)
 
     def stream(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
@@ -667,7 +734,9 @@ class AdaptiveRuntime:
         return result
 
     def close(self) -> None:
-        """Stop a running online measurement and save what was learned (a no-op when online is off)."""
+        """Stop the listeners and a running online measurement, and save what was learned."""
+        for listener in self._listeners:
+            listener.close()
         if self.online is not None:
             self.online.close()
 

@@ -224,7 +224,15 @@ class _Endpoints:
         if (refusal := self.refused_key(request)) is not None:
             return refusal
         learner = getattr(self.runtime, "online", None)
-        return JSONResponse({"enabled": False} if learner is None else {"enabled": True, **learner.state()})
+        body = {"enabled": False} if learner is None else {"enabled": True, **learner.state()}
+        heads = self._listeners().get("heads")
+        if heads is not None:  # the eagle heads refined on the traffic (adaptive.distill.refine)
+            body["heads"] = heads
+        return JSONResponse(body)
+
+    def _listeners(self) -> dict:
+        states = getattr(self.runtime, "listener_state", None)
+        return states() if states is not None else {}
 
     async def prometheus(self, request: Request) -> Response:
         if (refusal := self.refused_key(request)) is not None:
@@ -234,6 +242,11 @@ class _Endpoints:
             cost = learner.measure_cost()
             self.metrics.set("online_measure_seconds_total", cost["measure_seconds"])
             self.metrics.set("online_measure_waits_total", cost["measure_waits"])
+        heads = self._listeners().get("heads")
+        if heads is not None:
+            self.metrics.set("online_head_rounds_total", heads["rounds"])
+            self.metrics.set("online_head_adoptions_total", heads["adopted"])
+            self.metrics.set("online_head_round_seconds_total", heads["round_seconds"])
         caches = getattr(self.runtime, "prefix_caches", None)
         for engine, stats in (caches() if caches is not None else {}).items():  # as each engine's store counts them
             for name, value in (("prefix_cache_bytes", stats.nbytes), ("prefix_cache_budget_bytes", stats.budget),

@@ -23,6 +23,9 @@ Series (all prefixed ``adaptive_``):
 ``batch_size``                         summary    requests verified together per decoding step
 ``online_measure_seconds_total``       counter    model time the online learner's background races took
 ``online_measure_waits_total``         counter    times a race block waited for serving to leave it room
+``online_head_rounds_total``           counter    eagle-head refinement rounds run on the traffic
+``online_head_adoptions_total``        counter    rounds whose refined head was adopted
+``online_head_round_seconds_total``    counter    seconds those rounds took
 ``prefix_cache_bytes{engine}``         gauge      bytes of keys and values the prefix cache keeps
 ``prefix_cache_budget_bytes{engine}``  gauge      the prefix cache's budget (0: off)
 ``prefix_cache_entries{engine}``       gauge      finished sequences the prefix cache keeps
@@ -59,6 +62,9 @@ _HELP = {
     "batch_size": ("summary", "Requests verified together per decoding step (_sum / _count: the mean)."),
     "online_measure_seconds_total": ("counter", "Model time taken by the online learner's background races."),
     "online_measure_waits_total": ("counter", "Times a background race block waited for serving to leave room."),
+    "online_head_rounds_total": ("counter", "Eagle-head refinement rounds run on the traffic served."),
+    "online_head_adoptions_total": ("counter", "Refinement rounds whose refined head was adopted."),
+    "online_head_round_seconds_total": ("counter", "Seconds the head refinement rounds took."),
     "prefix_cache_bytes": ("gauge", "Bytes of keys and values the prefix cache keeps, by engine."),
     "prefix_cache_budget_bytes": ("gauge", "The prefix cache's budget in bytes, by engine (0: off)."),
     "prefix_cache_entries": ("gauge", "Finished sequences the prefix cache keeps, by engine."),

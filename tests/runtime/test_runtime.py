@@ -201,6 +201,50 @@ def test_started_requests_step_together_and_equal_plain_decoding(runtime):
         assert r.text == text and r.policy == pol and r.decision == run.plan.drafter
 
 
+class _Listener:
+    name = "probe"
+
+    def __init__(self):
+        self.seen, self.closed = [], 0
+
+    def observe(self, finished):
+        self.seen.append(finished)
+
+    def state(self) -> dict:
+        return {"seen": len(self.seen)}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_listeners_see_every_finished_request_once_and_close_with_the_runtime(tiny_profile, tiny_model_dir):
+    """A listener (e.g. the eagle head's refiner) gets each finished request once, streamed or stepped in a
+    batch, online learning on or off: its record, prompt and output ids, engine and whether it was greedy."""
+    from adaptive.models import load_model
+
+    lm = load_model(str(tiny_model_dir), dtype="float32")
+    for online in (False, True):
+        rt = AdaptiveRuntime(load_profile(tiny_profile), lm, seed=0, online=OnlineSettings(persist=False) if online
+                             else False)
+        probe = _Listener()
+        rt.add_listener(probe)
+        one = rt.generate(PROMPTS[0], max_new_tokens=12)
+        sampled = rt.generate(PROMPTS[1], max_new_tokens=12, temperature=0.9, seed=3)
+        runs = [rt.start(p, max_new_tokens=10) for p in PROMPTS[2:]]
+        while not all(r.done for r in runs):
+            rt.step([r for r in runs if not r.done])
+        results = [one, sampled] + [r.result() for r in runs]
+        assert len(probe.seen) == 4, online
+        seen = {f.prompt: f for f in probe.seen}  # the batch's two in the order they finished
+        for r, prompt, greedy in zip(results, PROMPTS, (True, False, True, True)):
+            f = seen[tuple(rt.encode(prompt))]
+            assert f.output == tuple(r.token_ids) and f.domain == r.applied and f.engine == "torch"
+            assert f.greedy is greedy
+        assert rt.listener_state() == {"probe": {"seen": 4}}
+        rt.close()
+        assert probe.closed == 1
+
+
 def test_prompt_lookup_domains_are_lossless(runtime):
     # every domain (and the global set) decoded with prompt lookup
     p = with_domains(runtime.profile, "pld")

@@ -176,6 +176,7 @@ def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tin
     import shutil
 
     from adaptive.distill.heads import HeadConfig
+    from adaptive.distill.refine import RefineSettings, attach_refiner
     from adaptive.distill.trainer import distill_head
     from adaptive.models import load_model
     from adaptive.runtime import AdaptiveRuntime
@@ -186,6 +187,9 @@ def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tin
     distill_head(lm, prof, TINY_DOMAINS, HeadConfig(layers=(1, 2, 4), steps=20, new_tokens=12, vocab=32, batch=2,
                                                     window=32), progress=False, race=False)
     rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)
+    # the head refined on the traffic as it is served (a round every 2 requests of a domain, in the request's
+    # thread here): the rounds show in /v1/adaptive/online and /metrics, and outputs stay plain decoding's
+    refiner = attach_refiner(rt, RefineSettings(background=False, every=2, steps=2, min_held_rows=1, margin=0.0))
     s = Server(create_app(rt, max_queue=16, max_batch=8, prefill_chunk=8))
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -200,6 +204,14 @@ def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tin
             got = list(pool.map(ask, range(6)))
         assert [g for g, _ in got] == [plain(rt, PROMPTS[i % len(PROMPTS)], 8 + 2 * i) for i in range(6)]
         assert [d for _, d in got] == ["eagle", "ar"] * 3
+        rounds = len(refiner.history)
+        assert rounds >= 1
+        status, online = raw(s, "GET", "/v1/adaptive/online")
+        assert status == 200 and online["heads"]["rounds"] == rounds
+        assert f"adaptive_online_head_rounds_total {float(rounds)}" in raw(s, "GET", "/metrics")[1]
+        with ThreadPoolExecutor(6) as pool:  # drafting with the heads adopted (margin 0: every round's)
+            again = list(pool.map(ask, range(6)))
+        assert again == got
     finally:
         s.stop()
         rt.close()

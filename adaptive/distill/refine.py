@@ -1,0 +1,432 @@
+"""Online distillation (issue 61, item 6): a server refines each domain's eagle head on the text it serves.
+
+The profile's head (``adaptive distill --drafter eagle``) was trained on the calibration's prompts. A
+server then sees its own traffic, often of a domain the head never saw (one the online learner found
+among out-of-domain requests, :mod:`adaptive.runtime.online`). :class:`HeadRefiner` learns from it as
+the online learner's bigram tables do, from what the target itself produced:
+
+1. **Observe.** Every greedy request a runtime finishes (:class:`~adaptive.runtime.runtime.FinishedRequest`,
+   either engine's: the text is the same model's) is kept under the record it was decoded with (a
+   calibrated domain, a learned one, or ``global``): its prompt and output ids, the last ``keep`` of
+   them per domain. Every ``held_every``-th one is *held out*: never trained on, it is what a round
+   decides by.
+2. **A round**, once ``every`` new requests of a domain are kept (on the refiner's own thread):
+   the target's feature rows of each kept sequence are captured in one teacher-forced forward on the
+   torch engine (once per sequence, then kept with it); a copy of the domain's current head (its
+   refined one, else the profile's) is trained ``steps`` steps as ``adaptive distill`` trains
+   (:class:`~adaptive.distill.heads.HeadTrainer`: forward KL to the target's distribution over the
+   head's rows and the prompt's tokens, unrolled steps) at a smaller learning rate; then the held-out
+   sequences' first-draft acceptance (greedy verification's, over each one's drafter rows,
+   :meth:`~adaptive.distill.heads.HeadTrainer.evaluate`) of the current head and of the copy are
+   compared. The copy is **adopted** only if it keeps at least ``margin`` more first drafts, over at
+   least ``min_held_rows`` held-out positions: the runtime drafts that domain with it from then on
+   (:meth:`~adaptive.runtime.runtime.AdaptiveRuntime.set_eagle_head`; requests already decoding keep
+   theirs). Otherwise the domain keeps its head and waits for ``every`` more requests.
+3. **Persist.** An adopted head is written atomically beside the online overlay,
+   ``PROFILE.online.d/REPLICA.head-DOMAIN.safetensors`` (its metadata: the profile's digest, the domain,
+   the acceptance before and after, the rounds), and loaded again when a server of that replica starts
+   over the same profile; a head of another calibration (another digest) is left out, a damaged file
+   is reported in :meth:`HeadRefiner.state` and left out. ``adaptive profile reset-online`` removes
+   them with the overlays. Each replica refines its own heads (they are not merged).
+
+The model's time: every block of a round (a sequence's capture, a training step, an evaluation) is
+taken through ``guard`` (a :class:`~adaptive.runtime.turns.ShareGuard` over the model lock): at once
+while serving is idle, within its share of the time while serving is busy.
+
+Only what is *drafted* changes: verification decides every token, so outputs stay those of plain
+decoding (the runtime's lossless tests hold for any head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from adaptive.distill.heads import HeadConfig, HeadData, HeadTrainer
+from adaptive.drafters.eagle import EagleHead, HeadShape
+from adaptive.errors import ConfigError
+from adaptive.profile.overlay import default_replica_id, overlay_path, profile_digest, replica_dir
+from adaptive.workdir import atomic_write
+
+log = logging.getLogger("adaptive.refine")
+
+REFINED_FORMAT = "adaptive-refined-head"
+REFINED_VERSION = "1"
+HEAD_INFIX = ".head-"  # REPLICA.head-DOMAIN.safetensors
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass(frozen=True)
+class RefineSettings:
+    """How a :class:`HeadRefiner` learns (see the module doc). ``every``: a domain's new greedy requests
+    between rounds; ``steps``, ``lr``: a round's training; ``keep``: sequences kept per domain (the
+    oldest go first); ``max_positions``: the positions of a sequence kept with their feature rows (its
+    last ones; the rows come from a forward over the whole sequence: a training window's length bounds
+    what the head learns from anyway); ``held_every``: every so many a domain's held-out one;
+    ``min_held_rows``: held-out positions a round needs to decide; ``margin``: the rise in first-draft
+    acceptance a copy must show to be adopted; ``background=False``: rounds run in the observing thread
+    (tests); ``persist=False``: load adopted heads, never write them."""
+
+    every: int = 16
+    steps: int = 40
+    lr: float = 1e-3
+    keep: int = 64
+    max_positions: int = 256
+    held_every: int = 4
+    min_held_rows: int = 64
+    margin: float = 0.01
+    background: bool = True
+    persist: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("every", "steps", "keep", "max_positions", "min_held_rows"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"head refinement's {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.held_every, int) or self.held_every < 2:
+            raise ConfigError(f"head refinement's held_every must be an integer >= 2, got {self.held_every!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"head refinement's lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ConfigError(f"head refinement's margin must be in [0, 1), got {self.margin}")
+
+
+@dataclass(frozen=True)
+class RefineRound:
+    """One round's outcome: the domain, its round number, the sequences it trained on and held out,
+    the held-out positions, the first-draft acceptance of the current head (``before``) and of the
+    trained copy (``after``), whether the copy was adopted, and the round's seconds."""
+
+    domain: str
+    round: int
+    train_sequences: int
+    held_sequences: int
+    held_rows: int
+    before: float
+    after: float
+    adopted: bool
+    seconds: float
+    at: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Sequence:
+    ids: list[int]
+    start: int  # where the output begins
+    held: bool
+    features: torch.Tensor | None = None  # [T, n, H] bf16 on the host, captured at the first round
+
+
+@dataclass
+class _Domain:
+    kept: deque = field(default_factory=deque)
+    seen: int = 0  # greedy requests observed
+    pending: int = 0  # since the last round
+    rounds: int = 0
+    last: RefineRound | None = None
+
+
+def head_file(directory: Path, replica: str, domain: str) -> Path:
+    """Where ``replica``'s head for ``domain`` lives in the overlays' directory ``directory``."""
+    return directory / f"{replica}{HEAD_INFIX}{_SAFE.sub('_', domain)}.safetensors"
+
+
+class HeadRefiner:
+    """Refines the eagle head of each domain a runtime serves (see the module doc); a
+    :class:`~adaptive.runtime.runtime.RequestListener`. ``lm``: the torch engine's loaded model (its
+    features); ``profile``: that engine's profile (where adopted heads are saved); ``head``: the
+    profile's head; ``adopt(domain, head)``: hands an adopted head to the runtime; ``guard``: a context
+    manager taken around every block of model time (``None``: none, for tests); ``replica``: the file
+    names' replica (``None``: host and pid); ``directory``: where adopted heads are saved (``None``: beside
+    the profile's online overlay, ``PROFILE.online.d``). Thread-safe."""
+
+    name = "heads"
+
+    def __init__(self, lm, profile, head: EagleHead, adopt: Callable[[str, EagleHead], None],
+                 settings: RefineSettings | None = None, guard=None, replica: str | None = None,
+                 directory: str | Path | None = None):
+        self.lm, self.profile, self.settings = lm, profile, settings or RefineSettings()
+        self.bb = lm.backbone
+        if self.bb.engine != "torch":
+            raise ConfigError(f"a head is refined on the torch engine's features, not the {self.bb.engine} engine's")
+        self.base = head
+        self.shape: HeadShape = head.shape
+        self._adopt = adopt
+        self._guard = guard
+        self.replica = replica or default_replica_id()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self.domains: dict[str, _Domain] = {}
+        self.heads: dict[str, EagleHead] = {}  # domain -> its adopted head
+        self.history: list[RefineRound] = []
+        self.errors: list[str] = []
+        self.skipped = 0  # requests not kept (sampled, or too short)
+        self.round_seconds = 0.0
+        self._due: deque[str] = deque()
+        self._active = False  # a round is running
+        if directory is None and profile.path is not None:
+            directory = replica_dir(overlay_path(profile.path))
+        self.directory = Path(directory) if directory is not None else None
+        self._digest = profile_digest(profile.path) if profile.path is not None else ""
+        self._thread: threading.Thread | None = None
+        if self.directory is not None:
+            self._load()
+        if self.settings.background:
+            self._thread = threading.Thread(target=self._work, name="adaptive-refine", daemon=True)
+            self._thread.start()
+
+    # -- what a runtime calls ---------------------------------------------------------------------
+
+    def observe(self, finished) -> None:
+        """Keep a finished request's text (greedy ones only: the target's own greedy text is what a
+        head is judged against); a round is due once its domain has ``every`` new ones."""
+        if not finished.greedy or len(finished.output) < 2:
+            with self._lock:
+                self.skipped += 1
+            return
+        s = self.settings
+        with self._lock:
+            if self._closed:
+                return
+            d = self.domains.setdefault(finished.domain, _Domain())
+            held = d.seen % s.held_every == s.held_every - 1
+            d.seen += 1
+            d.kept.append(_Sequence(list(finished.prompt) + list(finished.output), len(finished.prompt), held))
+            while len(d.kept) > s.keep:
+                d.kept.popleft()
+            d.pending += 1
+            due = d.pending >= s.every and finished.domain not in self._due
+            if due:
+                self._due.append(finished.domain)
+                self._wake.notify_all()
+        if due and not s.background:
+            self.run_due()
+
+    def state(self) -> dict:
+        """What a server reports: per domain the requests kept and seen, the rounds, whether it drafts with
+        a refined head and the last round; the rounds in all, adopted ones, their seconds, errors."""
+        with self._lock:
+            domains = {name: {"kept": len(d.kept), "seen": d.seen, "pending": d.pending, "rounds": d.rounds,
+                              "refined": name in self.heads,
+                              "last": d.last.to_dict() if d.last is not None else None}
+                       for name, d in sorted(self.domains.items())}
+            for name in self.heads:
+                domains.setdefault(name, {"kept": 0, "seen": 0, "pending": 0, "rounds": 0, "refined": True,
+                                          "last": None})
+            return {"rounds": len(self.history), "adopted": sum(r.adopted for r in self.history),
+                    "round_seconds": round(self.round_seconds, 2), "skipped": self.skipped,
+                    "domains": domains, "errors": list(self.errors[-10:])}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no round is due or running (``timeout`` seconds at most); ``True`` if none is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._due or self._active:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._wake.wait(left if left is not None else 1.0)
+            return True
+
+    def close(self) -> None:
+        """Stop the refiner's thread (a round under way stops at its next block; nothing half-made is kept)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    # -- rounds -------------------------------------------------------------------------------------
+
+    def run_due(self) -> list[RefineRound]:
+        """Run every round that is due now, in this thread; the rounds run."""
+        done = []
+        while True:
+            with self._lock:
+                if self._closed or not self._due:
+                    self._wake.notify_all()
+                    return done
+                name = self._due.popleft()
+                self._active = True
+            try:
+                r = self.refine(name)
+            finally:
+                with self._lock:
+                    self._active = False
+                    self._wake.notify_all()
+            if r is not None:
+                done.append(r)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._due and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+            try:
+                self.run_due()
+            except _Stopped:
+                return
+            except Exception as exc:  # a failed round must not stop serving: report it, keep the current head
+                log.exception("a head refinement round failed")
+                with self._lock:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def _block(self):
+        if self._closed:
+            raise _Stopped
+        return self._guard if self._guard is not None else contextlib.nullcontext()
+
+    def refine(self, domain: str) -> RefineRound | None:
+        """One round for ``domain`` now (see the module doc); ``None`` when its held-out text is too short
+        to decide yet (the round is not counted)."""
+        t0 = time.perf_counter()
+        s = self.settings
+        with self._lock:
+            d = self.domains[domain]
+            kept = list(d.kept)
+            d.pending = 0
+            current = self.heads.get(domain, self.base)
+        for seq in kept:
+            if seq.features is None:
+                with self._block():
+                    features = self._features(seq.ids)
+                cut = max(len(seq.ids) - s.max_positions, 0)  # the last positions, their rows of the whole
+                seq.ids, seq.start, seq.features = seq.ids[cut:], max(seq.start - cut, 0), features[cut:].clone()
+        train = self._data([q for q in kept if not q.held], domain)
+        held = self._data([q for q in kept if q.held], domain)
+        if len(train) == 0 or len(held) == 0:
+            return None
+        cfg = HeadConfig(steps=s.steps, lr=s.lr, warmup=max(1, s.steps // 5), seed=s.seed + d.rounds,
+                         layers=self.shape.layers, lookup=self.shape.lookup)
+        trainer = HeadTrainer(self.bb, self.shape, current.ids.cpu(), cfg)
+        trainer.head.load_state_dict(current.state_dict())
+        with self._block(), torch.no_grad():
+            before = trainer.evaluate(held)
+        if before["rows"] < s.min_held_rows:
+            return None
+        for _ in range(s.steps):
+            with self._block():
+                trainer.train_step(train)
+        with self._block(), torch.no_grad():
+            after = trainer.evaluate(held)
+        adopted = after["positions"][0] >= before["positions"][0] + s.margin
+        with self._lock:
+            d.rounds += 1
+            r = RefineRound(domain, d.rounds, len(train), len(held), before["rows"], before["positions"][0],
+                            after["positions"][0], adopted, round(time.perf_counter() - t0, 2),
+                            time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            d.last = r
+            self.history.append(r)
+            self.round_seconds += r.seconds
+        log.info("head round %d of %s: first draft kept %.3f -> %.3f over %d held-out positions (%s)", r.round,
+                 domain, r.before, r.after, r.held_rows, "adopted" if adopted else "kept the current head")
+        if adopted:
+            head = EagleHead.from_state(self.shape, trainer.head.state())
+            with self._lock:
+                self.heads[domain] = head
+            self._adopt(domain, head)
+            self._save(domain, head, r)
+        return r
+
+    @torch.inference_mode()
+    def _features(self, ids: list[int]) -> torch.Tensor:
+        """The target's feature rows of every position of ``ids`` (``[T, n, H]``, bf16 on the host), from
+        one teacher-forced forward."""
+        bb = self.bb
+        cache = bb.new_cache(len(ids) + 1, features=self.shape.layers)
+        bb.forward(torch.tensor(ids, device=bb.device), cache, 0)
+        return cache.features[:len(ids)].to(device="cpu", dtype=torch.bfloat16).clone()
+
+    def _data(self, seqs: list[_Sequence], domain: str) -> HeadData:
+        return HeadData.build([(q.ids, q.features) for q in seqs], [q.start for q in seqs], [domain] * len(seqs),
+                              self.shape.lookup)
+
+    # -- files ----------------------------------------------------------------------------------------
+
+    def _save(self, domain: str, head: EagleHead, r: RefineRound) -> None:
+        if self.directory is None or not self.settings.persist:
+            return
+        from safetensors.torch import save
+
+        meta = {"format": REFINED_FORMAT, "version": REFINED_VERSION, "profile": self._digest, "domain": domain,
+                "before": f"{r.before:.4f}", "after": f"{r.after:.4f}", "rounds": str(r.round),
+                "created": r.at}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            atomic_write(head_file(self.directory, self.replica, domain),
+                         save({k: v.contiguous().cpu() for k, v in head.state().items()}, metadata=meta))
+        except OSError as exc:  # serving goes on with the head in memory
+            log.warning("could not save the refined head of %s: %s", domain, exc)
+            with self._lock:
+                self.errors.append(f"save {domain}: {exc}")
+
+    def _load(self) -> None:
+        """This replica's adopted heads of this calibration (see the module doc)."""
+        from safetensors import safe_open
+
+        for path in sorted(self.directory.glob(f"{self.replica}{HEAD_INFIX}*.safetensors")):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    if meta.get("format") != REFINED_FORMAT or meta.get("version") != REFINED_VERSION:
+                        raise ValueError(f"not a refined head of this version ({meta.get('format')!r}, "
+                                         f"{meta.get('version')!r})")
+                    if meta.get("profile") != self._digest:
+                        log.info("%s left out: refined for another calibration of the profile", path)
+                        continue
+                    head = EagleHead.from_state(self.shape, {k: f.get_tensor(k) for k in f.keys()})
+            except Exception as exc:  # damaged or foreign: only speed is lost
+                log.warning("refined head %s left out: %s", path, exc)
+                self.errors.append(f"load {path.name}: {exc}")
+                continue
+            domain = meta["domain"]
+            self.heads[domain] = head
+            self._adopt(domain, head)
+
+
+class _Stopped(Exception):
+    """The refiner was closed while a round ran."""
+
+
+def attach_refiner(runtime, settings: RefineSettings | None = None, guard_for=None,
+                   replica: str | None = None) -> HeadRefiner | None:
+    """A :class:`HeadRefiner` listening to ``runtime`` (one engine, or a two-engine runtime: every member's
+    requests, the head refined for the member that drafts with it), or ``None`` with the reason logged
+    where no member drafts with an eagle head (no head in the profile, or no torch engine that keeps
+    features). ``guard_for(model_lock)``: the guard of its model time (e.g. a ``ShareGuard``); ``replica``:
+    ``None``: the drafting member's online learner's, else host and pid; adopted heads are saved beside
+    that learner's overlay (``PROFILE.online.d``)."""
+    members = getattr(runtime, "runtimes", None) or {runtime.lm.engine: runtime}
+    drafting = [rt for rt in members.values() if rt.features and "eagle" in rt.profile.distilled]
+    if not drafting:
+        log.info("no head refinement: no engine here drafts with an eagle head (train one with "
+                 "`adaptive distill --drafter eagle`; it drafts on the torch engine)")
+        return None
+    rt = drafting[0]
+    rec, weights = rt.profile.distilled_drafter("eagle")
+    head = EagleHead.from_state(HeadShape.from_dict(rec.shape), weights)
+    online = getattr(rt, "online", None)  # its overlay's directory and replica id, where it learns
+    where = getattr(online, "path", None)
+    refiner = HeadRefiner(rt.lm, rt.profile, head, rt.set_eagle_head, settings,
+                          guard_for(rt.model_lock) if guard_for is not None else None,
+                          replica or getattr(online, "replica", None), replica_dir(where) if where else None)
+    runtime.add_listener(refiner)
+    return refiner

@@ -1,0 +1,133 @@
+"""Online distillation of the eagle head (:mod:`adaptive.distill.refine`) on the tiny model: a round adopts a
+copy that keeps more held-out first drafts and the runtime drafts that domain with it, losslessly; a
+round that does not improve keeps the head; adopted heads are saved and loaded again, those of another
+calibration and damaged files left out; sampled requests are not learned from; the background thread
+runs rounds and stops."""
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from adaptive.distill.heads import HeadConfig
+from adaptive.distill.refine import RefineSettings, attach_refiner, head_file
+from adaptive.distill.trainer import distill_head
+from adaptive.errors import ConfigError
+from adaptive.profile import load_profile, save_profile
+from adaptive.runtime import AdaptiveRuntime
+from adaptive.runtime.runtime import FinishedRequest
+from tests.conftest import TINY_DOMAINS
+
+WEAK = dict(layers=(1, 2, 4), steps=3, new_tokens=16, eval_every=20, checkpoint_every=10, vocab=32, batch=2,
+            window=32, warmup=2, held_out=0.25)
+PROMPT = TINY_DOMAINS["math"][1]
+# the tiny model's text is random characters: a head cannot generalise from a few of its sequences, so the
+# traffic repeats one prompt (its held-out requests repeat the trained ones) and a round must learn that text
+QUICK = dict(background=False, every=4, steps=60, lr=1e-2, min_held_rows=8, held_every=2)
+
+
+@pytest.fixture
+def headed(lm, prof):
+    distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**WEAK), progress=False, race=False)
+    return prof
+
+
+def _runtime(prof, lm):
+    return AdaptiveRuntime(load_profile(prof), lm, online=False, bandit=False)
+
+
+def _serve(rt, n, prompt=PROMPT, **kw):
+    return [rt.generate(prompt, max_new_tokens=24, policy=kw.pop("policy", "ar"), **kw) for _ in range(n)]
+
+
+def _kept(result) -> float:
+    s = result.stats
+    return s.accepted / max(s.drafted, 1)
+
+
+def test_a_round_adopts_a_head_that_keeps_more_held_out_drafts_and_decoding_stays_lossless(lm, headed):
+    rt = _runtime(headed, lm)
+    refiner = attach_refiner(rt, RefineSettings(**QUICK), replica="r1")
+    before = rt.generate(PROMPT, max_new_tokens=24, policy="eagle")
+    _serve(rt, 3)  # with the eagle request: 4 kept, every second held out -> a round
+    assert len(refiner.history) == 1
+    r = refiner.history[0]
+    assert r.adopted and r.after >= r.before + 0.01 and r.held_rows >= 8, r
+    domain = r.domain
+    assert domain == before.applied
+    assert rt.eagle_heads()[domain] is not None
+    plain = rt.generate(PROMPT, max_new_tokens=24, policy="ar")
+    after = rt.generate(PROMPT, max_new_tokens=24, policy="eagle")
+    assert after.text == plain.text == before.text  # verification decides every token
+    assert _kept(after) > _kept(before), (before.stats, after.stats)
+    state = refiner.state()
+    assert state["rounds"] == 1 and state["adopted"] == 1 and state["domains"][domain]["refined"]
+    path = head_file(refiner.directory, "r1", domain)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["domain"] == domain and float(meta["after"]) == pytest.approx(r.after, abs=1e-4)
+    rt.close()
+
+    # a new server of that replica drafts with the adopted head from its start
+    rt2 = _runtime(headed, lm)
+    again = attach_refiner(rt2, RefineSettings(**QUICK), replica="r1")
+    assert set(rt2.eagle_heads()) == {domain} and not again.errors
+    assert torch.equal(rt2.eagle_heads()[domain].fc.weight, refiner.heads[domain].fc.weight)
+    assert _kept(rt2.generate(PROMPT, max_new_tokens=24, policy="eagle")) == pytest.approx(_kept(after))
+    # another replica has none of its own
+    assert attach_refiner(_runtime(headed, lm), RefineSettings(**QUICK), replica="r2").heads == {}
+
+    # a damaged file is reported and left out; a recalibrated profile (another digest) leaves the head out
+    path.write_bytes(path.read_bytes()[:40])
+    rt3 = _runtime(headed, lm)
+    damaged = attach_refiner(rt3, RefineSettings(**QUICK), replica="r1")
+    assert rt3.eagle_heads() == {} and damaged.errors and "load" in damaged.errors[0]
+    profile = load_profile(headed)
+    profile.runtime = replace(profile.runtime, max_draft_len=profile.runtime.max_draft_len + 1)
+    save_profile(profile, headed)
+    refiner._save(domain, refiner.heads[domain], r)  # a valid file, of the profile as it was
+    rt4 = _runtime(headed, lm)
+    assert attach_refiner(rt4, RefineSettings(**QUICK), replica="r1").heads == {} and rt4.eagle_heads() == {}
+
+
+def test_a_round_that_does_not_improve_keeps_the_current_head(lm, headed):
+    rt = _runtime(headed, lm)
+    refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "margin": 0.99}), replica="r1")
+    _serve(rt, 4)
+    assert len(refiner.history) == 1 and not refiner.history[0].adopted
+    assert rt.eagle_heads() == {} and not list(refiner.directory.glob("r1.head-*"))
+
+
+def test_only_greedy_requests_of_some_length_are_kept_and_held_out_ones_are_every_nth(lm, headed):
+    rt = _runtime(headed, lm)
+    refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "every": 100}), replica="r1")
+    _serve(rt, 2, temperature=0.8, seed=1)
+    refiner.observe(FinishedRequest("math", (1, 2), (3,), "torch", True))  # one token: nothing to learn
+    assert refiner.skipped == 3 and refiner.domains == {}
+    _serve(rt, 5)
+    (d,) = refiner.domains.values()
+    assert [q.held for q in d.kept] == [False, True, False, True, False]
+    assert refiner.history == []  # not due yet
+
+
+def test_background_rounds_run_on_their_own_thread_and_close_stops_it(lm, headed):
+    rt = _runtime(headed, lm)
+    refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "background": True, "steps": 5}), replica="r1")
+    _serve(rt, 4)
+    deadline = time.monotonic() + 60
+    while not refiner.history and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(refiner.history) == 1 and refiner._thread.is_alive()
+    rt.close()  # closes its listeners
+    assert not refiner._thread.is_alive()
+    rt.close()  # twice is harmless
+
+
+def test_without_a_head_nothing_attaches_and_bad_settings_are_refused(lm, prof):
+    assert attach_refiner(_runtime(prof, lm), RefineSettings(background=False)) is None
+    for bad, match in ((dict(every=0), "every"), (dict(held_every=1), "held_every"), (dict(lr=0), "lr"),
+                       (dict(margin=1.0), "margin"), (dict(steps=1.5), "steps")):
+        with pytest.raises(ConfigError, match=match):
+            RefineSettings(**bad)
