@@ -44,7 +44,7 @@ def say(msg: str) -> None:
 
 
 def prompts(path: str, skip: int, n: int | None) -> list[str]:
-    rows = [p.prompt for p in load_bench_prompts(path)]
+    rows = [p.turns[0] for p in load_bench_prompts(path)]
     return rows[skip:skip + n if n else None]
 
 

@@ -243,7 +243,6 @@ class HeadTrainer:
     def __init__(self, bb, shape: HeadShape, vocab_ids: torch.Tensor, cfg: HeadConfig):
         self.bb, self.cfg = bb, cfg
         dev = bb.device
-        self.embed = bb.embed_weight.detach()
         rows = bb.head_rows(vocab_ids.to(dev)).float()
         with torch.random.fork_rng(devices=[]):  # the layers' initial weights from the run's seed alone
             torch.manual_seed(cfg.seed)
@@ -261,7 +260,8 @@ class HeadTrainer:
         self.autocast = dict(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16)
 
     def _emb(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.clamp(min=0), self.embed).float()
+        flat = ids.clamp(min=0).reshape(-1)  # the target's rows, wherever its engine keeps them (a table, or the file)
+        return self.bb.embed_rows(flat).detach().float().reshape(*ids.shape, -1)
 
     def rows_for(self, prompts: list[torch.Tensor]):
         """The rows a batch's sequences draft over: the head's own, then the tokens of the batch's prompts

@@ -13,6 +13,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from adaptive.costs.measure import measure_head_costs  # noqa: E402
+from adaptive.distill.heads import HeadConfig, HeadData, HeadTrainer, decode_with_features, head_shape  # noqa: E402
 from adaptive.drafters.head import DraftHead  # noqa: E402
 from adaptive.engine.config import GenerationConfig  # noqa: E402
 from adaptive.engine.engine import Engine  # noqa: E402
@@ -128,6 +129,14 @@ def test_a_backbone_reading_rows_from_the_file_decodes_as_one_holding_the_tables
     assert bb.embed.weight.numel() == 0 and bb.lm_head.weight.numel() == 0
     with pytest.raises(RuntimeError, match="read from the GGUF file"):
         bb.embed_weight  # noqa: B018 - the CUDA step's table: never asked for on the CPU
+    # an eagle head trains over such a backbone too (a server refining its head on the traffic): the
+    # target's embeddings of its tokens are the file's rows, the table's values
+    cfg = HeadConfig(layers=(1, bb.n_layers), steps=2, batch=1, window=8, warmup=1)
+    run = HeadTrainer(bb, head_shape(bb, cfg), torch.arange(16), cfg)
+    some = torch.tensor([[5, 0], [9, -1]])
+    assert torch.equal(run._emb(some), kept.embed.weight[some.clamp(min=0)].float())
+    decoded = decode_with_features(bb, [ids[:6]], 6, set(), cfg.layers)
+    assert 0 < run.train_step(HeadData.build(decoded, [6], ["d"], cfg.lookup)) < float("inf")
 
 
 @needs_packing
