@@ -13,13 +13,16 @@ the online learner's bigram tables do, from what the target itself produced:
 2. **A round**, once ``every`` new requests of a domain are kept (on the refiner's own thread):
    the target's feature rows of each kept sequence are captured in one teacher-forced forward on the
    torch engine (once per sequence, then kept with it); a copy of the domain's current head (its
-   refined one, else the profile's) is trained ``steps`` steps as ``adaptive distill`` trains
+   refined one; a domain learned online without one: the global record's refined one, as the runtime
+   drafts it; else the profile's) is trained ``steps`` steps as ``adaptive distill`` trains
    (:class:`~adaptive.distill.heads.HeadTrainer`: forward KL to the target's distribution over the
    head's rows and the prompt's tokens, unrolled steps) at a smaller learning rate; then the held-out
    sequences' first-draft acceptance (greedy verification's, over each one's drafter rows,
    :meth:`~adaptive.distill.heads.HeadTrainer.evaluate`) of the current head and of the copy are
-   compared. The copy is **adopted** only if it keeps at least ``margin`` more first drafts, over at
-   least ``min_held_rows`` held-out positions: the runtime drafts that domain with it from then on
+   compared sequence by sequence (:func:`adoption`: positions within one sequence are not independent
+   draws, sequences are). The copy is **adopted** only if, over at least ``min_held`` held-out
+   sequences, it keeps at least ``margin`` more first drafts and its paired gain per sequence is
+   significant (one-sided, ``z`` standard errors): the runtime drafts that domain with it from then on
    (:meth:`~adaptive.runtime.runtime.AdaptiveRuntime.set_eagle_head`; requests already decoding keep
    theirs). Otherwise the domain keeps its head and waits for ``every`` more requests.
 3. **Persist.** An adopted head is written atomically beside the online overlay,
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import threading
 import time
@@ -72,24 +76,26 @@ class RefineSettings:
     oldest go first); ``max_positions``: the positions of a sequence kept with their feature rows (its
     last ones; the rows come from a forward over the whole sequence: a training window's length bounds
     what the head learns from anyway); ``held_every``: every so many a domain's held-out one;
-    ``min_held_rows``: held-out positions a round needs to decide; ``margin``: the rise in first-draft
+    ``min_held``: held-out sequences a round needs to decide; ``margin``: the rise in first-draft
     acceptance a copy must show to be adopted; ``background=False``: rounds run in the observing thread
-    (tests); ``persist=False``: load adopted heads, never write them."""
+    (tests); ``persist=False``: load adopted heads, never write them; ``z``: the paired test's threshold
+    (:func:`adoption`)."""
 
     every: int = 16
     steps: int = 40
-    lr: float = 1e-3
+    lr: float = 3e-4
     keep: int = 64
     max_positions: int = 256
     held_every: int = 4
-    min_held_rows: int = 64
+    min_held: int = 8
     margin: float = 0.01
+    z: float = 1.645
     background: bool = True
     persist: bool = True
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("every", "steps", "keep", "max_positions", "min_held_rows"):
+        for name in ("every", "steps", "keep", "max_positions", "min_held"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"head refinement's {name} must be a positive integer, got {v!r}")
@@ -99,13 +105,16 @@ class RefineSettings:
             raise ConfigError(f"head refinement's lr must be > 0, got {self.lr}")
         if not 0.0 <= self.margin < 1.0:
             raise ConfigError(f"head refinement's margin must be in [0, 1), got {self.margin}")
+        if not self.z >= 0:
+            raise ConfigError(f"head refinement's z must be >= 0, got {self.z}")
 
 
 @dataclass(frozen=True)
 class RefineRound:
     """One round's outcome: the domain, its round number, the sequences it trained on and held out,
     the held-out positions, the first-draft acceptance of the current head (``before``) and of the
-    trained copy (``after``), whether the copy was adopted, and the round's seconds."""
+    trained copy (``after``), the paired test's ``t`` (:func:`adoption`), whether the copy was adopted,
+    and the round's seconds."""
 
     domain: str
     round: int
@@ -114,6 +123,7 @@ class RefineRound:
     held_rows: int
     before: float
     after: float
+    t: float | None  # None: every sequence gained the same (no spread; JSON has no infinity)
     adopted: bool
     seconds: float
     at: str
@@ -139,6 +149,46 @@ class _Domain:
     last: RefineRound | None = None
 
 
+@dataclass(frozen=True)
+class Adoption:
+    """:func:`adoption`'s verdict: the pooled first-draft acceptance ``before`` and ``after`` over ``rows``
+    held-out positions, the paired ``t`` statistic over sequences, and whether to adopt."""
+
+    before: float
+    after: float
+    rows: int
+    t: float
+    adopted: bool
+
+
+def adoption(before: list[tuple[int, int]], after: list[tuple[int, int]], margin: float, z: float) -> Adoption:
+    """Whether a trained copy replaces the current head. ``before``/``after``: per held-out sequence,
+    ``(first drafts kept, first drafts made)`` by the current head and by the copy (the same rows). Adopt
+    when the pooled acceptance rises by at least ``margin`` and the per-sequence gains ``d_s`` (the copy's
+    acceptance on sequence ``s`` minus the current's) are significantly positive: ``t = mean(d) /
+    (sd(d) / sqrt(n)) >= z`` (all gains equal and positive: ``t`` infinite).
+
+    Worked example: rows (10, 10, 10, 10), kept before (3, 4, 5, 4), after (5, 5, 6, 6): pooled 0.400 ->
+    0.550, gains (0.2, 0.1, 0.1, 0.2), mean 0.15, sd 0.0577, t = 5.20: adopted at z 1.645. After
+    (5, 3, 6, 4) instead: gains (0.2, -0.1, 0.1, 0), t = 0.77: kept, though the pooled rise is 0.05.
+    """
+    n = len(before)
+    rows = sum(m for _, m in before)
+    if n == 0 or rows == 0:
+        return Adoption(0.0, 0.0, 0, 0.0, False)
+    b = sum(k for k, _ in before) / rows
+    a = sum(k for k, _ in after) / rows
+    gains = [(ka - kb) / m for (kb, m), (ka, _) in zip(before, after) if m > 0]
+    mean = sum(gains) / len(gains)
+    var = sum((g - mean) ** 2 for g in gains) / max(len(gains) - 1, 1)
+    if var > 0:
+        t = mean / math.sqrt(var / len(gains))
+    else:
+        t = math.inf if mean > 0 else (-math.inf if mean < 0 else 0.0)
+    return Adoption(round(b, 4), round(a, 4), rows, round(t, 3) if math.isfinite(t) else t,
+                    a >= b + margin and len(gains) > 1 and t >= z)
+
+
 def head_file(directory: Path, replica: str, domain: str) -> Path:
     """Where ``replica``'s head for ``domain`` lives in the overlays' directory ``directory``."""
     return directory / f"{replica}{HEAD_INFIX}{_SAFE.sub('_', domain)}.safetensors"
@@ -151,13 +201,14 @@ class HeadRefiner:
     profile's head; ``adopt(domain, head)``: hands an adopted head to the runtime; ``guard``: a context
     manager taken around every block of model time (``None``: none, for tests); ``replica``: the file
     names' replica (``None``: host and pid); ``directory``: where adopted heads are saved (``None``: beside
-    the profile's online overlay, ``PROFILE.online.d``). Thread-safe."""
+    the profile's online overlay, ``PROFILE.online.d``); ``current(domain)``: the head the runtime drafts
+    the domain with now (``None``: the profile's; without it: the domain's adopted one). Thread-safe."""
 
     name = "heads"
 
     def __init__(self, lm, profile, head: EagleHead, adopt: Callable[[str, EagleHead], None],
                  settings: RefineSettings | None = None, guard=None, replica: str | None = None,
-                 directory: str | Path | None = None):
+                 directory: str | Path | None = None, current: Callable[[str], EagleHead | None] | None = None):
         self.lm, self.profile, self.settings = lm, profile, settings or RefineSettings()
         self.bb = lm.backbone
         if self.bb.engine != "torch":
@@ -165,6 +216,7 @@ class HeadRefiner:
         self.base = head
         self.shape: HeadShape = head.shape
         self._adopt = adopt
+        self._current = current
         self._guard = guard
         self.replica = replica or default_replica_id()
         self._lock = threading.Lock()
@@ -303,7 +355,7 @@ class HeadRefiner:
             d = self.domains[domain]
             kept = list(d.kept)
             d.pending = 0
-            current = self.heads.get(domain, self.base)
+        current = self.head_of(domain)
         for seq in kept:
             if seq.features is None:
                 with self._block():
@@ -311,33 +363,34 @@ class HeadRefiner:
                 cut = max(len(seq.ids) - s.max_positions, 0)  # the last positions, their rows of the whole
                 seq.ids, seq.start, seq.features = seq.ids[cut:], max(seq.start - cut, 0), features[cut:].clone()
         train = self._data([q for q in kept if not q.held], domain)
-        held = self._data([q for q in kept if q.held], domain)
-        if len(train) == 0 or len(held) == 0:
+        if len(train) == 0:
+            return None
+        held_seqs = [q for q in kept if q.held]
+        if len(held_seqs) < s.min_held:
             return None
         cfg = HeadConfig(steps=s.steps, lr=s.lr, warmup=max(1, s.steps // 5), seed=s.seed + d.rounds,
                          layers=self.shape.layers, lookup=self.shape.lookup)
         trainer = HeadTrainer(self.bb, self.shape, current.ids.cpu(), cfg)
         trainer.head.load_state_dict(current.state_dict())
-        with self._block(), torch.no_grad():
-            before = trainer.evaluate(held)
-        if before["rows"] < s.min_held_rows:
-            return None
+        before = self._kept_by_sequence(trainer, held_seqs, domain)
         for _ in range(s.steps):
             with self._block():
                 trainer.train_step(train)
-        with self._block(), torch.no_grad():
-            after = trainer.evaluate(held)
-        adopted = after["positions"][0] >= before["positions"][0] + s.margin
+        after = self._kept_by_sequence(trainer, held_seqs, domain)
+        verdict = adoption(before, after, s.margin, s.z)
+        adopted = verdict.adopted
         with self._lock:
             d.rounds += 1
-            r = RefineRound(domain, d.rounds, len(train), len(held), before["rows"], before["positions"][0],
-                            after["positions"][0], adopted, round(time.perf_counter() - t0, 2),
+            t = verdict.t if math.isfinite(verdict.t) else None
+            r = RefineRound(domain, d.rounds, len(train), len(held_seqs), verdict.rows, verdict.before,
+                            verdict.after, t, adopted, round(time.perf_counter() - t0, 2),
                             time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             d.last = r
             self.history.append(r)
             self.round_seconds += r.seconds
-        log.info("head round %d of %s: first draft kept %.3f -> %.3f over %d held-out positions (%s)", r.round,
-                 domain, r.before, r.after, r.held_rows, "adopted" if adopted else "kept the current head")
+        log.info("head round %d of %s: first draft kept %.3f -> %.3f over %d held-out positions of %d sequences, "
+                 "t %s (%s)", r.round, domain, r.before, r.after, r.held_rows, r.held_sequences, r.t,
+                 "adopted" if adopted else "kept the current head")
         if adopted:
             head = EagleHead.from_state(self.shape, trainer.head.state())
             with self._lock:
@@ -345,6 +398,11 @@ class HeadRefiner:
             self._adopt(domain, head)
             self._save(domain, head, r)
         return r
+
+    def head_of(self, domain: str) -> EagleHead:
+        """The head ``domain`` drafts with now, as the runtime picks it (``current``), else the profile's."""
+        head = self._current(domain) if self._current is not None else self.heads.get(domain)
+        return head if head is not None else self.base
 
     @torch.inference_mode()
     def _features(self, ids: list[int]) -> torch.Tensor:
@@ -354,6 +412,15 @@ class HeadRefiner:
         cache = bb.new_cache(len(ids) + 1, features=self.shape.layers)
         bb.forward(torch.tensor(ids, device=bb.device), cache, 0)
         return cache.features[:len(ids)].to(device="cpu", dtype=torch.bfloat16).clone()
+
+    def _kept_by_sequence(self, trainer: HeadTrainer, seqs: list[_Sequence], domain: str) -> list[tuple[int, int]]:
+        """Per sequence, ``(first drafts kept, first drafts made)`` by ``trainer``'s head."""
+        out = []
+        for q in seqs:
+            with self._block(), torch.no_grad():
+                ev = trainer.evaluate(self._data([q], domain), steps=1)
+            out.append((round(ev["positions"][0] * ev["rows"]), ev["rows"]))
+        return out
 
     def _data(self, seqs: list[_Sequence], domain: str) -> HeadData:
         return HeadData.build([(q.ids, q.features) for q in seqs], [q.start for q in seqs], [domain] * len(seqs),
@@ -427,6 +494,7 @@ def attach_refiner(runtime, settings: RefineSettings | None = None, guard_for=No
     where = getattr(online, "path", None)
     refiner = HeadRefiner(rt.lm, rt.profile, head, rt.set_eagle_head, settings,
                           guard_for(rt.model_lock) if guard_for is not None else None,
-                          replica or getattr(online, "replica", None), replica_dir(where) if where else None)
+                          replica or getattr(online, "replica", None), replica_dir(where) if where else None,
+                          rt.refined_eagle)
     runtime.add_listener(refiner)
     return refiner

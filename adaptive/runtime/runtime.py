@@ -52,7 +52,7 @@ from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
 from adaptive.index.router import RouteDecision, decision_of, route_vector
 from adaptive.models import LoadedModel, load_model
-from adaptive.profile import DomainRecord, Profile, ProfileError, is_two_engine, load_profile
+from adaptive.profile import GLOBAL, DomainRecord, Profile, ProfileError, is_two_engine, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
 from adaptive.runtime.policies import ROUTED_POLICY, Policy, get_policy
@@ -415,8 +415,9 @@ class AdaptiveRuntime:
                     self.profile.runtime.pld_draft_len
             else:  # a distilled drafter
                 spec, rec = self._distilled(kind)
-                if kind == "eagle" and dp.name in self._domain_eagle:  # refined on the domain's traffic
-                    spec = replace(spec, eagle=self._domain_eagle[dp.name])
+                refined = self._refined_eagle(dp.name) if kind == "eagle" else None
+                if refined is not None:  # refined on the domain's traffic
+                    spec = replace(spec, eagle=refined)
                 if kind == "eagle":  # its rows joined with the request's prompt tokens
                     spec = replace(spec, head=eagle_vocab(spec.eagle, self.lm.backbone, prompt_ids))
                 prior, cost = rec.acceptance, rec.draft_cost
@@ -678,8 +679,9 @@ class AdaptiveRuntime:
 
     def set_eagle_head(self, domain: str, head: EagleHead | None) -> None:
         """Draft ``domain``'s requests with ``head`` (one refined on its traffic, of the profile's head's
-        shape and rows) where they draft with the eagle head; ``None``: the profile's head again. Requests
-        already decoding keep theirs."""
+        shape and rows) where they draft with the eagle head; ``None``: the profile's head again. A domain
+        learned online without a head of its own drafts with the global record's (:meth:`refined_eagle`).
+        Requests already decoding keep theirs."""
         if head is not None and not self.features:
             raise ConfigError(f"the {self.lm.engine} engine does not draft with an eagle head here")
         with self._state_lock:
@@ -687,6 +689,20 @@ class AdaptiveRuntime:
                 self._domain_eagle.pop(domain, None)
             else:
                 self._domain_eagle[domain] = head.to(self.lm.backbone.device)
+
+    def refined_eagle(self, domain: str) -> EagleHead | None:
+        """The head ``domain`` drafts with instead of the profile's (``None``: the profile's)."""
+        with self._state_lock:
+            return self._refined_eagle(domain)
+
+    def _refined_eagle(self, domain: str) -> EagleHead | None:
+        """:meth:`refined_eagle`: its own (:meth:`set_eagle_head`), else, for a domain learned online (its
+        requests went to the global record before it was learned), the global record's (caller holds the
+        state lock)."""
+        head = self._domain_eagle.get(domain)
+        if head is None and domain not in self.profile.domains and domain != GLOBAL:
+            head = self._domain_eagle.get(GLOBAL)
+        return head
 
     def eagle_heads(self) -> dict[str, EagleHead]:
         """The domains drafting with a head of their own (:meth:`set_eagle_head`), and those heads."""

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from adaptive.distill.heads import HeadConfig
-from adaptive.distill.refine import RefineSettings, attach_refiner, head_file
+from adaptive.distill.refine import RefineSettings, adoption, attach_refiner, head_file
 from adaptive.distill.trainer import distill_head
+from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
 from adaptive.profile import load_profile, save_profile
 from adaptive.runtime import AdaptiveRuntime
@@ -25,7 +26,7 @@ WEAK = dict(layers=(1, 2, 4), steps=3, new_tokens=16, eval_every=20, checkpoint_
 PROMPT = TINY_DOMAINS["math"][1]
 # the tiny model's text is random characters: a head cannot generalise from a few of its sequences, so the
 # traffic repeats one prompt (its held-out requests repeat the trained ones) and a round must learn that text
-QUICK = dict(background=False, every=4, steps=60, lr=1e-2, min_held_rows=8, held_every=2)
+QUICK = dict(background=False, every=4, steps=60, lr=1e-2, min_held=2, held_every=2)
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_a_round_adopts_a_head_that_keeps_more_held_out_drafts_and_decoding_stay
     _serve(rt, 3)  # with the eagle request: 4 kept, every second held out -> a round
     assert len(refiner.history) == 1
     r = refiner.history[0]
-    assert r.adopted and r.after >= r.before + 0.01 and r.held_rows >= 8, r
+    assert r.adopted and r.after >= r.before + 0.01 and r.held_sequences == 2 and r.held_rows >= 8, r
     domain = r.domain
     assert domain == before.applied
     assert rt.eagle_heads()[domain] is not None
@@ -128,6 +129,40 @@ def test_background_rounds_run_on_their_own_thread_and_close_stops_it(lm, headed
 def test_without_a_head_nothing_attaches_and_bad_settings_are_refused(lm, prof):
     assert attach_refiner(_runtime(prof, lm), RefineSettings(background=False)) is None
     for bad, match in ((dict(every=0), "every"), (dict(held_every=1), "held_every"), (dict(lr=0), "lr"),
-                       (dict(margin=1.0), "margin"), (dict(steps=1.5), "steps")):
+                       (dict(margin=1.0), "margin"), (dict(steps=1.5), "steps"), (dict(min_held=0), "min_held"),
+                       (dict(z=-1.0), "z")):
         with pytest.raises(ConfigError, match=match):
             RefineSettings(**bad)
+
+
+def test_adoption_worked_example():
+    rows = [10, 10, 10, 10]
+    before = list(zip([3, 4, 5, 4], rows))
+    a = adoption(before, list(zip([5, 5, 6, 6], rows)), margin=0.01, z=1.645)
+    assert (a.before, a.after, a.rows, a.adopted) == (0.4, 0.55, 40, True) and a.t == pytest.approx(5.196, abs=1e-3)
+    b = adoption(before, list(zip([5, 3, 6, 4], rows)), margin=0.01, z=1.645)  # a pooled rise, one sequence's loss
+    assert b.after == 0.45 and b.t == pytest.approx(0.775, abs=1e-3) and not b.adopted
+    c = adoption(before, list(zip([4, 5, 6, 5], rows)), margin=0.01, z=1.645)  # every sequence +1: no spread
+    assert c.t == float("inf") and c.adopted
+    assert not adoption(before, list(zip([4, 5, 6, 5], rows)), margin=0.2, z=1.645).adopted  # below the margin
+    assert not adoption(before[:1], [(5, 10)], margin=0.0, z=0.0).adopted  # one sequence decides nothing
+    assert not adoption([], [], margin=0.0, z=0.0).adopted
+
+
+def test_a_domain_learned_online_drafts_with_the_global_records_refined_head_until_it_has_its_own(lm, headed):
+    rt = _runtime(headed, lm)
+    rec, weights = rt.profile.distilled_drafter("eagle")
+    glob, own = (EagleHead.from_state(HeadShape.from_dict(rec.shape), weights) for _ in range(2))
+    rt.set_eagle_head("global", glob)
+    assert rt.refined_eagle("learned-0") is glob and rt.refined_eagle("global") is glob
+    assert rt.refined_eagle("math") is None  # a calibrated domain: the profile's head until its own is adopted
+    rt.set_eagle_head("learned-0", own)
+    assert rt.refined_eagle("learned-0") is own
+    rt.set_eagle_head("global", None)
+    assert rt.refined_eagle("learned-1") is None and rt.eagle_heads() == {"learned-0": own}
+
+
+def test_a_runtime_that_keeps_no_feature_rows_takes_no_head(lm, headed, tiny_profile):
+    rec, weights = load_profile(headed).distilled_drafter("eagle")
+    with pytest.raises(ConfigError, match="does not draft with an eagle head"):
+        _runtime(tiny_profile, lm).set_eagle_head("math", EagleHead.from_state(HeadShape.from_dict(rec.shape), weights))

@@ -189,7 +189,7 @@ def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tin
     rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)
     # the head refined on the traffic as it is served (a round every 2 requests of a domain, in the request's
     # thread here): the rounds show in /v1/adaptive/online and /metrics, and outputs stay plain decoding's
-    refiner = attach_refiner(rt, RefineSettings(background=False, every=2, steps=2, min_held_rows=1, margin=0.0))
+    refiner = attach_refiner(rt, RefineSettings(background=False, every=2, steps=2, min_held=1))
     s = Server(create_app(rt, max_queue=16, max_batch=8, prefill_chunk=8))
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -209,7 +209,7 @@ def test_concurrent_clients_drafting_with_an_eagle_head_get_lossless_outputs(tin
         status, online = raw(s, "GET", "/v1/adaptive/online")
         assert status == 200 and online["heads"]["rounds"] == rounds
         assert f"adaptive_online_head_rounds_total {float(rounds)}" in raw(s, "GET", "/metrics")[1]
-        with ThreadPoolExecutor(6) as pool:  # drafting with the heads adopted (margin 0: every round's)
+        with ThreadPoolExecutor(6) as pool:  # the same requests again, after the rounds
             again = list(pool.map(ask, range(6)))
         assert again == got
     finally:
