@@ -29,6 +29,7 @@ from adaptive.cli.common import (
 )
 from adaptive.costs import is_busy
 from adaptive.distill.heads import HeadConfig
+from adaptive.distill.refine import refined_heads
 from adaptive.distill.trainer import distill_head
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
@@ -239,8 +240,9 @@ def profile_show(directory, online_path, member, as_json):
         online = {"path": str(ov_path), "replicas_dir": str(replica_dir(ov_path)), "stale": stale,
                   **merged.summary(), "replica": None,
                   "replicas": {r: ov.summary() for r, ov in sorted(everyone.items())}}
+    heads = refined_heads(replica_dir(ov_path), digest)  # eagle heads refined on the traffic
     if as_json:
-        echo_json({"profile": str(p.path), **profile_json(p), "online": online,
+        echo_json({"profile": str(p.path), **profile_json(p), "online": online, "refined_heads": heads,
                    **({"engines": members.to_dict()} if members is not None else {})})
         return
     m, c, s = p.model, p.cost_model, p.calibration
@@ -288,6 +290,14 @@ def profile_show(directory, online_path, member, as_json):
                    f"steps): held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, sampling acceptance "
                    f"{b['sampling']:.3f} -> {a['sampling']:.3f}, draft cost {d.draft_cost:.2f} of a step")
     click.echo("")
+    for h in heads:
+        if "error" in h:
+            click.echo(f"refined head {h['file']}: unreadable ({h['error']})")
+        else:
+            click.echo(f"refined head of {h['domain']} (replica {h['replica']}, round {h['rounds']}, {h['created']}): "
+                       f"held-out first draft kept {h['before']:.3f} -> {h['after']:.3f}"
+                       + (" (STALE: refined for an earlier calibration of this profile; it is not loaded)"
+                          if h["stale"] else ""))
     if online is None:
         click.echo(f"online  nothing learned yet (no overlay at {ov_path} or in {replica_dir(ov_path)})")
         return

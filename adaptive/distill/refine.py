@@ -473,6 +473,30 @@ class _Stopped(Exception):
     """The refiner was closed while a round ran."""
 
 
+def refined_heads(directory: str | Path, digest: str) -> list[dict]:
+    """What ``adaptive profile show`` lists: every replica's refined heads in the overlays' ``directory``
+    (``PROFILE.online.d``), each ``{"file", "replica", "domain", "before", "after", "rounds", "created",
+    "stale"}`` (``stale``: refined for another calibration than ``digest``'s, so never loaded), or
+    ``{"file", "error"}`` for a file that cannot be read."""
+    from safetensors import safe_open
+
+    out = []
+    folder = Path(directory)
+    for path in sorted(folder.glob(f"*{HEAD_INFIX}*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("format") != REFINED_FORMAT:
+                raise ValueError(f"not a refined head ({meta.get('format')!r})")
+            out.append({"file": path.name, "replica": path.name.split(HEAD_INFIX)[0], "domain": meta.get("domain"),
+                        "before": float(meta["before"]), "after": float(meta["after"]),
+                        "rounds": int(meta["rounds"]), "created": meta.get("created"),
+                        "stale": meta.get("profile") != digest})
+        except Exception as exc:  # a damaged file is listed as such
+            out.append({"file": path.name, "error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
 def attach_refiner(runtime, settings: RefineSettings | None = None, guard_for=None,
                    replica: str | None = None) -> HeadRefiner | None:
     """A :class:`HeadRefiner` listening to ``runtime`` (one engine, or a two-engine runtime: every member's

@@ -135,6 +135,26 @@ def test_profile_show_and_reset_online(capsys, tiny_profile, tiny_model_dir, tmp
     data = json.loads(run_ok(capsys, "profile", "show", str(prof), "--json")[0])
     assert data["online"]["requests"] == 2 and data["online"]["stale"] == []
     assert set(data["online"]["replicas"]) == {"web-1", "web-2"}
+    # heads a server refined on its traffic (adaptive.distill.refine): listed, another calibration's as stale
+    import torch
+    from safetensors.torch import save_file
+
+    from adaptive.distill.refine import REFINED_FORMAT, REFINED_VERSION, head_file
+    from adaptive.profile.overlay import profile_digest
+
+    for replica, digest in (("web-1", profile_digest(prof)), ("web-2", "0" * 64)):
+        save_file({"x": torch.zeros(1)}, str(head_file(own.parent, replica, "code")),
+                  metadata={"format": REFINED_FORMAT, "version": REFINED_VERSION, "profile": digest, "domain": "code",
+                            "before": "0.3100", "after": "0.3600", "rounds": "2", "created": "2026-11-29T07:00:00"})
+    (own.parent / "web-3.head-math.safetensors").write_bytes(b"garbage")
+    text, _ = run_ok(capsys, "profile", "show", str(prof))
+    assert "refined head of code (replica web-1, round 2, 2026-11-29T07:00:00): held-out first draft kept 0.310 " \
+           "-> 0.360\n" in text
+    assert "refined head of code (replica web-2, round 2, 2026-11-29T07:00:00): held-out first draft kept 0.310 " \
+           "-> 0.360 (STALE" in text
+    assert "refined head web-3.head-math.safetensors: unreadable" in text
+    heads = json.loads(run_ok(capsys, "profile", "show", str(prof), "--json")[0])["refined_heads"]
+    assert [(h.get("replica"), h.get("stale")) for h in heads] == [("web-1", False), ("web-2", True), (None, None)]
     out, _ = run_ok(capsys, "generate", "hello", "--profile", str(prof), "--model", str(tiny_model_dir),
                     "--dtype", "float32", "--max-new-tokens", "4", "--json")
     assert "online" in json.loads(out)
