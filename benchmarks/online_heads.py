@@ -13,9 +13,10 @@ Once the traffic is served the rounds still due finish, the refiner is closed, a
    acceptance per draft position and tau (as ``adaptive distill`` evaluates) for the profile's head and
    for the head each prompt's domain drafts with now (its refined one where a round adopted one);
 2. **speed**: each eval prompt decoded with the ``eagle`` policy under the refined head and under the
-   profile's head, and with ``ar``, interleaved (the order rotating per prompt), ``--repeats`` times:
-   aggregate tokens/s of each and their ratios; every eagle output audited against ``ar``'s (bf16: equal,
-   or parting at a near-tie; a violation otherwise).
+   profile's head, with ``ar``, and routed (``knn-ssd``, the refined heads in place), interleaved (the
+   order rotating per prompt), ``--repeats`` times, the prefix cache off: aggregate tokens/s of each and
+   their ratios; every other output audited against ``ar``'s (bf16: equal, or parting at a near-tie; a
+   violation otherwise).
 
 Progress on stderr, the JSON report on stdout (``--out`` also writes it)::
 
@@ -78,7 +79,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    rt = AdaptiveRuntime.from_profile(args.profile, online=OnlineSettings(persist=False))
+    # no prefix cache: every arm of a prompt starts from its own prefill (a cached prefix parts from a fresh
+    # prefill at bf16 near-ties, and would give the later arms a shorter prefill)
+    rt = AdaptiveRuntime.from_profile(args.profile, online=OnlineSettings(persist=False), prefix_cache=0)
     base = dict(RefineSettings().__dict__)
     if args.every:
         base["every"] = args.every
@@ -138,20 +141,21 @@ def main() -> None:
     say(f"first draft kept: profile's head {report['acceptance_base']['positions'][0]:.3f}, refined "
         f"{report['acceptance_refined']['positions'][0]:.3f}")
 
-    arms = ("refined", "base", "ar")
+    arms = ("refined", "base", "ar", "routed")
     tokens = dict.fromkeys(arms, 0)
     seconds = dict.fromkeys(arms, 0.0)
     steps = dict.fromkeys(arms, 0)
     differing, violations = 0, 0
     for rep in range(args.repeats):
         for i, p in enumerate(held):
-            order = arms[(i + rep) % 3:] + arms[:(i + rep) % 3]
+            order = arms[(i + rep) % len(arms):] + arms[:(i + rep) % len(arms)]
             out = {}
             for arm in order:
                 if arm == "base":  # the profile's head everywhere for this request
                     for d in adopted:
                         rt.set_eagle_head(d, None)
-                r = rt.generate(p, max_new_tokens=args.max_new_tokens, policy="ar" if arm == "ar" else "eagle")
+                policy = {"ar": "ar", "routed": "knn-ssd"}.get(arm, "eagle")
+                r = rt.generate(p, max_new_tokens=args.max_new_tokens, policy=policy)
                 if arm == "base":
                     for d, h in adopted.items():
                         rt.set_eagle_head(d, h)
@@ -159,7 +163,7 @@ def main() -> None:
                 seconds[arm] += r.stats.total_time
                 steps[arm] += r.stats.steps + 1
                 out[arm] = r.token_ids
-            for arm in ("refined", "base"):  # lossless: ar's output, or a bf16 near-tie the audit accepts
+            for arm in ("refined", "base", "routed"):  # lossless: ar's output, or a bf16 near-tie the audit accepts
                 a = audit_divergence(rt.lm.backbone, ids[i], out["ar"], out[arm])
                 differing += not a.identical
                 violations += bool(a.violation)
@@ -167,7 +171,7 @@ def main() -> None:
     report["speed"] = {a: {"tok_s": round(tokens[a] / seconds[a], 2), "tau": round(tokens[a] / max(steps[a], 1), 3)}
                        for a in arms}
     speed = report["speed"]
-    for a, b in (("refined", "base"), ("refined", "ar"), ("base", "ar")):
+    for a, b in (("refined", "base"), ("refined", "ar"), ("base", "ar"), ("routed", "ar")):
         speed[f"{a}_over_{b}"] = round(speed[a]["tok_s"] / speed[b]["tok_s"], 3)
     report["outputs_differing_from_ar"] = differing
     report["violations"] = violations

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaptive.costs import STAT_DRAFT_COST
+from adaptive.costs import STAT_DRAFT_COST, best_draft_length
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.live import LiveBigramTable, accepted_text
 from adaptive.drafters.ngram import BigramTable
@@ -124,9 +124,19 @@ def race_domain(lm: LoadedModel, prompt_ids: list[list[int]], candidates: dict[s
     return DomainRace(timed, decide(timed, settings.acceptance_floor))
 
 
+@dataclass(frozen=True)
+class HeadCandidate:
+    """An eagle head a learned domain races too: the ``head`` its requests would draft with, and the
+    ``acceptance`` and ``draft_cost`` that price its draft length (the profile's distilled record's)."""
+
+    head: object  # adaptive.drafters.eagle.EagleHead
+    acceptance: float
+    draft_cost: float
+
+
 def measure_learned_domain(lm: LoadedModel, profile: Profile, name: str, sequences: list[tuple[list[int], list[int]]],
                            prompts: int, table: LiveBigramTable, guard: Callable = nullcontext,
-                           anchors: int = 0) -> DomainRecord:
+                           anchors: int = 0, eagle: HeadCandidate | None = None) -> DomainRecord:
     """A learned domain's record, measured as calibration measures one (:mod:`adaptive.calibrate.domain`)
     but without a skip-set search (layer skipping is searched offline only): the bigram-backed
     drafter's teacher-forced acceptance on the members' ``(prompt, output)`` pairs (leave one out)
@@ -134,13 +144,20 @@ def measure_learned_domain(lm: LoadedModel, profile: Profile, name: str, sequenc
     ``prompts`` member prompts, the cascade drafting from ``table`` (the domain's, already fed the
     members' outputs, each raced prompt's own output taken out: :meth:`LiveBigramTable.snapshot`;
     ``guard``: the model lock, one block at a time), and decided
-    (:func:`race_domain`, with the profile's settings, as calibration).
-    Verification costs: the global record's."""
+    (:func:`race_domain`, with the profile's settings, as calibration). With ``eagle`` (a runtime that
+    drafts with a head), the head races too, drafting the length its acceptance and cost give, as
+    ``adaptive distill`` races it in a calibrated domain. Verification costs: the global record's."""
     s, glob = profile.settings, profile.global_set
     max_len = profile.runtime.cascade_max_draft_len
     stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)
     plan = choose_cascade(stat.position_acceptance, 0.0, 1.0, glob.verify, max_len, 0, s.cascade_lenience)
     candidates = statistical_candidates(profile.runtime.pld_draft_len, plan)
+    if eagle is not None:
+        most = profile.runtime.max_draft_len
+        k = max(1, best_draft_length(eagle.acceptance, eagle.draft_cost, glob.verify_table(most), most)[0])
+        candidates["eagle"] = Candidate("eagle", k, estimated_acceptance=eagle.acceptance,
+                                        estimated_draft_cost=eagle.draft_cost)
     tables = [table.snapshot(without=accepted_text(p, out)) for p, out in sequences[:prompts]]
-    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=tables, guard=guard)
+    raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=tables, guard=guard,
+                        eagle=eagle.head if eagle is not None else None)
     return raced.record(name, stat, plan, glob.verify, glob.verify_context, prompts=len(sequences), anchors=anchors)

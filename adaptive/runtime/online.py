@@ -14,7 +14,8 @@ Three things are learned, all from what the target model itself accepted, so dra
    out-of-domain threshold of anchors fitted without them). A group becomes a proposed domain; a
    background thread measures it as calibration measures a domain
    (:func:`~adaptive.measure.race.measure_learned_domain`: the statistical drafters' teacher-forced
-   acceptance on the members' outputs, then prompt lookup and the cascade raced against ``ar`` in
+   acceptance on the members' outputs, then prompt lookup, the cascade and, where the runtime drafts
+   with an eagle head, the head raced against ``ar`` in
    paired blocks with bootstrap intervals, and the pure decision:
    :func:`~adaptive.measure.race.race_domain`, as calibration). Until that finishes its requests use
    the global record; after, they route to it (its anchors are searched when the calibrated index
@@ -68,7 +69,7 @@ from adaptive.drafters.live import DEFAULT_MAX_PAIRS, DEFAULT_PRIOR_WEIGHT, Live
 from adaptive.errors import AdaptiveError, ContextFullError
 from adaptive.index.anchors import AnchorIndex, Route
 from adaptive.index.cluster import find_cluster
-from adaptive.measure.race import measure_learned_domain
+from adaptive.measure.race import HeadCandidate, measure_learned_domain
 from adaptive.profile import GLOBAL, DomainRecord, Profile
 from adaptive.profile.overlay import (
     BufferedRequest,
@@ -178,10 +179,13 @@ class _Pending:
 class OnlineLearner:
     """The runtime's online state (see the module doc). ``lm``: the loaded model (a new domain is
     raced on it); ``guard``: the runtime's model lock; ``bandits``: a callable giving the runtime's
-    live bandits (``{"policy:domain": bandit}``) to save. Thread-safe."""
+    live bandits (``{"policy:domain": bandit}``) to save; ``eagle``: gives the eagle head a new domain
+    races besides prompt lookup and the cascade (``None``, or giving ``None``: none). Thread-safe."""
 
-    def __init__(self, profile: Profile, lm, settings: OnlineSettings, guard, bandits: Callable[[], dict]):
+    def __init__(self, profile: Profile, lm, settings: OnlineSettings, guard, bandits: Callable[[], dict],
+                 eagle: Callable[[], HeadCandidate | None] | None = None):
         self.profile = profile
+        self._eagle = eagle  # the eagle head a learned domain races too, where the runtime drafts with one
         self.lm = lm
         self.settings = settings
         self._guard = guard
@@ -514,7 +518,9 @@ class OnlineLearner:
             share = pending.share = ShareGuard(self._guard, self.settings.share, self.settings.idle_s)
             try:
                 rec = measure_learned_domain(self.lm, self.profile, pending.name, seqs, prompts, table,
-                                     guard=lambda: self._race_guard(share), anchors=int(pending.anchors.shape[0]))
+                                             guard=lambda: self._race_guard(share),
+                                             anchors=int(pending.anchors.shape[0]),
+                                             eagle=self._eagle() if self._eagle is not None else None)
             finally:
                 with self._lock:
                     self.measure_seconds += share.used_s

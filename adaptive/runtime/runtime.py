@@ -51,6 +51,7 @@ from adaptive.errors import ConfigError
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
 from adaptive.index.router import RouteDecision, decision_of, route_vector
+from adaptive.measure.race import HeadCandidate
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import GLOBAL, DomainRecord, Profile, ProfileError, is_two_engine, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
@@ -312,7 +313,8 @@ class AdaptiveRuntime:
         # history, a shared system prompt or document): MiB on this engine, 0 off (:mod:`adaptive.engine.prefix`)
         bb.prefixes.resize(budget_bytes(prefix_cache))
         settings = OnlineSettings.coerce(online)
-        self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits) if settings.enabled else None
+        self.online = OnlineLearner(profile, lm, settings, self._lock, self._live_bandits,
+                                    self._head_candidate if self.features else None) if settings.enabled else None
 
     @property
     def model_lock(self) -> TurnLock:
@@ -703,6 +705,15 @@ class AdaptiveRuntime:
         if head is None and domain not in self.profile.domains and domain != GLOBAL:
             head = self._domain_eagle.get(GLOBAL)
         return head
+
+    def _head_candidate(self) -> HeadCandidate:
+        """The eagle head a domain learned online races (:mod:`adaptive.runtime.online`): the one its requests
+        drafted with before it was learned (the global record's refined head, else the profile's), priced by
+        the profile's record."""
+        with self._state_lock:
+            spec, rec = self._distilled("eagle")
+            head = self._domain_eagle.get(GLOBAL) or spec.eagle
+        return HeadCandidate(head, rec.acceptance, rec.draft_cost)
 
     def eagle_heads(self) -> dict[str, EagleHead]:
         """The domains drafting with a head of their own (:meth:`set_eagle_head`), and those heads."""

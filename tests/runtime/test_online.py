@@ -112,6 +112,38 @@ def test_runtime_learns_tables_bandits_and_a_new_domain_losslessly(tiny_profile,
         assert key in bandits and b.posteriors()["kind"] == bandits[key]["kind"]
 
 
+def test_a_runtime_drafting_with_an_eagle_head_races_it_in_a_learned_domain(tiny_profile, lm, tmp_path):
+    """Where the runtime drafts with an eagle head, a domain learned from out-of-domain traffic races the
+    head beside prompt lookup and the cascade (the one its requests drafted with: the global record's
+    refined head once there is one), and its requests stay lossless whatever it decides."""
+    import shutil
+
+    from adaptive.distill.heads import HeadConfig
+    from adaptive.distill.trainer import distill_head
+
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    distill_head(lm, prof, TINY_DOMAINS, HeadConfig(layers=(1, 2, 4), steps=3, new_tokens=12, vocab=32, batch=2,
+                                                    window=32, warmup=2), progress=False, race=False)
+    p = scripted_profile(cascades(prof), lm)
+    settings = OnlineSettings(path=tmp_path / "h.online", background=False, min_cluster=4, measure_prompts=2)
+    rt = AdaptiveRuntime(p, lm, seed=0, online=settings)
+    assert rt.features == (1, 2, 4)
+    refined = rt._head_candidate().head  # stands in for a head refined on the global record's traffic
+    rt.set_eagle_head("global", refined)
+    for prompt in OOD[:5]:
+        assert rt.generate(prompt, max_new_tokens=16).token_ids == _ar(lm, prompt, 16), prompt
+    rec = rt.online.learned["learned-1"].record
+    assert {m.role for m in rec.measurements} == {"lookup", "cascade", "eagle"}
+    eagle = next(m for m in rec.measurements if m.role == "eagle")
+    assert eagle.drafter == "eagle" and eagle.draft_len >= 1
+    assert rt.refined_eagle("learned-1") is refined  # and it drafts with the global record's refined head
+    for policy in ("knn-ssd", "eagle"):
+        r = rt.generate(OOD[6], max_new_tokens=16, policy=policy)
+        assert r.applied == "learned-1" and r.token_ids == _ar(lm, OOD[6], 16)
+    rt.close()
+
+
 def test_background_measurement_takes_turns_with_serving(tiny_profile, lm, tmp_path):
     """The default: the new domain is raced in a thread while requests keep being served; outputs
     stay plain decoding's, and the domain is learned once the thread finishes."""
