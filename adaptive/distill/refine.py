@@ -22,7 +22,7 @@ the online learner's bigram tables do, from what the target itself produced:
    compared sequence by sequence (:func:`adoption`: positions within one sequence are not independent
    draws, sequences are). The copy is **adopted** only if, over at least ``min_held`` held-out
    sequences, it keeps at least ``margin`` more first drafts and its paired gain per sequence is
-   significant (one-sided, ``z`` standard errors): the runtime drafts that domain with it from then on
+   significant (a one-sided t test at 95%): the runtime drafts that domain with it from then on
    (:meth:`~adaptive.runtime.runtime.AdaptiveRuntime.set_eagle_head`; requests already decoding keep
    theirs). Otherwise the domain keeps its head and waits for ``every`` more requests.
 3. **Persist.** An adopted head is written atomically beside the online overlay,
@@ -78,8 +78,7 @@ class RefineSettings:
     what the head learns from anyway); ``held_every``: every so many a domain's held-out one;
     ``min_held``: held-out sequences a round needs to decide; ``margin``: the rise in first-draft
     acceptance a copy must show to be adopted; ``background=False``: rounds run in the observing thread
-    (tests); ``persist=False``: load adopted heads, never write them; ``z``: the paired test's threshold
-    (:func:`adoption`)."""
+    (tests); ``persist=False``: load adopted heads, never write them."""
 
     every: int = 16
     steps: int = 40
@@ -87,9 +86,8 @@ class RefineSettings:
     keep: int = 64
     max_positions: int = 256
     held_every: int = 4
-    min_held: int = 8
+    min_held: int = 4
     margin: float = 0.01
-    z: float = 1.645
     background: bool = True
     persist: bool = True
     seed: int = 0
@@ -105,8 +103,6 @@ class RefineSettings:
             raise ConfigError(f"head refinement's lr must be > 0, got {self.lr}")
         if not 0.0 <= self.margin < 1.0:
             raise ConfigError(f"head refinement's margin must be in [0, 1), got {self.margin}")
-        if not self.z >= 0:
-            raise ConfigError(f"head refinement's z must be >= 0, got {self.z}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +145,17 @@ class _Domain:
     last: RefineRound | None = None
 
 
+# Student's t: the one-sided 95% critical value for 1..30 degrees of freedom (beyond: 30's, a little above
+# the normal's 1.645); a test holds it to scipy.stats.t.ppf(0.95, df)
+T_95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+
+
+def t_critical(df: int) -> float:
+    """The one-sided 95% critical value of Student's t with ``df`` >= 1 degrees of freedom."""
+    return T_95[min(df, len(T_95)) - 1]
+
+
 @dataclass(frozen=True)
 class Adoption:
     """:func:`adoption`'s verdict: the pooled first-draft acceptance ``before`` and ``after`` over ``rows``
@@ -161,32 +168,34 @@ class Adoption:
     adopted: bool
 
 
-def adoption(before: list[tuple[int, int]], after: list[tuple[int, int]], margin: float, z: float) -> Adoption:
+def adoption(before: list[tuple[int, int]], after: list[tuple[int, int]], margin: float) -> Adoption:
     """Whether a trained copy replaces the current head. ``before``/``after``: per held-out sequence,
     ``(first drafts kept, first drafts made)`` by the current head and by the copy (the same rows). Adopt
     when the pooled acceptance rises by at least ``margin`` and the per-sequence gains ``d_s`` (the copy's
-    acceptance on sequence ``s`` minus the current's) are significantly positive: ``t = mean(d) /
-    (sd(d) / sqrt(n)) >= z`` (all gains equal and positive: ``t`` infinite).
+    acceptance on sequence ``s`` minus the current's) are significantly positive: a paired one-sided t
+    test at 95%, ``t = mean(d) / (sd(d) / sqrt(n)) >= t_critical(n - 1)`` (all gains equal and positive:
+    ``t`` infinite). Positions within one sequence are not independent draws; sequences are.
 
     Worked example: rows (10, 10, 10, 10), kept before (3, 4, 5, 4), after (5, 5, 6, 6): pooled 0.400 ->
-    0.550, gains (0.2, 0.1, 0.1, 0.2), mean 0.15, sd 0.0577, t = 5.20: adopted at z 1.645. After
-    (5, 3, 6, 4) instead: gains (0.2, -0.1, 0.1, 0), t = 0.77: kept, though the pooled rise is 0.05.
+    0.550, gains (0.2, 0.1, 0.1, 0.2), mean 0.15, sd 0.0577, t = 5.20 >= 2.353 (3 degrees of freedom):
+    adopted. After (5, 3, 6, 4) instead: gains (0.2, -0.1, 0.1, 0), t = 0.77: kept, though the pooled
+    rise is 0.05.
     """
-    n = len(before)
     rows = sum(m for _, m in before)
-    if n == 0 or rows == 0:
+    gains = [(ka - kb) / m for (kb, m), (ka, _) in zip(before, after) if m > 0]
+    if rows == 0 or not gains:
         return Adoption(0.0, 0.0, 0, 0.0, False)
     b = sum(k for k, _ in before) / rows
     a = sum(k for k, _ in after) / rows
-    gains = [(ka - kb) / m for (kb, m), (ka, _) in zip(before, after) if m > 0]
     mean = sum(gains) / len(gains)
     var = sum((g - mean) ** 2 for g in gains) / max(len(gains) - 1, 1)
     if var > 0:
         t = mean / math.sqrt(var / len(gains))
     else:
         t = math.inf if mean > 0 else (-math.inf if mean < 0 else 0.0)
+    significant = len(gains) > 1 and t >= t_critical(len(gains) - 1)
     return Adoption(round(b, 4), round(a, 4), rows, round(t, 3) if math.isfinite(t) else t,
-                    a >= b + margin and len(gains) > 1 and t >= z)
+                    a >= b + margin and significant)
 
 
 def head_file(directory: Path, replica: str, domain: str) -> Path:
@@ -377,7 +386,7 @@ class HeadRefiner:
             with self._block():
                 trainer.train_step(train)
         after = self._kept_by_sequence(trainer, held_seqs, domain)
-        verdict = adoption(before, after, s.margin, s.z)
+        verdict = adoption(before, after, s.margin)
         adopted = verdict.adopted
         with self._lock:
             d.rounds += 1

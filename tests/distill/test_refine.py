@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from adaptive.distill.heads import HeadConfig
-from adaptive.distill.refine import RefineSettings, adoption, attach_refiner, head_file
+from adaptive.distill.refine import RefineSettings, adoption, attach_refiner, head_file, t_critical
 from adaptive.distill.trainer import distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
@@ -129,8 +129,7 @@ def test_background_rounds_run_on_their_own_thread_and_close_stops_it(lm, headed
 def test_without_a_head_nothing_attaches_and_bad_settings_are_refused(lm, prof):
     assert attach_refiner(_runtime(prof, lm), RefineSettings(background=False)) is None
     for bad, match in ((dict(every=0), "every"), (dict(held_every=1), "held_every"), (dict(lr=0), "lr"),
-                       (dict(margin=1.0), "margin"), (dict(steps=1.5), "steps"), (dict(min_held=0), "min_held"),
-                       (dict(z=-1.0), "z")):
+                       (dict(margin=1.0), "margin"), (dict(steps=1.5), "steps"), (dict(min_held=0), "min_held")):
         with pytest.raises(ConfigError, match=match):
             RefineSettings(**bad)
 
@@ -138,15 +137,24 @@ def test_without_a_head_nothing_attaches_and_bad_settings_are_refused(lm, prof):
 def test_adoption_worked_example():
     rows = [10, 10, 10, 10]
     before = list(zip([3, 4, 5, 4], rows))
-    a = adoption(before, list(zip([5, 5, 6, 6], rows)), margin=0.01, z=1.645)
+    a = adoption(before, list(zip([5, 5, 6, 6], rows)), margin=0.01)
     assert (a.before, a.after, a.rows, a.adopted) == (0.4, 0.55, 40, True) and a.t == pytest.approx(5.196, abs=1e-3)
-    b = adoption(before, list(zip([5, 3, 6, 4], rows)), margin=0.01, z=1.645)  # a pooled rise, one sequence's loss
+    b = adoption(before, list(zip([5, 3, 6, 4], rows)), margin=0.01)  # a pooled rise, one sequence's loss
     assert b.after == 0.45 and b.t == pytest.approx(0.775, abs=1e-3) and not b.adopted
-    c = adoption(before, list(zip([4, 5, 6, 5], rows)), margin=0.01, z=1.645)  # every sequence +1: no spread
+    c = adoption(before, list(zip([4, 5, 6, 5], rows)), margin=0.01)  # every sequence +1: no spread
     assert c.t == float("inf") and c.adopted
-    assert not adoption(before, list(zip([4, 5, 6, 5], rows)), margin=0.2, z=1.645).adopted  # below the margin
-    assert not adoption(before[:1], [(5, 10)], margin=0.0, z=0.0).adopted  # one sequence decides nothing
-    assert not adoption([], [], margin=0.0, z=0.0).adopted
+    assert not adoption(before, list(zip([4, 5, 6, 5], rows)), margin=0.2).adopted  # below the margin
+    # t = 1.99 clears the normal's 1.645 but not Student's t with 3 degrees of freedom (2.353)
+    d = adoption(before, list(zip([6, 4, 6, 5], rows)), margin=0.01)
+    assert 1.645 < d.t < 2.353 and not d.adopted
+    assert not adoption(before[:1], [(5, 10)], margin=0.0).adopted  # one sequence decides nothing
+    assert not adoption([], [], margin=0.0).adopted
+
+
+def test_the_critical_values_are_students():
+    stats = pytest.importorskip("scipy.stats")
+    for df in range(1, 41):
+        assert t_critical(df) == pytest.approx(stats.t.ppf(0.95, min(df, 30)), abs=6e-4), df
 
 
 def test_a_domain_learned_online_drafts_with_the_global_records_refined_head_until_it_has_its_own(lm, headed):
