@@ -27,10 +27,10 @@ from adaptive.cli.common import (
     quiet_option,
     weights_option,
 )
+from adaptive.cli.distill import train_head_watched
 from adaptive.costs import is_busy
 from adaptive.distill.heads import HeadConfig
 from adaptive.distill.refine import refined_heads
-from adaptive.distill.trainer import distill_head
 from adaptive.drafters.factory import LAYER_SKIP_DRAFTERS
 from adaptive.engine.engine import Engine
 from adaptive.index.router import route_prompt
@@ -184,7 +184,7 @@ def _train_head(path, model_spec: str, domains: dict[str, list[str]], cfg: HeadC
     spec, dt, _, _ = profile_model(profile, model_spec, dtype)
     lm = load(spec, device, dt, "dense", engine="torch")
     info(f"training an eagle head into {path} ({cfg.minutes:g} minutes after its data) ...")
-    r = distill_head(lm, path, domains, cfg, progress=not quiet, log=info)
+    r = train_head_watched(lm, path, domains, cfg, progress=not quiet, log=info)
     info(f"eagle head: held-out first draft kept {r.record.acceptance:.3f}, tau {r.record.tau:.2f} "
          f"({r.record.seconds:.0f} s in all)")
     return load_profile(path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import click
 
 from adaptive.cli.common import (
@@ -19,6 +21,7 @@ from adaptive.cli.common import (
     profile_model,
     quiet_option,
 )
+from adaptive.costs import CpuWatch, busy_warning
 from adaptive.distill.data import DATA_SOURCES
 from adaptive.distill.divergences import DIVERGENCES
 from adaptive.distill.heads import HeadConfig
@@ -167,8 +170,8 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
                                "engine's hidden states: calibrate with --engine torch first")
     lm = load(spec, device, dt, "dense", engine="torch")
     profile.check_model(lm.fingerprint())
-    r = distill_head(lm, profile_dir, domains, cfg, resume=resume, progress=not quiet and not as_json, plot=plot,
-                     race=race, log=(lambda m: None) if as_json else info)
+    r = train_head_watched(lm, profile_dir, domains, cfg, resume=resume, progress=not quiet and not as_json,
+                           plot=plot, race=race, log=(lambda m: None) if as_json else info)
     d = r.to_dict()
     if as_json:
         echo_json(d)
@@ -184,3 +187,15 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
     click.echo(f"  draft cost per token: {rec.draft_cost:.3f} of a full step")
     curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
     click.echo(f"stored in {d['profile']}{curves}")
+
+
+def train_head_watched(lm, path, domains: dict[str, list[str]], cfg: HeadConfig, **kwargs):
+    """:func:`distill_head`, watched: where other work used the machine meanwhile
+    (:func:`~adaptive.costs.busy_warning`), a one-line warning, since its steps then come slower (a minutes
+    budget buys fewer of them) and the head's race against ``ar`` reads slow."""
+    with CpuWatch() as watch:
+        r = distill_head(lm, path, domains, cfg, **kwargs)
+    warning = busy_warning("the eagle head's training and race", watch.others_share)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    return r

@@ -58,6 +58,7 @@ import torch
 from adaptive.distill.heads import HeadConfig, HeadData, HeadTrainer
 from adaptive.drafters.eagle import EagleHead, HeadShape
 from adaptive.errors import ConfigError
+from adaptive.profile import GLOBAL
 from adaptive.profile.overlay import default_replica_id, overlay_path, profile_digest, replica_dir
 from adaptive.workdir import atomic_write
 
@@ -254,8 +255,13 @@ class HeadRefiner:
 
     def observe(self, finished) -> None:
         """Keep a finished request's text (greedy ones only: the target's own greedy text is what a
-        head is judged against); a round is due once its domain has ``every`` new ones."""
-        if not finished.greedy or len(finished.output) < 2:
+        head is judged against; of another engine, only those of a calibrated domain or the global
+        record); a round is due once its domain has ``every`` new ones."""
+        # another engine's learned domain is that engine's own (each member of a two-engine runtime learns
+        # its own), not the one of the same name here: its text is not kept
+        foreign = finished.engine != self.bb.engine and finished.domain not in self.profile.domains \
+            and finished.domain != GLOBAL
+        if not finished.greedy or len(finished.output) < 2 or foreign:
             with self._lock:
                 self.skipped += 1
             return

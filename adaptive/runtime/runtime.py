@@ -712,8 +712,8 @@ class AdaptiveRuntime:
         the profile's record."""
         with self._state_lock:
             spec, rec = self._distilled("eagle")
-            head = self._domain_eagle.get(GLOBAL) or spec.eagle
-        return HeadCandidate(head, rec.acceptance, rec.draft_cost)
+            head = self._domain_eagle.get(GLOBAL)
+        return HeadCandidate(head if head is not None else spec.eagle, rec.acceptance, rec.draft_cost)
 
     def eagle_heads(self) -> dict[str, EagleHead]:
         """The domains drafting with a head of their own (:meth:`set_eagle_head`), and those heads."""

@@ -97,3 +97,34 @@ def test_distill_an_eagle_head_then_generate_show_and_bench(capsys, tiny_model_d
     code, _, err = run(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--drafter", "eagle",
                        "--layers", "1,2", "--steps", "2", "--dtype", "float32", "--quiet", *data)
     assert code != 0 and "top one" in err
+
+
+def test_a_head_trained_on_a_busy_machine_is_said(monkeypatch):
+    """Other work slows the head's steps (a minutes budget buys fewer) and its race: `adaptive distill
+    --drafter eagle` and `calibrate --heads` say so in one warning, and not on an idle machine."""
+    import warnings
+
+    import adaptive.cli.distill as cli_distill
+
+    class Watch:
+        def __init__(self, share):
+            self.others_share = share
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(cli_distill, "distill_head", lambda *a, **k: "result")
+    for share, said in ((0.45, True), (0.05, False), (None, False)):
+        monkeypatch.setattr(cli_distill, "CpuWatch", lambda share=share: Watch(share))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_distill.train_head_watched(None, "p", {}, None) == "result"
+        texts = [str(w.message) for w in caught]
+        assert bool(texts) == said, (share, texts)
+        if said:
+            assert texts == ["other work used 45% of this machine's CPU while the eagle head's training and race was "
+                             "timed: its timings read slow (and the engine choice and decisions they price with "
+                             "them); time it again on an idle machine"]

@@ -106,7 +106,12 @@ def test_only_greedy_requests_of_some_length_are_kept_and_held_out_ones_are_ever
     refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "every": 100}), replica="r1")
     _serve(rt, 2, temperature=0.8, seed=1)
     refiner.observe(FinishedRequest("math", (1, 2), (3,), "torch", True))  # one token: nothing to learn
-    assert refiner.skipped == 3 and refiner.domains == {}
+    # llama.cpp's own learned domain (a two-engine runtime's members each learn theirs): not this engine's
+    refiner.observe(FinishedRequest("learned-1", (1, 2), (3, 4, 5), "llama.cpp", True))
+    assert refiner.skipped == 4 and refiner.domains == {}
+    refiner.observe(FinishedRequest("math", (1, 2), (3, 4, 5), "llama.cpp", True))  # a calibrated domain: kept
+    assert refiner.domains["math"].seen == 1
+    refiner.domains.clear()
     _serve(rt, 5)
     (d,) = refiner.domains.values()
     assert [q.held for q in d.kept] == [False, True, False, True, False]
