@@ -79,7 +79,9 @@ class RefineSettings:
     what the head learns from anyway); ``held_every``: every so many a domain's held-out one;
     ``min_held``: held-out sequences a round needs to decide; ``margin``: the rise in first-draft
     acceptance a copy must show to be adopted; ``background=False``: rounds run in the observing thread
-    (tests); ``persist=False``: load adopted heads, never write them."""
+    (tests); ``persist=False``: load adopted heads, never write them; ``feature_mib``: the feature rows
+    kept over all domains (beyond it, other domains' rows go, least recently refined first, and are
+    captured again at their next round)."""
 
     every: int = 16
     steps: int = 40
@@ -91,6 +93,7 @@ class RefineSettings:
     margin: float = 0.01
     background: bool = True
     persist: bool = True
+    feature_mib: float = 256.0
     seed: int = 0
 
     def __post_init__(self):
@@ -102,6 +105,8 @@ class RefineSettings:
             raise ConfigError(f"head refinement's held_every must be an integer >= 2, got {self.held_every!r}")
         if not self.lr > 0:
             raise ConfigError(f"head refinement's lr must be > 0, got {self.lr}")
+        if not self.feature_mib > 0:
+            raise ConfigError(f"head refinement's feature_mib must be > 0, got {self.feature_mib}")
         if not 0.0 <= self.margin < 1.0:
             raise ConfigError(f"head refinement's margin must be in [0, 1), got {self.margin}")
 
@@ -131,10 +136,11 @@ class RefineRound:
 
 @dataclass
 class _Sequence:
-    ids: list[int]
+    ids: list[int]  # the whole request: prompt and output
     start: int  # where the output begins
     held: bool
-    features: torch.Tensor | None = None  # [T, n, H] bf16 on the host, captured at the first round
+    features: torch.Tensor | None = None  # [T', n, H] bf16 on the host: the rows of the kept positions
+    cut: int = 0  # the positions before the kept ones (their rows come from a forward over the whole)
 
 
 @dataclass
@@ -375,8 +381,9 @@ class HeadRefiner:
             if seq.features is None:
                 with self._block():
                     features = self._features(seq.ids)
-                cut = max(len(seq.ids) - s.max_positions, 0)  # the last positions, their rows of the whole
-                seq.ids, seq.start, seq.features = seq.ids[cut:], max(seq.start - cut, 0), features[cut:].clone()
+                seq.cut = max(len(seq.ids) - s.max_positions, 0)  # the last positions, their rows of the whole
+                seq.features = features[seq.cut:].clone()
+        self._bound_features(domain)
         train = self._data([q for q in kept if not q.held], domain)
         if len(train) == 0:
             return None
@@ -414,6 +421,26 @@ class HeadRefiner:
             self._save(domain, head, r)
         return r
 
+    def feature_bytes(self) -> int:
+        """Bytes of feature rows kept over all domains."""
+        with self._lock:
+            seqs = [q for d in self.domains.values() for q in d.kept]
+        return sum(q.features.numel() * q.features.element_size() for q in seqs if q.features is not None)
+
+    def _bound_features(self, domain: str) -> None:
+        """Keep the feature rows within ``feature_mib``: other domains' go, least recently refined first
+        (they are captured again at their next round)."""
+        budget = self.settings.feature_mib * 2**20
+        with self._lock:
+            others = sorted((d.last.at if d.last is not None else "", name) for name, d in self.domains.items()
+                            if name != domain)
+        for _, name in others:
+            if self.feature_bytes() <= budget:
+                return
+            with self._lock:
+                for q in self.domains[name].kept:
+                    q.features = None
+
     def head_of(self, domain: str) -> EagleHead:
         """The head ``domain`` drafts with now, as the runtime picks it (``current``), else the profile's."""
         head = self._current(domain) if self._current is not None else self.heads.get(domain)
@@ -438,8 +465,8 @@ class HeadRefiner:
         return out
 
     def _data(self, seqs: list[_Sequence], domain: str) -> HeadData:
-        return HeadData.build([(q.ids, q.features) for q in seqs], [q.start for q in seqs], [domain] * len(seqs),
-                              self.shape.lookup)
+        return HeadData.build([(q.ids[q.cut:], q.features) for q in seqs], [max(q.start - q.cut, 0) for q in seqs],
+                              [domain] * len(seqs), self.shape.lookup)
 
     # -- files ----------------------------------------------------------------------------------------
 

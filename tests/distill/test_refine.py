@@ -179,3 +179,31 @@ def test_a_runtime_that_keeps_no_feature_rows_takes_no_head(lm, headed, tiny_pro
     rec, weights = load_profile(headed).distilled_drafter("eagle")
     with pytest.raises(ConfigError, match="does not draft with an eagle head"):
         _runtime(tiny_profile, lm).set_eagle_head("math", EagleHead.from_state(HeadShape.from_dict(rec.shape), weights))
+
+
+def test_rows_are_kept_for_the_last_positions_from_the_whole_and_within_the_budget(lm, headed):
+    """A long request keeps its last ``max_positions`` positions' rows, taken from a forward over all of it;
+    past ``feature_mib`` the other domains' rows go (least recently refined first) and are captured again,
+    the same, at their next round."""
+    rt = _runtime(headed, lm)
+    prompts = {"math": TINY_DOMAINS["math"][0], "chat": TINY_DOMAINS["chat"][0]}
+    texts = {d: (tuple(rt.encode(p)), tuple(rt.generate(p, max_new_tokens=12, policy="ar").token_ids))
+             for d, p in prompts.items()}
+    refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "every": 100, "steps": 1, "max_positions": 8,
+                                                   "feature_mib": 0.018}), replica="r1")
+    for domain, (ids, out) in texts.items():
+        for _ in range(4):
+            refiner.observe(FinishedRequest(domain, ids, out, "torch", True))
+    refiner.refine("math")
+    q = refiner.domains["math"].kept[0]
+    assert q.cut == len(q.ids) - 8 > 0 and q.features.shape[0] == 8
+    assert torch.equal(q.features, refiner._features(q.ids)[q.cut:])
+    first = q.features.clone()
+    one = first.numel() * first.element_size() * 4  # a domain's rows: 4 sequences of 8 positions
+    assert refiner.feature_bytes() == one < 0.018 * 2**20 < 2 * one
+    refiner.refine("chat")  # two domains' rows are over the budget: math's go
+    assert all(s.features is None for s in refiner.domains["math"].kept)
+    assert refiner.feature_bytes() == one
+    refiner.refine("math")  # captured again, the same rows; chat's go
+    assert torch.equal(refiner.domains["math"].kept[0].features, first)
+    assert all(s.features is None for s in refiner.domains["chat"].kept)
