@@ -64,6 +64,7 @@ from adaptive.workdir import atomic_write
 
 log = logging.getLogger("adaptive.refine")
 
+HISTORY = 64  # the latest rounds kept for state() and the benchmark
 REFINED_FORMAT = "adaptive-refined-head"
 REFINED_VERSION = "1"
 HEAD_INFIX = ".head-"  # REPLICA.head-DOMAIN.safetensors
@@ -240,9 +241,11 @@ class HeadRefiner:
         self._closed = False
         self.domains: dict[str, _Domain] = {}
         self.heads: dict[str, EagleHead] = {}  # domain -> its adopted head
-        self.history: list[RefineRound] = []
-        self.errors: list[str] = []
-        self.skipped = 0  # requests not kept (sampled, or too short)
+        self.history: deque[RefineRound] = deque(maxlen=HISTORY)  # the latest rounds
+        self.rounds = 0  # rounds run, and adopted, in all
+        self.adopted = 0
+        self.errors: deque[str] = deque(maxlen=HISTORY)
+        self.skipped = 0  # requests not kept (sampled, too short or too long, another engine's learned domain)
         self.round_seconds = 0.0
         self._due: deque[str] = deque()
         self._active = False  # a round is running
@@ -267,7 +270,8 @@ class HeadRefiner:
         # its own), not the one of the same name here: its text is not kept
         foreign = finished.engine != self.bb.engine and finished.domain not in self.profile.domains \
             and finished.domain != GLOBAL
-        if not finished.greedy or len(finished.output) < 2 or foreign:
+        size = len(finished.prompt) + len(finished.output)
+        if not finished.greedy or len(finished.output) < 2 or size >= self.bb.max_positions or foreign:
             with self._lock:
                 self.skipped += 1
             return
@@ -300,9 +304,9 @@ class HeadRefiner:
             for name in self.heads:
                 domains.setdefault(name, {"kept": 0, "seen": 0, "pending": 0, "rounds": 0, "refined": True,
                                           "last": None})
-            return {"rounds": len(self.history), "adopted": sum(r.adopted for r in self.history),
+            return {"rounds": self.rounds, "adopted": self.adopted,
                     "round_seconds": round(self.round_seconds, 2), "skipped": self.skipped,
-                    "domains": domains, "errors": list(self.errors[-10:])}
+                    "domains": domains, "errors": list(self.errors)[-10:]}
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no round is due or running (``timeout`` seconds at most); ``True`` if none is."""
@@ -328,7 +332,8 @@ class HeadRefiner:
     # -- rounds -------------------------------------------------------------------------------------
 
     def run_due(self) -> list[RefineRound]:
-        """Run every round that is due now, in this thread; the rounds run."""
+        """Run every round that is due now, in this thread; the rounds run (one that fails is reported in
+        :meth:`state`'s errors and changes nothing)."""
         done = []
         while True:
             with self._lock:
@@ -339,6 +344,13 @@ class HeadRefiner:
                 self._active = True
             try:
                 r = self.refine(name)
+            except _Stopped:  # closed meanwhile: nothing half-made is kept
+                return done
+            except Exception as exc:  # a failed round must not stop serving: reported, the head kept
+                log.exception("a head refinement round of %s failed", name)
+                with self._lock:
+                    self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                r = None
             finally:
                 with self._lock:
                     self._active = False
@@ -353,14 +365,7 @@ class HeadRefiner:
                     self._wake.wait()
                 if self._closed:
                     return
-            try:
-                self.run_due()
-            except _Stopped:
-                return
-            except Exception as exc:  # a failed round must not stop serving: report it, keep the current head
-                log.exception("a head refinement round failed")
-                with self._lock:
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
+            self.run_due()
 
     def _block(self):
         if self._closed:
@@ -409,6 +414,8 @@ class HeadRefiner:
                             time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             d.last = r
             self.history.append(r)
+            self.rounds += 1
+            self.adopted += adopted
             self.round_seconds += r.seconds
         log.info("head round %d of %s: first draft kept %.3f -> %.3f over %d held-out positions of %d sequences, "
                  "t %s (%s)", r.round, domain, r.before, r.after, r.held_rows, r.held_sequences, r.t,

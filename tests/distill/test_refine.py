@@ -101,6 +101,21 @@ def test_a_round_that_does_not_improve_keeps_the_current_head(lm, headed):
     assert rt.eagle_heads() == {} and not list(refiner.directory.glob("r1.head-*"))
 
 
+def test_a_round_that_fails_is_reported_and_serving_goes_on(lm, headed, monkeypatch):
+    rt = _runtime(headed, lm)
+    refiner = attach_refiner(rt, RefineSettings(**QUICK), replica="r1")
+
+    def broken(ids):
+        raise RuntimeError("no rows today")
+
+    monkeypatch.setattr(refiner, "_features", broken)
+    results = _serve(rt, 4)  # the fourth request's round fails in its thread (background=False)
+    assert len(results) == 4 and results[-1].text == results[0].text
+    (error,) = refiner.errors
+    assert error.endswith(": RuntimeError: no rows today") and refiner.state()["errors"] == [error]
+    assert not refiner.history and refiner.state()["rounds"] == 0 and rt.eagle_heads() == {}
+
+
 def test_only_greedy_requests_of_some_length_are_kept_and_held_out_ones_are_every_nth(lm, headed):
     rt = _runtime(headed, lm)
     refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "every": 100}), replica="r1")
@@ -115,7 +130,7 @@ def test_only_greedy_requests_of_some_length_are_kept_and_held_out_ones_are_ever
     _serve(rt, 5)
     (d,) = refiner.domains.values()
     assert [q.held for q in d.kept] == [False, True, False, True, False]
-    assert refiner.history == []  # not due yet
+    assert not refiner.history  # not due yet
 
 
 def test_background_rounds_run_on_their_own_thread_and_close_stops_it(lm, headed):
