@@ -124,16 +124,14 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
                           "pip install 'adaptive[serve]'") from None
     from adaptive.runtime.online import OnlineSettings
 
-    rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine,
-                      online=OnlineSettings(enabled=online, path=online_path, replica=replica_id,
-                                            merge_interval=merge_interval), goodput=goodput,
+    learning = OnlineSettings(enabled=online, path=online_path, replica=replica_id, merge_interval=merge_interval)
+    rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine, online=learning, goodput=goodput,
                       prefix_cache=prefix_cache)
-    if online and refine_heads:
+    if online and refine_heads:  # within the online learner's share of the model
         from adaptive.distill.refine import attach_refiner
         from adaptive.runtime.turns import ShareGuard
 
-        settings = OnlineSettings()
-        if attach_refiner(rt, guard_for=lambda lock: ShareGuard(lock, settings.share, settings.idle_s),
+        if attach_refiner(rt, guard_for=lambda lock: ShareGuard(lock, learning.share, learning.idle_s),
                           replica=replica_id) is not None:
             info("refining the eagle head on the traffic served (--no-refine-heads: off)")
     rt.reserve_batch(max_batch)  # before warming: the graphs are captured on the caches' batched layout

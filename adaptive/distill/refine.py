@@ -75,7 +75,7 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 class RefineSettings:
     """How a :class:`HeadRefiner` learns (see the module doc). ``every``: a domain's new greedy requests
     between rounds; ``steps``, ``lr``: a round's training; ``keep``: sequences kept per domain (the
-    oldest go first); ``max_positions``: the positions of a sequence kept with their feature rows (its
+    oldest go first); ``kept_positions``: the positions of a sequence kept with their feature rows (its
     last ones; the rows come from a forward over the whole sequence: a training window's length bounds
     what the head learns from anyway); ``held_every``: every so many a domain's held-out one;
     ``min_held``: held-out sequences a round needs to decide; ``margin``: the rise in first-draft
@@ -88,7 +88,7 @@ class RefineSettings:
     steps: int = 40
     lr: float = 3e-4
     keep: int = 64
-    max_positions: int = 256
+    kept_positions: int = 256
     held_every: int = 4
     min_held: int = 4
     margin: float = 0.01
@@ -98,7 +98,7 @@ class RefineSettings:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("every", "steps", "keep", "max_positions", "min_held"):
+        for name in ("every", "steps", "keep", "kept_positions", "min_held"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"head refinement's {name} must be a positive integer, got {v!r}")
@@ -386,7 +386,7 @@ class HeadRefiner:
             if seq.features is None:
                 with self._block():
                     features = self._features(seq.ids)
-                seq.cut = max(len(seq.ids) - s.max_positions, 0)  # the last positions, their rows of the whole
+                seq.cut = max(len(seq.ids) - s.kept_positions, 0)  # the last positions, their rows of the whole
                 seq.features = features[seq.cut:].clone()
         self._bound_features(domain)
         train = self._data([q for q in kept if not q.held], domain)

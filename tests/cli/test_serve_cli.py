@@ -82,3 +82,29 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_connections(tiny
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_profile_with_an_eagle_head_is_served_refining_it_unless_asked_not_to(monkeypatch, capsys, tiny_profile,
+                                                                               tiny_model_dir, tmp_path):
+    import shutil
+
+    import adaptive.serve.app as app
+    from adaptive.distill.heads import HeadConfig
+    from adaptive.distill.trainer import distill_head
+    from adaptive.models import load_model
+
+    prof = tmp_path / "prof"
+    shutil.copytree(tiny_profile, prof)
+    distill_head(load_model(str(tiny_model_dir), dtype="float32"), prof, {"math": ["what is 1 plus 2?"] * 2},
+                 HeadConfig(layers=(1, 2, 4), steps=1, new_tokens=4, vocab=16, batch=1, window=8, warmup=1),
+                 progress=False, race=False)
+    served = []
+    monkeypatch.setattr(app, "serve", lambda a, **kw: served.append(a))  # the app made, not run
+    common = ["serve", "--profile", str(prof), "--model", str(tiny_model_dir), "--dtype", "float32"]
+    for extra, refining in (([], True), (["--no-refine-heads"], False), (["--no-online"], False)):
+        main(common + extra)
+        err = capsys.readouterr().err
+        assert ("refining the eagle head on the traffic served" in err) is refining, (extra, err)
+        rt = served[-1].state.scheduler.runtime
+        assert ("heads" in rt.listener_state()) is refining
+        rt.close()

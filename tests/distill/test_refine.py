@@ -197,14 +197,14 @@ def test_a_runtime_that_keeps_no_feature_rows_takes_no_head(lm, headed, tiny_pro
 
 
 def test_rows_are_kept_for_the_last_positions_from_the_whole_and_within_the_budget(lm, headed):
-    """A long request keeps its last ``max_positions`` positions' rows, taken from a forward over all of it;
+    """A long request keeps its last ``kept_positions`` positions' rows, taken from a forward over all of it;
     past ``feature_mib`` the other domains' rows go (least recently refined first) and are captured again,
     the same, at their next round."""
     rt = _runtime(headed, lm)
     prompts = {"math": TINY_DOMAINS["math"][0], "chat": TINY_DOMAINS["chat"][0]}
     texts = {d: (tuple(rt.encode(p)), tuple(rt.generate(p, max_new_tokens=12, policy="ar").token_ids))
              for d, p in prompts.items()}
-    refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "every": 100, "steps": 1, "max_positions": 8,
+    refiner = attach_refiner(rt, RefineSettings(**{**QUICK, "every": 100, "steps": 1, "kept_positions": 8,
                                                    "feature_mib": 0.018}), replica="r1")
     for domain, (ids, out) in texts.items():
         for _ in range(4):
