@@ -399,11 +399,12 @@ class HeadRefiner:
                          layers=self.shape.layers, lookup=self.shape.lookup)
         trainer = HeadTrainer(self.bb, self.shape, current.ids.cpu(), cfg)
         trainer.head.load_state_dict(current.state_dict())
-        before = self._kept_by_sequence(trainer, held_seqs, domain)
+        held = [self._data([q], domain) for q in held_seqs]  # each alone: the test is over sequences
+        before = self._kept_by_sequence(trainer, held)
         for _ in range(s.steps):
             with self._block():
                 trainer.train_step(train)
-        after = self._kept_by_sequence(trainer, held_seqs, domain)
+        after = self._kept_by_sequence(trainer, held)
         verdict = adoption(before, after, s.margin)
         adopted = verdict.adopted
         with self._lock:
@@ -462,12 +463,13 @@ class HeadRefiner:
         bb.forward(torch.tensor(ids, device=bb.device), cache, 0)
         return cache.features[:len(ids)].to(device="cpu", dtype=torch.bfloat16).clone()
 
-    def _kept_by_sequence(self, trainer: HeadTrainer, seqs: list[_Sequence], domain: str) -> list[tuple[int, int]]:
-        """Per sequence, ``(first drafts kept, first drafts made)`` by ``trainer``'s head."""
+    def _kept_by_sequence(self, trainer: HeadTrainer, held: list[HeadData]) -> list[tuple[int, int]]:
+        """Per held-out sequence (each its own :class:`HeadData`), ``(first drafts kept, first drafts made)``
+        by ``trainer``'s head."""
         out = []
-        for q in seqs:
+        for data in held:
             with self._block(), torch.no_grad():
-                ev = trainer.evaluate(self._data([q], domain), steps=1)
+                ev = trainer.evaluate(data, steps=1)
             out.append((round(ev["positions"][0] * ev["rows"]), ev["rows"]))
         return out
 

@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from adaptive.distill.refine import HeadRefiner
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from adaptive.serve.metrics import Metrics
@@ -225,7 +226,7 @@ class _Endpoints:
             return refusal
         learner = getattr(self.runtime, "online", None)
         body = {"enabled": False} if learner is None else {"enabled": True, **learner.state()}
-        heads = self._listeners().get("heads")
+        heads = self._listeners().get(HeadRefiner.name)
         if heads is not None:  # the eagle heads refined on the traffic (adaptive.distill.refine)
             body["heads"] = heads
         return JSONResponse(body)
@@ -242,7 +243,7 @@ class _Endpoints:
             cost = learner.measure_cost()
             self.metrics.set("online_measure_seconds_total", cost["measure_seconds"])
             self.metrics.set("online_measure_waits_total", cost["measure_waits"])
-        heads = self._listeners().get("heads")
+        heads = self._listeners().get(HeadRefiner.name)
         if heads is not None:
             self.metrics.set("online_head_rounds_total", heads["rounds"])
             self.metrics.set("online_head_adoptions_total", heads["adopted"])
