@@ -21,6 +21,7 @@ from adaptive.bench.data import BenchPrompt
 from adaptive.bench.llama_server import SPEC_TYPES, STATEFUL_SPEC_TYPES, LlamaServer
 from adaptive.bench.llamacpp import LlamaCpp, gguf_path
 from adaptive.bench.report import summarize
+from adaptive.drafters.eagle import DEFAULT_TREE
 from adaptive.drafters.factory import DrafterSpec, build_drafter
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN as PLD_DRAFT_LEN
 from adaptive.engine.audit import audit_divergence, common_prefix
@@ -59,6 +60,12 @@ class BenchMethod:
     policy: str | None = None
     bandit: bool = True
     reduced_vocab: bool = True
+    tree: bool = True  # the eagle head drafts trees (False: chains, the ablation)
+
+    @property
+    def runtime_key(self) -> tuple[bool, bool, bool]:
+        """What tells this method's runtime apart from another's: bandit, reduced vocabulary, trees."""
+        return (self.bandit, self.reduced_vocab, self.tree)
 
     @property
     def needs_profile(self) -> bool:
@@ -118,6 +125,9 @@ def _bench_methods() -> dict[str, BenchMethod]:
             table.append(BenchMethod(f"{name}-fixed", f"{name} with calibration's fixed draft length (for a distilled "
                                      "drafter: the one its acceptance and cost give) instead of the bandit", "runtime",
                                      policy=name, bandit=False))
+        if name == "eagle":
+            table.append(BenchMethod("eagle-chain", "eagle drafting chains instead of trees (the tree ablation)",
+                                     "runtime", policy=name, tree=False))
         if name in FULL_VOCAB_VARIANTS:
             table.append(BenchMethod(f"{name}-full-vocab", f"{name} with the full LM head for every layer-skip draft "
                                      "(the reduced-vocabulary ablation)", "runtime", policy=name, reduced_vocab=False))
@@ -205,18 +215,19 @@ class _Methods:
         except BaseException:
             self.close()
             raise
-        self.runtimes: dict[tuple[bool, bool], AdaptiveRuntime] = {}  # (bandit, reduced_vocab) -> runtime
+        self.runtimes: dict[tuple[bool, bool, bool], AdaptiveRuntime] = {}  # BenchMethod.runtime_key -> runtime
         self.two = self.other = None  # the two-engine runtime and its torch member's plain engine
         self._other_refs: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> plain decoding on the torch engine
         if any(BENCH_METHODS[name].needs_two_engines for name in methods):
             self._two_engines(lm, profile)
         for m in (BENCH_METHODS[name] for name in methods):
-            key = (m.bandit, m.reduced_vocab)
+            key = m.runtime_key
             if m.runs_on == "runtime" and key not in self.runtimes:
                 # online learning off: a repeated prompt would otherwise be drafted from its own
                 # earlier output, and the figures measure the calibrated profile
                 self.runtimes[key] = AdaptiveRuntime(profile, lm, bandit=m.bandit, seed=0,
                                                      reduced_vocab=m.reduced_vocab, online=False,
+                                                     tree=DEFAULT_TREE if m.tree else None,
                                                      prefix_cache=settings.prefix_cache)
         self._stores: dict[str, list[PrefixStore]] = {}  # method -> its own prefix stores, one per backbone
 
@@ -342,7 +353,7 @@ class _Methods:
                 self._other_refs[tuple(self.ids(messages))] = out["token_ids"]
                 return out
             return _from_result(self.torch_runtime.generate(messages, max_new_tokens=n, policy=m.policy))
-        runtime = self.runtimes[(m.bandit, m.reduced_vocab)]
+        runtime = self.runtimes[m.runtime_key]
         return _from_result(runtime.generate(messages, max_new_tokens=n, policy=m.policy))
 
     @torch.inference_mode()

@@ -38,7 +38,7 @@ from torch import nn
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import ngram_lookup
 from adaptive.engine.config import check_feature_layers
-from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter
+from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, tree_first_path
 from adaptive.engine.quant import Linear
 from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
@@ -134,6 +134,33 @@ class HeadShape:
 def default_layers(n_layers: int) -> tuple[int, ...]:
     """Low, middle and top: ``(n // 8, n // 2, n)``; for 30 layers ``(3, 15, 30)``."""
     return tuple(sorted({max(1, n_layers // 8), n_layers // 2, n_layers}))
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a greedy eagle drafter branches (EAGLE-2's dynamic tree): each depth expands the ``width``
+    likeliest nodes by the head's path probability, each by its ``width`` likeliest next tokens, and the
+    ``nodes`` likeliest of all the candidates (a tree: a node is never likelier than its parent) go to
+    one verification. The depth is the step's draft length (the bandit's choice). Example: width 3,
+    nodes 6, depth 2: three first tokens, nine second ones below them, the six likeliest of the twelve."""
+
+    width: int = 3
+    nodes: int = 8
+    min_prob: float = 0.0  # a node off the main chain whose path the head gives less than this is left out
+
+    def __post_init__(self):
+        if self.width < 1 or self.nodes < 1:
+            raise ConfigError(f"a draft tree needs width >= 1 and nodes >= 1, got {self.width} and {self.nodes}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ConfigError(f"a draft tree's min_prob must be in [0, 1), got {self.min_prob}")
+
+
+# The tree an eagle drafter branches by default. 24 held-out Spec-Bench prompts, SmolLM2-135M, torch bf16,
+# the `eagle` policy, one interleaved run (AMD EPYC, 2 cores): tau 1.94 as chains; trees of 3x8, 4x10 and
+# 6x12 nodes 2.17, 2.30, 2.35; decoding 53.1 tok/s as chains, 54.1, 56.9 and 54.0 as those trees (a
+# verification of 11 rows cost 32.6 ms a step against 29.3, the tree's drafts 7.2 ms against 6.7).
+# docs/history/2026-11-28-eagle-heads.md#sixth-session-2026-11-29-tree-drafts
+DEFAULT_TREE = TreeShape(4, 10, 0.05)
 
 
 class HeadCache:
@@ -352,16 +379,23 @@ class EagleStep:
         return self.fc(features.flatten(-2).to(self.dtype))
 
     def rows(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
-             cache: HeadCache, start: int) -> torch.Tensor:
+             cache: HeadCache, start: int, positions: torch.Tensor | None = None,
+             banned: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start .. start+T-1`` (inputs ``[T, H]``) attending to the cache's rows ``0 .. start-1`` and to
-        each other causally, their keys written at those rows: ``g``, ``[T, H]`` in the step's dtype."""
+        each other causally, their keys written at those rows: ``g``, ``[T, H]`` in the step's dtype.
+        A tree's rows (:meth:`EagleDrafter.propose`) give their own ``positions`` (``[T]``, for the rotary
+        embedding; default: the rows') and ``banned`` (``[T, start + T]``, True: may not look; default causal)."""
         s, dt = self.shape, self.dtype
         T = u.shape[0]
         lk = torch.where(has_lookup.unsqueeze(-1), lookup_emb.to(dt), self.no_lookup)
         x = torch.cat([self._norm(tokens_emb.to(dt), "norm_token"), self._norm(u, "norm_feature"),
                        self._norm(lk, "norm_lookup")], -1)
         qkv = self.qkv(x).float().view(T, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
-        cos, sin = self._rope(start, start + T, u.device)
+        if positions is None:
+            cos, sin = self._rope(start, start + T, u.device)
+        else:
+            cos, sin = self._rope(0, int(positions.max()) + 1, u.device)
+            cos, sin = cos[positions], sin[positions]
         q = EagleHead._rotate(qkv[:s.heads], cos, sin)
         cache.room(start + T)
         cache.k[:, start:start + T] = EagleHead._rotate(qkv[s.heads:s.heads + s.kv_heads], cos, sin)
@@ -369,8 +403,9 @@ class EagleStep:
         G = s.heads // s.kv_heads  # grouped heads as a batch: no key or value copied per head
         q = q.reshape(s.kv_heads, G * T, s.head_dim) / math.sqrt(s.head_dim)
         scores = q @ cache.k[:, :start + T].transpose(-1, -2)  # [KV, G*T, start+T]
-        if T > 1:
+        if banned is None and T > 1:
             banned = torch.ones(T, start + T, dtype=torch.bool, device=u.device).triu_(start + 1)
+        if banned is not None:
             scores = scores.view(s.kv_heads, G, T, start + T).masked_fill(banned, float("-inf")).view_as(scores)
         out = (torch.softmax(scores, -1) @ cache.v[:, :start + T]).view(s.heads, T, s.head_dim)
         g = u + self.o(out.transpose(0, 1).reshape(T, -1).to(dt))
@@ -401,13 +436,14 @@ class EagleDrafter(Drafter):
     warped distribution over them. The head runs as :meth:`EagleHead.step` gives it for ``dtype`` and
     the target's weight ``mode``; ``embed(ids [T]) -> [T, H]`` is the target's token embedding. Where
     prompt lookup matches at least ``copy_min`` tokens it drafts the copy instead (a cascade: lookup
-    first, the head where it has nothing; :data:`COPY_MIN`).
+    first, the head where it has nothing; :data:`COPY_MIN`). Greedy drafts on a backbone that verifies
+    trees branch as ``tree`` says (:class:`TreeShape`; ``None``: chains).
     """
 
     name = "eagle"
 
     def __init__(self, head: EagleHead, vocab: DraftHead, embed, dtype: torch.dtype = torch.float32,
-                 mode: str = "dense", copy_min: int = COPY_MIN):
+                 mode: str = "dense", copy_min: int = COPY_MIN, tree: TreeShape | None = DEFAULT_TREE):
         n = len(head.ids)
         if len(vocab) < n or not torch.equal(vocab.ids[:n].cpu(), head.ids.cpu()):
             raise ConfigError("an eagle drafter's vocabulary must start with its head's own rows (eagle_vocab)")
@@ -418,6 +454,7 @@ class EagleDrafter(Drafter):
         self.lookups = NgramIndex(head.shape.lookup)
         self.cache: HeadCache | None = None
         self.copy_min = copy_min
+        self.tree = tree
 
     def _inputs(self, tokens: list[int], lookups: list[int], device):
         """The rows' token and lookup-token embeddings (one lookup of the table), which rows have a lookup
@@ -453,6 +490,8 @@ class EagleDrafter(Drafter):
         emb, lk, have, index = self._inputs(tokens[start + 1:n + 1], looks, device)
         g = step.rows(step.fuse(features[start:n]), emb, lk, have, self.cache, start)[-1:]
         self.cache.length = n
+        if self.tree is not None and cfg.greedy and getattr(state.backbone, "verifies_trees", False):
+            return self._tree(state, g, index[-1:], choice.length)
         drafted, qs = [], []
         threshold = cfg.confidence_threshold
         row, index = n - 1, index[-1:]
@@ -476,5 +515,77 @@ class EagleDrafter(Drafter):
             g = step.rows(g, emb, lk, have, self.cache, row)
         return Draft(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(qs) if qs else None)
 
+    def _tree(self, state: DecodeState, g: torch.Tensor, index: torch.Tensor, depth: int) -> Draft:
+        """A tree draft of at most ``depth`` levels (:class:`TreeShape`) from the head's output ``g``
+        (``[1, H]``) at the pending token's row, whose lookup token's index is ``index`` (``[1]``).
+
+        Every candidate is a token, its parent candidate (-1: the pending token) and its score, the
+        log-probability of its path under the head. A level's ``width`` best candidates run through the
+        head together (one step of ``width`` rows, each seeing the committed rows and its own ancestors'),
+        and each row's ``width`` best next tokens become the next level's candidates. The ``nodes`` best
+        candidates (ties: the earlier) are the draft, by level and, among siblings, best first."""
+        width, budget = self.tree.width, self.tree.nodes
+        step, tokens = self.step, state.tokens
+        n = state.cache.length  # the pending token's position; the head's rows 0 .. n-1 are committed
+        device = g.device
+        toks: list[int] = []
+        parent: list[int] = []
+        score: list[float] = []
+        level_of: list[int] = []
+        slot: dict[int, int] = {}  # a candidate whose row was computed -> its slot in the head's cache
+        path: dict[int, list[int]] = {-1: []}  # a candidate -> the candidates from the first level to it
+
+        def expand(logits: torch.Tensor, parents: list[int], level: int) -> None:
+            logp = torch.log_softmax(logits, -1)
+            best = logp.topk(min(width, logp.shape[-1]), -1)
+            ids = self.vocab.ids[best.indices.to(self.vocab.ids.device)].tolist()  # one read for the level
+            for r, p in enumerate(parents):
+                base = score[p] if p >= 0 else 0.0
+                for lp, tok in zip(best.values[r].tolist(), ids[r]):
+                    c = len(toks)
+                    toks.append(int(tok))
+                    parent.append(p)
+                    score.append(base + lp)
+                    level_of.append(level)
+                    path[c] = path[p] + [c]
+
+        expand(step.logits(g, index, self.extra), [-1], 1)
+        frontier = list(range(len(toks)))
+        at = n  # the next free slot of the head's cache
+        outs: dict[int, torch.Tensor] = {-1: g[0]}
+        for level in range(2, depth + 1):
+            rows = len(frontier)
+            contexts = [list(tokens) + [toks[c] for c in path[f]] for f in frontier]
+            looks = [self.lookups.lookup(ctx, n - 2 + level) for ctx in contexts]
+            emb, lk, have, idx = self._inputs([toks[f] for f in frontier], looks, device)
+            for r, f in enumerate(frontier):
+                slot[f] = at + r
+            banned = torch.ones(rows, at + rows, dtype=torch.bool, device=device)
+            banned[:, :n] = False
+            for r, f in enumerate(frontier):
+                banned[r, [slot[c] for c in path[f]]] = False
+            positions = torch.full((rows,), n - 2 + level, device=device)
+            u = torch.stack([outs[parent[f]] for f in frontier])
+            out = step.rows(u, emb, lk, have, self.cache, at, positions, banned)
+            at += rows
+            for r, f in enumerate(frontier):
+                outs[f] = out[r]
+            first = len(toks)
+            expand(step.logits(out, idx, self.extra), frontier, level)
+            new = range(first, len(toks))
+            frontier = sorted(sorted(new, key=lambda c: -score[c])[:width])
+        best = sorted(range(len(toks)), key=lambda c: -score[c])[:budget]
+        if self.tree.min_prob > 0:  # the main chain stays (the bandit chose its depth); unlikely alternatives go
+            floor = math.log(self.tree.min_prob)
+            main = set(tree_first_path([parent[c] for c in range(len(toks))]))
+            best = [c for c in best if score[c] >= floor or c in main]
+        kept = sorted(best, key=lambda c: (level_of[c], c))
+        order = {c: i for i, c in enumerate(kept)}
+        return Draft(torch.tensor([toks[c] for c in kept], dtype=torch.long, device=device),
+                     parents=tuple(order[parent[c]] if parent[c] >= 0 else -1 for c in kept))
+
     def describe(self) -> dict:
-        return {"name": self.name, "layers": list(self.head.shape.layers), "draft_vocab": len(self.vocab)}
+        out = {"name": self.name, "layers": list(self.head.shape.layers), "draft_vocab": len(self.vocab)}
+        if self.tree is not None:
+            out["tree"] = asdict(self.tree)
+        return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
-from adaptive.drafters.eagle import EagleDrafter, EagleHead
+from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter, EagleHead, TreeShape
 from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.layerskip import LayerSkipDrafter
@@ -42,7 +42,8 @@ class DrafterSpec:
     ``bigram`` (``cascade``), ``head`` (a reduced-vocabulary head for ``ssd`` or a cascade's
     layer-skip level), ``exit_layer`` and ``exit_block`` (``early-exit``), ``draft_backbone``
     (``draft-model``), ``eagle`` (``eagle``: the trained head; ``head`` then holds its rows joined with
-    the prompt's tokens, :func:`eagle_vocab`), ``label`` (a name for results)."""
+    the prompt's tokens, :func:`eagle_vocab`; ``tree``: how its greedy drafts branch, ``None`` for
+    chains), ``label`` (a name for results)."""
 
     kind: str
     skip: SkipSet | None = None
@@ -53,6 +54,7 @@ class DrafterSpec:
     exit_block: ExitBlock | None = None
     draft_backbone: object = None
     eagle: EagleHead | None = None
+    tree: TreeShape | None = DEFAULT_TREE
     label: str = ""
 
     def __post_init__(self):
@@ -97,7 +99,7 @@ def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
                               lenience=plan.lenience, head=spec.head if skip else None)
     if spec.kind == "eagle":
         return EagleDrafter(spec.eagle, spec.head or eagle_vocab(spec.eagle, backbone), backbone.embed_rows,
-                            backbone.dtype, getattr(backbone, "weight_mode", "dense"))
+                            backbone.dtype, getattr(backbone, "weight_mode", "dense"), tree=spec.tree)
     if spec.kind == "early-exit":
         return EarlyExitDrafter(spec.exit_layer, n_layers, spec.exit_block, dtype=backbone.dtype,
                                 device=backbone.device)

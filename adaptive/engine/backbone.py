@@ -468,6 +468,7 @@ class Backbone:
         adapter=None,
         hidden: bool = False,
         pool_layers: tuple[int, ...] = (),
+        tree: Sequence[int] | None = None,
     ) -> ForwardOutput:
         """Run tokens ``input_ids`` (``[T]`` or ``[1, T]``) at positions ``start .. start+T-1``.
 
@@ -484,6 +485,10 @@ class Backbone:
         ``pool_layers``: also pool the residual stream after each of these many layers (0: the
         embeddings), through the final norm, as the mean over positions and at the last one
         (``ForwardOutput.layer_pools``); the layer count ``n_layers`` is what ``pool`` gives as the mean.
+        ``tree``: the fed rows form a tree (a tree draft's verification, :meth:`tree_layout`): each row's
+        parent row (``-1`` for row 0, the pending token); a row sits at the position of its depth and
+        attends to the cache before ``start`` and to its own ancestors. Its keys are written at the
+        slots ``start .. start+T-1`` by row; :meth:`keep_rows` then moves the kept path's together.
         """
         ids = input_ids.reshape(-1)
         T = ids.shape[0]
@@ -492,15 +497,20 @@ class Backbone:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
         keep = self._kept(cache, skip_masks, read_only)  # [(slot, layer count)] of the cache's feature rows
         if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or read_only)
-                and len(pool_layers) <= 1 and cache.features is None):
+                and len(pool_layers) <= 1 and cache.features is None and tree is None):
             layer = pool_layers[0] if pool_layers else None
             out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits, layer)
             if out is not NotImplemented:
                 return ForwardOutput(out) if layer is None else ForwardOutput(out[0], layer_pools={layer: out[1]})
         ids = ids.to(self.device)
         skip_attn, skip_mlp = skip_masks or self._full
-        cos, sin = self._rope(start, end)
-        banned = self._banned(T, start)
+        if tree is None:
+            cos, sin = self._rope(start, end)
+            banned = self._banned(T, start)
+        else:
+            positions, banned = self.tree_layout(tree, start)
+            cos, sin = self._rope(0, int(positions.max()) + 1)
+            cos, sin = cos[positions], sin[positions]
         h = self.embed_rows(ids)  # [T, hidden]
         pools = {} if pool_layers else None  # a decoding step asks for none: nothing below runs then
         if pools is not None and 0 in pool_layers:
@@ -592,6 +602,44 @@ class Backbone:
             return None
         return torch.ones(T, start + T, dtype=torch.bool, device=self.device).triu_(start + 1)
 
+    def tree_layout(self, tree: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions (``[T]``) and the mask (``[T, start + T]``, True: may not look) of a tree's rows fed
+        at ``start``; ``tree``: each row's parent row, ``-1`` for row 0 (the pending token, whose parent is
+        the cache). Example: ``tree=[-1, 0, 0, 1]`` at ``start=5``: positions ``[5, 6, 6, 7]``; row 3 sees
+        the cache's 5 positions and rows 0, 1 and itself, not row 2."""
+        T = len(tree)
+        if not tree or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
+            raise ValueError(f"a tree's rows need row 0 as the root and each other row's parent before it: {tree}")
+        depth = [0] * T
+        seen = torch.zeros(T, T, dtype=torch.bool)
+        for i in range(T):
+            if i:
+                depth[i] = depth[tree[i]] + 1
+                seen[i] = seen[tree[i]]
+            seen[i, i] = True
+        banned = torch.zeros(T, start + T, dtype=torch.bool)
+        banned[:, start:] = ~seen
+        return (torch.tensor(depth, device=self.device) + start, banned.to(self.device))
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether :meth:`forward` verifies tree drafts here: the eager step (a captured CUDA graph's
+        step runs chains; trees there fall back to their main chain)."""
+        return self.graphs is None
+
+    def keep_rows(self, cache: KVCache, start: int, rows: Sequence[int]) -> None:
+        """After a tree's verification fed at ``start``: move the keys, values and feature rows of the fed
+        rows ``rows`` (ascending, the kept path from row 0) to positions ``start, start + 1, ...``, where a
+        chain's would be; they were computed at those positions (:meth:`tree_layout`), so they move as they are."""
+        if list(rows) == list(range(len(rows))):
+            return
+        src = torch.tensor([start + r for r in rows], device=cache.k.device)
+        end = start + len(rows)
+        cache.k[:, :, start:end] = cache.k[:, :, src]
+        cache.v[:, :, start:end] = cache.v[:, :, src]
+        if cache.features is not None:
+            cache.features[start:end] = cache.features[src]
+
     def project_qkv(self, w: LayerWeights, x: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor,
                     sin: torch.Tensor, rotate_keys: bool = True) -> torch.Tensor:
         """``[T, n_heads + 2 * n_kv_heads, head_dim]`` in ``dtype``: the projected queries, keys and values
@@ -651,12 +699,13 @@ class Backbone:
             scores.view(KV, G, t, n)[..., n - t:].masked_fill_(banned[:, n - t:], float("-inf"))
         return torch.bmm(torch.softmax(scores, dim=-1), values).view(KV, G, t, D)
 
-    def forward_argmax(self, input_ids: Sequence[int] | torch.Tensor, cache: KVCache, start: int) -> list[int]:
+    def forward_argmax(self, input_ids: Sequence[int] | torch.Tensor, cache: KVCache, start: int,
+                       tree: Sequence[int] | None = None) -> list[int]:
         """The argmax of the full model's logits at every fed position (``T`` ints, one host read),
         all that greedy verification of a draft held on the host needs. As :meth:`forward` with
-        ``logits="all"``."""
+        ``logits="all"`` (and its ``tree``)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)  # on the host: the forward makes the one copy
-        return self.forward(ids, cache, start, logits="all").logits.argmax(-1).tolist()
+        return self.forward(ids, cache, start, logits="all", tree=tree).logits.argmax(-1).tolist()
 
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment],

@@ -23,6 +23,7 @@ from adaptive.engine.sampling import (
     greedy_accept_batch,
     greedy_accept_host,
     greedy_accept_ids,
+    greedy_accept_tree,
     speculative_accept,
     warp_probs,
 )
@@ -375,6 +376,30 @@ class Lane:
         acceptance reads nothing else)."""
         return self._keep(draft, *greedy_accept_host(proposed, target_argmax))
 
+    def verifies_tree(self, draft: Draft, backbone, alone: bool) -> bool:
+        """Whether this step verifies ``draft`` as the tree it is: greedy with the default acceptor, the
+        lane verified ``alone`` (a batch's rows are chains) on a backbone whose forward runs trees, and
+        the cache has room for every node (near a request's end it may not: the cache is sized for
+        chains, :func:`cache_positions`). Where not, the step verifies the tree's main chain
+        (:meth:`Draft.main_chain`)."""
+        return (draft.parents is not None and alone and self.cfg.greedy and self.acceptor is default_acceptor
+                and getattr(backbone, "verifies_trees", False)
+                and self.state.position + len(draft) + 1 <= self.state.cache.max_len)
+
+    def accept_tree(self, backbone, draft: Draft) -> list[int]:
+        """Verify a tree draft in one forward (:meth:`Backbone.forward_argmax
+        <adaptive.engine.backbone.Backbone.forward_argmax>` with its ``tree``), keep the longest path the
+        target's argmax follows (:func:`~adaptive.engine.sampling.greedy_accept_tree`) and move that
+        path's keys to the positions after the pending token (:meth:`Backbone.keep_rows
+        <adaptive.engine.backbone.Backbone.keep_rows>`): the new tokens, as a chain's step gives them."""
+        state = self.state
+        proposed = self.draft_ids(draft)
+        rows = [-1, *(p + 1 for p in draft.parents)]  # row 0 the pending token, row i + 1 node i
+        target = backbone.forward_argmax([state.tokens[-1], *proposed], state.cache, state.position, tree=rows)
+        path, new = greedy_accept_tree(proposed, draft.parents, target)
+        backbone.keep_rows(state.cache, state.position, [0, *(i + 1 for i in path)])
+        return self._keep(draft, len(path), new)
+
     def chains(self, draft: Draft) -> bool:
         """Whether this step may be a chained decode (:meth:`chain`): plain greedy decoding (no drafter),
         the default acceptor, more than one token left."""
@@ -410,9 +435,9 @@ class Lane:
         # The verification wrote full keys at pos .. pos+k; keep the accepted ones. Rolling back the
         # rejected drafts is this assignment: their stale keys are overwritten before being read.
         state.cache.length += n + 1
-        k = len(draft)
+        k = draft.depth  # a chain's length; a tree's longest path (its other nodes were alternatives)
         stats.steps += 1
-        stats.drafted += k
+        stats.drafted += len(draft)
         stats.accepted += n
         stats.rejections += n < k
         stats.accept_hist[n] += 1
@@ -448,10 +473,15 @@ def step(backbone, lanes: Sequence[Lane], choices: Sequence[DraftChoice | None] 
         raise ConfigError("a step carries a prefill's chunk only when it is not the prompt's last nor a mean "
                           "pooling's (can_ride)")
     drafts = [lane.propose(c) for lane, c in zip(lanes, choices or [None] * len(lanes))]
+    alone = len(lanes) == 1 and not carried
+    drafts = [d if d.parents is None or lane.verifies_tree(d, backbone, alone) else d.main_chain()
+              for lane, d in zip(lanes, drafts)]
     t0 = time.perf_counter()
-    chained = lanes[0].chain(backbone) if len(lanes) == 1 and not carried and lanes[0].chains(drafts[0]) else None
+    chained = lanes[0].chain(backbone) if alone and lanes[0].chains(drafts[0]) else None
     if chained is not None:  # plain greedy decoding replayed on the device, one host read for several tokens
         new, rows = [chained], len(chained)
+    elif drafts[0].parents is not None:  # a tree, verified alone (verifies_tree)
+        new, rows = [lanes[0].accept_tree(backbone, drafts[0])], len(drafts[0]) + 1
     elif len(lanes) == 1 and not carried and lanes[0].argmax_only(drafts[0]):
         # greedy on a host draft reads only the target's argmax: ints all the way, no rows copied
         lane, draft = lanes[0], drafts[0]

@@ -9,6 +9,10 @@ Terms, defined once:
   ``k + 1`` rows of target logits. The loop (:mod:`adaptive.engine.loop`) alone owns acceptance
   and KV rollback. A drafter may write draft keys into the cache beyond ``cache.length`` (the
   verification forward overwrites them) but never changes ``cache.length``.
+* *tree*: a draft whose tokens branch (:attr:`Draft.parents`): several candidates for a position,
+  each following its parent. One verification runs the pending token and every node, each
+  attending to the cache and its own ancestors only; the loop keeps the longest path the target
+  agrees with and moves that path's keys to consecutive positions (greedy decoding only).
 * *choice*: what a :class:`DraftLengthPolicy` decides before each step (:class:`DraftChoice`):
   how many tokens to draft, and for a cascade how many of them its layer-skip level drafts.
 * *plan*: what a policy expects of drafting up to ``n`` tokens this step (:class:`DraftPlan`), so
@@ -95,9 +99,50 @@ class Draft:
     q: torch.Tensor | None = None
     sources: tuple[str, ...] = ()
     forwards: int = 0
+    # a tree: each token's parent, an index among the tokens before it (-1: the pending token); None: a chain
+    parents: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.parents is not None:
+            if len(self.parents) != len(self) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError(f"a tree draft needs one parent per token, each earlier or -1: {self.parents}")
+            if self.q is not None:
+                raise ValueError("a tree draft is greedy: it carries no sampling distributions")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """The longest path of drafted tokens: ``len(self)`` for a chain."""
+        return len(self) if self.parents is None else max(tree_depths(self.parents), default=0)
+
+    def main_chain(self) -> Draft:
+        """The chain a tree's first children make (a drafter lists each node's likeliest child first):
+        what a verification that cannot run a tree verifies. A chain is its own."""
+        if self.parents is None:
+            return self
+        path = tree_first_path(self.parents)
+        return Draft(self.tokens[path], forwards=self.forwards)
+
+
+def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """Each node's depth (1: a child of the pending token). Example: ``(-1, -1, 0, 2)`` -> ``[1, 1, 2, 3]``."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def tree_first_path(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """The nodes of the path that takes each node's first child, from the pending token. Example:
+    ``(-1, -1, 0, 0, 3)`` -> ``[0, 2]`` (node 0's first child is 2, which has none)."""
+    path, at = [], -1
+    for i, p in enumerate(parents):
+        if p == at:
+            path.append(i)
+            at = i
+    return path
 
 
 class Drafter(ABC):

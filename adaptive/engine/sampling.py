@@ -80,6 +80,32 @@ def greedy_accept_host(draft: list[int], target_argmax: list[int]) -> tuple[int,
     return n, target_argmax[:n + 1]
 
 
+def greedy_accept_tree(draft: Sequence[int], parents: Sequence[int], target_argmax: Sequence[int]
+                       ) -> tuple[list[int], list[int]]:
+    """Greedy verification of a tree draft (:attr:`~adaptive.engine.protocol.Draft.parents`) on host ints:
+    from the pending token, follow the child whose token is the target's argmax at its parent, as far as
+    one exists. ``target_argmax``: ``k + 1`` ids, row 0 the pending token's, row ``i + 1`` node ``i``'s.
+    Returns the kept nodes (the path, in order) and the step's new tokens (the path's tokens, then the
+    target's own token after it), as :func:`greedy_accept_host` for a chain.
+
+    Example: tokens ``[5, 6, 7, 8]``, parents ``[-1, -1, 0, 1]`` (5 and 6 both follow the pending token,
+    7 follows 5, 8 follows 6), argmax ``[6, 1, 2, 9, 4]``: the target wants 6 (node 1), then at node 1
+    it wants 2, which no child of node 1 is -> nodes ``[1]``, new tokens ``[6, 2]``.
+    """
+    if len(target_argmax) != len(draft) + 1 or len(parents) != len(draft):
+        raise ValueError(f"{len(draft)} tree drafts need {len(draft)} parents and {len(draft) + 1} target rows")
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, p) in enumerate(zip(draft, parents)):
+        children.setdefault(p, {}).setdefault(int(tok), i)  # a repeated token: the first node stands
+    path, at = [], -1
+    while True:
+        nxt = children.get(at, {}).get(int(target_argmax[at + 1]))
+        if nxt is None:
+            return path, [int(draft[i]) for i in path] + [int(target_argmax[at + 1])]
+        path.append(nxt)
+        at = nxt
+
+
 def greedy_accept_batch(drafts: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
     """:func:`greedy_accept_ids` of several requests at once, with one host read for all of them:
     ``drafts[i]`` ``[k_i]`` ids (on any device), ``targets[i]`` the target's argmax at its ``k_i + 1``

@@ -161,7 +161,7 @@ class ThompsonDraftLength(DraftLengthPolicy):
     def update(self, draft: Draft, accepted: int) -> None:
         if len(draft) == 0:
             return
-        ok, bad = _chain_observation(len(draft), accepted)
+        ok, bad = _chain_observation(draft.depth, accepted)  # a tree: its longest path
         with self._lock:
             self.posterior.update(ok, bad)
 

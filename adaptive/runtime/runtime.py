@@ -36,7 +36,7 @@ import torch
 
 from adaptive.costs import best_draft_length, busy_warning
 from adaptive.costs.batch import batch_draft_lengths, padded_draft_lengths
-from adaptive.drafters.eagle import EagleHead, HeadShape
+from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, HeadShape, TreeShape
 from adaptive.drafters.early_exit import ExitBlock
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.drafters.head import DraftHead
@@ -272,7 +272,7 @@ class AdaptiveRuntime:
     def __init__(self, profile: Profile, lm: LoadedModel, *, bandit: bool = True, seed: int | None = 0,
                  window: float = 500.0, reduced_vocab: bool = True, online: bool | OnlineSettings = True,
                  goodput: bool = True, model_lock: TurnLock | None = None,
-                 prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB):
+                 prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB, tree: TreeShape | None = DEFAULT_TREE):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
         busy = busy_warning(f"the {profile.model.engine} engine's costs in the profile "
@@ -284,6 +284,7 @@ class AdaptiveRuntime:
         self.engine = Engine(lm)
         self.bandit = bandit
         self.reduced_vocab = reduced_vocab
+        self.tree = tree  # how the eagle head's greedy drafts branch (None: chains)
         self.goodput = goodput
         self.max_draft_len = profile.runtime.max_draft_len
         self.cascade_max_len = profile.runtime.cascade_max_draft_len
@@ -495,7 +496,7 @@ class AdaptiveRuntime:
             if kind == "eagle":
                 if self._eagle is None:
                     self._eagle = EagleHead.from_state(HeadShape.from_dict(rec.shape), weights).to(bb.device)
-                return DrafterSpec("eagle", eagle=self._eagle), rec
+                return DrafterSpec("eagle", eagle=self._eagle, tree=self.tree), rec
             if kind == "early-exit":
                 if self._exit_block is None:
                     block = ExitBlock.from_state(rec.block, weights)

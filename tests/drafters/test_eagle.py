@@ -7,11 +7,13 @@ import torch
 
 from adaptive.drafters.eagle import (
     COPY_MIN,
+    DEFAULT_TREE,
     EagleDrafter,
     EagleHead,
     HeadCache,
     HeadShape,
     NgramIndex,
+    TreeShape,
     lookup_tokens,
 )
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
@@ -120,7 +122,8 @@ def test_the_draft_step_computes_what_training_does():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_eagle_greedy_equals_plain_decoding(family):
+@pytest.mark.parametrize("tree", [None, DEFAULT_TREE, TreeShape(2, 3)])
+def test_eagle_greedy_equals_plain_decoding(family, tree):
     lm = tiny_lm(family)
     bb = lm.backbone
     head = random_head(lm, vocab_ids=torch.arange(0, bb.vocab_size, 2))  # half the rows: the prompt adds more
@@ -129,9 +132,14 @@ def test_eagle_greedy_equals_plain_decoding(family):
         plain = decode_ids(bb, prompt, cfg)
         for copy_min in (COPY_MIN, 0):  # prompt lookup first (the default), and the head alone
             stats = GenerationStats()
-            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=copy_min)
+            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=copy_min, tree=tree)
             assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
             assert stats.drafted > 0 and stats.steps < len(plain)  # it drafted, and some drafts were kept
+            depths = sum(k * n for k, n in stats.draft_lengths.items())
+            if tree is None:
+                assert stats.drafted == depths
+            elif copy_min == 0:  # every draft a tree: more nodes than levels
+                assert stats.drafted > depths
         drafter = build_drafter(DrafterSpec("eagle", eagle=head, head=eagle_vocab(head, bb, prompt)), bb)
         assert isinstance(drafter, EagleDrafter) and drafter.copy_min == COPY_MIN
 
@@ -155,6 +163,43 @@ def test_a_drafter_rewound_drafts_as_a_fresh_one():
     del state.tokens[len(prompt) + 3:]
     new = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0)
     assert torch.equal(old.propose(state, DraftChoice(3)).tokens, new.propose(state, DraftChoice(3)).tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_tree_draft_branches_within_its_shape_and_its_main_chain_is_the_chain_s_draft(family):
+    """A tree (:class:`TreeShape`) has at most ``nodes`` nodes over at most the chosen depth, its first
+    level the head's ``width`` likeliest tokens; the path of first children is what the chain drafter
+    drafts, as far as the tree goes (the same head rows, computed a level at a time)."""
+    lm = tiny_lm(family)
+    bb = lm.backbone
+    head = random_head(lm, scale=1.0)
+    prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9, 30]
+    cfg = GenerationConfig(max_new_tokens=20, draft_len=4, features=LAYERS, ignore_eos=True)
+    for depth in (1, 3, 4):
+        cache = new_cache(bb, len(prompt), cfg)
+        first = prefill(bb, prompt, cache, cfg, None).first
+        state = DecodeState(bb, cache, prompt + [first], cfg, None)
+        shape = TreeShape(3, 7)
+        tree = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=shape)
+        chain = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=None)
+        t, c = tree.propose(state, DraftChoice(depth)), chain.propose(state, DraftChoice(depth))
+        assert t.parents is not None and c.parents is None
+        assert len(t) <= shape.nodes and t.depth <= depth and t.parents.count(-1) == min(3, shape.nodes)
+        assert len(set(zip(t.tokens.tolist(), t.parents))) == len(t)  # no node twice
+        main = t.main_chain().tokens.tolist()
+        assert main and main == c.tokens.tolist()[:len(main)]
+        if depth == 1:  # one level: the width's likeliest first tokens
+            assert t.depth == 1 and len(t) == 3
+    # no alternative is likelier than one half (the token it stands beside is likelier still): a floor above
+    # that leaves the main chain alone
+    floor = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=TreeShape(3, 7, 0.51))
+    only = floor.propose(state, DraftChoice(4))
+    assert only.parents == tuple(range(-1, len(only) - 1)) and only.tokens.tolist() == main
+    with pytest.raises(ConfigError, match="min_prob"):
+        TreeShape(3, 7, 1.0)
+    sampling = GenerationConfig(max_new_tokens=20, draft_len=4, features=LAYERS, temperature=0.8, seed=1)
+    state = DecodeState(bb, cache, prompt + [first], sampling, torch.Generator().manual_seed(0))
+    assert tree.propose(state, DraftChoice(3)).parents is None  # sampling drafts chains
 
 
 def test_eagle_needs_the_features_in_the_cache():

@@ -223,3 +223,44 @@ def test_attention_masks_only_the_new_keys_and_equals_a_full_causal_softmax(T, s
     scores = torch.einsum("kgtd,knd->kgtn", q, k) * bb.scaling
     ref = torch.einsum("kgtn,knd->kgtd", torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), v)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_tree_layout_worked_example():
+    bb = Backbone(tiny_model("llama"))
+    positions, banned = bb.tree_layout([-1, 0, 0, 1], 5)
+    assert positions.tolist() == [5, 6, 6, 7]
+    assert banned.shape == (4, 9) and not banned[:, :5].any()
+    assert banned[:, 5:].tolist() == [[False, True, True, True], [False, False, True, True],
+                                      [False, True, False, True], [False, False, True, False]]
+    with pytest.raises(ValueError, match="root"):
+        bb.tree_layout([0, 0], 5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_tree_verification_computes_its_kept_path_as_a_chain_would(family):
+    """The path's rows of a tree's forward give the logits a chain of that path gives, and once
+    :meth:`Backbone.keep_rows` has moved them, the cache holds what the chain's forward wrote (keys,
+    values, feature rows); the next forward then reads the same cache."""
+    model = tiny_model(family)
+    bb = Backbone(model)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (9,))
+    pending, a, b, c, d = 11, 20, 21, 22, 23
+    # rows: 0 pending, 1 a (decoy), 2 b, 3 c (under a), 4 d (under b): the kept path is pending, b, d
+    tree, ids = [-1, 0, 0, 1, 2], torch.tensor([pending, a, b, c, d])
+    caches = []
+    for _ in range(2):
+        cache = bb.new_cache(24, features=(0, 2, 4))
+        bb.forward(prompt, cache, 0)
+        caches.append(cache)
+    chain_cache, tree_cache = caches
+    chain = bb.forward(torch.tensor([pending, b, d]), chain_cache, 9, logits="all").logits
+    out = bb.forward(ids, tree_cache, 9, logits="all", tree=tree).logits
+    assert torch.allclose(out[[0, 2, 4]], chain, atol=1e-5)
+    bb.keep_rows(tree_cache, 9, [0, 2, 4])
+    assert torch.allclose(tree_cache.k[:, :, :12], chain_cache.k[:, :, :12], atol=1e-5)
+    assert torch.allclose(tree_cache.v[:, :, :12], chain_cache.v[:, :, :12], atol=1e-5)
+    assert torch.allclose(tree_cache.features[:12], chain_cache.features[:12], atol=1e-4)
+    nxt = [bb.forward(torch.tensor([7]), cache, 12, logits="all").logits for cache in (chain_cache, tree_cache)]
+    assert torch.allclose(nxt[0], nxt[1], atol=1e-5)
+    assert bb.verifies_trees

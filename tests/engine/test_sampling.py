@@ -3,7 +3,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptive.engine.sampling import greedy_accept, speculative_accept, warp_probs
+from adaptive.engine.sampling import (
+    greedy_accept,
+    greedy_accept_host,
+    greedy_accept_tree,
+    speculative_accept,
+    warp_probs,
+)
 
 
 def test_greedy_accept_cases():
@@ -120,3 +126,23 @@ def test_greedy_accept_batch_is_each_alone(cases):
                torch.tensor(d + [s], dtype=torch.long) for d, s in cases]
     want = [greedy_accept_host(d.tolist(), tg.tolist()) for d, tg in zip(drafts, targets)]
     assert greedy_accept_batch(drafts, targets) == want
+
+
+def test_greedy_accept_tree_worked_example():
+    # 5 and 6 both follow the pending token, 7 follows 5, 8 follows 6; the target wants 6, then 2
+    assert greedy_accept_tree([5, 6, 7, 8], [-1, -1, 0, 1], [6, 1, 2, 9, 4]) == ([1], [6, 2])
+    # ... or 6, then 8, then 4: the whole second branch
+    assert greedy_accept_tree([5, 6, 7, 8], [-1, -1, 0, 1], [6, 1, 8, 9, 4]) == ([1, 3], [6, 8, 4])
+    assert greedy_accept_tree([5, 6], [-1, -1], [3, 0, 0]) == ([], [3])  # no first token kept
+    assert greedy_accept_tree([], [], [3]) == ([], [3])
+    assert greedy_accept_tree([5, 5], [-1, -1], [5, 1, 2]) == ([0], [5, 1])  # a repeated token: the first stands
+    with pytest.raises(ValueError, match="tree drafts"):
+        greedy_accept_tree([5, 6], [-1, 0], [5, 6])
+
+
+@given(st.lists(st.integers(0, 4), max_size=6), st.lists(st.integers(0, 4), min_size=7, max_size=7))
+def test_greedy_accept_tree_of_a_chain_is_the_chain_s(draft, target):
+    parents = list(range(-1, len(draft) - 1))
+    path, new = greedy_accept_tree(draft, parents, target[:len(draft) + 1])
+    n, ids = greedy_accept_host(draft, target[:len(draft) + 1])
+    assert path == list(range(n)) and new == ids

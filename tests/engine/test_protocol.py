@@ -1,0 +1,33 @@
+"""Tree drafts: their depths, main chains and validation (literal examples)."""
+
+import pytest
+import torch
+
+from adaptive.engine.protocol import Draft, tree_depths, tree_first_path
+
+
+def test_tree_depths_and_first_path_worked_examples():
+    assert tree_depths((-1, -1, 0, 2)) == [1, 1, 2, 3]
+    assert tree_first_path((-1, -1, 0, 0, 3)) == [0, 2]
+    assert tree_first_path((-1, 0, 1, 2)) == [0, 1, 2, 3]  # a chain written as a tree is its own path
+    assert tree_first_path(()) == []
+
+
+def test_a_tree_draft_has_a_depth_and_a_main_chain():
+    tree = Draft(torch.tensor([5, 6, 7, 8, 9]), parents=(-1, -1, 0, 0, 2), forwards=2)
+    assert len(tree) == 5 and tree.depth == 3
+    chain = tree.main_chain()
+    assert chain.parents is None and chain.tokens.tolist() == [5, 7, 9] and chain.forwards == 2
+    plain = Draft(torch.tensor([1, 2]))
+    assert plain.depth == 2 and plain.main_chain() is plain
+
+
+@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, -2), (-1,)])
+def test_a_tree_draft_needs_earlier_parents_one_per_token(parents):
+    with pytest.raises(ValueError, match="parent"):
+        Draft(torch.tensor([3, 4]), parents=parents)
+
+
+def test_a_tree_draft_is_greedy():
+    with pytest.raises(ValueError, match="greedy"):
+        Draft(torch.tensor([3, 4]), q=torch.full((2, 8), 0.125), parents=(-1, 0))
