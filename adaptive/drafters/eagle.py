@@ -155,11 +155,11 @@ class TreeShape:
             raise ConfigError(f"a draft tree's min_prob must be in [0, 1), got {self.min_prob}")
 
 
-# The tree an eagle drafter branches by default. 24 held-out Spec-Bench prompts, SmolLM2-135M, torch bf16,
-# the `eagle` policy, one interleaved run (AMD EPYC, 2 cores): tau 1.94 as chains; trees of 3x8, 4x10 and
-# 6x12 nodes 2.17, 2.30, 2.35; decoding 53.1 tok/s as chains, 54.1, 56.9 and 54.0 as those trees (a
-# verification of 11 rows cost 32.6 ms a step against 29.3, the tree's drafts 7.2 ms against 6.7).
-# docs/history/2026-11-28-eagle-heads.md#sixth-session-2026-11-29-tree-drafts
+# The tree an eagle drafter branches by default. On the 2-core AMD EPYC host (SmolLM2-135M, torch bf16, 24
+# held-out Spec-Bench prompts, the `eagle` policy, each arm its own bandit, one interleaved run): tau 1.89 as
+# chains, 2.28 as 4x10 trees, 2.13 with the 0.05 floor; decoding 54.3, 56.1 and 58.1 tok/s. Every node costs
+# a verification row (11 rows: 32.6 ms a step against 28.8 for chains' 2.8 nodes), so nodes the head gives
+# less than 0.05 are left out (4.2 nodes a step, 29.2 ms). docs/history/2026-11-28-eagle-heads.md.
 DEFAULT_TREE = TreeShape(4, 10, 0.05)
 
 
