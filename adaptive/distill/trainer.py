@@ -45,6 +45,7 @@ from adaptive.distill.heads import (
     decode_with_features,
     head_shape,
     measure_head_cost,
+    repace_every,
 )
 from adaptive.distill.students import Dataset, ExitStudent, ModelStudent, TargetHead
 from adaptive.drafters.model import check_same_tokenizer
@@ -489,7 +490,7 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
         if progress:
             bar = progress_bar(run.total, "distill eagle", unit="step", initial=run.step, leave=False)
         t_run = time.perf_counter()
-        window = (t_run, run.step)  # since the last re-pacing: (its time, its step)
+        window = (t_run, run.step, 0.0)  # since the last re-pacing: (its time, its step, its evaluations' seconds)
         while run.total is None or run.step < run.total:
             loss = run.train_step(train)
             run.history.append({"step": run.step, "train_loss": round(loss, 5)})
@@ -505,18 +506,26 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
                 bar.set_postfix(loss=f"{loss:.3f}")
                 bar.update(1)
             last = run.total is not None and run.step >= run.total
-            if run.step % cfg.eval_every == 0 or last:
-                run.history.append(run.evaluation(held, run.elapsed + time.perf_counter() - t_run))
-                if cfg.steps is None and run.total is not None and not last:  # re-paced over the last window
-                    now = time.perf_counter()
-                    pace = (now - window[0]) / max(run.step - window[1], 1)  # its evaluation included
-                    total = budget_steps(cfg.minutes, run.step, run.elapsed + now - t_run, pace)
-                    if abs(total - run.total) > 0.05 * run.total:
-                        log(f"{pace:.2f} s a step lately: {total} steps in {cfg.minutes:g} minutes "
-                            f"(not {run.total})")
-                    run.total, window = total, (now, run.step)
-                    if bar is not None:
-                        bar.total = run.total
+            evaluated = run.step % cfg.eval_every == 0 or last
+            if evaluated:
+                t_eval = time.perf_counter()
+                run.history.append(run.evaluation(held, run.elapsed + t_eval - t_run))
+                eval_seconds = time.perf_counter() - t_eval
+                window = (*window[:2], window[2] + eval_seconds)
+            if (cfg.steps is None and run.total is not None and not last
+                    and (evaluated or run.step - window[1] >= repace_every(run.total))):
+                # re-paced over the last window (at each evaluation, and between them every quarter of the
+                # schedule, so one set by slow first steps grows even where no evaluation comes):
+                # its steps' own pace, and the evaluations to come at the last one's cost
+                now = time.perf_counter()
+                pace = (now - window[0] - window[2]) / max(run.step - window[1], 1) + eval_seconds / cfg.eval_every
+                total = budget_steps(cfg.minutes, run.step, run.elapsed + now - t_run, pace)
+                if abs(total - run.total) > 0.05 * run.total:
+                    log(f"{pace:.2f} s a step lately: {total} steps in {cfg.minutes:g} minutes "
+                        f"(not {run.total})")
+                run.total, window = total, (now, run.step, 0.0)
+                if bar is not None:
+                    bar.total = run.total
             if run.step % cfg.checkpoint_every == 0 or last:
                 ck = run.state()
                 ck["elapsed"] = run.elapsed + time.perf_counter() - t_run

@@ -19,6 +19,7 @@ from adaptive.distill.heads import (
     choose_vocab,
     decode_with_features,
     head_shape,
+    repace_every,
 )
 from adaptive.distill.trainer import DistillError, distill_head
 from adaptive.drafters.eagle import EagleHead, HeadShape
@@ -178,6 +179,33 @@ def test_steps_that_slow_down_shorten_the_schedule(lm, prof, monkeypatch):
     steps = [h["step"] for h in r.record.history if "train_loss" in h]
     assert r.record.train_seconds < 3 + 2.5  # the budget, and at most about one evaluation window past it
     assert steps[-1] < 3 / 0.05 + 2 * FAST["eval_every"]
+
+
+def test_repace_every_worked_example():
+    assert repace_every(90) == 22 and repace_every(30) == PACE_STEPS
+
+
+def test_steps_that_speed_up_lengthen_the_schedule_between_evaluations(lm, prof, monkeypatch):
+    """First steps slower than the rest (here: 0.15 s each while the pace is taken, as a cold start is)
+    set too short a schedule; with no evaluation before its end (``eval_every`` past it) the run is
+    re-paced every quarter of its schedule all the same (:func:`repace_every`), so it trains for most of its budget
+    rather than stopping at the first estimate's length (a fraction of it)."""
+    import time
+
+    real = HeadTrainer.train_step
+
+    def cold(self, data):
+        loss = real(self, data)
+        if self.step <= PACE_STEPS:
+            time.sleep(0.15)
+        return loss
+
+    monkeypatch.setattr(HeadTrainer, "train_step", cold)
+    cfg = HeadConfig(**{**FAST, "steps": None, "minutes": 0.1, "eval_every": 100_000})  # 6 s, no evaluation
+    r = distill_head(lm, prof, TINY_DOMAINS, cfg, progress=False, race=False)
+    steps = [h["step"] for h in r.record.history if "train_loss" in h]
+    first = budget_steps(0.1, PACE_STEPS, PACE_STEPS * 0.15, 0.15)  # at most what the cold steps set: 40
+    assert steps[-1] > 1.5 * first and r.record.train_seconds > 0.8 * 6
 
 
 def test_bad_options_are_refused(lm, prof):
