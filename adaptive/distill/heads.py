@@ -61,6 +61,36 @@ def check_training(cfg, counts: tuple[str, ...]) -> None:
 PACE_STEPS = 10  # steps timed before a minutes budget sets the schedule's length (then re-paced: repace_every)
 
 
+class Pacer:
+    """The length of a schedule under a ``minutes`` budget, as it goes: :meth:`length` after each step.
+
+    The first :data:`PACE_STEPS` steps' pace sets it; then it is re-paced at each evaluation and every
+    :func:`repace_every` steps between them (so a length set by slow first steps grows where no
+    evaluation comes), over the steps since the last re-pacing at their own pace, plus the evaluations
+    to come at the last one's cost (:meth:`evaluated`). ``spent``: the seconds the budget had spent
+    when this process took the run up (a resumed one's), ``start``: then, on ``time.perf_counter``."""
+
+    def __init__(self, minutes: float, eval_every: int, eval_seconds: float, start: float, spent: float, step: int):
+        self.minutes, self.eval_every, self.eval_seconds = minutes, eval_every, eval_seconds
+        self.start, self.spent = start, spent
+        self.window = (start, step, 0.0)  # since the last re-pacing: its time, its step, its evaluations' seconds
+
+    def evaluated(self, seconds: float) -> None:
+        """An evaluation took ``seconds``."""
+        self.eval_seconds = seconds
+        self.window = (*self.window[:2], self.window[2] + seconds)
+
+    def length(self, step: int, total: int | None, now: float, evaluated: bool) -> int | None:
+        """The schedule's length after ``step`` (``total``: the length so far, ``None`` before the pace)."""
+        t0, s0, evals = self.window
+        due = step >= PACE_STEPS if total is None else (evaluated or step - s0 >= repace_every(total))
+        if not due or step <= s0:
+            return total
+        pace = (now - t0 - evals) / (step - s0) + self.eval_seconds / self.eval_every
+        self.window = (now, step, 0.0)
+        return budget_steps(self.minutes, step, self.spent + now - self.start, pace)
+
+
 def repace_every(total: int) -> int:
     """Steps between two re-pacings of a schedule of ``total`` steps where no evaluation comes first (each
     evaluation re-paces too): a quarter of it, at least :data:`PACE_STEPS`. Example: 90 -> 22; 30 -> 10."""

@@ -35,17 +35,15 @@ from adaptive.costs import best_draft_length, measure_draft_cost
 from adaptive.distill.data import DATA_SOURCES, TrainSequence, continue_ids
 from adaptive.distill.divergences import DIVERGENCES, divergence, greedy_agreement, sampling_acceptance
 from adaptive.distill.heads import (
-    PACE_STEPS,
     HeadConfig,
     HeadData,
     HeadTrainer,
-    budget_steps,
+    Pacer,
     check_training,
     choose_vocab,
     decode_with_features,
     head_shape,
     measure_head_cost,
-    repace_every,
 )
 from adaptive.distill.students import Dataset, ExitStudent, ModelStudent, TargetHead
 from adaptive.drafters.model import check_same_tokenizer
@@ -490,18 +488,10 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
         if progress:
             bar = progress_bar(run.total, "distill eagle", unit="step", initial=run.step, leave=False)
         t_run = time.perf_counter()
-        window = (t_run, run.step, 0.0)  # since the last re-pacing: (its time, its step, its evaluations' seconds)
+        pacer = Pacer(cfg.minutes, cfg.eval_every, eval_seconds, t_run, run.elapsed, run.step)
         while run.total is None or run.step < run.total:
             loss = run.train_step(train)
             run.history.append({"step": run.step, "train_loss": round(loss, 5)})
-            if run.total is None and run.step >= PACE_STEPS:  # the schedule's length, from the first steps' pace
-                spent = time.perf_counter() - t_run
-                pace = spent / run.step
-                run.total = budget_steps(cfg.minutes, run.step, spent, pace + eval_seconds / cfg.eval_every)
-                log(f"{pace:.2f} s a step and {eval_seconds:.0f} s an evaluation every {cfg.eval_every}: {run.total} "
-                    f"steps in {cfg.minutes:g} minutes")
-                if bar is not None:
-                    bar.total = run.total
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}")
                 bar.update(1)
@@ -510,20 +500,13 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             if evaluated:
                 t_eval = time.perf_counter()
                 run.history.append(run.evaluation(held, run.elapsed + t_eval - t_run))
-                eval_seconds = time.perf_counter() - t_eval
-                window = (*window[:2], window[2] + eval_seconds)
-            if (cfg.steps is None and run.total is not None and not last
-                    and (evaluated or run.step - window[1] >= repace_every(run.total))):
-                # re-paced over the last window (at each evaluation, and between them every quarter of the
-                # schedule, so one set by slow first steps grows even where no evaluation comes):
-                # its steps' own pace, and the evaluations to come at the last one's cost
-                now = time.perf_counter()
-                pace = (now - window[0] - window[2]) / max(run.step - window[1], 1) + eval_seconds / cfg.eval_every
-                total = budget_steps(cfg.minutes, run.step, run.elapsed + now - t_run, pace)
-                if abs(total - run.total) > 0.05 * run.total:
-                    log(f"{pace:.2f} s a step lately: {total} steps in {cfg.minutes:g} minutes "
-                        f"(not {run.total})")
-                run.total, window = total, (now, run.step, 0.0)
+                pacer.evaluated(time.perf_counter() - t_eval)
+            if cfg.steps is None and not last:  # the schedule's length: paced, then re-paced (Pacer)
+                total = pacer.length(run.step, run.total, time.perf_counter(), evaluated)
+                if total != run.total and (run.total is None or abs(total - run.total) > 0.05 * run.total):
+                    log(f"{total} steps in {cfg.minutes:g} minutes" + (f" (not {run.total})" if run.total else "")
+                        + f", {pacer.eval_seconds:.0f} s an evaluation every {cfg.eval_every}")
+                run.total = total
                 if bar is not None:
                     bar.total = run.total
             if run.step % cfg.checkpoint_every == 0 or last:

@@ -15,6 +15,7 @@ from adaptive.distill.heads import (
     HeadConfig,
     HeadData,
     HeadTrainer,
+    Pacer,
     budget_steps,
     choose_vocab,
     decode_with_features,
@@ -179,6 +180,18 @@ def test_steps_that_slow_down_shorten_the_schedule(lm, prof, monkeypatch):
     steps = [h["step"] for h in r.record.history if "train_loss" in h]
     assert r.record.train_seconds < 3 + 2.5  # the budget, and at most about one evaluation window past it
     assert steps[-1] < 3 / 0.05 + 2 * FAST["eval_every"]
+
+
+def test_pacer_worked_example():
+    """A 1-minute budget: 10 steps in 10 s set 60; 15 steps at 0.5 s grow it to 25 + 42.5 / 0.5 = 110; an
+    evaluation of 2 s and 5 more steps at 0.5 s: 0.5 + 2 / 100 s a step, 30 + 38 / 0.52 = 103."""
+    pacer = Pacer(minutes=1, eval_every=100, eval_seconds=0.0, start=0.0, spent=0.0, step=0)
+    assert pacer.length(9, None, 9.0, False) is None
+    assert pacer.length(10, None, 10.0, False) == 60
+    assert pacer.length(24, 60, 17.0, False) == 60  # 14 steps: a re-pacing is due every 15 (repace_every(60))
+    assert pacer.length(25, 60, 17.5, False) == 110
+    pacer.evaluated(2.0)
+    assert pacer.length(30, 110, 22.0, True) == 103
 
 
 def test_repace_every_worked_example():
