@@ -138,7 +138,7 @@ def default_layers(n_layers: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How a greedy eagle drafter branches (EAGLE-2's dynamic tree): each depth expands the ``width``
+    """How an eagle drafter branches (EAGLE-2's dynamic tree): each depth expands the ``width``
     likeliest nodes by the head's path probability, each by its ``width`` likeliest next tokens, and the
     ``nodes`` likeliest of all the candidates (a tree: a node is never likelier than its parent) go to
     one verification. The depth is the step's draft length (the bandit's choice). Example: width 3,
@@ -436,7 +436,7 @@ class EagleDrafter(Drafter):
     warped distribution over them. The head runs as :meth:`EagleHead.step` gives it for ``dtype`` and
     the target's weight ``mode``; ``embed(ids [T]) -> [T, H]`` is the target's token embedding. Where
     prompt lookup matches at least ``copy_min`` tokens it drafts the copy instead (a cascade: lookup
-    first, the head where it has nothing; :data:`COPY_MIN`). Greedy drafts on a backbone that verifies
+    first, the head where it has nothing; :data:`COPY_MIN`). Its drafts on a backbone that verifies
     trees branch as ``tree`` says (:class:`TreeShape`; ``None``: chains).
     """
 
@@ -490,7 +490,7 @@ class EagleDrafter(Drafter):
         emb, lk, have, index = self._inputs(tokens[start + 1:n + 1], looks, device)
         g = step.rows(step.fuse(features[start:n]), emb, lk, have, self.cache, start)[-1:]
         self.cache.length = n
-        if self.tree is not None and cfg.greedy and getattr(state.backbone, "verifies_trees", False):
+        if self.tree is not None and getattr(state.backbone, "verifies_trees", False):
             return self._tree(state, g, index[-1:], choice.length)
         drafted, qs = [], []
         threshold = cfg.confidence_threshold

@@ -25,6 +25,7 @@ from adaptive.engine.sampling import (
     greedy_accept_ids,
     greedy_accept_tree,
     speculative_accept,
+    speculative_accept_tree,
     warp_probs,
 )
 from adaptive.errors import ConfigError
@@ -377,26 +378,33 @@ class Lane:
         return self._keep(draft, *greedy_accept_host(proposed, target_argmax))
 
     def verifies_tree(self, draft: Draft, backbone, alone: bool) -> bool:
-        """Whether this step verifies ``draft`` as the tree it is: greedy with the default acceptor, the
+        """Whether this step verifies ``draft`` as the tree it is: the default acceptor, the
         lane verified ``alone`` (a batch's rows are chains) on a backbone whose forward runs trees, and
         the cache has room for every node (near a request's end it may not: the cache is sized for
         chains, :func:`cache_positions`). Where not, the step verifies the tree's main chain
         (:meth:`Draft.main_chain`)."""
-        return (draft.parents is not None and alone and self.cfg.greedy and self.acceptor is default_acceptor
+        return (draft.parents is not None and alone and self.acceptor is default_acceptor
                 and getattr(backbone, "verifies_trees", False)
                 and self.state.position + len(draft) + 1 <= self.state.cache.max_len)
 
     def accept_tree(self, backbone, draft: Draft) -> list[int]:
         """Verify a tree draft in one forward (:meth:`Backbone.forward_argmax
         <adaptive.engine.backbone.Backbone.forward_argmax>` with its ``tree``), keep the longest path the
-        target's argmax follows (:func:`~adaptive.engine.sampling.greedy_accept_tree`) and move that
-        path's keys to the positions after the pending token (:meth:`Backbone.keep_rows
+        target's argmax follows (:func:`~adaptive.engine.sampling.greedy_accept_tree`; sampling: the path
+        :func:`~adaptive.engine.sampling.speculative_accept_tree` keeps, from the warped logits) and move
+        that path's keys to the positions after the pending token (:meth:`Backbone.keep_rows
         <adaptive.engine.backbone.Backbone.keep_rows>`): the new tokens, as a chain's step gives them."""
-        state = self.state
+        state, cfg = self.state, self.cfg
         proposed = self.draft_ids(draft)
         rows = [-1, *(p + 1 for p in draft.parents)]  # row 0 the pending token, row i + 1 node i
-        target = backbone.forward_argmax([state.tokens[-1], *proposed], state.cache, state.position, tree=rows)
-        path, new = greedy_accept_tree(proposed, draft.parents, target)
+        ids = [state.tokens[-1], *proposed]
+        if cfg.greedy:
+            target = backbone.forward_argmax(ids, state.cache, state.position, tree=rows)
+            path, new = greedy_accept_tree(proposed, draft.parents, target)
+        else:
+            logits = backbone.forward(torch.tensor(ids), state.cache, state.position, logits="all", tree=rows).logits
+            p = warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            path, new = speculative_accept_tree(proposed, draft.parents, p, state.generator)
         backbone.keep_rows(state.cache, state.position, [0, *(i + 1 for i in path)])
         return self._keep(draft, len(path), new)
 

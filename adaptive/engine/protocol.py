@@ -12,7 +12,8 @@ Terms, defined once:
 * *tree*: a draft whose tokens branch (:attr:`Draft.parents`): several candidates for a position,
   each following its parent. One verification runs the pending token and every node, each
   attending to the cache and its own ancestors only; the loop keeps the longest path the target
-  agrees with and moves that path's keys to consecutive positions (greedy decoding only).
+  keeps (greedy: the one its argmax follows; sampling: speculative sampling of each node's children as
+  point masses) and moves that path's keys to consecutive positions.
 * *choice*: what a :class:`DraftLengthPolicy` decides before each step (:class:`DraftChoice`):
   how many tokens to draft, and for a cascade how many of them its layer-skip level drafts.
 * *plan*: what a policy expects of drafting up to ``n`` tokens this step (:class:`DraftPlan`), so
@@ -107,7 +108,7 @@ class Draft:
             if len(self.parents) != len(self) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
                 raise ValueError(f"a tree draft needs one parent per token, each earlier or -1: {self.parents}")
             if self.q is not None:
-                raise ValueError("a tree draft is greedy: it carries no sampling distributions")
+                raise ValueError("a tree draft's tokens are point masses: it carries no sampling distributions")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

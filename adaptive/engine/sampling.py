@@ -106,6 +106,47 @@ def greedy_accept_tree(draft: Sequence[int], parents: Sequence[int], target_argm
         at = nxt
 
 
+def speculative_accept_tree(draft: Sequence[int], parents: Sequence[int], p: torch.Tensor,
+                            generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Speculative sampling of a tree draft (SpecInfer's multi-candidate verification, each candidate a
+    point mass): the output is distributed exactly as the target's ``p``. ``p``: ``[k + 1, V]`` the
+    target distributions (warped), row 0 the pending token's, row ``i + 1`` node ``i``'s.
+
+    At a node (first the pending token) its children are tried in order: child ``x`` is accepted with
+    probability ``r(x)``, ``r`` the node's row of ``p`` at first; a rejected ``x`` leaves
+    ``r = norm(r with x set to 0)`` for the next child (speculative sampling's residual for a point-mass
+    proposal). An accepted child becomes the node; when none is, the next token is drawn from ``r``.
+    Returns the kept nodes and the new tokens, as :func:`greedy_accept_tree`.
+
+    Example: children ``[0, 1]`` of the pending token, ``p_0 = [0.5, 0.25, 0.25]``: token 0 is kept half
+    the time; otherwise ``r = [0, 0.5, 0.5]`` and token 1 is kept half of those times; otherwise token 2
+    is drawn: each a quarter or a half of the time, as ``p_0`` says.
+    """
+    if p.shape[0] != len(draft) + 1 or len(parents) != len(draft):
+        raise ValueError(f"{len(draft)} tree drafts need {len(draft)} parents and {len(draft) + 1} target rows")
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, at = [], -1
+    while True:
+        r, kept = p[at + 1].clone(), None
+        for c in children.get(at, ()):
+            x = int(draft[c])
+            if float(torch.rand((), generator=generator, device=r.device)) < float(r[x]):
+                kept = c
+                break
+            r[x] = 0.0
+            total = r.sum()
+            if total <= 0:  # all of r's mass was on rejected tokens (rounding): draw from p itself
+                r = p[at + 1].clone()
+                break
+            r /= total
+        if kept is None:
+            return path, [int(draft[i]) for i in path] + [int(torch.multinomial(r, 1, generator=generator))]
+        path.append(kept)
+        at = kept
+
+
 def greedy_accept_batch(drafts: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
     """:func:`greedy_accept_ids` of several requests at once, with one host read for all of them:
     ``drafts[i]`` ``[k_i]`` ids (on any device), ``targets[i]`` the target's argmax at its ``k_i + 1``

@@ -199,7 +199,7 @@ def test_a_tree_draft_branches_within_its_shape_and_its_main_chain_is_the_chain_
         TreeShape(3, 7, 1.0)
     sampling = GenerationConfig(max_new_tokens=20, draft_len=4, features=LAYERS, temperature=0.8, seed=1)
     state = DecodeState(bb, cache, prompt + [first], sampling, torch.Generator().manual_seed(0))
-    assert tree.propose(state, DraftChoice(3)).parents is None  # sampling drafts chains
+    assert tree.propose(state, DraftChoice(3)).parents is not None  # sampling drafts trees too (point masses)
 
 
 def test_eagle_needs_the_features_in_the_cache():
@@ -211,9 +211,13 @@ def test_eagle_needs_the_features_in_the_cache():
         DrafterSpec("eagle")
 
 
-def test_eagle_sampling_matches_the_target():
+@pytest.mark.parametrize("tree", [None, DEFAULT_TREE, TreeShape(3, 6)])
+def test_eagle_sampling_matches_the_target(tree):
+    """Chains sample from the head's distribution; trees propose its likeliest tokens as point masses and
+    verify them by speculative_accept_tree: both keep the target's distribution."""
     lm = tiny_lm("llama", vocab=V, n_layers=4, init=0.5, seed=7)
     head = random_head(lm, seed=3, scale=1.0)
     cfg = GenerationConfig(**{**CFG.__dict__, "features": LAYERS})
-    counts = sample_counts(lm, lambda: build_drafter(DrafterSpec("eagle", eagle=head), lm.backbone), cfg=cfg)
+    counts = sample_counts(lm, lambda: build_drafter(DrafterSpec("eagle", eagle=head, tree=tree), lm.backbone),
+                           cfg=cfg)
     assert chi2_pvalue(counts, target_joint(lm)) > 1e-3

@@ -28,6 +28,6 @@ def test_a_tree_draft_needs_earlier_parents_one_per_token(parents):
         Draft(torch.tensor([3, 4]), parents=parents)
 
 
-def test_a_tree_draft_is_greedy():
-    with pytest.raises(ValueError, match="greedy"):
+def test_a_tree_draft_s_tokens_are_point_masses():
+    with pytest.raises(ValueError, match="point masses"):
         Draft(torch.tensor([3, 4]), q=torch.full((2, 8), 0.125), parents=(-1, 0))

@@ -8,6 +8,7 @@ from adaptive.engine.sampling import (
     greedy_accept_host,
     greedy_accept_tree,
     speculative_accept,
+    speculative_accept_tree,
     warp_probs,
 )
 
@@ -146,3 +147,29 @@ def test_greedy_accept_tree_of_a_chain_is_the_chain_s(draft, target):
     path, new = greedy_accept_tree(draft, parents, target[:len(draft) + 1])
     n, ids = greedy_accept_host(draft, target[:len(draft) + 1])
     assert path == list(range(n)) and new == ids
+
+
+def test_speculative_accept_tree_literal_cases():
+    p = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.5, 0.5, 0.0]])
+    # children 0 (token 0) and 1 (token 1) of the pending token; node 2 (token 2) under node 1. Row 0 (the
+    # pending token's) is all on token 1: child 0 is always rejected and child 1 always kept; row 2 (node
+    # 1's) is all on token 2: node 2 is kept; row 3 (node 2's) draws the next token, 0 or 1
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        path, new = speculative_accept_tree([0, 1, 2], [-1, -1, 1], p, gen)
+        assert path == [1, 2] and new[:2] == [1, 2] and new[2] in (0, 1)
+    with pytest.raises(ValueError, match="tree drafts"):
+        speculative_accept_tree([0, 1], [-1, -1], p, gen)
+
+
+def test_speculative_accept_tree_keeps_the_target_s_distribution():
+    """The docstring's example: children 0 and 1 of the pending token under ``p_0 = [0.5, 0.25, 0.25]``;
+    the first token is 0, 1 or 2 a half, a quarter and a quarter of the time (chi-square over 4,000 draws)."""
+    from scipy.stats import chisquare
+
+    p = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(1)
+    counts = [0, 0, 0]
+    for _ in range(4000):
+        counts[speculative_accept_tree([0, 1], [-1, -1], p, gen)[1][0]] += 1
+    assert chisquare(counts, [2000, 1000, 1000]).pvalue > 1e-3
