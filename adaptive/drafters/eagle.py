@@ -531,11 +531,10 @@ class EagleDrafter(Drafter):
         toks: list[int] = []
         parent: list[int] = []
         score: list[float] = []
-        level_of: list[int] = []
         slot: dict[int, int] = {}  # a candidate whose row was computed -> its slot in the head's cache
         path: dict[int, list[int]] = {-1: []}  # a candidate -> the candidates from the first level to it
 
-        def expand(logits: torch.Tensor, parents: list[int], level: int) -> None:
+        def expand(logits: torch.Tensor, parents: list[int]) -> None:
             logp = torch.log_softmax(logits, -1)
             best = logp.topk(min(width, logp.shape[-1]), -1)
             ids = self.vocab.ids[best.indices.to(self.vocab.ids.device)].tolist()  # one read for the level
@@ -543,13 +542,12 @@ class EagleDrafter(Drafter):
                 base = score[p] if p >= 0 else 0.0
                 for lp, tok in zip(best.values[r].tolist(), ids[r]):
                     c = len(toks)
-                    toks.append(int(tok))
+                    toks.append(tok)
                     parent.append(p)
                     score.append(base + lp)
-                    level_of.append(level)
                     path[c] = path[p] + [c]
 
-        expand(step.logits(g, index, self.extra), [-1], 1)
+        expand(step.logits(g, index, self.extra), [-1])
         frontier = list(range(len(toks)))
         at = n  # the next free slot of the head's cache
         outs: dict[int, torch.Tensor] = {-1: g[0]}
@@ -571,15 +569,15 @@ class EagleDrafter(Drafter):
             for r, f in enumerate(frontier):
                 outs[f] = out[r]
             first = len(toks)
-            expand(step.logits(out, idx, self.extra), frontier, level)
+            expand(step.logits(out, idx, self.extra), frontier)
             new = range(first, len(toks))
             frontier = sorted(sorted(new, key=lambda c: -score[c])[:width])
         best = sorted(range(len(toks)), key=lambda c: -score[c])[:budget]
         if self.tree.min_prob > 0:  # the main chain stays (the bandit chose its depth); unlikely alternatives go
             floor = math.log(self.tree.min_prob)
-            main = set(tree_first_path([parent[c] for c in range(len(toks))]))
+            main = set(tree_first_path(parent))
             best = [c for c in best if score[c] >= floor or c in main]
-        kept = sorted(best, key=lambda c: (level_of[c], c))
+        kept = sorted(best, key=lambda c: (len(path[c]), c))  # by level, then as made (siblings best first)
         order = {c: i for i, c in enumerate(kept)}
         return Draft(torch.tensor([toks[c] for c in kept], dtype=torch.long, device=device),
                      parents=tuple(order[parent[c]] if parent[c] >= 0 else -1 for c in kept))

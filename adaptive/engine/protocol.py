@@ -11,8 +11,8 @@ Terms, defined once:
   verification forward overwrites them) but never changes ``cache.length``.
 * *tree*: a draft whose tokens branch (:attr:`Draft.parents`): several candidates for a position,
   each following its parent. One verification runs the pending token and every node, each
-  attending to the cache and its own ancestors only; the loop keeps the longest path the target
-  keeps (greedy: the one its argmax follows; sampling: speculative sampling of each node's children as
+  attending to the cache and its own ancestors only; the loop keeps the path the target accepts
+  (greedy: the one its argmax follows; sampling: speculative sampling of each node's children as
   point masses) and moves that path's keys to consecutive positions.
 * *choice*: what a :class:`DraftLengthPolicy` decides before each step (:class:`DraftChoice`):
   how many tokens to draft, and for a cascade how many of them its layer-skip level drafts.
