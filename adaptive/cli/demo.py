@@ -344,7 +344,7 @@ def head_text(h: dict) -> str:
              + "; decoding with it: " + (", ".join(eagle) if eagle else "none"),
              f"  the maths prompt on the torch engine: ar {h['tokens_per_s']['ar']:.1f} tok/s"]
     for m in ("eagle", "routed"):
-        label = "eagle " if m == "eagle" else f"routed ({h['routed_decision']})"
+        label = "eagle (tree drafts)" if m == "eagle" else f"routed ({h['routed_decision']})"
         lines.append(f"  {label}: {h['tokens_per_s'][m]:.1f} tok/s, speedup {h['speedup'][m]:.2f}x, "
                      f"{h['tokens_per_forward'][m]:.2f} tokens per target forward, "
                      + _audit_text(h["audits"][m], "ar"))
