@@ -74,6 +74,7 @@ class Pacer:
         self.minutes, self.eval_every, self.eval_seconds = minutes, eval_every, eval_seconds
         self.start, self.spent = start, spent
         self.window = (start, step, 0.0)  # since the last re-pacing: its time, its step, its evaluations' seconds
+        self.pace = 0.0  # the last pacing's seconds a step (its steps' own, without evaluations)
 
     def evaluated(self, seconds: float) -> None:
         """An evaluation took ``seconds``."""
@@ -86,9 +87,10 @@ class Pacer:
         due = step >= PACE_STEPS if total is None else (evaluated or step - s0 >= repace_every(total))
         if not due or step <= s0:
             return total
-        pace = (now - t0 - evals) / (step - s0) + self.eval_seconds / self.eval_every
+        self.pace = (now - t0 - evals) / (step - s0)
         self.window = (now, step, 0.0)
-        return budget_steps(self.minutes, step, self.spent + now - self.start, pace)
+        return budget_steps(self.minutes, step, self.spent + now - self.start,
+                            self.pace + self.eval_seconds / self.eval_every)
 
 
 def repace_every(total: int) -> int:

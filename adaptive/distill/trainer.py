@@ -504,7 +504,8 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
             if cfg.steps is None and not last:  # the schedule's length: paced, then re-paced (Pacer)
                 total = pacer.length(run.step, run.total, time.perf_counter(), evaluated)
                 if total != run.total and (run.total is None or abs(total - run.total) > 0.05 * run.total):
-                    log(f"{total} steps in {cfg.minutes:g} minutes" + (f" (not {run.total})" if run.total else "")
+                    log(f"{pacer.pace:.2f} s a step: {total} steps in {cfg.minutes:g} minutes"
+                        + (f" (not {run.total})" if run.total else "")
                         + f", {pacer.eval_seconds:.0f} s an evaluation every {cfg.eval_every}")
                 run.total = total
                 if bar is not None:

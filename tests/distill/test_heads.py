@@ -187,7 +187,7 @@ def test_pacer_worked_example():
     evaluation of 2 s and 5 more steps at 0.5 s: 0.5 + 2 / 100 s a step, 30 + 38 / 0.52 = 103."""
     pacer = Pacer(minutes=1, eval_every=100, eval_seconds=0.0, start=0.0, spent=0.0, step=0)
     assert pacer.length(9, None, 9.0, False) is None
-    assert pacer.length(10, None, 10.0, False) == 60
+    assert pacer.length(10, None, 10.0, False) == 60 and pacer.pace == 1.0
     assert pacer.length(24, 60, 17.0, False) == 60  # 14 steps: a re-pacing is due every 15 (repace_every(60))
     assert pacer.length(25, 60, 17.5, False) == 110
     pacer.evaluated(2.0)
