@@ -159,7 +159,8 @@ class TreeShape:
 # held-out Spec-Bench prompts, the `eagle` policy, each arm its own bandit, one interleaved run): tau 1.89 as
 # chains, 2.28 as 4x10 trees, 2.13 with the 0.05 floor; decoding 54.3, 56.1 and 58.1 tok/s. Every node costs
 # a verification row (11 rows: 32.6 ms a step against 28.8 for chains' 2.8 nodes), so nodes the head gives
-# less than 0.05 are left out (4.2 nodes a step, 29.2 ms). docs/history/2026-11-28-eagle-heads.md.
+# less than 0.05 are left out (4.2 nodes a step, 29.2 ms). A second run (benchmarks/eagle_trees.py): 60.4, 60.8
+# and 62.3 tok/s. docs/history/2026-11-28-eagle-heads.md.
 DEFAULT_TREE = TreeShape(4, 10, 0.05)
 
 
