@@ -79,3 +79,9 @@ def test_after_the_warm_up_every_cache_is_emptied_and_cache_keeping_servers_rest
     methods.new_conversation()
     assert store.stats().entries == 0
     assert [s.starts for s in methods.servers.values()] == [1, 0]  # a slot keeps its last prompt: a fresh process
+
+
+def test_eagle_chain_is_the_eagle_policy_drafting_chains_in_a_runtime_of_its_own():
+    chain, eagle = runner.BENCH_METHODS["eagle-chain"], runner.BENCH_METHODS["eagle"]
+    assert chain.policy == eagle.policy == "eagle" and eagle.tree and not chain.tree
+    assert chain.runtime_key != eagle.runtime_key and chain.needs_profile

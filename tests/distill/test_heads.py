@@ -4,7 +4,7 @@ the profile, an interrupted run resumes to the same weights, a budget in minutes
 does."""
 
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +23,7 @@ from adaptive.distill.heads import (
     repace_every,
 )
 from adaptive.distill.trainer import DistillError, distill_head
-from adaptive.drafters.eagle import EagleHead, HeadShape
+from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, HeadShape
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
 from adaptive.profile import Decision, load_profile, save_profile
@@ -237,12 +237,15 @@ def test_bad_options_are_refused(lm, prof):
 def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
     distill_head(lm, prof, TINY_DOMAINS, HeadConfig(**FAST), progress=False, race=False)
     rt = AdaptiveRuntime.from_profile(prof, dtype="float32", online=False, bandit=False)  # its bandit may not draft
+    chains = AdaptiveRuntime(rt.profile, rt.lm, online=False, bandit=False, tree=None)  # bench's eagle-chain
     assert rt.features == (1, 2, 4)
     for prompt in ("what is 3 plus 6? answer:", "hello there friend number 2"):
         plain = rt.generate(prompt, max_new_tokens=24, policy="ar")
         eagle = rt.generate(prompt, max_new_tokens=24, policy="eagle")
-        assert eagle.decision == "eagle" and eagle.text == plain.text
-        assert eagle.stats.drafted > 0
+        chain = chains.generate(prompt, max_new_tokens=24, policy="eagle")
+        assert eagle.decision == chain.decision == "eagle" and eagle.text == plain.text == chain.text
+        assert eagle.stats.drafted > 0 and chain.stats.drafted > 0
+        assert eagle.drafter_info["tree"] == asdict(DEFAULT_TREE) and "tree" not in chain.drafter_info
 
 
 def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_losslessly(lm, prof):
