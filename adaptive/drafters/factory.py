@@ -42,7 +42,7 @@ class DrafterSpec:
     ``bigram`` (``cascade``), ``head`` (a reduced-vocabulary head for ``ssd`` or a cascade's
     layer-skip level), ``exit_layer`` and ``exit_block`` (``early-exit``), ``draft_backbone``
     (``draft-model``), ``eagle`` (``eagle``: the trained head; ``head`` then holds its rows joined with
-    the prompt's tokens, :func:`eagle_vocab`; ``tree``: how its greedy drafts branch, ``None`` for
+    the prompt's tokens, :func:`eagle_vocab`; ``tree``: how its drafts branch (greedy or sampled), ``None`` for
     chains), ``label`` (a name for results)."""
 
     kind: str

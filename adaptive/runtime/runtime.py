@@ -284,7 +284,7 @@ class AdaptiveRuntime:
         self.engine = Engine(lm)
         self.bandit = bandit
         self.reduced_vocab = reduced_vocab
-        self.tree = tree  # how the eagle head's greedy drafts branch (None: chains)
+        self.tree = tree  # how the eagle head's drafts branch, greedy or sampled (None: chains)
         self.goodput = goodput
         self.max_draft_len = profile.runtime.max_draft_len
         self.cascade_max_len = profile.runtime.cascade_max_draft_len
