@@ -354,8 +354,10 @@ class Backbone:
         rows = KeptRows.of(cache, n)
         return self.prefixes.add(ids[:n], rows, rows.nbytes)
 
+    @torch.inference_mode()
     def restore_prefix(self, entry, cache: KVCache, n: int) -> int:
-        """Fill a new cache's first ``n`` positions from a :meth:`keep_prefix` entry: ``n``, or 0 where it cannot."""
+        """Fill a new cache's first ``n`` positions from a :meth:`keep_prefix` entry: ``n``, or 0 where it cannot.
+        In inference mode, as every write into a cache: a pooled slot made while warming is an inference tensor."""
         return entry.handle.restore(cache, n)
 
     def kv_bytes_per_token(self, features: Sequence[int] = ()) -> int:
@@ -627,6 +629,7 @@ class Backbone:
         step runs chains; trees there fall back to their main chain)."""
         return self.graphs is None
 
+    @torch.inference_mode()
     def keep_rows(self, cache: KVCache, start: int, rows: Sequence[int]) -> None:
         """After a tree's verification fed at ``start``: move the keys, values and feature rows of the fed
         rows ``rows`` (ascending, the kept path from row 0) to positions ``start, start + 1, ...``, where a

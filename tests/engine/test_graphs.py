@@ -458,3 +458,28 @@ def test_plain_greedy_decoding_runs_in_chains_with_the_eager_tokens(cpu_step_gra
     drafted = chained.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True, draft_len=3),
                                drafter=build_drafter(DrafterSpec("pld"), bb))
     assert drafted.token_ids == eager.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+
+
+def test_a_kept_prefix_restores_into_a_slot_made_while_warming(cpu_step_graphs):
+    """Warming makes slots in inference mode (inference tensors, which only inference mode may write): a
+    later request that gets such a slot and starts from a kept prefix fills it, and decodes as from scratch."""
+    model = tiny_model("llama", n_layers=3)
+    bb = cpu_step_graphs(model)
+    bb.prefixes.resize(1 << 20)
+    assert bb.warm_graphs() > 0
+    ids = torch.randint(3, bb.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    first = bb.new_cache(40)
+    bb.forward(ids[:20], first, 0, logits="none")
+    first.length = 20
+    assert bb.keep_prefix(first, ids[:20].tolist())
+    del first
+    gc.collect()
+    slot = bb.new_cache(40)  # the warmed slot or the first request's, both pooled
+    assert slot.k.is_inference()
+    match = bb.prefixes.lookup(ids.tolist())
+    assert match.tokens == 20
+    assert bb.restore_prefix(match.entry, slot, 20) == 20
+    bb.prefixes.unpin(match.entry)
+    got = bb.forward(ids[20:], slot, 20, logits="all").logits
+    want = Backbone(model).forward(ids, Backbone(model).new_cache(40), 0, logits="all").logits[20:]
+    assert torch.allclose(got, want, atol=1e-5)
