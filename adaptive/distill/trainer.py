@@ -557,11 +557,6 @@ def race_head(lm, profile_dir: str | Path, head, record: DistilledRecord, held: 
     profile = load_profile(profile_dir)
     settings, maxlen = profile.settings, profile.runtime.max_draft_len
     changed: dict[str, tuple[str, str]] = {}
-    graphs = getattr(lm.backbone, "graphs", None)
-    if graphs is not None and graphs.enabled:
-        log("the head is not raced: on CUDA it would run outside the captured graphs, and the runtime there "
-            "keeps them and does not draft with it yet")
-        return changed
     targets = [(n, held[n]) for n in sorted(profile.domains) if held.get(n)]
     if not targets:
         log("no calibrated domain among the distillation's domains: the head is not raced (policy eagle uses it)")

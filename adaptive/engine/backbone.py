@@ -325,13 +325,16 @@ class Backbone:
         """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context.
         With CUDA graphs its tensors are a pooled slot of a larger capacity (``limit`` = ``max_len``).
         ``features``: layer counts whose residual stream every full-model forward keeps in the cache
-        (:attr:`KVCache.features`, in the cache dtype); such a cache runs eagerly, outside the CUDA graphs.
+        (:attr:`KVCache.features`, in the cache dtype); with CUDA graphs a slot of its own holds them, and the
+        full model's captured steps write them.
         ``shared``: positions a kept prefix will fill (llama.cpp's context counts them; here each cache is its own)."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the model's context is {self.max_positions}"
             )
         layers = check_feature_layers(tuple(features), self.n_layers)
+        if layers and self.graphs is not None and self.graphs.enabled:
+            return self.graphs.new_cache(max_len, KVCache, layers)
         if layers:
             k, v = self.allocate_kv(max_len)
             rows = torch.zeros(max_len, len(layers), self.hidden_size, dtype=self.cache_dtype, device=self.device)
@@ -366,10 +369,12 @@ class Backbone:
         return size * (2 * self.n_layers * self.n_kv_heads * self.head_dim + len(features) * self.hidden_size)
 
     @torch.inference_mode()
-    def warm_graphs(self, pooling=None, max_len: int = 1, skips: Sequence[SkipSet] = ()) -> int:
+    def warm_graphs(self, pooling=None, max_len: int = 1, skips: Sequence[SkipSet] = (),
+                    features: Sequence[int] = ()) -> int:
         """With CUDA graphs: capture the steps a request of up to ``max_len`` positions replays (decode,
         verify and prefill buckets; the routing prefill's with ``pooling``, a
-        :class:`~adaptive.engine.config.Pooling`; the drafting steps of each skip set of ``skips``) now, as a
+        :class:`~adaptive.engine.config.Pooling`; the drafting steps of each skip set of ``skips``; on a slot
+        keeping the feature rows of ``features``, what a runtime with an eagle head gives every request) now, as a
         server does at startup, instead of inside the first requests; after :meth:`reserve_batch`, the batched
         steps too (:meth:`StepGraphs.warm_batches <adaptive.engine.graphs.StepGraphs.warm_batches>`). Returns
         the graphs captured (0 without graphs, or when all were). In inference mode, as :meth:`forward`
@@ -381,7 +386,7 @@ class Backbone:
         if pooling is not None:
             layers = self.pool_args(pooling).get("pool_layers", ())
             layer = layers[0] if len(layers) == 1 else None
-        cache = self.new_cache(max_len)
+        cache = self.new_cache(max_len, features=features)
         n = self.graphs.warm(cache, self._full, layer)
         for skip in dict.fromkeys(s for s in skips if s):  # each distinct non-empty skip set once
             n += self.graphs.warm(cache, skip.masks(self.n_layers), drafting=True)
@@ -499,7 +504,7 @@ class Backbone:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
         keep = self._kept(cache, skip_masks, read_only)  # [(slot, layer count)] of the cache's feature rows
         if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or read_only)
-                and len(pool_layers) <= 1 and cache.features is None and tree is None):
+                and len(pool_layers) <= 1 and tree is None):
             layer = pool_layers[0] if pool_layers else None
             out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits, layer)
             if out is not NotImplemented:

@@ -102,6 +102,11 @@ def zeros_kv(lead: tuple[int, int], head_dim: int, dtype: torch.dtype, device: t
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _zeros_rows(hidden: int, dtype: torch.dtype, device: torch.device, positions: int, n: int) -> torch.Tensor:
+    """Zeroed feature rows of a slot, ``[positions, n, hidden]``."""
+    return torch.zeros(positions, n, hidden, dtype=dtype, device=device)
+
+
 def capacity_for(max_len: int, context: int | None = None) -> int:
     """The slot capacity for a cache of ``max_len`` positions: a power of two (at least
     :data:`MIN_CAPACITY`) with room for the largest bucket's padding after the last position, at
@@ -117,35 +122,45 @@ def capacity_for(max_len: int, context: int | None = None) -> int:
 
 class SlotPool:
     """KV tensors of fixed capacities, reused across requests: a freed slot (its cache object gone)
-    is handed to the next request of its capacity, whose steps then replay the graphs captured for it."""
+    is handed to the next request of its capacity, whose steps then replay the graphs captured for it.
+    A slot for a cache that keeps feature rows (an eagle head's, :attr:`KVCache.features
+    <adaptive.engine.backbone.KVCache.features>`) holds them too, ``[capacity, len(layers), hidden]``
+    (``features``: their maker), so that the graphs captured for it write them."""
 
-    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
-        self._allocate = allocate
-        self._free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._made: set[int] = set()  # capacities of the slots made
+    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 features: Callable[[int, int], torch.Tensor] | None = None):
+        self._allocate, self._features = allocate, features
+        self._free: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}  # (capacity, layers) -> free slots
+        self._made: set[tuple] = set()  # the (capacity, layers) of the slots made
         self._collected = float("-inf")  # when take() last collected garbage (time.monotonic)
         self.allocated = 0  # slots made so far (tests and the device check read it)
 
-    def take(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A free slot of ``capacity``; a new one (and new graphs for it) only when none is free, even
-        after collecting finished requests' caches that a reference cycle still held (at most once every
-        :data:`GC_INTERVAL` seconds: a busy server's admissions do not each pay a collection)."""
-        free = self._free.setdefault(capacity, [])
-        if not free and capacity in self._made and time.monotonic() - self._collected > GC_INTERVAL:
+    def take(self, capacity: int, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
+        """A free slot of ``capacity`` (``(k, v)``, and its feature rows for ``layers``: ``(k, v, rows)``); a new
+        one (and new graphs for it) only when none is free, even after collecting finished requests' caches
+        that a reference cycle still held (at most once every :data:`GC_INTERVAL` seconds: a busy server's
+        admissions do not each pay a collection)."""
+        key = (capacity, tuple(layers))
+        free = self._free.setdefault(key, [])
+        if not free and key in self._made and time.monotonic() - self._collected > GC_INTERVAL:
             self._collected = time.monotonic()
             gc.collect()
         if free:
             return free.pop()
+        if layers and self._features is None:
+            raise ValueError("this slot pool makes no feature rows")
         self.allocated += 1
-        self._made.add(capacity)
-        return self._allocate(capacity)
+        self._made.add(key)
+        kv = self._allocate(capacity)
+        return (*kv, self._features(capacity, len(layers))) if layers else kv
 
-    def give(self, capacity: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._free.setdefault(capacity, []).append((k, v))
+    def give(self, capacity: int, *tensors: torch.Tensor, layers: tuple[int, ...] = ()) -> None:
+        self._free.setdefault((capacity, tuple(layers)), []).append(tensors)
 
     def bind(self, cache, capacity: int) -> None:
         """Return ``cache``'s tensors to the pool when the cache object is collected."""
-        weakref.finalize(cache, self.give, capacity, cache.k, cache.v)
+        tensors = (cache.k, cache.v) if cache.features is None else (cache.k, cache.v, cache.features)
+        weakref.finalize(cache, functools.partial(self.give, layers=tuple(cache.feature_layers)), capacity, *tensors)
 
 
 class StaticStep:
@@ -162,18 +177,27 @@ class StaticStep:
     ``(logits, [2, hidden])``, the final-normed rows' float32 sum over the real rows (row 0; the caller
     divides by the prompt's length, summed over chunks) and the last real row (row 1), as
     :meth:`Backbone._pool <adaptive.engine.backbone.Backbone>` computes them eagerly (plain kernels).
+    ``keep``: the layer counts whose residual stream the step writes into the slot's feature rows
+    ``features`` (``[capacity, len(keep), hidden]``, the last input; an eagle head's cache, as the eager
+    forward writes :attr:`KVCache.features <adaptive.engine.backbone.KVCache.features>`), at every fed
+    row's position: padding rows write past the real ones, as their keys are.
     """
 
     def __init__(self, backbone, bucket: int, masks: Masks, logits: str, ops: StepOps | None = None,
-                 pool_layer: int | None = None):
+                 pool_layer: int | None = None, keep: tuple[int, ...] = ()):
         if logits not in ("all", "last"):
             raise ValueError(f"a static step returns 'all' or 'last' logits, not {logits!r}")
+        if keep and masks != backbone._full:
+            raise ValueError("only the full model's steps write feature rows (a draft's are not the target's)")
         self.bb, self.bucket, self.masks, self.logits = backbone, bucket, masks, logits
         self.ops = ops or StepOps.plain()
         self.pool_layer = pool_layer
+        self.keep = tuple(keep)
 
     def __call__(self, ids: torch.Tensor, meta: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 cos: torch.Tensor, sin: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        if self.keep and features is None:
+            raise ValueError("a step that keeps feature rows needs the slot's feature rows")
         bb, ops = self.bb, self.ops
         Tb, C = self.bucket, k.shape[2]
         pos = meta[0] + torch.arange(Tb, device=ids.device)  # [Tb] absolute positions
@@ -183,6 +207,9 @@ class StaticStep:
         h = F.embedding(ids, bb.embed_weight)  # [Tb, hidden]
         delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
         pooled = self._pool(h, meta) if self.pool_layer == 0 else None
+        slots = {n: j for j, n in enumerate(self.keep)}  # layer count -> its row in the slot's feature rows
+        if 0 in slots:
+            features[:, slots[0]].index_copy_(0, pos, h.to(features.dtype))
 
         def normed(h, delta, weight, eps):
             return (h, ops.norm(h, weight, eps)) if delta is None else ops.add_norm(h, delta, weight, eps)
@@ -197,8 +224,12 @@ class StaticStep:
             if not skip_mlp[i]:
                 h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(ops.gated(w.gate_up(x), w.act))
-            if self.pool_layer == i + 1:
-                pooled = self._pool(h if delta is None else h + delta, meta)
+            if self.pool_layer == i + 1 or i + 1 in slots:
+                residual = h if delta is None else h + delta  # the eager forward's h after layer i + 1
+                if self.pool_layer == i + 1:
+                    pooled = self._pool(residual, meta)
+                if i + 1 in slots:
+                    features[:, slots[i + 1]].index_copy_(0, pos, residual.to(features.dtype))
         if self.logits == "last":
             h = h.index_select(0, meta[1:2])
             delta = None if delta is None else delta.index_select(0, meta[1:2])
@@ -232,8 +263,8 @@ class ChainedStep:
         self.step = step
 
     def __call__(self, state: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        nxt = self.step(state[0:1], state[1:3], k, v, cos, sin).argmax(-1)  # [1]
+                 cos: torch.Tensor, sin: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        nxt = self.step(state[0:1], state[1:3], k, v, cos, sin, features).argmax(-1)  # [1]
         out.index_copy_(0, state[3:4], nxt)
         state[0:1].copy_(nxt)
         state[1:2].add_(1)
@@ -277,7 +308,8 @@ class StepGraphs:
         self._owner = weakref.ref(owner)
         self._allocate = functools.partial(zeros_kv, (owner.n_layers, owner.n_kv_heads), owner.head_dim,
                                            owner.cache_dtype, owner.device)
-        self.pool = SlotPool(self._allocate)
+        rows = functools.partial(_zeros_rows, owner.hidden_size, owner.cache_dtype, owner.device)
+        self.pool = SlotPool(self._allocate, rows)
         self.slabs = SlabPool(self._allocate, 0)  # no slabs until reserve_batch sets their slots
 
     @property
@@ -299,9 +331,15 @@ class StepGraphs:
         """Graphs captured so far."""
         return len(self._graphs)
 
-    def new_cache(self, max_len: int, cache_type):
-        """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`)."""
+    def new_cache(self, max_len: int, cache_type, layers: tuple[int, ...] = ()):
+        """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`; a slot of
+        its own, with its feature rows, for a cache that keeps the residual stream after ``layers``)."""
         capacity = capacity_for(max_len, self.backbone.max_positions)
+        if layers:
+            k, v, rows = self.pool.take(capacity, layers)
+            cache = cache_type(k=k, v=v, limit=max_len, features=rows, feature_layers=tuple(layers))
+            self.pool.bind(cache, capacity)
+            return cache
         if self.slab_slots > 0:
             at = self.slabs.take(capacity)
             k, v = at.slab.view(at.index)
@@ -424,10 +462,14 @@ class StepGraphs:
         static step serves the call (graphs off, ``"all"`` logits of more rows than the largest bucket,
         a cache that is not a slot); the caller runs eagerly. More than 32 rows, ``"none"`` logits or a
         ``pool_layer`` (a prefill) run in chunks (:func:`prefill_plan`). With ``pool_layer``: ``(logits,
-        [2, hidden])``, the routing pool after that many layers (mean over the rows, last row; float32)."""
+        [2, hidden])``, the routing pool after that many layers (mean over the rows, last row; float32).
+        A full-model step over a cache that keeps feature rows writes them as the eager forward does (its
+        slot holds them: :meth:`new_cache`)."""
         T = int(ids.shape[0])
         if not self.enabled or logits not in ("all", "last", "none") or cache.limit == 0:
             return NotImplemented
+        if cache.features is not None and cache.features.shape[0] != cache.k.shape[2]:
+            return NotImplemented  # feature rows not of a slot (made eagerly): the eager forward writes them
         if T <= BUCKETS[-1] and logits != "none" and pool_layer is None:
             return self._replay(ids, cache, start, masks, logits, bucket_for(T))
         if logits == "all":
@@ -454,7 +496,7 @@ class StepGraphs:
         else:  # drafted on the device: stays there
             buf[:T].copy_(ids, non_blocking=True)
             buf[Tb:].copy_(torch.tensor([start, T - 1]), non_blocking=True)
-        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer)
+        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer, self._keep(cache, masks))
         cap = self._graphs.get(key)
         if cap is None:
             cap = self._capture(key, cache, Tb, masks, logits, pool_layer)
@@ -482,7 +524,7 @@ class StepGraphs:
             self._chain = (torch.zeros(4, dtype=torch.long, device=dev),
                            torch.zeros(CHAIN_MAX, dtype=torch.long, device=dev))
         state, out = self._chain
-        key = (cache.k.data_ptr(), "chain", masks)
+        key = (cache.k.data_ptr(), "chain", masks, self._keep(cache, masks))
         cap = self._graphs.get(key)
         if cap is None:
             state.copy_(torch.tensor([token, start, 0, 0]))
@@ -517,6 +559,11 @@ class StepGraphs:
             self.chain(0, cache, 0, 1, masks)  # plain greedy decoding's chain (Lane.chain)
         return self.captures - before
 
+    def _keep(self, cache, masks: Masks) -> tuple[int, ...]:
+        """The layer counts whose feature rows a step of ``masks`` over ``cache`` writes: the cache's own for
+        the full model's steps (a draft's residual stream is not the target's), none otherwise."""
+        return tuple(cache.feature_layers) if cache.features is not None and masks == self.backbone._full else ()
+
     def _tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._rope.get(capacity)
         if t is None:
@@ -528,14 +575,16 @@ class StepGraphs:
         """Capture the static step of ``key`` (with ``chained``: its :class:`ChainedStep`, over :meth:`chain`'s
         buffers), after compiling its pieces and a warm-up run on a side stream."""
         cos, sin = self._tables(cache.k.shape[2])
+        keep = self._keep(cache, masks)
+        rows = (cache.features,) if keep else ()  # the slot's feature rows, written by the step
         if chained:
-            args = (*self._chain, cache.k, cache.v, cos, sin)
+            args = (*self._chain, cache.k, cache.v, cos, sin, *rows)
         else:
             buf = self._inputs[Tb]
-            args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin)
+            args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin, *rows)
 
         def build(ops):
-            step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer)
+            step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer, keep)
             return ChainedStep(step) if chained else step
 
         return self._capture_step(key, build, args)

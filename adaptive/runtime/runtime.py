@@ -302,14 +302,12 @@ class AdaptiveRuntime:
         self._domain_eagle: dict[str, EagleHead] = {}  # domain -> a head refined on its traffic (set_eagle_head)
         self._listeners: list[RequestListener] = []
         # the feature rows every request's cache keeps: the eagle head's, where the profile holds one and the
-        # engine gives them (torch, eagerly: a cache that keeps them runs outside CUDA graphs, which would cost
-        # every request of a graph-captured runtime its pace, so there the head is not used); the routing
+        # engine gives them (torch; with CUDA graphs the captured steps write them into the slot); the routing
         # happens after the prefill, whose rows the head reads too
         eagle = profile.distilled.get("eagle")
         bb = lm.backbone
-        captured = getattr(bb, "graphs", None) is not None and bb.graphs.enabled
         self.features = tuple(eagle.shape["layers"]) if eagle is not None and eagle.shape and \
-            bb.engine == "torch" and not captured else ()
+            bb.engine == "torch" else ()
         # finished requests' keys, reused by later requests sharing their first tokens (a conversation's
         # history, a shared system prompt or document): MiB on this engine, 0 off (:mod:`adaptive.engine.prefix`)
         bb.prefixes.resize(budget_bytes(prefix_cache))
@@ -361,14 +359,15 @@ class AdaptiveRuntime:
     def warm(self) -> int:
         """Capture the CUDA graphs of plain decoding, verification, the routing prefill and the drafting
         steps of every skip set of the profile's records (:meth:`Profile.skip_sets
-        <adaptive.profile.Profile.skip_sets>`: a request may ask for a policy that forces layer skipping)
+        <adaptive.profile.Profile.skip_sets>`: a request may ask for a policy that forces layer skipping),
+        on a slot with the feature rows its eagle heads read (:attr:`features`)
         now (a server's startup) rather than inside its first requests: :meth:`Backbone.warm_graphs
         <adaptive.engine.backbone.Backbone.warm_graphs>`. The graphs captured (0 without CUDA graphs)."""
         warm = getattr(self.engine.backbone, "warm_graphs", None)  # the llama.cpp engine has none
         if warm is None:
             return 0
         with self._lock:
-            return warm(self.profile.index.pooling, skips=self.profile.skip_sets())
+            return warm(self.profile.index.pooling, skips=self.profile.skip_sets(), features=self.features)
 
     # -- routing and planning ------------------------------------------------------------------
 
@@ -490,8 +489,7 @@ class AdaptiveRuntime:
         bb = self.lm.backbone
         if kind == "eagle" and not self.features:
             raise ConfigError("the eagle head drafts from the target's hidden states, which the "
-                              f"{bb.engine} engine does not keep here (llama.cpp, or CUDA graphs): "
-                              "use --engine torch on the CPU")
+                              f"{bb.engine} engine does not keep: use --engine torch")
         try:
             if kind == "eagle":
                 if self._eagle is None:

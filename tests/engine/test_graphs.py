@@ -81,7 +81,7 @@ def _static_run(bb, step, ids, start, cache):
     buf = torch.zeros(Tb, dtype=torch.long)
     buf[:len(ids)] = ids
     meta = torch.tensor([start, len(ids) - 1])
-    return step(buf, meta, cache.k, cache.v, cos, sin)
+    return step(buf, meta, cache.k, cache.v, cos, sin, cache.features)
 
 
 def _slot_cache(bb, max_len):
@@ -112,6 +112,87 @@ def test_static_step_equals_the_eager_forward(family):
                 assert torch.equal(got.argmax(-1), want.argmax(-1))
             ran = [i for i in range(4) if masks is None or not masks[0][i]]
             assert torch.allclose(slot.k[ran][:, :, :30 + T], eager_cache.k[ran][:, :, :30 + T], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_steps_write_the_eager_forwards_feature_rows(family):
+    """fp32: a prefill chunk ('last' logits, padded) and a verification ('all') over a slot with feature rows
+    write the eager forward's rows at their real positions (the embeddings, a middle layer and the last);
+    a skip set's step may not write them (a draft's residual stream is not the target's)."""
+    bb = Backbone(tiny_model(family, n_layers=4))
+    layers = (0, 2, 4)
+    torch.manual_seed(0)
+    ids = torch.randint(3, bb.vocab_size, (40,))
+    eager = bb.new_cache(48, features=layers)
+    bb.forward(ids[:30], eager, 0, logits="none")
+    want = bb.forward(ids[30:35], eager, 30, logits="all").logits
+    k, v = bb.allocate_kv(capacity_for(48))
+    rows = torch.zeros(k.shape[2], len(layers), bb.hidden_size)
+    slot = KVCache(k=k, v=v, limit=48, features=rows, feature_layers=layers)
+    _static_run(bb, StaticStep(bb, 32, bb._full, "last", keep=layers), ids[:30], 0, slot)
+    got = _static_run(bb, StaticStep(bb, 8, bb._full, "all", keep=layers), ids[30:35], 30, slot)
+    assert torch.allclose(got[:5], want, atol=1e-5)
+    assert torch.allclose(slot.features[:35], eager.features[:35], rtol=1e-4, atol=1e-4)  # another product order
+    assert torch.equal(slot.features[:35, 0], eager.features[:35, 0])  # the embeddings, exactly
+    assert slot.features[35:40].abs().sum() > 0  # the padding rows' (positions 35..37) are written, as their keys
+    assert not slot.features[:35, 2].equal(slot.features[:35, 1])  # each layer's own rows
+    with pytest.raises(ValueError, match="full model"):
+        StaticStep(bb, 1, SkipSet(attn=(1,)).masks(4), "last", keep=layers)
+    with pytest.raises(ValueError, match="feature rows"):
+        step = StaticStep(bb, 1, bb._full, "last", keep=layers)
+        step(ids[:1], torch.tensor([0, 0]), k, v, *bb.rope_table(k.shape[2]))  # no feature rows given
+
+
+def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_graphs):
+    """A cache with feature rows is a slot whose captured steps write them: an eagle head drafting from them
+    decodes plain greedy decoding's tokens with the eager run's drafts and acceptance (so the rows are the
+    target's), plain decoding in chains on such a slot writes them too, and a freed slot comes back with them."""
+    from adaptive.drafters.eagle import EagleDrafter
+    from adaptive.drafters.factory import eagle_vocab
+    from adaptive.engine.loop import GenerationStats
+    from tests.drafters.test_eagle import LAYERS, random_head
+    from tests.helpers.decoding import decode_ids
+
+    lm = LoadedModel(tiny_model("llama"), char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    eager, graphed = lm.backbone, cpu_step_graphs(lm.model)
+    head = random_head(lm, vocab_ids=torch.arange(0, eager.vocab_size, 2))
+    cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
+    for prompt in ([5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14]):
+        plain = decode_ids(eager, prompt, cfg)
+        runs = []
+        for bb in (eager, graphed):
+            stats = GenerationStats()
+            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=None)
+            assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
+            runs.append((stats.steps, stats.drafted, stats.accepted))
+        assert runs[0] == runs[1] and runs[0][2] > 0, runs
+    kept = [key for key in graphed.graphs._graphs if key[-1] == LAYERS]
+    assert kept and graphed.graphs.replays > 0  # the target's steps replayed, writing the rows
+    # plain greedy decoding in chains on a slot with feature rows writes the rows the eager steps write
+    ids = torch.tensor([5, 9, 12, 7, 3, 22, 8])
+    slot, plain_cache = graphed.new_cache(40, features=LAYERS), eager.new_cache(40, features=LAYERS)
+    assert slot.features.shape[0] == slot.k.shape[2] and slot.feature_layers == LAYERS
+    first = int(graphed.forward(ids, slot, 0).logits.argmax())
+    assert first == int(eager.forward(ids, plain_cache, 0).logits.argmax())
+    chain = graphed.decode_chain(first, slot, 7, 6)
+    tokens = [first] + chain[:-1]
+    eager.forward(torch.tensor(tokens), plain_cache, 7, logits="all")
+    assert torch.allclose(slot.features[:13], plain_cache.features[:13], rtol=1e-4, atol=1e-4)
+    made, rows = graphed.graphs.pool.allocated, slot.features
+    del slot
+    gc.collect()
+    again = graphed.new_cache(40, features=LAYERS)
+    assert graphed.graphs.pool.allocated == made and again.features is rows  # the freed slot, rows and all
+    assert graphed.new_cache(40).features is None  # a cache without rows: another slot
+    # a server warms the slot with feature rows (AdaptiveRuntime.warm passes its heads' layers): its first
+    # request with a head then captures nothing
+    warm = cpu_step_graphs(lm.model)
+    assert warm.warm_graphs(features=LAYERS) > 0
+    before = warm.graphs.captures
+    prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9]
+    drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=None)
+    assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
+    assert warm.graphs.captures == before
 
 
 class _EagerReplay:
@@ -483,3 +564,30 @@ def test_a_kept_prefix_restores_into_a_slot_made_while_warming(cpu_step_graphs):
     got = bb.forward(ids[20:], slot, 20, logits="all").logits
     want = Backbone(model).forward(ids, Backbone(model).new_cache(40), 0, logits="all").logits[20:]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.cuda
+@cuda
+def test_an_eagle_head_drafts_over_captured_graphs_on_cuda():
+    """fp32 on CUDA: the target's captured steps write the feature rows an eagle head drafts from; its drafts
+    and acceptance are the eager run's, its tokens plain decoding's, and the steps replayed graphs."""
+    from adaptive.drafters.eagle import EagleDrafter
+    from adaptive.drafters.factory import eagle_vocab
+    from adaptive.engine.loop import GenerationStats
+    from tests.drafters.test_eagle import LAYERS, random_head
+    from tests.helpers.decoding import decode_ids
+
+    eager_eng, eager = _cuda_engine(graphs=False)
+    _, graphed = _cuda_engine()
+    head = random_head(eager_eng.lm).to(eager.device)
+    cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
+    prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9]
+    plain = decode_ids(eager, prompt, cfg)
+    runs = []
+    for bb in (eager, graphed):
+        stats = GenerationStats()
+        drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=None)
+        assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
+        runs.append((stats.steps, stats.drafted, stats.accepted))
+    assert runs[0] == runs[1] and runs[0][2] > 0, runs
+    assert graphed.graphs.replays > 0 and any(key[-1] == LAYERS for key in graphed.graphs._graphs)

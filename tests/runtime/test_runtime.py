@@ -417,13 +417,14 @@ def test_warm_captures_every_skip_set_a_request_may_draft_with(runtime, monkeypa
     tests/engine/test_graphs.py); 0 graphs without CUDA graphs."""
     got = {}
 
-    def warm_graphs(pooling=None, max_len=1, skips=()):
-        got.update(pooling=pooling, skips=tuple(skips))
+    def warm_graphs(pooling=None, max_len=1, skips=(), features=()):
+        got.update(pooling=pooling, skips=tuple(skips), features=tuple(features))
         return 7
 
     monkeypatch.setattr(runtime.engine.backbone, "warm_graphs", warm_graphs)
     assert runtime.warm() == 7
     assert got["pooling"] == runtime.profile.index.pooling
     assert got["skips"] == runtime.profile.skip_sets() and got["skips"]
+    assert got["features"] == runtime.features  # the slot every request with a head gets: none here
     monkeypatch.undo()
     assert runtime.warm() == 0  # the CPU: no graphs
