@@ -370,11 +370,12 @@ class Backbone:
 
     @torch.inference_mode()
     def warm_graphs(self, pooling=None, max_len: int = 1, skips: Sequence[SkipSet] = (),
-                    features: Sequence[int] = ()) -> int:
+                    features: Sequence[int] = (), trees: bool = False) -> int:
         """With CUDA graphs: capture the steps a request of up to ``max_len`` positions replays (decode,
         verify and prefill buckets; the routing prefill's with ``pooling``, a
         :class:`~adaptive.engine.config.Pooling`; the drafting steps of each skip set of ``skips``; on a slot
-        keeping the feature rows of ``features``, what a runtime with an eagle head gives every request) now, as a
+        keeping the feature rows of ``features``, what a runtime with an eagle head gives every request; with
+        ``trees``, the tree steps its tree drafts are verified by) now, as a
         server does at startup, instead of inside the first requests; after :meth:`reserve_batch`, the batched
         steps too (:meth:`StepGraphs.warm_batches <adaptive.engine.graphs.StepGraphs.warm_batches>`). Returns
         the graphs captured (0 without graphs, or when all were). In inference mode, as :meth:`forward`
@@ -387,7 +388,7 @@ class Backbone:
             layers = self.pool_args(pooling).get("pool_layers", ())
             layer = layers[0] if len(layers) == 1 else None
         cache = self.new_cache(max_len, features=features)
-        n = self.graphs.warm(cache, self._full, layer)
+        n = self.graphs.warm(cache, self._full, layer, trees=trees)
         for skip in dict.fromkeys(s for s in skips if s):  # each distinct non-empty skip set once
             n += self.graphs.warm(cache, skip.masks(self.n_layers), drafting=True)
         return n + self.graphs.warm_batches(self.graphs.slab_slots, self._full, max_len)  # after reserve_batch
@@ -504,9 +505,10 @@ class Backbone:
             raise PromptTooLongError(f"positions up to {end} exceed the cache of {cache.max_len}")
         keep = self._kept(cache, skip_masks, read_only)  # [(slot, layer count)] of the cache's feature rows
         if (self.graphs is not None and head is None and adapter is None and not (pool or hidden or read_only)
-                and len(pool_layers) <= 1 and tree is None):
+                and len(pool_layers) <= 1):
             layer = pool_layers[0] if pool_layers else None
-            out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits, layer)
+            out = self.graphs.forward(ids, cache, start, skip_masks or self._full, logits, layer,
+                                      None if tree is None else list(tree))
             if out is not NotImplemented:
                 return ForwardOutput(out) if layer is None else ForwardOutput(out[0], layer_pools={layer: out[1]})
         ids = ids.to(self.device)
@@ -630,9 +632,9 @@ class Backbone:
 
     @property
     def verifies_trees(self) -> bool:
-        """Whether :meth:`forward` verifies tree drafts here: the eager step (a captured CUDA graph's
-        step runs chains; trees there fall back to their main chain)."""
-        return self.graphs is None
+        """Whether :meth:`forward` verifies tree drafts here: always (eagerly, or by replaying a captured tree
+        step, :class:`~adaptive.engine.graphs.StaticStep` with ``tree=True``, for up to 32 rows)."""
+        return True
 
     @torch.inference_mode()
     def keep_rows(self, cache: KVCache, start: int, rows: Sequence[int]) -> None:

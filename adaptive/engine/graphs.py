@@ -21,6 +21,11 @@ Terms, defined once:
 * *position tensors*: the step's first position ``start`` and its last real row ``last`` live in
   device buffers; the rotary tables, the cache writes (``index_copy_``) and the causal mask are
   indexed by them, so one graph serves every position.
+* *tree step*: a verification of a tree draft (:meth:`Backbone.tree_layout
+  <adaptive.engine.backbone.Backbone.tree_layout>`): row ``t`` is written at slot ``start + t`` but
+  rotated at the position of its depth, and sees the cache before ``start`` and its own ancestors; its
+  depths and ancestor mask are position tensors too (:func:`tree_meta`), so one graph serves every tree
+  of its bucket.
 
 A padded row writes keys at positions after the real ones; those lie beyond the cache's
 ``length`` and are overwritten before any query may see them (every forward writes its own
@@ -100,6 +105,26 @@ def zeros_kv(lead: tuple[int, int], head_dim: int, dtype: torch.dtype, device: t
     """Zeroed keys and values of a cache, ``[*lead, positions, head_dim]`` (``lead``: layers, kv heads)."""
     shape = (*lead, positions, head_dim)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def tree_meta(tree: list[int], start: int, bucket: int) -> list[int]:
+    """A tree step's ``meta`` (:class:`StaticStep` with ``tree=True``), ``2 + bucket + bucket * bucket`` ints:
+    the first position, the last real row, each row's depth, then row by row whether it sees each row
+    (itself and its ancestors: 1). ``tree``: each fed row's parent row, ``-1`` for row 0. Padding rows see
+    only themselves, at depth 0. Example: ``tree_meta([-1, 0, 0], 5, 4)`` -> ``[5, 2, 0, 1, 1, 0,
+    1, 0, 0, 0,  1, 1, 0, 0,  1, 0, 1, 0,  0, 0, 0, 1]``."""
+    T = len(tree)
+    if T > bucket:
+        raise ValueError(f"a tree of {T} rows does not fit a bucket of {bucket}")
+    depth = [0] * bucket
+    seen = [[int(i == j) for j in range(bucket)] for i in range(bucket)]
+    for i in range(1, T):
+        p = tree[i]
+        if not 0 <= p < i:
+            raise ValueError(f"a tree's rows need each parent before its child: {tree}")
+        depth[i] = depth[p] + 1
+        seen[i] = [a | (j == i) for j, a in enumerate(seen[p])]
+    return [start, T - 1, *depth, *(x for row in seen for x in row)]
 
 
 def _zeros_rows(hidden: int, dtype: torch.dtype, device: torch.device, positions: int, n: int) -> torch.Tensor:
@@ -184,15 +209,18 @@ class StaticStep:
     """
 
     def __init__(self, backbone, bucket: int, masks: Masks, logits: str, ops: StepOps | None = None,
-                 pool_layer: int | None = None, keep: tuple[int, ...] = ()):
+                 pool_layer: int | None = None, keep: tuple[int, ...] = (), tree: bool = False):
         if logits not in ("all", "last"):
             raise ValueError(f"a static step returns 'all' or 'last' logits, not {logits!r}")
+        if tree and (logits != "all" or pool_layer is not None):
+            raise ValueError("a tree step is a verification: 'all' logits, no routing pool")
         if keep and masks != backbone._full:
             raise ValueError("only the full model's steps write feature rows (a draft's are not the target's)")
         self.bb, self.bucket, self.masks, self.logits = backbone, bucket, masks, logits
         self.ops = ops or StepOps.plain()
         self.pool_layer = pool_layer
         self.keep = tuple(keep)
+        self.tree = tree
 
     def __call__(self, ids: torch.Tensor, meta: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,9 +228,17 @@ class StaticStep:
             raise ValueError("a step that keeps feature rows needs the slot's feature rows")
         bb, ops = self.bb, self.ops
         Tb, C = self.bucket, k.shape[2]
-        pos = meta[0] + torch.arange(Tb, device=ids.device)  # [Tb] absolute positions
-        cos_t, sin_t = cos.index_select(0, pos), sin.index_select(0, pos)  # [Tb, 1, D]
-        banned = torch.arange(C, device=ids.device).unsqueeze(0) > pos.unsqueeze(1)  # [Tb, C]: may not look
+        pos = meta[0] + torch.arange(Tb, device=ids.device)  # [Tb] absolute positions (a tree's: its rows' slots)
+        if self.tree:  # rotated at their depths; each row sees the cache before start, itself and its ancestors
+            at = meta[0] + meta[2:2 + Tb]  # [Tb]
+            seen = meta[2 + Tb:].view(Tb, Tb) > 0  # [Tb, Tb]
+            rel = torch.arange(C, device=ids.device) - meta[0]  # [C]: a column's row, when 0 <= rel < Tb
+            inside = (rel >= 0) & (rel < Tb)
+            banned = (rel >= Tb).unsqueeze(0) | (inside.unsqueeze(0) & ~seen.index_select(1, rel.clamp(0, Tb - 1)))
+        else:
+            at = pos
+            banned = torch.arange(C, device=ids.device).unsqueeze(0) > pos.unsqueeze(1)  # [Tb, C]: may not look
+        cos_t, sin_t = cos.index_select(0, at), sin.index_select(0, at)  # [Tb, 1, D]
         skip_attn, skip_mlp = self.masks
         h = F.embedding(ids, bb.embed_weight)  # [Tb, hidden]
         delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
@@ -297,7 +333,8 @@ class StepGraphs:
     # what a server's draft lengths are priced by (Backbone.batch_step_costs)
     batch_seconds: dict = field(default_factory=dict, repr=False)
     _graphs: dict = field(default_factory=dict, repr=False)
-    _inputs: dict = field(default_factory=dict, repr=False)  # bucket -> [bucket + 2] long: ids, start, last row
+    # (bucket, tree step) -> [bucket + 2] long: ids, start, last row (a tree step's: and tree_meta's depths and mask)
+    _inputs: dict = field(default_factory=dict, repr=False)
     _rope: dict = field(default_factory=dict, repr=False)  # capacity -> (cos, sin)
     _chain: tuple | None = field(default=None, repr=False)  # (state [4], out [CHAIN_MAX]): ChainedStep's buffers
     _mempool: object = field(default=None, repr=False)
@@ -456,7 +493,7 @@ class StepGraphs:
         return sorted(blocks)[1]
 
     def forward(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str,
-                pool_layer: int | None = None):
+                pool_layer: int | None = None, tree: list[int] | None = None):
         """The logits of feeding ``ids`` (``[T]``) at ``start`` by replaying graphs (``[T, V]`` for
         ``"all"``, ``[1, V]`` for ``"last"``, ``None`` for ``"none"``), or ``NotImplemented`` when no
         static step serves the call (graphs off, ``"all"`` logits of more rows than the largest bucket,
@@ -464,12 +501,17 @@ class StepGraphs:
         ``pool_layer`` (a prefill) run in chunks (:func:`prefill_plan`). With ``pool_layer``: ``(logits,
         [2, hidden])``, the routing pool after that many layers (mean over the rows, last row; float32).
         A full-model step over a cache that keeps feature rows writes them as the eager forward does (its
-        slot holds them: :meth:`new_cache`)."""
+        slot holds them: :meth:`new_cache`). ``tree``: the fed rows' parent rows, a tree draft's verification
+        (``"all"`` logits, at most the largest bucket's rows: a *tree step*)."""
         T = int(ids.shape[0])
         if not self.enabled or logits not in ("all", "last", "none") or cache.limit == 0:
             return NotImplemented
         if cache.features is not None and cache.features.shape[0] != cache.k.shape[2]:
             return NotImplemented  # feature rows not of a slot (made eagerly): the eager forward writes them
+        if tree is not None:
+            if logits != "all" or pool_layer is not None or T > BUCKETS[-1] or len(tree) != T:
+                return NotImplemented
+            return self._replay(ids, cache, start, masks, logits, bucket_for(T), tree=tree)
         if T <= BUCKETS[-1] and logits != "none" and pool_layer is None:
             return self._replay(ids, cache, start, masks, logits, bucket_for(T))
         if logits == "all":
@@ -486,20 +528,23 @@ class StepGraphs:
         return (out[0] if logits == "last" else None), torch.stack([total / T, out[1][1]])
 
     def _replay(self, ids: torch.Tensor, cache, start: int, masks: Masks, logits: str, Tb: int,
-                pool_layer: int | None = None):
+                pool_layer: int | None = None, tree: list[int] | None = None):
         T = int(ids.shape[0])
-        buf = self._inputs.get(Tb)
+        meta = [start, T - 1] if tree is None else tree_meta(tree, start, Tb)
+        buf = self._inputs.get((Tb, tree is not None))
         if buf is None:
-            buf = self._inputs[Tb] = torch.zeros(Tb + 2, dtype=torch.long, device=self.backbone.device)
+            buf = self._inputs[(Tb, tree is not None)] = torch.zeros(Tb + len(meta), dtype=torch.long,
+                                                                    device=self.backbone.device)
         if ids.device.type == "cpu":  # the ids, padding and position tensors in one copy to the device
-            buf.copy_(torch.tensor(ids.tolist() + [0] * (Tb - T) + [start, T - 1]), non_blocking=True)
+            buf.copy_(torch.tensor(ids.tolist() + [0] * (Tb - T) + meta), non_blocking=True)
         else:  # drafted on the device: stays there
             buf[:T].copy_(ids, non_blocking=True)
-            buf[Tb:].copy_(torch.tensor([start, T - 1]), non_blocking=True)
-        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer, self._keep(cache, masks))
+            buf[Tb:].copy_(torch.tensor(meta), non_blocking=True)
+        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer, "tree" if tree is not None else "chain",
+               self._keep(cache, masks))
         cap = self._graphs.get(key)
         if cap is None:
-            cap = self._capture(key, cache, Tb, masks, logits, pool_layer)
+            cap = self._capture(key, cache, Tb, masks, logits, pool_layer, tree=tree is not None)
             if cap is None:
                 return NotImplemented
         cap.graph.replay()
@@ -537,13 +582,15 @@ class StepGraphs:
         self.replays += n
         return out[:n].tolist()
 
-    def warm(self, cache, masks: Masks, pool_layer: int | None = None, drafting: bool = False) -> int:
+    def warm(self, cache, masks: Masks, pool_layer: int | None = None, drafting: bool = False,
+             trees: bool = False) -> int:
         """Capture, before any request needs them, the steps of ``masks`` on ``cache``'s slot (a fresh one,
         as :meth:`new_cache` gives). The full model's (``drafting=False``): decoding and verification
         (``"all"`` logits, every bucket) and prefill chunks (``"last"``, every bucket and prefill bucket, with
         ``pool_layer``'s routing pool if given). A skip set's (``drafting=True``): what its drafters replay, one
         token's ``"last"`` logits (layer skip) and ``"all"`` logits of every bucket (a cascade's check of a
-        statistical proposal). The full model's also captures plain greedy decoding's chain (:meth:`chain`).
+        statistical proposal). The full model's also captures plain greedy decoding's chain (:meth:`chain`), and
+        with ``trees`` the tree steps of every bucket (a head that drafts trees verifies them there).
         Writes keys the next request overwrites. Returns the graphs captured now."""
         before = self.captures
         ids = torch.zeros(PREFILL_BUCKETS[-1], dtype=torch.long)
@@ -552,8 +599,11 @@ class StepGraphs:
         else:
             steps = [(Tb, "all", None) for Tb in BUCKETS] + [(Tb, "last", pool_layer)
                                                              for Tb in BUCKETS + PREFILL_BUCKETS]
+        if trees and not drafting:
+            steps += [(Tb, "all", "tree") for Tb in BUCKETS[1:]]
         for Tb, logits, layer in steps:
-            if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, layer) is NotImplemented:
+            tree = [-1] + [0] * (Tb - 1) if layer == "tree" else None  # any tree of the bucket: the same graph
+            if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, None if tree else layer, tree) is NotImplemented:
                 break  # a failed capture turned graphs off
         if not drafting and self.enabled:
             self.chain(0, cache, 0, 1, masks)  # plain greedy decoding's chain (Lane.chain)
@@ -571,20 +621,20 @@ class StepGraphs:
         return t
 
     def _capture(self, key, cache, Tb: int, masks: Masks, logits: str, pool_layer: int | None = None,
-                 chained: bool = False) -> _Captured | None:
+                 chained: bool = False, tree: bool = False) -> _Captured | None:
         """Capture the static step of ``key`` (with ``chained``: its :class:`ChainedStep`, over :meth:`chain`'s
-        buffers), after compiling its pieces and a warm-up run on a side stream."""
+        buffers; with ``tree``: a tree step), after compiling its pieces and a warm-up run on a side stream."""
         cos, sin = self._tables(cache.k.shape[2])
         keep = self._keep(cache, masks)
         rows = (cache.features,) if keep else ()  # the slot's feature rows, written by the step
         if chained:
             args = (*self._chain, cache.k, cache.v, cos, sin, *rows)
         else:
-            buf = self._inputs[Tb]
+            buf = self._inputs[(Tb, tree)]
             args = (buf[:Tb], buf[Tb:], cache.k, cache.v, cos, sin, *rows)
 
         def build(ops):
-            step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer, keep)
+            step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer, keep, tree)
             return ChainedStep(step) if chained else step
 
         return self._capture_step(key, build, args)

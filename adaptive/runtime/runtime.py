@@ -360,14 +360,15 @@ class AdaptiveRuntime:
         """Capture the CUDA graphs of plain decoding, verification, the routing prefill and the drafting
         steps of every skip set of the profile's records (:meth:`Profile.skip_sets
         <adaptive.profile.Profile.skip_sets>`: a request may ask for a policy that forces layer skipping),
-        on a slot with the feature rows its eagle heads read (:attr:`features`)
+        on a slot with the feature rows its eagle heads read (:attr:`features`), with the tree steps their trees need
         now (a server's startup) rather than inside its first requests: :meth:`Backbone.warm_graphs
         <adaptive.engine.backbone.Backbone.warm_graphs>`. The graphs captured (0 without CUDA graphs)."""
         warm = getattr(self.engine.backbone, "warm_graphs", None)  # the llama.cpp engine has none
         if warm is None:
             return 0
         with self._lock:
-            return warm(self.profile.index.pooling, skips=self.profile.skip_sets(), features=self.features)
+            return warm(self.profile.index.pooling, skips=self.profile.skip_sets(), features=self.features,
+                        trees=bool(self.features) and self.tree is not None)
 
     # -- routing and planning ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from adaptive.engine.graphs import (
     bucket_for,
     capacity_for,
     prefill_plan,
+    tree_meta,
 )
 from adaptive.engine.skip import SkipSet
 from adaptive.models import LoadedModel
@@ -143,11 +144,51 @@ def test_static_steps_write_the_eager_forwards_feature_rows(family):
         step(ids[:1], torch.tensor([0, 0]), k, v, *bb.rope_table(k.shape[2]))  # no feature rows given
 
 
+def test_tree_meta_worked_example():
+    assert tree_meta([-1, 0, 0], 5, 4) == [5, 2, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 1]
+    assert tree_meta([-1], 9, 1) == [9, 0, 0, 1]  # a tree of the pending token alone: a plain step
+    with pytest.raises(ValueError, match="bucket"):
+        tree_meta([-1, 0, 0], 5, 2)
+    with pytest.raises(ValueError, match="parent"):
+        tree_meta([-1, 2, 0], 5, 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_tree_step_equals_the_eager_tree_forward(family):
+    """fp32: a tree step (rows at their depths' positions, each seeing its ancestors, padded to its bucket)
+    gives the eager tree forward's logits at every real row and writes its keys and feature rows at the rows'
+    slots; then the kept path moved, the cache is the chain's."""
+    bb = Backbone(tiny_model(family, n_layers=4))
+    layers = (0, 4)
+    torch.manual_seed(0)
+    ids = torch.randint(3, bb.vocab_size, (40,))
+    for tree in ([-1, 0, 0, 1, 2, 1], [-1, 0, 1, 2], list(range(-1, 8)), [-1] + [0] * 9):
+        T = len(tree)
+        eager = bb.new_cache(48, features=layers)
+        bb.forward(ids[:30], eager, 0, logits="none")
+        feed = ids[30:30 + T]
+        want = bb.forward(feed, eager, 30, logits="all", tree=tree).logits
+        k, v = bb.allocate_kv(capacity_for(48))
+        slot = KVCache(k=k, v=v, limit=48, features=torch.zeros(k.shape[2], 2, bb.hidden_size), feature_layers=layers)
+        _static_run(bb, StaticStep(bb, 32, bb._full, "last", keep=layers), ids[:30], 0, slot)
+        Tb = bucket_for(T)
+        buf = torch.zeros(Tb, dtype=torch.long)
+        buf[:T] = feed
+        meta = torch.tensor(tree_meta(tree, 30, Tb))
+        got = StaticStep(bb, Tb, bb._full, "all", keep=layers, tree=True)(buf, meta, k, v, *bb.rope_table(k.shape[2]),
+                                                                         slot.features)
+        assert torch.allclose(got[:T], want, atol=1e-5), tree
+        assert torch.allclose(slot.k[:, :, :30 + T], eager.k[:, :, :30 + T], atol=1e-5)
+        assert torch.allclose(slot.features[:30 + T], eager.features[:30 + T], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="verification"):
+        StaticStep(bb, 8, bb._full, "last", tree=True)
+
+
 def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_graphs):
     """A cache with feature rows is a slot whose captured steps write them: an eagle head drafting from them
     decodes plain greedy decoding's tokens with the eager run's drafts and acceptance (so the rows are the
     target's), plain decoding in chains on such a slot writes them too, and a freed slot comes back with them."""
-    from adaptive.drafters.eagle import EagleDrafter
+    from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
     from adaptive.drafters.factory import eagle_vocab
     from adaptive.engine.loop import GenerationStats
     from tests.drafters.test_eagle import LAYERS, random_head
@@ -159,15 +200,17 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
     cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
     for prompt in ([5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14]):
         plain = decode_ids(eager, prompt, cfg)
-        runs = []
-        for bb in (eager, graphed):
-            stats = GenerationStats()
-            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=None)
-            assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
-            runs.append((stats.steps, stats.drafted, stats.accepted))
-        assert runs[0] == runs[1] and runs[0][2] > 0, runs
+        for tree in (None, DEFAULT_TREE):  # chains, and trees verified by tree steps
+            runs = []
+            for bb in (eager, graphed):
+                stats = GenerationStats()
+                drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=tree)
+                assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
+                runs.append((stats.steps, stats.drafted, stats.accepted))
+            assert runs[0] == runs[1] and runs[0][2] > 0, (tree, runs)
     kept = [key for key in graphed.graphs._graphs if key[-1] == LAYERS]
     assert kept and graphed.graphs.replays > 0  # the target's steps replayed, writing the rows
+    assert any(key[5] == "tree" for key in kept)  # the trees' verifications replayed tree steps
     # plain greedy decoding in chains on a slot with feature rows writes the rows the eager steps write
     ids = torch.tensor([5, 9, 12, 7, 3, 22, 8])
     slot, plain_cache = graphed.new_cache(40, features=LAYERS), eager.new_cache(40, features=LAYERS)
@@ -187,11 +230,12 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
     # a server warms the slot with feature rows (AdaptiveRuntime.warm passes its heads' layers): its first
     # request with a head then captures nothing
     warm = cpu_step_graphs(lm.model)
-    assert warm.warm_graphs(features=LAYERS) > 0
+    assert warm.warm_graphs(features=LAYERS, trees=True) > 0
     before = warm.graphs.captures
     prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9]
-    drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=None)
-    assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
+    for tree in (None, DEFAULT_TREE):
+        drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=tree)
+        assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
     assert warm.graphs.captures == before
 
 
@@ -212,14 +256,15 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
     several chunks and a chunk cut near the slot's end give the eager path's tokens (fp32), and the
     captures are one per bucket used."""
 
-    def capture(self, key, cache, Tb, masks, logits, pool_layer=None, chained=False):
+    def capture(self, key, cache, Tb, masks, logits, pool_layer=None, chained=False, tree=False):
         cos, sin = self._tables(cache.k.shape[2])
         step = StaticStep(self.backbone, Tb, masks, logits, pool_layer=pool_layer)
         k, v = cache.k, cache.v  # the slot's tensors, not the cache (as a graph holds them)
         if chained:  # plain greedy decoding's chain (Lane.chain), over the chain's buffers
             chain, inputs = ChainedStep(step), self._chain
         else:
-            buf = self._inputs[Tb]
+            assert not tree  # no tree drafts in this test
+            buf = self._inputs[(Tb, False)]
             chain, inputs = step, (buf[:Tb], buf[Tb:])
 
         def fn():
@@ -373,7 +418,7 @@ def test_warm_graphs_captures_in_inference_mode(monkeypatch):
             k, v = bb.allocate_kv(max_len)
             return cls(k=k, v=v)
 
-        def warm(self, cache, masks, pool_layer=None, drafting=False):
+        def warm(self, cache, masks, pool_layer=None, drafting=False, trees=False):
             modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
             return 1
 
@@ -570,8 +615,9 @@ def test_a_kept_prefix_restores_into_a_slot_made_while_warming(cpu_step_graphs):
 @cuda
 def test_an_eagle_head_drafts_over_captured_graphs_on_cuda():
     """fp32 on CUDA: the target's captured steps write the feature rows an eagle head drafts from; its drafts
-    and acceptance are the eager run's, its tokens plain decoding's, and the steps replayed graphs."""
-    from adaptive.drafters.eagle import EagleDrafter
+    and acceptance are the eager run's, chains and trees (tree steps), its tokens plain decoding's, and the
+    steps replayed graphs."""
+    from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
     from adaptive.drafters.factory import eagle_vocab
     from adaptive.engine.loop import GenerationStats
     from tests.drafters.test_eagle import LAYERS, random_head
@@ -583,11 +629,13 @@ def test_an_eagle_head_drafts_over_captured_graphs_on_cuda():
     cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
     prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9]
     plain = decode_ids(eager, prompt, cfg)
-    runs = []
-    for bb in (eager, graphed):
-        stats = GenerationStats()
-        drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=None)
-        assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
-        runs.append((stats.steps, stats.drafted, stats.accepted))
-    assert runs[0] == runs[1] and runs[0][2] > 0, runs
+    for tree in (None, DEFAULT_TREE):
+        runs = []
+        for bb in (eager, graphed):
+            stats = GenerationStats()
+            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=tree)
+            assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
+            runs.append((stats.steps, stats.drafted, stats.accepted))
+        assert runs[0] == runs[1] and runs[0][2] > 0, (tree, runs)
     assert graphed.graphs.replays > 0 and any(key[-1] == LAYERS for key in graphed.graphs._graphs)
+    assert any(key[5] == "tree" for key in graphed.graphs._graphs)

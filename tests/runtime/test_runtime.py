@@ -417,7 +417,7 @@ def test_warm_captures_every_skip_set_a_request_may_draft_with(runtime, monkeypa
     tests/engine/test_graphs.py); 0 graphs without CUDA graphs."""
     got = {}
 
-    def warm_graphs(pooling=None, max_len=1, skips=(), features=()):
+    def warm_graphs(pooling=None, max_len=1, skips=(), features=(), trees=False):
         got.update(pooling=pooling, skips=tuple(skips), features=tuple(features))
         return 7
 
