@@ -25,6 +25,13 @@ Parts (``--parts``, comma-separated; all by default):
   (``knn-ssd``), ``pld``, ``hf``, ``hf-static`` and ``hf-pld``, interleaved; then in fp32
   (``--fp32-methods``, ``--fp32-per-category`` prompts) for token equality with ``ar``; and each
   domain's speedups as its race measured them on the calibration prompts beside the bench's.
+* ``heads`` (issue 61): an eagle head trained on this device for ``--head-minutes`` (default 5) on
+  every group's prompts but the benchmark's (``benchmarks/specbench_domains.py --exclude``), into the
+  profile of part ``embedded`` (calibrated here if that part did not run): its first draft kept, tau and
+  the training's seconds, then ``adaptive bench`` in bf16 with ``ar``, the routed runtime, the head
+  drafting trees (``eagle``) and chains (``eagle-chain``) and ``pld``, interleaved, the target's steps
+  replayed as CUDA graphs that write the head's feature rows and verify its trees; and the same in
+  fp32 for ``ar`` and the head, for token equality.
 * ``serving`` (issue 64): ``adaptive serve`` on the embedded model in bf16 with the profile of part
   ``embedded`` (calibrated here if that part did not run), ``--max-batch`` the most clients, loaded
   by ``benchmarks/serve_load.py`` with 1, 8, 32 and 64 streaming greedy clients (``--quick``: 1 and
@@ -83,6 +90,7 @@ EMBEDDED_METHODS = ("ar", "knn-ssd", "pld", "hf", "hf-static", "hf-pld")
 SERVE_CLIENTS, QUICK_SERVE_CLIENTS = (1, 8, 32, 64), (1, 2)  # part serving's client counts
 BATCHES, QUICK_BATCHES = (1, 8, 32, 64), (1, 2)  # the verify table by batch size (part shapes)
 MAX_DRAFTS = 16
+HEAD_METHODS = ("ar", "knn-ssd", "eagle", "eagle-chain", "pld")  # part heads' bf16 bench
 
 
 def log(msg: str) -> None:
@@ -431,6 +439,42 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
     return res
 
 
+def part_heads(args, dev: torch.device, out_dir: Path) -> dict:
+    """Part ``heads``: distil an eagle head into the embedded profile on this device, then bench it."""
+    res: dict = {"calibrate": calibrated(args, dev, out_dir)}
+    if not res["calibrate"]["ok"]:
+        return res
+    profile, heads = out_dir / "profile", out_dir / "head-domains"
+    window = f"{args.skip_first}:{args.skip_first + max(args.per_category, args.fp32_per_category)}"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "specbench_domains.py"), "--exclude", window, args.data,
+                    str(heads)], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    cmd = [*CLI, "distill", "--model", args.model, "--profile", str(profile), "--drafter", "eagle", "--device",
+           dev.type, "--dtype", "bfloat16", "--minutes", str(args.head_minutes), "--quiet"]
+    for f in sorted(heads.glob("*.jsonl")):
+        cmd += ["--data", f"{f.stem}={f}"]
+    res["distill"] = run(cmd, args.head_minutes * 60 + args.distill_extra, out_dir / "distill.log")
+    if not res["distill"]["ok"]:
+        return res
+    from adaptive.profile import load_profile
+
+    rec = load_profile(profile).distilled["eagle"]
+    res["head"] = {"acceptance": rec.acceptance, "tau": rec.tau, "draft_cost": rec.draft_cost,
+                   "train_seconds": rec.train_seconds, "seconds": rec.seconds, "coverage": rec.coverage,
+                   "by_domain": {d: v[0] if isinstance(v, (list, tuple)) else v for d, v in rec.by_domain.items()}}
+    res["raced"] = raced(profile)
+    common = [*CLI, "bench", "--model", args.model, "--engine", "torch", "--device", dev.type, "--data", args.data,
+              "--skip-first", str(args.skip_first), "--max-new-tokens", "64", "--profile", str(profile), "--quiet"]
+    for dtype, names, per, limit in (("bfloat16", HEAD_METHODS, args.per_category, args.bench_timeout),
+                                     ("float32", ("ar", "eagle"), args.fp32_per_category, args.fp32_timeout)):
+        report = out_dir / f"heads-bench-{dtype}.json"
+        cmd = [*common, "--dtype", dtype, "--per-category", str(per), "--methods", ",".join(names),
+               "--out", str(report)]
+        res[f"bench_{dtype}"] = run(cmd, limit, out_dir / f"heads-bench-{dtype}.log")
+        if report.exists():
+            res[f"bench_{dtype}"]["report"] = json.loads(report.read_text())["results"]
+    return res
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -620,6 +664,27 @@ def markdown(result: dict) -> str:
         for key in ("calibrate", "bench_bfloat16", "bench_float32"):
             if key in emb and not emb[key]["ok"]:
                 lines += [f"{key} failed (rc {emb[key]['rc']}): " + " / ".join(emb[key]["tail"])]
+    heads = result.get("heads")
+    if heads:
+        lines += ["", "## eagle head trained on this device (issue 61), batch 1, 64 new tokens", ""]
+        head = heads.get("head")
+        if head:
+            lines += [f"first draft kept {head['acceptance']:.3f}, tau {head['tau']:.2f}, draft cost "
+                      f"{head['draft_cost']:.3f} of a step, {head['train_seconds']:.0f} s of training "
+                      f"({head['seconds']:.0f} s in all); by group: "
+                      + ", ".join(f"{d} {v:.3f}" for d, v in head["by_domain"].items()), ""]
+        b16 = heads.get("bench_bfloat16", {}).get("report", {})
+        f32 = heads.get("bench_float32", {}).get("report", {})
+        if b16 or f32:
+            lines += ["| method | bf16 tok/s | bf16 speedup | tau | fp32 identical to ar |", "|---|---|---|---|---|"]
+            for m in [m for m in HEAD_METHODS if m in b16 or m in f32]:
+                a, b = b16.get(m, {}), f32.get(m, {})
+                tau = a.get("mean_accepted_tokens", "-")
+                lines.append(f"| {m} | {a.get('tokens_per_s')} | {a.get('speedup')} | {tau} | "
+                             f"{b.get('identical_to_ar', '-')} |")
+        for key in ("calibrate", "distill", "bench_bfloat16", "bench_float32"):
+            if key in heads and not heads[key]["ok"]:
+                lines += [f"heads: {key} failed (rc {heads[key]['rc']}): " + " / ".join(heads[key]["tail"])]
     srv = result.get("serving")
     if srv:
         lines += ["", f"## serving: adaptive serve, bf16, {srv['max_new_tokens']} new tokens, streaming greedy clients "
@@ -644,7 +709,8 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--parts", default="shapes,embedded,serving", help="shapes, kernels, compile, embedded, serving")
+    ap.add_argument("--parts", default="shapes,embedded,heads,serving",
+                    help="shapes, kernels, compile, embedded, heads, serving")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (the CPU run CI makes)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"))
     ap.add_argument("--model", default="smollm2-135m")
@@ -661,6 +727,9 @@ def main() -> None:
     ap.add_argument("--calibrate-timeout", type=float, default=150, help="seconds")
     ap.add_argument("--bench-timeout", type=float, default=270, help="seconds, the bf16 bench")
     ap.add_argument("--fp32-timeout", type=float, default=100, help="seconds, the fp32 bench")
+    ap.add_argument("--head-minutes", type=float, default=5.0, help="part heads: the eagle head's training budget")
+    ap.add_argument("--distill-extra", type=float, default=240,
+                    help="seconds part heads' distillation may take beyond its budget (its data, the race)")
     ap.add_argument("--out", default="device-check")
     args = ap.parse_args()
     args.context = args.context or (32 if args.quick else 512)
@@ -671,9 +740,10 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     result = {"device": name, "torch": torch.__version__, "context": args.context, "quick": args.quick}
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"shapes", "kernels", "compile", "embedded", "serving"}
+    unknown = set(parts) - {"shapes", "kernels", "compile", "embedded", "heads", "serving"}
     if unknown:
-        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; choose shapes, kernels, compile, embedded, serving")
+        sys.exit(f"unknown part(s) {', '.join(sorted(unknown))}; "
+                 "choose shapes, kernels, compile, embedded, heads, serving")
     t0 = time.perf_counter()
     if "shapes" in parts:
         result["shapes"] = part_shapes(args, dev)
@@ -683,6 +753,8 @@ def main() -> None:
         result["compiled"] = part_compile(args, dev)
     if "embedded" in parts:
         result["embedded"] = part_embedded(args, dev, out_dir)
+    if "heads" in parts:
+        result["heads"] = part_heads(args, dev, out_dir)
     if "serving" in parts:
         result["serving"] = part_serving(args, dev, out_dir)
     result["seconds"] = round(time.perf_counter() - t0, 1)

@@ -20,7 +20,7 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
     proc = subprocess.run([str(ROOT / "benchmarks" / "device_check.sh"), "--quick", "--model", str(tiny_model_dir),
-                           "--parts", "shapes,kernels,embedded,serving",
+                           "--parts", "shapes,kernels,embedded,heads,serving", "--head-minutes", "0.1",
                            "--data", str(data), "--skip-first", "2", "--per-category", "1", "--fp32-per-category", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +47,12 @@ def test_the_device_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
     assert all(r["decision"] and all(x > 0 for x in r["raced"].values()) for r in emb["raced"].values())
     assert "| knn-ssd |" in proc.stdout and "(b) random-weight shapes" in proc.stdout
     assert "where the plain step's time goes" in proc.stdout and "raced on the calibration prompts" in proc.stdout
+    heads = result["heads"]  # issue 61's: a head distilled here into the profile, benched beside ar
+    assert heads["distill"]["ok"], heads["distill"]["tail"]
+    assert 0 <= heads["head"]["acceptance"] <= 1 and heads["head"]["train_seconds"] > 0
+    assert set(heads["bench_bfloat16"]["report"]) == {"ar", "knn-ssd", "eagle", "eagle-chain", "pld"}
+    assert heads["bench_float32"]["report"]["eagle"]["identical_to_ar"]
+    assert "## eagle head trained on this device" in proc.stdout
     serving = result["serving"]  # issue 64's serving part: every client count, speculation on and off
     assert "error" not in serving, serving.get("error")
     assert [(r["clients"], r["speculation"]) for r in serving["rows"]] == [(1, "auto"), (1, "off"), (2, "auto"),
