@@ -325,8 +325,8 @@ class Backbone:
         """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context.
         With CUDA graphs its tensors are a pooled slot of a larger capacity (``limit`` = ``max_len``).
         ``features``: layer counts whose residual stream every full-model forward keeps in the cache
-        (:attr:`KVCache.features`, in the cache dtype); with CUDA graphs a slot of its own holds them, and the
-        full model's captured steps write them.
+        (:attr:`KVCache.features`, in the cache dtype); with CUDA graphs the slot (a slab's, after
+        :meth:`reserve_batch`) holds them, and the full model's captured steps write them.
         ``shared``: positions a kept prefix will fill (llama.cpp's context counts them; here each cache is its own)."""
         if max_len > self.max_positions:
             raise PromptTooLongError(
@@ -391,7 +391,8 @@ class Backbone:
         n = self.graphs.warm(cache, self._full, layer, trees=trees)
         for skip in dict.fromkeys(s for s in skips if s):  # each distinct non-empty skip set once
             n += self.graphs.warm(cache, skip.masks(self.n_layers), drafting=True)
-        return n + self.graphs.warm_batches(self.graphs.slab_slots, self._full, max_len)  # after reserve_batch
+        # after reserve_batch: the batched steps, on the slab of caches like this one
+        return n + self.graphs.warm_batches(self.graphs.slab_slots, self._full, max_len, layers=tuple(features))
 
     def reserve_batch(self, requests: int) -> bool:
         """Lay out the caches made from now on for batches of up to ``requests`` (a server's ``max_batch``):

@@ -78,15 +78,24 @@ def span_for(end: int, capacity: int) -> int:
 class Slab:
     """``slots`` caches' keys and values of ``capacity`` positions in one tensor each (plus the dummy
     slot): ``k``, ``v`` ``[n_layers, n_kv_heads, slots + 1, capacity, head_dim]``. :meth:`take` hands out a
-    free slot's index, :meth:`give` takes it back; :meth:`view` is that slot's ``(k, v)`` as a cache holds them."""
+    free slot's index, :meth:`give` takes it back; :meth:`view` is that slot's ``(k, v)`` as a cache holds them.
+    A slab of caches that keep feature rows (an eagle head's, after the layer counts ``layers``) holds them
+    too: ``features`` ``[slots + 1, capacity, len(layers), hidden]`` (``rows(positions, n)`` makes them)."""
 
-    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]], slots: int, capacity: int):
+    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]], slots: int, capacity: int,
+                 layers: tuple[int, ...] = (), rows: Callable[[int, int], torch.Tensor] | None = None):
         if slots < 1:
             raise ValueError(f"a slab holds at least one slot, not {slots}")
-        self.slots, self.capacity = slots, capacity
+        if layers and rows is None:
+            raise ValueError("a slab with feature rows needs their maker")
+        self.slots, self.capacity, self.layers = slots, capacity, tuple(layers)
         k, v = allocate(capacity * (slots + 1))  # [L, KV, (slots + 1) * C, D]: one allocation, split by slot
         self.k = k.view(k.shape[0], k.shape[1], slots + 1, capacity, k.shape[-1])
         self.v = v.view(self.k.shape)
+        self.features = None
+        if layers:
+            f = rows(capacity * (slots + 1), len(layers))  # [(slots + 1) * C, n, H]
+            self.features = f.view(slots + 1, capacity, len(layers), f.shape[-1])
         self._free = list(range(slots - 1, -1, -1))
 
     @property
@@ -111,6 +120,10 @@ class Slab:
         """Slot ``index``'s ``(k, v)``, ``[n_layers, n_kv_heads, capacity, head_dim]`` views of the slab."""
         return self.k[:, :, index], self.v[:, :, index]
 
+    def rows_of(self, index: int) -> torch.Tensor | None:
+        """Slot ``index``'s feature rows, ``[capacity, len(layers), hidden]`` (``None``: the slab keeps none)."""
+        return None if self.features is None else self.features[index]
+
 
 @dataclass(frozen=True)
 class SlabSlot:
@@ -125,14 +138,16 @@ class SlabPool:
     new slab only when every slab of that capacity is full, even after collecting finished requests'
     caches that a reference cycle still held (their slots go back when a cache object is collected)."""
 
-    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]], slots: int):
-        self._allocate, self.slots = allocate, slots
-        self.slabs: dict[int, list[Slab]] = {}  # capacity -> its slabs
+    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, torch.Tensor]], slots: int,
+                 rows: Callable[[int, int], torch.Tensor] | None = None):
+        self._allocate, self.slots, self._rows = allocate, slots, rows
+        self.slabs: dict[tuple, list[Slab]] = {}  # (capacity, feature layers) -> its slabs
         self._collected = float("-inf")  # when take() last collected garbage (time.monotonic)
 
-    def take(self, capacity: int) -> SlabSlot:
-        """A free slot of a slab of ``capacity`` (collecting at most every :data:`GC_INTERVAL` seconds)."""
-        slabs = self.slabs.setdefault(capacity, [])
+    def take(self, capacity: int, layers: tuple[int, ...] = ()) -> SlabSlot:
+        """A free slot of a slab of ``capacity`` (with the feature rows of ``layers``), collecting at most every
+        :data:`GC_INTERVAL` seconds."""
+        slabs = self.slabs.setdefault((capacity, tuple(layers)), [])
         for attempt in range(2):
             for slab in slabs:
                 index = slab.take()
@@ -141,7 +156,7 @@ class SlabPool:
             if attempt == 0 and slabs and time.monotonic() - self._collected > GC_INTERVAL:
                 self._collected = time.monotonic()
                 gc.collect()
-        slab = Slab(self._allocate, self.slots, capacity)
+        slab = Slab(self._allocate, self.slots, capacity, layers, self._rows)
         slabs.append(slab)
         return SlabSlot(slab, slab.take())
 
@@ -203,16 +218,24 @@ class BatchedStep:
     ``starts`` ``[B]`` long (padding: 0), the slab's ``k``/``v`` ``[L, KV, S + 1, C, D]``, and the rotary
     tables ``cos``/``sin`` ``[C, 1, D]``. Returns float32 logits ``[B, R, V]``. Skipped sublayers
     (``masks``) add nothing, as in the eager forward. ``ops``: the pieces between the products shared with
-    the batch-1 step (:class:`~.formulas.StepOps`: add_norm, norm, gated; plain when ``None``)."""
+    the batch-1 step (:class:`~.formulas.StepOps`: add_norm, norm, gated; plain when ``None``). ``keep``: the
+    layer counts whose residual stream the step writes into the slab's feature rows (``features``, the last
+    input, ``[S + 1, C, len(keep), hidden]``) at every fed row's slot and position, as the eager forward does."""
 
-    def __init__(self, backbone, batch: int, rows: int, span: int, masks: Masks, ops=None):
+    def __init__(self, backbone, batch: int, rows: int, span: int, masks: Masks, ops=None, keep: tuple[int, ...] = ()):
+        if keep and masks != backbone._full:
+            raise ValueError("only the full model's steps write feature rows (a draft's are not the target's)")
         self.bb, self.batch, self.rows, self.span, self.masks = backbone, batch, rows, span, masks
+        self.keep = tuple(keep)
         self.add_norm = ops.add_norm if ops is not None else add_norm
         self.norm = ops.norm if ops is not None else norm
         self.gated = ops.gated if ops is not None else gated
 
     def __call__(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 features: torch.Tensor | None = None) -> torch.Tensor:
+        if self.keep and features is None:
+            raise ValueError("a batched step that keeps feature rows needs the slab's feature rows")
         bb, B, R, A = self.bb, self.batch, self.rows, self.span
         L, KV, S1, C, D = k.shape
         G = bb.n_heads // KV
@@ -225,6 +248,10 @@ class BatchedStep:
         skip_attn, skip_mlp = self.masks
         h = F.embedding(ids.reshape(-1), bb.embed_weight)  # [B * R, hidden]
         delta = None  # the last sublayer's output, not yet added to h
+        at = {n: j for j, n in enumerate(self.keep)}  # layer count -> its feature row
+        rows = None if features is None else features.view(S1 * C, len(self.keep), -1)  # [S1 * C, n, H]
+        if 0 in at:
+            rows[:, at[0]].index_copy_(0, where, h.to(rows.dtype))
 
         def normed(h, delta, weight, eps):
             return (h, self.norm(h, weight, eps)) if delta is None else self.add_norm(h, delta, weight, eps)
@@ -244,6 +271,8 @@ class BatchedStep:
             if not skip_mlp[i]:
                 h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(self.gated(w.gate_up(x), w.act))
+            if i + 1 in at:  # the eager forward's h after layer i + 1
+                rows[:, at[i + 1]].index_copy_(0, where, (h if delta is None else h + delta).to(rows.dtype))
         _, x = normed(h, delta, bb.final_norm_weight, bb.norm_eps)
         return bb.head(x).float().view(B, R, -1)
 

@@ -347,7 +347,7 @@ class StepGraphs:
                                            owner.cache_dtype, owner.device)
         rows = functools.partial(_zeros_rows, owner.hidden_size, owner.cache_dtype, owner.device)
         self.pool = SlotPool(self._allocate, rows)
-        self.slabs = SlabPool(self._allocate, 0)  # no slabs until reserve_batch sets their slots
+        self.slabs = SlabPool(self._allocate, 0, rows)  # no slabs until reserve_batch sets their slots
 
     @property
     def slab_slots(self) -> int:
@@ -369,19 +369,21 @@ class StepGraphs:
         return len(self._graphs)
 
     def new_cache(self, max_len: int, cache_type, layers: tuple[int, ...] = ()):
-        """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`; a slot of
-        its own, with its feature rows, for a cache that keeps the residual stream after ``layers``)."""
+        """A cache of ``max_len`` positions over a pooled slot (a slab's, with :attr:`slab_slots`), with its
+        feature rows for a cache that keeps the residual stream after ``layers``."""
         capacity = capacity_for(max_len, self.backbone.max_positions)
+        layers = tuple(layers)
+        if self.slab_slots > 0:
+            at = self.slabs.take(capacity, layers)
+            k, v = at.slab.view(at.index)
+            cache = cache_type(k=k, v=v, limit=max_len, slot=at, features=at.slab.rows_of(at.index),
+                               feature_layers=layers)
+            self.slabs.bind(cache, at)
+            return cache
         if layers:
             k, v, rows = self.pool.take(capacity, layers)
-            cache = cache_type(k=k, v=v, limit=max_len, features=rows, feature_layers=tuple(layers))
+            cache = cache_type(k=k, v=v, limit=max_len, features=rows, feature_layers=layers)
             self.pool.bind(cache, capacity)
-            return cache
-        if self.slab_slots > 0:
-            at = self.slabs.take(capacity)
-            k, v = at.slab.view(at.index)
-            cache = cache_type(k=k, v=v, limit=max_len, slot=at)
-            self.slabs.bind(cache, at)
             return cache
         k, v = self.pool.take(capacity)
         cache = cache_type(k=k, v=v, limit=max_len)
@@ -393,15 +395,15 @@ class StepGraphs:
         graphs: the segments that want logits (decoding steps and verifications) as batched steps, one per
         slab and :data:`~adaptive.engine.batched.BATCH_BUCKETS`' largest group, the others (prompt chunks)
         as :meth:`forward`'s prefill chunks. ``NotImplemented`` where no static step serves the call
-        (graphs off, no slabs, a cache that is not a slab's slot or keeps feature rows, a segment of more
-        rows than :data:`~adaptive.engine.batched.ROW_BUCKETS`' largest or past its cache); the caller
-        runs eagerly."""
+        (graphs off, no slabs, a cache that is not a slab's slot, a segment of more rows than
+        :data:`~adaptive.engine.batched.ROW_BUCKETS`' largest or past its cache); the caller runs eagerly.
+        Caches that keep feature rows are slots of slabs that hold them: their batched steps write them."""
         if not self.enabled or self.slab_slots < 1:
             return NotImplemented
         wanted = [s for s in segments if s.logits]
         sizes = [int(s.ids.numel()) for s in segments]
-        if not wanted or any(getattr(s.cache, "slot", None) is None or s.cache.features is not None
-                             or s.start + t > s.cache.max_len for s, t in zip(segments, sizes)):
+        if not wanted or any(getattr(s.cache, "slot", None) is None or s.start + t > s.cache.max_len
+                             for s, t in zip(segments, sizes)):
             return NotImplemented
         R = row_bucket(max(int(s.ids.numel()) for s in wanted))
         if R is None:
@@ -441,7 +443,8 @@ class StepGraphs:
     def _batch_graph(self, slab: Slab, B: int, R: int, A: int, masks: Masks) -> _Captured | None:
         """The batched step's graph for ``slab`` and ``(B, R, A, masks)``, captured now if it was not
         (over the dummy slot: the inputs' values are not part of a graph); ``None`` when capturing failed."""
-        key = ("batch", slab.k.data_ptr(), B, R, A, masks)
+        keep = slab.layers if masks == self.backbone._full else ()  # a draft's residual stream is not the target's
+        key = ("batch", slab.k.data_ptr(), B, R, A, masks, keep)
         cap = self._graphs.get(key)
         if cap is not None:
             return cap
@@ -453,19 +456,21 @@ class StepGraphs:
         slots.fill_(slab.dummy)
         starts.zero_()
         cos, sin = self._tables(slab.capacity)
-        args = (ids, slots, starts, slab.k, slab.v, cos, sin)
-        return self._capture_step(key, lambda ops: BatchedStep(self.backbone, B, R, A, masks, ops), args)
+        args = (ids, slots, starts, slab.k, slab.v, cos, sin, *((slab.features,) if keep else ()))
+        return self._capture_step(key, lambda ops: BatchedStep(self.backbone, B, R, A, masks, ops, keep), args)
 
-    def warm_batches(self, requests: int, masks: Masks, max_len: int = 1, repeats: int = 10) -> int:
+    def warm_batches(self, requests: int, masks: Masks, max_len: int = 1, repeats: int = 10,
+                     layers: tuple[int, ...] = ()) -> int:
         """Capture the batched steps a server of up to ``requests`` decoding together replays first (every
         batch bucket up to ``requests``' and every row bucket, attending :data:`~adaptive.engine.batched.MIN_SPAN`
         keys) on the slab of caches of ``max_len`` positions; longer spans are captured when a batch reaches
         them. Each is then timed over ``repeats`` replays (:attr:`batch_seconds`, the median of three
-        blocks). Returns the graphs captured now (0 without slabs)."""
+        blocks). ``layers``: on the slab whose caches keep those feature rows (a runtime with an eagle head).
+        Returns the graphs captured now (0 without slabs)."""
         if not self.enabled or self.slab_slots < 1:
             return 0
         before = self.captures
-        at = self.slabs.take(capacity_for(max_len, self.backbone.max_positions))
+        at = self.slabs.take(capacity_for(max_len, self.backbone.max_positions), tuple(layers))
         at.slab.give(at.index)
         span = span_for(1, at.slab.capacity)
         for B in BATCH_BUCKETS[:BATCH_BUCKETS.index(batch_bucket(min(requests, BATCH_BUCKETS[-1]))) + 1]:

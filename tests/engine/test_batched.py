@@ -293,3 +293,71 @@ def test_the_batch_path_is_the_graphs_where_they_run_and_eager_elsewhere(cpu_ste
     got = bb.forward_batch([Segment(ids[8:10], caches[0], 8), Segment(ids[8:9], before, 8)])
     assert bb.graphs.batched_replays == 2  # not a slab slot: eager
     assert torch.allclose(got[1], want[0], atol=1e-5)
+
+
+def test_a_slab_with_feature_rows_and_its_batched_step_write_the_eager_rows():
+    """fp32: a slab whose caches keep feature rows holds them per slot, and the batched step writes the rows
+    the eager forward_batch writes, at each request's real positions (a draft's step may not write them)."""
+    bb = Backbone(tiny_model("llama", n_layers=4))
+    layers = (0, 2, 4)
+    rows = lambda positions, n: torch.zeros(positions, n, bb.hidden_size)  # noqa: E731
+    slab = Slab(bb.allocate_kv, slots=3, capacity=512, layers=layers, rows=rows)
+    assert slab.features.shape == (4, 512, 3, bb.hidden_size) and slab.rows_of(1).shape == (512, 3, bb.hidden_size)
+    torch.manual_seed(0)
+    lens, fed = [30, 7, 61], [4, 1, 3]
+    ids = [torch.randint(3, bb.vocab_size, (n + t,)) for n, t in zip(lens, fed)]
+    caches = []
+    for n, x in zip(lens, ids):
+        index = slab.take()
+        k, v = slab.view(index)
+        slot = KVCache(k=k, v=v, limit=512 - ROW_BUCKETS[-1], features=slab.rows_of(index), feature_layers=layers)
+        plain = bb.new_cache(512, features=layers)
+        for c in (slot, plain):
+            bb.forward(x[:n], c, 0, logits="none")
+        caches.append((index, slot, plain))
+    feeds = [x[n:] for x, n in zip(ids, lens)]
+    want = bb.forward_batch([Segment(f, plain, n) for f, n, (_, _, plain) in zip(feeds, lens, caches)])
+    B, R = batch_bucket(3), row_bucket(4)
+    step = BatchedStep(bb, B, R, span_for(max(lens) + R, 512), bb._full, keep=layers)
+    ids_, slots, starts = torch.zeros(B, R, dtype=torch.long), torch.full((B,), slab.dummy), torch.zeros(B).long()
+    for b, ((index, _, _), start, f) in enumerate(zip(caches, lens, feeds)):
+        ids_[b, :len(f)], slots[b], starts[b] = f, index, start
+    with torch.inference_mode():
+        got = step(ids_, slots, starts, slab.k, slab.v, *bb.rope_table(512), slab.features)
+    for b, (w, t) in enumerate(zip(want, fed)):
+        assert torch.allclose(got[b, :t], w, atol=1e-5)
+    for (_, slot, plain), n, t in zip(caches, lens, fed):
+        assert torch.allclose(slot.features[:n + t], plain.features[:n + t], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="full model"):
+        BatchedStep(bb, B, R, 256, SkipSet(attn=(1,)).masks(4), keep=layers)
+    with pytest.raises(ValueError, match="maker"):
+        Slab(bb.allocate_kv, slots=1, capacity=64, layers=layers)
+
+
+def test_eagle_sessions_in_a_batch_replay_batched_steps_that_write_their_feature_rows(cpu_step_graphs):
+    """Greedy, fp32: requests drafting with an eagle head step together through the batched graphs (their
+    caches slab slots with feature rows) with the drafts, acceptance and tokens of the same batch run eagerly."""
+    from adaptive.drafters.eagle import EagleDrafter
+    from adaptive.drafters.factory import eagle_vocab
+    from tests.drafters.test_eagle import LAYERS, random_head
+
+    model = tiny_model("llama")
+    eager_lm = _lm(model)
+    head = random_head(eager_lm, vocab_ids=torch.arange(0, model.config.vocab_size, 2))
+    bb = cpu_step_graphs(model)
+    assert bb.reserve_batch(4)
+    prompts = [[5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14], [3, 4, 5, 6, 7, 8, 9, 10]]
+    cfg = GenerationConfig(max_new_tokens=24, draft_len=3, features=LAYERS, ignore_eos=True)
+    runs = []
+    for eng in (Engine(eager_lm), Engine(_lm(model, bb))):
+        b = eng.lm.backbone
+        sessions = [eng.begin(eng.start(p, cfg), EagleDrafter(head, eagle_vocab(head, b, p), b.embed_rows, copy_min=0))
+                    for p in prompts]
+        while not all(s.done for s in sessions):
+            eng.step([s for s in sessions if not s.done])
+        runs.append([(s.out.ids, s.session.stats.drafted, s.session.stats.accepted) for s in sessions])
+    assert runs[0] == runs[1] and sum(r[2] for r in runs[0]) > 0
+    plain = [Engine(eager_lm).generate(p, cfg).token_ids for p in prompts]
+    assert [r[0] for r in runs[1]] == plain
+    assert bb.graphs.batched_replays > 0
+    assert any(key[0] == "batch" and key[-1] == LAYERS for key in bb.graphs._graphs)

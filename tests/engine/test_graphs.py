@@ -422,7 +422,7 @@ def test_warm_graphs_captures_in_inference_mode(monkeypatch):
             modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
             return 1
 
-        def warm_batches(self, requests, masks, max_len=1):  # the batched steps (none before reserve_batch)
+        def warm_batches(self, requests, masks, max_len=1, layers=()):  # the batched steps (none before reserve_batch)
             modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
             return 0
 
