@@ -94,6 +94,10 @@ class KVCache:
 
 
 ATTN_BLOCK = 128  # queries per attention block in a long forward (a prefill); fewer attend at once
+# queries from which a forward of a bf16 model on the CPU attends in bf16 over its float32 cache (a prefill,
+# a prompt chunk): bf16 products ran 2.3-2.8x float32's there (128 queries over 1,000 keys: 1.39 against
+# 3.68 ms; AVX512-BF16), where a verification's few rows run faster in float32 (Backbone.cache_dtype)
+WIDE_ATTN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,10 @@ class Backbone:
             self._rows_from_file(source)
         self.graphs = StepGraphs(self) if self.device.type == "cuda" and graphs else None
         self.prefixes = PrefixStore(0)  # finished requests' keys (:mod:`adaptive.engine.prefix`; no budget: off)
+        # a wide forward (WIDE_ATTN_ROWS queries or more) attends in bf16 where the step's numerics are bf16 and
+        # the cache float32 (the CPU): what a prefill's attention costs, 43% of a 1,100-token one in float32
+        wide = self.numerics == torch.bfloat16 and self.cache_dtype != torch.bfloat16
+        self.wide_attention = torch.bfloat16 if wide else None
 
     def _rows_from_file(self, source: str | Path) -> None:
         """Read the token embedding's (and the LM head's) rows from the GGUF file ``source`` and let the
@@ -422,7 +430,7 @@ class Backbone:
 
     @torch.inference_mode()
     def decode_chain(self, token: int, cache: KVCache, start: int, n: int) -> list[int] | None:
-        """Plain greedy decoding of ``n`` tokens (up to :data:`~adaptive.engine.graphs.CHAIN_MAX`) after
+        """Plain greedy decoding of ``n`` tokens (up to :data:`~adaptive.engine.static.CHAIN_MAX`) after
         feeding ``token`` at ``start``, replayed on the device with one read at the end
         (:meth:`StepGraphs.chain <adaptive.engine.graphs.StepGraphs.chain>`): the tokens plain decoding gives,
         keys written up to ``start + n - 1``, ``cache.length`` unchanged. ``None`` without CUDA graphs (the
@@ -634,7 +642,7 @@ class Backbone:
     @property
     def verifies_trees(self) -> bool:
         """Whether :meth:`forward` verifies tree drafts here: always (eagerly, or by replaying a captured tree
-        step, :class:`~adaptive.engine.graphs.StaticStep` with ``tree=True``, for up to 32 rows)."""
+        step, :class:`~adaptive.engine.static.StaticStep` with ``tree=True``, for up to 32 rows)."""
         return True
 
     @torch.inference_mode()
@@ -673,25 +681,30 @@ class Backbone:
         """One sequence's attention in layer ``i``: ``qkv`` (``[T, H + 2 * KV, D]``, from :meth:`project_qkv`) at
         positions ``start .. end-1``; its keys and values are written there first (``write``); queries
         attend over ``0 .. end-1`` with grouped heads as a batch (``[KV, G * T, D]``). Returns
-        ``[T, H * D]`` in the cache dtype.
+        ``[T, H * D]`` in the cache dtype (or the wide attention's, below).
 
         More than :data:`ATTN_BLOCK` queries (a prefill) attend in blocks of that many, each over the
         keys up to its own last position only: the same scores without the masked half of the work,
         and blocks small enough to stay in cache (a 1,000-token prefill's attention ran 2-3x faster).
+        :data:`WIDE_ATTN_ROWS` queries or more attend in :attr:`wide_attention`'s dtype where it is set (a
+        bf16 model on the CPU: its queries, keys and values rounded to bf16, the output then in bf16).
         """
         T = qkv.shape[0]
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         if write:
             cache.k[i, :, start:end] = qkv[:, H:H + KV].transpose(0, 1)
             cache.v[i, :, start:end] = qkv[:, H + KV:].transpose(0, 1)
-        q = qkv[:, :H].reshape(T, KV, H // KV, D).permute(1, 2, 0, 3)  # [KV, G, T, D]
+        q, keys, values = qkv[:, :H], cache.k[i, :, :end], cache.v[i, :, :end]
+        if T >= WIDE_ATTN_ROWS and self.wide_attention is not None:
+            q, keys, values = (x.to(self.wide_attention) for x in (q, keys, values))
+        q = q.reshape(T, KV, H // KV, D).permute(1, 2, 0, 3)  # [KV, G, T, D]
         if T <= ATTN_BLOCK:
-            out = self._attend_block(q, cache.k[i, :, :end], cache.v[i, :, :end], banned)
+            out = self._attend_block(q, keys, values, banned)
         else:
             blocks = []
             for a in range(0, T, ATTN_BLOCK):
                 b = min(a + ATTN_BLOCK, T)  # queries a .. b-1 see keys up to position start + b - 1
-                blocks.append(self._attend_block(q[:, :, a:b], cache.k[i, :, :start + b], cache.v[i, :, :start + b],
+                blocks.append(self._attend_block(q[:, :, a:b], keys[:, :start + b], values[:, :start + b],
                                                  banned[a:b, :start + b]))
             out = torch.cat(blocks, dim=2)
         return out.permute(2, 0, 1, 3).reshape(T, H * D)

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -5,6 +7,45 @@ from adaptive.engine.backbone import Backbone
 from adaptive.engine.skip import SkipSet
 from adaptive.errors import PromptTooLongError, UnsupportedModelError
 from tests.conftest import tiny_model
+
+
+def test_wide_forwards_of_a_bf16_model_on_the_cpu_attend_in_bf16():
+    """A bf16 model on the CPU (float32 cache) attends in bf16 from WIDE_ATTN_ROWS queries (a prefill, a prompt
+    chunk): close to the float32 attention, and no different below it (a step, a verification); a float32
+    model never does."""
+    from adaptive.engine.backbone import WIDE_ATTN_ROWS
+
+    assert Backbone(tiny_model("llama")).wide_attention is None  # float32: its attention stays float32
+    model = tiny_model("qwen2", n_layers=3).to(torch.bfloat16)
+    exact = Backbone(copy.deepcopy(model).float())  # the same (bf16-rounded) weights in float32
+    bb = Backbone(model)
+    assert bb.wide_attention == torch.bfloat16 and bb.cache_dtype == torch.float32
+    ids = torch.randint(0, bb.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    ref = exact.forward(ids[:290], exact.new_cache(320), 0, logits="all").logits
+    out = {}
+    for wide in (torch.bfloat16, None):
+        bb.wide_attention = wide
+        cache = bb.new_cache(320)
+        prefill = bb.forward(ids[:290], cache, 0, logits="all").logits  # wide: 290 queries, in blocks
+        verify = bb.forward(ids[290:296], cache, 290, logits="all").logits  # 6 queries: float32 either way
+        chunk = bb.forward(ids[296:296 + WIDE_ATTN_ROWS - 28], cache, 296, logits="all").logits  # 4 queries
+        out[wide] = prefill, verify, chunk, cache.k[:, :, :300].clone()
+    (p1, v1, c1, k1), (p0, v0, c0, k0) = out[torch.bfloat16], out[None]
+    # the wide attention ran in bf16: it moves the logits by what bf16 itself does (the model's weights and
+    # products in bf16 against float32), not more than twice that (on the embedded model: +13% of its KL)
+    bf16 = (p0 - ref).abs().mean()
+    assert not torch.equal(p1, p0) and (p1 - p0).abs().mean() < 2 * bf16
+    assert (p1.argmax(-1) == p0.argmax(-1)).float().mean() > 0.9
+    # the few rows after it attend in float32 over the keys the prefill wrote (which differ a little)
+    assert (v1 - v0).abs().mean() < 2 * bf16 and (c1 - c0).abs().mean() < 2 * bf16
+    assert torch.equal(k1[0], k0[0]) and not torch.equal(k1[1:], k0[1:])  # layer 0's keys precede any attention
+    bb.wide_attention = torch.bfloat16  # below the threshold: bit for bit the float32 attention
+    for wide in (torch.bfloat16, None):
+        bb.wide_attention = wide
+        cache = bb.new_cache(40)
+        out[wide] = torch.cat([bb.forward(ids[:WIDE_ATTN_ROWS - 1], cache, 0, logits="all").logits,
+                               bb.forward(ids[31:34], cache, WIDE_ATTN_ROWS - 1, logits="all").logits])
+    assert torch.equal(out[torch.bfloat16], out[None])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
