@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.formulas import Masks, add_norm, gated, merge_heads, norm, split_heads
+from adaptive.engine.formulas import Masks, add_norm, gated, merge_heads, norm, split_heads, write_features
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # requests per batched step
 ROW_BUCKETS = (1, 2, 4, 8)  # tokens per request: a plain step (1) or a verification of up to 7 drafts
@@ -250,8 +250,7 @@ class BatchedStep:
         delta = None  # the last sublayer's output, not yet added to h
         at = {n: j for j, n in enumerate(self.keep)}  # layer count -> its feature row
         rows = None if features is None else features.view(S1 * C, len(self.keep), -1)  # [S1 * C, n, H]
-        if 0 in at:
-            rows[:, at[0]].index_copy_(0, where, h.to(rows.dtype))
+        write_features(rows, at, 0, where, h)
 
         def normed(h, delta, weight, eps):
             return (h, self.norm(h, weight, eps)) if delta is None else self.add_norm(h, delta, weight, eps)
@@ -271,8 +270,7 @@ class BatchedStep:
             if not skip_mlp[i]:
                 h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(self.gated(w.gate_up(x), w.act))
-            if i + 1 in at:  # the eager forward's h after layer i + 1
-                rows[:, at[i + 1]].index_copy_(0, where, (h if delta is None else h + delta).to(rows.dtype))
+            write_features(rows, at, i + 1, where, h, delta)
         _, x = normed(h, delta, bb.final_norm_weight, bb.norm_eps)
         return bb.head(x).float().view(B, R, -1)
 

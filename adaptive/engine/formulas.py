@@ -89,6 +89,15 @@ def merge_heads(out: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Ten
     return out.view(KV, GT // tokens, tokens, D).permute(2, 0, 1, 3).reshape(tokens, -1).to(dtype)
 
 
+def write_features(rows: torch.Tensor, at: dict[int, int], n: int, index: torch.Tensor, h: torch.Tensor,
+                   delta: torch.Tensor | None = None) -> None:
+    """A static step's feature rows (an eagle head's): where layer count ``n`` is kept (``at``: layer count ->
+    its row of ``rows``, ``[P, len(at), hidden]``), the residual stream after ``n`` layers (``h``, plus the
+    pending sublayer output ``delta``, as the eager forward's ``h`` is) written at the rows ``index`` (``[T]``)."""
+    if n in at:
+        rows[:, at[n]].index_copy_(0, index, (h if delta is None else h + delta).to(rows.dtype))
+
+
 @dataclass(frozen=True)
 class StepOps:
     """The static step's pieces between its matrix products, as functions: plain PyTorch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.formulas import Masks, StepOps, rms_norm
+from adaptive.engine.formulas import Masks, StepOps, rms_norm, write_features
 
 CHAIN_MAX = 64  # the most tokens one chained decode (StepGraphs.chain) writes before the host reads them
 
@@ -89,9 +89,8 @@ class StaticStep:
         h = F.embedding(ids, bb.embed_weight)  # [Tb, hidden]
         delta = None  # the last sublayer's output, not yet added to h (added with the next norm)
         pooled = self._pool(h, meta) if self.pool_layer == 0 else None
-        slots = {n: j for j, n in enumerate(self.keep)}  # layer count -> its row in the slot's feature rows
-        if 0 in slots:
-            features[:, slots[0]].index_copy_(0, pos, h.to(features.dtype))
+        at_row = {n: j for j, n in enumerate(self.keep)}  # layer count -> its row in the slot's feature rows
+        write_features(features, at_row, 0, pos, h)
 
         def normed(h, delta, weight, eps):
             return (h, ops.norm(h, weight, eps)) if delta is None else ops.add_norm(h, delta, weight, eps)
@@ -106,12 +105,9 @@ class StaticStep:
             if not skip_mlp[i]:
                 h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(ops.gated(w.gate_up(x), w.act))
-            if self.pool_layer == i + 1 or i + 1 in slots:
-                residual = h if delta is None else h + delta  # the eager forward's h after layer i + 1
-                if self.pool_layer == i + 1:
-                    pooled = self._pool(residual, meta)
-                if i + 1 in slots:
-                    features[:, slots[i + 1]].index_copy_(0, pos, residual.to(features.dtype))
+            if self.pool_layer == i + 1:
+                pooled = self._pool(h if delta is None else h + delta, meta)
+            write_features(features, at_row, i + 1, pos, h, delta)
         if self.logits == "last":
             h = h.index_select(0, meta[1:2])
             delta = None if delta is None else delta.index_select(0, meta[1:2])

@@ -72,23 +72,17 @@ def test_slot_pool_reuses_a_freed_slot():
     assert made == [256, 256] and pool.allocated == 2  # the pool was empty: a new one
 
 
-def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_graphs):
-    """A cache with feature rows is a slot whose captured steps write them: an eagle head drafting from them
-    decodes plain greedy decoding's tokens with the eager run's drafts and acceptance (so the rows are the
-    target's), plain decoding in chains on such a slot writes them too, and a freed slot comes back with them."""
+def _eagle_matches_the_eager_run(eager, graphed, head, cfg, prompts):
+    """An eagle head drafting chains and trees on ``graphed`` decodes each prompt as plain decoding on ``eager``
+    and with the eager run's drafts and acceptance (so the rows it drafts from are the target's)."""
     from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
     from adaptive.drafters.factory import eagle_vocab
     from adaptive.engine.loop import GenerationStats
-    from tests.drafters.test_eagle import LAYERS, random_head
     from tests.helpers.decoding import decode_ids
 
-    lm = LoadedModel(tiny_model("llama"), char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
-    eager, graphed = lm.backbone, cpu_step_graphs(lm.model)
-    head = random_head(lm, vocab_ids=torch.arange(0, eager.vocab_size, 2))
-    cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
-    for prompt in ([5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14]):
+    for prompt in prompts:
         plain = decode_ids(eager, prompt, cfg)
-        for tree in (None, DEFAULT_TREE):  # chains, and trees verified by tree steps
+        for tree in (None, DEFAULT_TREE):  # chains, and trees (verified by tree steps where graphs run)
             runs = []
             for bb in (eager, graphed):
                 stats = GenerationStats()
@@ -96,6 +90,22 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
                 assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
                 runs.append((stats.steps, stats.drafted, stats.accepted))
             assert runs[0] == runs[1] and runs[0][2] > 0, (tree, runs)
+
+
+def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_graphs):
+    """A cache with feature rows is a slot whose captured steps write them: an eagle head drafting from them
+    decodes plain greedy decoding's tokens with the eager run's drafts and acceptance (so the rows are the
+    target's), plain decoding in chains on such a slot writes them too, and a freed slot comes back with them."""
+    from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
+    from adaptive.drafters.factory import eagle_vocab
+    from tests.drafters.test_eagle import LAYERS, random_head
+    from tests.helpers.decoding import decode_ids
+
+    lm = LoadedModel(tiny_model("llama"), char_tokenizer(), "t", "-", torch.device("cpu"), torch.float32)
+    eager, graphed = lm.backbone, cpu_step_graphs(lm.model)
+    head = random_head(lm, vocab_ids=torch.arange(0, eager.vocab_size, 2))
+    cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
+    _eagle_matches_the_eager_run(eager, graphed, head, cfg, ([5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14]))
     kept = [key for key in graphed.graphs._graphs if key[-1] == LAYERS]
     assert kept and graphed.graphs.replays > 0  # the target's steps replayed, writing the rows
     assert any(key[5] == "tree" for key in kept)  # the trees' verifications replayed tree steps
@@ -425,25 +435,13 @@ def test_an_eagle_head_drafts_over_captured_graphs_on_cuda():
     """fp32 on CUDA: the target's captured steps write the feature rows an eagle head drafts from; its drafts
     and acceptance are the eager run's, chains and trees (tree steps), its tokens plain decoding's, and the
     steps replayed graphs."""
-    from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
-    from adaptive.drafters.factory import eagle_vocab
-    from adaptive.engine.loop import GenerationStats
     from tests.drafters.test_eagle import LAYERS, random_head
-    from tests.helpers.decoding import decode_ids
 
     eager_eng, eager = _cuda_engine(graphs=False)
     _, graphed = _cuda_engine()
     head = random_head(eager_eng.lm).to(eager.device)
     cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
     prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9]
-    plain = decode_ids(eager, prompt, cfg)
-    for tree in (None, DEFAULT_TREE):
-        runs = []
-        for bb in (eager, graphed):
-            stats = GenerationStats()
-            drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0, tree=tree)
-            assert decode_ids(bb, prompt, cfg, drafter, stats=stats) == plain
-            runs.append((stats.steps, stats.drafted, stats.accepted))
-        assert runs[0] == runs[1] and runs[0][2] > 0, (tree, runs)
+    _eagle_matches_the_eager_run(eager, graphed, head, cfg, [prompt])
     assert graphed.graphs.replays > 0 and any(key[-1] == LAYERS for key in graphed.graphs._graphs)
     assert any(key[5] == "tree" for key in graphed.graphs._graphs)
