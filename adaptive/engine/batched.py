@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.formulas import Masks, add_norm, gated, merge_heads, norm, split_heads, write_features
+from adaptive.engine.formulas import Masks, StepOps, merge_heads, normed, split_heads, write_features
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # requests per batched step
 ROW_BUCKETS = (1, 2, 4, 8)  # tokens per request: a plain step (1) or a verification of up to 7 drafts
@@ -227,9 +227,7 @@ class BatchedStep:
             raise ValueError("only the full model's steps write feature rows (a draft's are not the target's)")
         self.bb, self.batch, self.rows, self.span, self.masks = backbone, batch, rows, span, masks
         self.keep = tuple(keep)
-        self.add_norm = ops.add_norm if ops is not None else add_norm
-        self.norm = ops.norm if ops is not None else norm
-        self.gated = ops.gated if ops is not None else gated
+        self.ops = ops or StepOps.plain()
 
     def __call__(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -252,12 +250,9 @@ class BatchedStep:
         rows = None if features is None else features.view(S1 * C, len(self.keep), -1)  # [S1 * C, n, H]
         write_features(rows, at, 0, where, h)
 
-        def normed(h, delta, weight, eps):
-            return (h, self.norm(h, weight, eps)) if delta is None else self.add_norm(h, delta, weight, eps)
-
         for i, w in enumerate(bb.weights):
             if not skip_attn[i]:
-                h, x = normed(h, delta, w.attn_norm, w.attn_eps)
+                h, x = normed(self.ops, h, delta, w.attn_norm, w.attn_eps)
                 q, kn, vn = split_heads(w.qkv(x), cos_t, sin_t, w.q_norm, w.k_norm, w.qk_eps, bb.n_heads, KV,
                                         k.dtype, bb.scaling)
                 k[i].view(KV, S1 * C, D).index_copy_(1, where, kn)  # every request's keys, into its own slot
@@ -268,10 +263,10 @@ class BatchedStep:
                 out = per_group(torch.bmm(probs, values), KV, G)  # [KV, G * B * R, D]
                 delta = w.o(merge_heads(out, B * R, h.dtype))
             if not skip_mlp[i]:
-                h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
-                delta = w.down(self.gated(w.gate_up(x), w.act))
+                h, x = normed(self.ops, h, delta, w.mlp_norm, w.mlp_eps)
+                delta = w.down(self.ops.gated(w.gate_up(x), w.act))
             write_features(rows, at, i + 1, where, h, delta)
-        _, x = normed(h, delta, bb.final_norm_weight, bb.norm_eps)
+        _, x = normed(self.ops, h, delta, bb.final_norm_weight, bb.norm_eps)
         return bb.head(x).float().view(B, R, -1)
 
 

@@ -89,6 +89,13 @@ def merge_heads(out: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Ten
     return out.view(KV, GT // tokens, tokens, D).permute(2, 0, 1, 3).reshape(tokens, -1).to(dtype)
 
 
+def normed(ops, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static step's residual ``h`` with the pending sublayer output ``delta`` added (``None``: none pending)
+    and its norm, ``(h, x)``, by ``ops``' pieces (:class:`StepOps`: one fused add-and-norm where one is pending)."""
+    return (h, ops.norm(h, weight, eps)) if delta is None else ops.add_norm(h, delta, weight, eps)
+
+
 def write_features(rows: torch.Tensor, at: dict[int, int], n: int, index: torch.Tensor, h: torch.Tensor,
                    delta: torch.Tensor | None = None) -> None:
     """A static step's feature rows (an eagle head's): where layer count ``n`` is kept (``at``: layer count ->

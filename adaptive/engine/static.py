@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from adaptive.engine.formulas import Masks, StepOps, rms_norm, write_features
+from adaptive.engine.formulas import Masks, StepOps, normed, rms_norm, write_features
 
 CHAIN_MAX = 64  # the most tokens one chained decode (StepGraphs.chain) writes before the host reads them
 
@@ -92,18 +92,15 @@ class StaticStep:
         at_row = {n: j for j, n in enumerate(self.keep)}  # layer count -> its row in the slot's feature rows
         write_features(features, at_row, 0, pos, h)
 
-        def normed(h, delta, weight, eps):
-            return (h, ops.norm(h, weight, eps)) if delta is None else ops.add_norm(h, delta, weight, eps)
-
         for i, w in enumerate(bb.weights):
             if not skip_attn[i]:
-                h, x = normed(h, delta, w.attn_norm, w.attn_eps)
+                h, x = normed(ops, h, delta, w.attn_norm, w.attn_eps)
                 q = ops.split_heads_into(w.qkv(x), cos_t, sin_t, w.q_norm, w.k_norm, w.qk_eps, bb.n_heads,
                                          bb.n_kv_heads, k.dtype, bb.scaling, k[i], v[i], pos)
                 probs = ops.masked_softmax(torch.bmm(q, k[i].transpose(1, 2)), banned)  # [KV, G * Tb, C]
                 delta = w.o(ops.merge_heads(torch.bmm(probs, v[i]), Tb, h.dtype))
             if not skip_mlp[i]:
-                h, x = normed(h, delta, w.mlp_norm, w.mlp_eps)
+                h, x = normed(ops, h, delta, w.mlp_norm, w.mlp_eps)
                 delta = w.down(ops.gated(w.gate_up(x), w.act))
             if self.pool_layer == i + 1:
                 pooled = self._pool(h if delta is None else h + delta, meta)
@@ -111,7 +108,7 @@ class StaticStep:
         if self.logits == "last":
             h = h.index_select(0, meta[1:2])
             delta = None if delta is None else delta.index_select(0, meta[1:2])
-        _, x = normed(h, delta, bb.final_norm_weight, bb.norm_eps)
+        _, x = normed(ops, h, delta, bb.final_norm_weight, bb.norm_eps)
         out = bb.head(x).float()
         return out if self.pool_layer is None else (out, pooled)
 
