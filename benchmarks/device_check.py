@@ -91,6 +91,7 @@ SERVE_CLIENTS, QUICK_SERVE_CLIENTS = (1, 8, 32, 64), (1, 2)  # part serving's cl
 BATCHES, QUICK_BATCHES = (1, 8, 32, 64), (1, 2)  # the verify table by batch size (part shapes)
 MAX_DRAFTS = 16
 HEAD_METHODS = ("ar", "knn-ssd", "eagle", "eagle-chain", "pld")  # part heads' bf16 bench
+PROFILED = {"knn-ssd", "eagle", "eagle-chain"}  # bench methods that read the profile (--profile)
 
 
 def log(msg: str) -> None:
@@ -413,9 +414,30 @@ def calibrated(args, dev: torch.device, out_dir: Path) -> dict:
     return run(cal, args.calibrate_timeout, out_dir / "calibrate.log")
 
 
+def benches(args, dev: torch.device, out_dir: Path, prefix: str, bf16: list[str], fp32: list[str],
+            profile: Path) -> dict:
+    """``adaptive bench`` of the embedded model in bf16 (``bf16``'s methods, ``--per-category`` prompts) and in
+    fp32 (``fp32``'s, ``--fp32-per-category``), with ``profile`` where a method reads it (:data:`PROFILED`):
+    ``{"bench_bfloat16": ..., "bench_float32": ...}``, each :func:`run`'s result with the report's ``results``
+    and ``runs``."""
+    res: dict = {}
+    for dtype, names, per, limit in (("bfloat16", bf16, args.per_category, args.bench_timeout),
+                                     ("float32", fp32, args.fp32_per_category, args.fp32_timeout)):
+        report = out_dir / f"{prefix}bench-{dtype}.json"
+        cmd = [*CLI, "bench", "--model", args.model, "--engine", "torch", "--device", dev.type, "--dtype", dtype,
+               "--data", args.data, "--skip-first", str(args.skip_first), "--per-category", str(per),
+               "--max-new-tokens", "64", "--methods", ",".join(names), "--out", str(report), "--quiet"]
+        if set(names) & PROFILED:
+            cmd += ["--profile", str(profile)]
+        res[f"bench_{dtype}"] = run(cmd, limit, out_dir / f"{prefix}bench-{dtype}.log")
+        if report.exists():
+            data = json.loads(report.read_text())
+            res[f"bench_{dtype}"]["report"] = data["results"]
+            res[f"bench_{dtype}"]["runs"] = data["runs"]
+    return res
+
+
 def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
-    cli = CLI
-    common = ["--model", args.model, "--engine", "torch", "--device", dev.type]
     profile = out_dir / "profile"
     res: dict = {}
     res["calibrate"] = calibrated(args, dev, out_dir)
@@ -423,20 +445,7 @@ def part_embedded(args, dev: torch.device, out_dir: Path) -> dict:
         res["raced"] = raced(profile)
     methods = [m for m in args.methods.split(",") if res["calibrate"]["ok"] or m != "knn-ssd"]
     fp32 = [m for m in args.fp32_methods.split(",") if m in methods]
-    for dtype, names, per, limit in (("bfloat16", methods, args.per_category, args.bench_timeout),
-                                     ("float32", fp32, args.fp32_per_category, args.fp32_timeout)):
-        report = out_dir / f"bench-{dtype}.json"
-        cmd = [*cli, "bench", *common, "--dtype", dtype, "--data", args.data, "--skip-first", str(args.skip_first),
-               "--per-category", str(per), "--max-new-tokens", "64", "--methods", ",".join(names),
-               "--out", str(report), "--quiet"]
-        if "knn-ssd" in names:
-            cmd += ["--profile", str(profile)]
-        res[f"bench_{dtype}"] = run(cmd, limit, out_dir / f"bench-{dtype}.log")
-        if report.exists():
-            data = json.loads(report.read_text())
-            res[f"bench_{dtype}"]["report"] = data["results"]
-            res[f"bench_{dtype}"]["runs"] = data["runs"]
-    return res
+    return res | benches(args, dev, out_dir, "", methods, fp32, profile)
 
 
 def part_heads(args, dev: torch.device, out_dir: Path) -> dict:
@@ -460,19 +469,9 @@ def part_heads(args, dev: torch.device, out_dir: Path) -> dict:
     rec = load_profile(profile).distilled["eagle"]
     res["head"] = {"acceptance": rec.acceptance, "tau": rec.tau, "draft_cost": rec.draft_cost,
                    "train_seconds": rec.train_seconds, "seconds": rec.seconds, "coverage": rec.coverage,
-                   "by_domain": {d: v[0] if isinstance(v, (list, tuple)) else v for d, v in rec.by_domain.items()}}
+                   "by_domain": {d: v[0] for d, v in rec.by_domain.items()}}  # each domain's first draft kept
     res["raced"] = raced(profile)
-    common = [*CLI, "bench", "--model", args.model, "--engine", "torch", "--device", dev.type, "--data", args.data,
-              "--skip-first", str(args.skip_first), "--max-new-tokens", "64", "--profile", str(profile), "--quiet"]
-    for dtype, names, per, limit in (("bfloat16", HEAD_METHODS, args.per_category, args.bench_timeout),
-                                     ("float32", ("ar", "eagle"), args.fp32_per_category, args.fp32_timeout)):
-        report = out_dir / f"heads-bench-{dtype}.json"
-        cmd = [*common, "--dtype", dtype, "--per-category", str(per), "--methods", ",".join(names),
-               "--out", str(report)]
-        res[f"bench_{dtype}"] = run(cmd, limit, out_dir / f"heads-bench-{dtype}.log")
-        if report.exists():
-            res[f"bench_{dtype}"]["report"] = json.loads(report.read_text())["results"]
-    return res
+    return res | benches(args, dev, out_dir, "heads-", list(HEAD_METHODS), ["ar", "eagle"], profile)
 
 
 def free_port() -> int:

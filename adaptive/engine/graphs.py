@@ -370,8 +370,6 @@ class StepGraphs:
         T = int(ids.shape[0])
         if not self.enabled or logits not in ("all", "last", "none") or cache.limit == 0:
             return NotImplemented
-        if cache.features is not None and cache.features.shape[0] != cache.k.shape[2]:
-            return NotImplemented  # feature rows not of a slot (made eagerly): the eager forward writes them
         if tree is not None:
             if logits != "all" or pool_layer is not None or T > BUCKETS[-1] or len(tree) != T:
                 return NotImplemented
@@ -404,7 +402,7 @@ class StepGraphs:
         else:  # drafted on the device: stays there
             buf[:T].copy_(ids, non_blocking=True)
             buf[Tb:].copy_(torch.tensor(meta), non_blocking=True)
-        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer, "tree" if tree is not None else "chain",
+        key = (cache.k.data_ptr(), Tb, masks, logits, pool_layer, "tree" if tree is not None else "causal",
                self._keep(cache, masks))
         cap = self._graphs.get(key)
         if cap is None:
@@ -459,15 +457,14 @@ class StepGraphs:
         before = self.captures
         ids = torch.zeros(PREFILL_BUCKETS[-1], dtype=torch.long)
         if drafting:
-            steps = [(1, "last", None)] + [(Tb, "all", None) for Tb in BUCKETS]
+            steps = [(1, "last", None, None)] + [(Tb, "all", None, None) for Tb in BUCKETS]
         else:
-            steps = [(Tb, "all", None) for Tb in BUCKETS] + [(Tb, "last", pool_layer)
-                                                             for Tb in BUCKETS + PREFILL_BUCKETS]
-        if trees and not drafting:
-            steps += [(Tb, "all", "tree") for Tb in BUCKETS[1:]]
-        for Tb, logits, layer in steps:
-            tree = [-1] + [0] * (Tb - 1) if layer == "tree" else None  # any tree of the bucket: the same graph
-            if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, None if tree else layer, tree) is NotImplemented:
+            steps = [(Tb, "all", None, None) for Tb in BUCKETS] + [(Tb, "last", pool_layer, None)
+                                                                   for Tb in BUCKETS + PREFILL_BUCKETS]
+            if trees:  # any tree of a bucket replays the same graph: a root and its children
+                steps += [(Tb, "all", None, [-1] + [0] * (Tb - 1)) for Tb in BUCKETS[1:]]
+        for Tb, logits, layer, tree in steps:
+            if self._replay(ids[:Tb], cache, 0, masks, logits, Tb, layer, tree) is NotImplemented:
                 break  # a failed capture turned graphs off
         if not drafting and self.enabled:
             self.chain(0, cache, 0, 1, masks)  # plain greedy decoding's chain (Lane.chain)
