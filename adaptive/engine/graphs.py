@@ -168,7 +168,9 @@ class SlotPool:
 
 
 @dataclass(eq=False)
-class _Captured:
+class Captured:
+    """A captured step: replaying ``graph`` runs it again over the buffers it was captured with."""
+
     graph: torch.cuda.CUDAGraph
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # the graph's output buffers, rewritten by each replay
 
@@ -199,6 +201,8 @@ class StepGraphs:
     _mempool: object = field(default=None, repr=False)
     _ops: StepOps | None = field(default=None, repr=False)
     _batch_inputs: dict = field(default_factory=dict, repr=False)  # (B, R) -> [B * R + 2 * B] long
+    # what the drafters keep with these graphs, by their own key (an eagle head's HeadGraphs), dropped with them
+    attached: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self, owner):
         self._owner = weakref.ref(owner)
@@ -299,7 +303,7 @@ class StepGraphs:
         self.batched_replays += 1
         return [cap.out[b, :int(s.ids.numel())].clone() for b, s in enumerate(segments)]
 
-    def _batch_graph(self, slab: Slab, B: int, R: int, A: int, masks: Masks) -> _Captured | None:
+    def _batch_graph(self, slab: Slab, B: int, R: int, A: int, masks: Masks) -> Captured | None:
         """The batched step's graph for ``slab`` and ``(B, R, A, masks)``, captured now if it was not
         (over the dummy slot: the inputs' values are not part of a graph); ``None`` when capturing failed."""
         keep = slab.layers if masks == self.backbone._full else ()  # a draft's residual stream is not the target's
@@ -316,7 +320,7 @@ class StepGraphs:
         starts.zero_()
         cos, sin = self._tables(slab.capacity)
         args = (ids, slots, starts, slab.k, slab.v, cos, sin, *((slab.features,) if keep else ()))
-        return self._capture_step(key, lambda ops: BatchedStep(self.backbone, B, R, A, masks, ops, keep), args)
+        return self.capture(key, lambda ops: BatchedStep(self.backbone, B, R, A, masks, ops, keep), args)
 
     def warm_batches(self, requests: int, masks: Masks, max_len: int = 1, repeats: int = 10,
                      layers: tuple[int, ...] = ()) -> int:
@@ -341,7 +345,7 @@ class StepGraphs:
                     self.batch_seconds.setdefault(B, {})[R] = self._timed(cap, repeats)
         return self.captures - before
 
-    def _timed(self, cap: _Captured, repeats: int) -> float:
+    def _timed(self, cap: Captured, repeats: int) -> float:
         """Seconds of one replay of ``cap``: the median of three blocks of ``repeats`` replays."""
         dev = self.backbone.device
         blocks = []
@@ -482,7 +486,7 @@ class StepGraphs:
         return t
 
     def _capture(self, key, cache, Tb: int, masks: Masks, logits: str, pool_layer: int | None = None,
-                 chained: bool = False, tree: bool = False) -> _Captured | None:
+                 chained: bool = False, tree: bool = False) -> Captured | None:
         """Capture the static step of ``key`` (with ``chained``: its :class:`ChainedStep`, over :meth:`chain`'s
         buffers; with ``tree``: a tree step), after compiling its pieces and a warm-up run on a side stream."""
         cos, sin = self._tables(cache.k.shape[2])
@@ -498,11 +502,26 @@ class StepGraphs:
             step = StaticStep(self.backbone, Tb, masks, logits, ops, pool_layer, keep, tree)
             return ChainedStep(step) if chained else step
 
-        return self._capture_step(key, build, args)
+        return self.capture(key, build, args)
 
-    def _capture_step(self, key, build: Callable, args: tuple) -> _Captured | None:
-        """Capture ``build(ops)(*args)`` under ``key``: its pieces compiled as :attr:`compile` says, a warm-up
-        run on a side stream, then the capture. ``None`` (and graphs off, said once) when capturing fails."""
+    def drop(self, owned: Callable[[object], bool]) -> int:
+        """Forget the captured graphs whose key ``owned`` says yes to (a replaced eagle head's levels); their
+        memory returns to the pool once nothing replays them. Returns how many."""
+        keys = [key for key in self._graphs if owned(key)]
+        for key in keys:
+            del self._graphs[key]
+        return len(keys)
+
+    def capture(self, key, build: Callable, args: tuple, turns_off: bool = True) -> Captured | None:
+        """The graph of ``build(ops)(*args)`` under ``key`` (any hashable that names the step, its shapes and its
+        buffers' addresses), captured now if it was not: its pieces compiled as :attr:`compile` says (``ops``
+        a :class:`StepOps`, or ``None``: plain kernels), a warm-up run on a side stream, then the capture. The
+        drafters' own static steps (an eagle head's) are captured here too, in the same memory pool. ``None``
+        when capturing fails, and graphs off (said once) unless ``turns_off`` is false (a drafter's own step:
+        the caller runs it eagerly, and the target's graphs stay on). Its ``graph.replay()`` rewrites ``out``."""
+        cap = self._graphs.get(key)
+        if cap is not None:
+            return cap
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
         if self.compile == "ops":
@@ -532,9 +551,9 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self._mempool):
                 out = step(*args)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly from now on
-            self.enabled = False
-            print(f"adaptive: CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly",
-                  file=sys.stderr)
+            self.enabled = self.enabled and not turns_off
+            what = "decoding eagerly" if turns_off else "this step runs eagerly"
+            print(f"adaptive: CUDA graph capture failed ({type(exc).__name__}: {exc}); {what}", file=sys.stderr)
             return None
-        cap = self._graphs[key] = _Captured(graph, out)
+        cap = self._graphs[key] = Captured(graph, out)
         return cap
