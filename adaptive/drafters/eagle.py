@@ -35,12 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaptive.drafters.head import DraftHead
-from adaptive.drafters.ngram import ngram_lookup
 from adaptive.engine.config import check_feature_layers
-from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, tree_first_path
 from adaptive.engine.quant import Linear
-from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
 
 NO_LOOKUP = -1  # a row whose n-gram occurs nowhere earlier
@@ -166,11 +162,18 @@ DEFAULT_TREE = TreeShape(4, 10, 0.05)
 
 class HeadCache:
     """The head's own keys and values (``[kv_heads, capacity, head_dim]``, float32) and ``length``: the
-    rows computed from the target's own features; rows beyond it are drafts' (overwritten next time)."""
+    rows computed from the target's own features; rows beyond it are drafts' (overwritten next time).
+    ``slot``: the tensors of a pooled slot to use (the head's captured steps replay over them)."""
 
-    def __init__(self, shape: HeadShape, capacity: int, device):
-        self.k = torch.zeros(shape.kv_heads, capacity, shape.head_dim, device=device)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, shape: HeadShape, capacity: int, device, slot: tuple[torch.Tensor, ...] | None = None):
+        if slot is None:
+            self.k = torch.zeros(shape.kv_heads, capacity, shape.head_dim, device=device)
+            self.v = torch.zeros_like(self.k)
+        else:
+            self.k, self.v = slot[0], slot[1]
+        # a pooled slot's tensors (k, v and the request's extra rows: adaptive.drafters.eagle_static), whose
+        # captured steps write them while ``k`` is still ``slot[0]`` (room() grows a copy)
+        self.slot = slot
         self.length = 0
 
     def room(self, rows: int) -> None:
@@ -325,6 +328,10 @@ class EagleHead(nn.Module):
             steps[key] = EagleStep(self, *key)
         return steps[key]
 
+    def built_steps(self) -> list[EagleStep]:
+        """The draft steps :meth:`step` has built so far."""
+        return list(self.__dict__.get("_steps", {}).values())
+
     # -- storage ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -370,7 +377,7 @@ class EagleStep:
                           ("norm_token", "norm_feature", "norm_lookup", "norm_mlp", "norm_out")}
             self.no_lookup = head.no_lookup.detach().to(dtype)
         self.ids = head.ids
-        self._rope = head.rope
+        self.rope = head.rope
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.rms_norm(x, (self.shape.hidden,), self.norms[name], self.shape.eps)
@@ -379,6 +386,36 @@ class EagleStep:
         """``[T, n_layers_read, H]`` target features -> ``[T, H]`` in the step's dtype."""
         return self.fc(features.flatten(-2).to(self.dtype))
 
+    def project(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A block of ``T`` rows' query ``[heads, T, D]``, key and value ``[kv_heads, T, D]`` (float32, the query
+        and key rotated by ``cos``/``sin``, ``[T, D]``) from its inputs (``[T, H]``; ``has_lookup`` ``[T]``)."""
+        s, dt = self.shape, self.dtype
+        T = u.shape[0]
+        lk = torch.where(has_lookup.unsqueeze(-1), lookup_emb.to(dt), self.no_lookup)
+        x = torch.cat([self._norm(tokens_emb.to(dt), "norm_token"), self._norm(u, "norm_feature"),
+                       self._norm(lk, "norm_lookup")], -1)
+        qkv = self.qkv(x).float().view(T, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
+        return (EagleHead._rotate(qkv[:s.heads], cos, sin),
+                EagleHead._rotate(qkv[s.heads:s.heads + s.kv_heads], cos, sin), qkv[s.heads + s.kv_heads:])
+
+    def attend(self, u: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               banned: torch.Tensor | None) -> torch.Tensor:
+        """The rows' output ``g`` (``[T, H]``, the step's dtype): their inputs ``u`` plus the attention of ``q``
+        (:meth:`project`'s) over ``keys``/``values`` (``[kv_heads, C, D]``; ``banned`` ``[T, C]``, True: may not
+        look; ``None``: all), then the MLP."""
+        s = self.shape
+        T = q.shape[1]
+        G = s.heads // s.kv_heads  # grouped heads as a batch: no key or value copied per head
+        q = q.reshape(s.kv_heads, G * T, s.head_dim) / math.sqrt(s.head_dim)
+        scores = q @ keys.transpose(-1, -2)  # [KV, G*T, C]
+        if banned is not None:
+            scores = scores.view(s.kv_heads, G, T, -1).masked_fill(banned, float("-inf")).view_as(scores)
+        out = (torch.softmax(scores, -1) @ values).view(s.heads, T, s.head_dim)
+        g = u + self.o(out.transpose(0, 1).reshape(T, -1).to(self.dtype))
+        gate, up = self.gate_up(self._norm(g, "norm_mlp")).chunk(2, -1)
+        return g + self.down(F.silu(gate) * up)
+
     def rows(self, u: torch.Tensor, tokens_emb: torch.Tensor, lookup_emb: torch.Tensor, has_lookup: torch.Tensor,
              cache: HeadCache, start: int, positions: torch.Tensor | None = None,
              banned: torch.Tensor | None = None) -> torch.Tensor:
@@ -386,205 +423,34 @@ class EagleStep:
         each other causally, their keys written at those rows: ``g``, ``[T, H]`` in the step's dtype.
         A tree's rows (:meth:`EagleDrafter.propose`) give their own ``positions`` (``[T]``, for the rotary
         embedding; default: the rows') and ``banned`` (``[T, start + T]``, True: may not look; default causal)."""
-        s, dt = self.shape, self.dtype
         T = u.shape[0]
-        lk = torch.where(has_lookup.unsqueeze(-1), lookup_emb.to(dt), self.no_lookup)
-        x = torch.cat([self._norm(tokens_emb.to(dt), "norm_token"), self._norm(u, "norm_feature"),
-                       self._norm(lk, "norm_lookup")], -1)
-        qkv = self.qkv(x).float().view(T, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
         if positions is None:
-            cos, sin = self._rope(start, start + T, u.device)
+            cos, sin = self.rope(start, start + T, u.device)
         else:
-            cos, sin = self._rope(0, int(positions.max()) + 1, u.device)
+            cos, sin = self.rope(0, int(positions.max()) + 1, u.device)
             cos, sin = cos[positions], sin[positions]
-        q = EagleHead._rotate(qkv[:s.heads], cos, sin)
+        q, k, v = self.project(u, tokens_emb, lookup_emb, has_lookup, cos, sin)
         cache.room(start + T)
-        cache.k[:, start:start + T] = EagleHead._rotate(qkv[s.heads:s.heads + s.kv_heads], cos, sin)
-        cache.v[:, start:start + T] = qkv[s.heads + s.kv_heads:]
-        G = s.heads // s.kv_heads  # grouped heads as a batch: no key or value copied per head
-        q = q.reshape(s.kv_heads, G * T, s.head_dim) / math.sqrt(s.head_dim)
-        scores = q @ cache.k[:, :start + T].transpose(-1, -2)  # [KV, G*T, start+T]
+        cache.k[:, start:start + T] = k
+        cache.v[:, start:start + T] = v
         if banned is None and T > 1:
             banned = torch.ones(T, start + T, dtype=torch.bool, device=u.device).triu_(start + 1)
-        if banned is not None:
-            scores = scores.view(s.kv_heads, G, T, start + T).masked_fill(banned, float("-inf")).view_as(scores)
-        out = (torch.softmax(scores, -1) @ cache.v[:, :start + T]).view(s.heads, T, s.head_dim)
-        g = u + self.o(out.transpose(0, 1).reshape(T, -1).to(dt))
-        gate, up = self.gate_up(self._norm(g, "norm_mlp")).chunk(2, -1)
-        return g + self.down(F.silu(gate) * up)
+        return self.attend(u, q, cache.k[:, :start + T], cache.v[:, :start + T], banned)
 
-    def logits(self, g: torch.Tensor, lookup_index: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, g: torch.Tensor, lookup_index: torch.Tensor, extra: torch.Tensor | None = None,
+               extra_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, V' + E]`` float32 logits over the head's rows, then ``extra``'s (``[E, H]``, a request's
-        prompt tokens' rows), plus the bonus at ``lookup_index`` (``[T]``; -1: none)."""
+        prompt tokens' rows), plus the bonus at ``lookup_index`` (``[T]``; -1: none). ``extra_rows`` (a
+        0-d long tensor): only that many of ``extra``'s rows are the request's (a static step's padded
+        buffer); the others' logits are ``-inf``."""
         n = self._norm(g, "norm_out")
         out = self.lm(n)
         if extra is not None and extra.shape[0]:
-            out = torch.cat([out, F.linear(n, extra.to(self.dtype))], -1)
+            more = F.linear(n, extra.to(self.dtype))
+            if extra_rows is not None:
+                more = more.masked_fill(torch.arange(extra.shape[0], device=more.device) >= extra_rows, float("-inf"))
+            out = torch.cat([out, more], -1)
         out = out.float()
         has = lookup_index >= 0
         bonus = ((n @ self.bonus_w).float() + self.bonus_b) * has
         return out.scatter_add(-1, lookup_index.clamp(min=0).unsqueeze(-1), bonus.unsqueeze(-1))
-
-
-class EagleDrafter(Drafter):
-    """Drafts with a trained :class:`EagleHead` from the target's features in the request's cache.
-
-    Before each proposal it feeds the rows the target has verified since the last one (the head's
-    cache keeps the rows computed from the target's features: those never change), then drafts a
-    token per head step, each step's input the previous step's output. Greedy: the argmax over the
-    head's rows (``vocab``: the head's ids joined with the request's prompt tokens, a
-    :class:`~adaptive.drafters.head.DraftHead` whose first rows are the head's own); sampling: the
-    warped distribution over them. The head runs as :meth:`EagleHead.step` gives it for ``dtype`` and
-    the target's weight ``mode``; ``embed(ids [T]) -> [T, H]`` is the target's token embedding. Where
-    prompt lookup matches at least ``copy_min`` tokens it drafts the copy instead (a cascade: lookup
-    first, the head where it has nothing; :data:`COPY_MIN`). Its drafts on a backbone that verifies
-    trees branch as ``tree`` says (:class:`TreeShape`; ``None``: chains).
-    """
-
-    name = "eagle"
-
-    def __init__(self, head: EagleHead, vocab: DraftHead, embed, dtype: torch.dtype = torch.float32,
-                 mode: str = "dense", copy_min: int = COPY_MIN, tree: TreeShape | None = DEFAULT_TREE):
-        n = len(head.ids)
-        if len(vocab) < n or not torch.equal(vocab.ids[:n].cpu(), head.ids.cpu()):
-            raise ConfigError("an eagle drafter's vocabulary must start with its head's own rows (eagle_vocab)")
-        self.head, self.vocab, self.embed = head, vocab, embed
-        self.step = head.step(dtype, mode)
-        self.extra = vocab.weight[n:].to(dtype)  # the prompt's rows beyond the head's own
-        self.index_of = {int(t): i for i, t in enumerate(vocab.ids.tolist())}
-        self.lookups = NgramIndex(head.shape.lookup)
-        self.cache: HeadCache | None = None
-        self.copy_min = copy_min
-        self.tree = tree
-
-    def _inputs(self, tokens: list[int], lookups: list[int], device):
-        """The rows' token and lookup-token embeddings (one lookup of the table), which rows have a lookup
-        token, and its index among the vocabulary's rows (-1: none there)."""
-        m = len(tokens)
-        emb = self.embed(torch.tensor(tokens + [max(t, 0) for t in lookups], dtype=torch.long, device=device))
-        have = torch.tensor([t != NO_LOOKUP for t in lookups], device=device)
-        index = torch.tensor([self.index_of.get(t, -1) for t in lookups], device=device)
-        return emb[:m], emb[m:], have, index
-
-    @torch.inference_mode()
-    def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
-        cache, tokens, cfg, step = state.cache, state.tokens, state.config, self.step
-        features = getattr(cache, "features", None)
-        if features is None:
-            raise ConfigError("the eagle drafter needs the target's features in the cache: the request's "
-                              "config must name the head's feature layers")
-        n = cache.length  # the pending token's position: the target's features exist for rows 0 .. n-1
-        device = features.device
-        if self.copy_min:  # prompt lookup first: a match of copy_min tokens or more drafts its continuation
-            copied = ngram_lookup(tokens, choice.length, max(3, self.copy_min), self.copy_min)
-            if copied:
-                return Draft(torch.tensor(copied, dtype=torch.long))
-        if self.cache is None:
-            self.cache = HeadCache(self.head.shape, max(256, len(tokens) + 64), device)
-        start = min(self.cache.length, n - 1)  # rows start .. n-1 are new (the last one at least)
-        if self.lookups.done > n:  # the target rewound past what was registered (a race's blocks): index again
-            self.lookups = NgramIndex(self.head.shape.lookup)
-        looks = []
-        for j in range(start, n):  # row j sees the n-grams ending at 0 .. j, as in training
-            self.lookups.register(tokens, j + 1)
-            looks.append(self.lookups.lookup(tokens, j))
-        emb, lk, have, index = self._inputs(tokens[start + 1:n + 1], looks, device)
-        g = step.rows(step.fuse(features[start:n]), emb, lk, have, self.cache, start)[-1:]
-        self.cache.length = n
-        if self.tree is not None and getattr(state.backbone, "verifies_trees", False):
-            return self._tree(state, g, index[-1:], choice.length)
-        drafted, qs = [], []
-        threshold = cfg.confidence_threshold
-        row, index = n - 1, index[-1:]
-        context = list(tokens)
-        for j in range(choice.length):
-            logits = step.logits(g, index, self.extra)[0]  # [V' + E]: the vocabulary's rows
-            if cfg.greedy:
-                tok = int(self.vocab.ids[int(logits.argmax())])
-                conf = float(torch.softmax(logits, -1).max()) if threshold else None
-            else:
-                q = warp_probs(self.vocab.expand_logits(logits), cfg.temperature, cfg.top_k, cfg.top_p)
-                tok = int(torch.multinomial(q, 1, generator=state.generator))
-                qs.append(q)
-                conf = float(q.max()) if threshold else None
-            drafted.append(tok)
-            if j + 1 == choice.length or (threshold and conf < threshold):
-                break
-            context.append(tok)
-            row += 1
-            emb, lk, have, index = self._inputs([tok], [self.lookups.lookup(context, row)], device)
-            g = step.rows(g, emb, lk, have, self.cache, row)
-        return Draft(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(qs) if qs else None)
-
-    def _tree(self, state: DecodeState, g: torch.Tensor, index: torch.Tensor, depth: int) -> Draft:
-        """A tree draft of at most ``depth`` levels (:class:`TreeShape`) from the head's output ``g``
-        (``[1, H]``) at the pending token's row, whose lookup token's index is ``index`` (``[1]``).
-
-        Every candidate is a token, its parent candidate (-1: the pending token) and its score, the
-        log-probability of its path under the head. A level's ``width`` best candidates run through the
-        head together (one step of ``width`` rows, each seeing the committed rows and its own ancestors'),
-        and each row's ``width`` best next tokens become the next level's candidates. The ``nodes`` best
-        candidates (ties: the earlier) are the draft, by level and, among siblings, best first."""
-        width, budget = self.tree.width, self.tree.nodes
-        step, tokens = self.step, state.tokens
-        n = state.cache.length  # the pending token's position; the head's rows 0 .. n-1 are committed
-        device = g.device
-        toks: list[int] = []
-        parent: list[int] = []
-        score: list[float] = []
-        slot: dict[int, int] = {}  # a candidate whose row was computed -> its slot in the head's cache
-        path: dict[int, list[int]] = {-1: []}  # a candidate -> the candidates from the first level to it
-
-        def expand(logits: torch.Tensor, parents: list[int]) -> None:
-            logp = torch.log_softmax(logits, -1)
-            best = logp.topk(min(width, logp.shape[-1]), -1)
-            ids = self.vocab.ids[best.indices.to(self.vocab.ids.device)].tolist()  # one read for the level
-            for r, p in enumerate(parents):
-                base = score[p] if p >= 0 else 0.0
-                for lp, tok in zip(best.values[r].tolist(), ids[r]):
-                    c = len(toks)
-                    toks.append(tok)
-                    parent.append(p)
-                    score.append(base + lp)
-                    path[c] = path[p] + [c]
-
-        expand(step.logits(g, index, self.extra), [-1])
-        frontier = list(range(len(toks)))
-        at = n  # the next free slot of the head's cache
-        outs: dict[int, torch.Tensor] = {-1: g[0]}
-        for level in range(2, depth + 1):
-            rows = len(frontier)
-            contexts = [list(tokens) + [toks[c] for c in path[f]] for f in frontier]
-            looks = [self.lookups.lookup(ctx, n - 2 + level) for ctx in contexts]
-            emb, lk, have, idx = self._inputs([toks[f] for f in frontier], looks, device)
-            for r, f in enumerate(frontier):
-                slot[f] = at + r
-            banned = torch.ones(rows, at + rows, dtype=torch.bool, device=device)
-            banned[:, :n] = False
-            for r, f in enumerate(frontier):
-                banned[r, [slot[c] for c in path[f]]] = False
-            positions = torch.full((rows,), n - 2 + level, device=device)
-            u = torch.stack([outs[parent[f]] for f in frontier])
-            out = step.rows(u, emb, lk, have, self.cache, at, positions, banned)
-            at += rows
-            for r, f in enumerate(frontier):
-                outs[f] = out[r]
-            first = len(toks)
-            expand(step.logits(out, idx, self.extra), frontier)
-            new = range(first, len(toks))
-            frontier = sorted(sorted(new, key=lambda c: -score[c])[:width])
-        best = sorted(range(len(toks)), key=lambda c: -score[c])[:budget]
-        if self.tree.min_prob > 0:  # the main chain stays (the bandit chose its depth); unlikely alternatives go
-            floor = math.log(self.tree.min_prob)
-            main = set(tree_first_path(parent))
-            best = [c for c in best if score[c] >= floor or c in main]
-        kept = sorted(best, key=lambda c: (len(path[c]), c))  # by level, then as made (siblings best first)
-        order = {c: i for i, c in enumerate(kept)}
-        return Draft(torch.tensor([toks[c] for c in kept], dtype=torch.long, device=device),
-                     parents=tuple(order[parent[c]] if parent[c] >= 0 else -1 for c in kept))
-
-    def describe(self) -> dict:
-        out = {"name": self.name, "layers": list(self.head.shape.layers), "draft_vocab": len(self.vocab)}
-        if self.tree is not None:
-            out["tree"] = asdict(self.tree)
-        return out

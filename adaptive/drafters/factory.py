@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
-from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter, EagleHead, TreeShape
+from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, TreeShape
+from adaptive.drafters.eagle_drafter import EagleDrafter
 from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.layerskip import LayerSkipDrafter

@@ -37,6 +37,7 @@ import torch
 from adaptive.costs import best_draft_length, busy_warning
 from adaptive.costs.batch import batch_draft_lengths, padded_draft_lengths
 from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, HeadShape, TreeShape
+from adaptive.drafters.eagle_static import release_head, warm_head
 from adaptive.drafters.early_exit import ExitBlock
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.drafters.head import DraftHead
@@ -360,15 +361,22 @@ class AdaptiveRuntime:
         """Capture the CUDA graphs of plain decoding, verification, the routing prefill and the drafting
         steps of every skip set of the profile's records (:meth:`Profile.skip_sets
         <adaptive.profile.Profile.skip_sets>`: a request may ask for a policy that forces layer skipping),
-        on a slot with the feature rows its eagle heads read (:attr:`features`), with the tree steps their trees need
-        now (a server's startup) rather than inside its first requests: :meth:`Backbone.warm_graphs
-        <adaptive.engine.backbone.Backbone.warm_graphs>`. The graphs captured (0 without CUDA graphs)."""
-        warm = getattr(self.engine.backbone, "warm_graphs", None)  # the llama.cpp engine has none
+        on a slot with the feature rows its eagle heads read (:attr:`features`), with the tree steps their
+        trees need, now (a server's startup) rather than inside its first requests (:meth:`Backbone.warm_graphs
+        <adaptive.engine.backbone.Backbone.warm_graphs>`); and the profile's eagle head's own levels
+        (:func:`~adaptive.drafters.eagle_static.warm_head`). The graphs captured (0 without CUDA graphs)."""
+        bb = self.engine.backbone
+        warm = getattr(bb, "warm_graphs", None)  # the llama.cpp engine has none
         if warm is None:
             return 0
         with self._lock:
-            return warm(self.profile.index.pooling, skips=self.profile.skip_sets(), features=self.features,
-                        trees=bool(self.features) and self.tree is not None)
+            n = warm(self.profile.index.pooling, skips=self.profile.skip_sets(), features=self.features,
+                     trees=bool(self.features) and self.tree is not None)
+            if n and self.features and "eagle" in self.profile.distilled:  # and the head's own levels
+                with self._state_lock:
+                    head = self._distilled("eagle")[0].eagle
+                n += warm_head(head, bb, self.tree)
+            return n
 
     # -- routing and planning ------------------------------------------------------------------
 
@@ -687,10 +695,11 @@ class AdaptiveRuntime:
         if head is not None and not self.features:
             raise ConfigError(f"the {self.lm.engine} engine does not draft with an eagle head here")
         with self._state_lock:
-            if head is None:
-                self._domain_eagle.pop(domain, None)
-            else:
+            old = self._domain_eagle.pop(domain, None)
+            if head is not None:
                 self._domain_eagle[domain] = head.to(self.lm.backbone.device)
+            if old is not None and old is not head and all(h is not old for h in self._domain_eagle.values()):
+                release_head(old, self.lm.backbone)  # its captured levels (CUDA graphs) go with it
 
     def refined_eagle(self, domain: str) -> EagleHead | None:
         """The head ``domain`` drafts with instead of the profile's (``None``: the profile's)."""

@@ -23,6 +23,7 @@ from adaptive.distill.heads import (
 )
 from adaptive.distill.trainer import DistillError, distill_head
 from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, HeadShape
+from adaptive.drafters.eagle_static import warm_head
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
 from adaptive.profile import Decision, load_profile, save_profile
@@ -272,7 +273,8 @@ def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_los
     rt2.lm.__dict__["backbone"] = bb
     rt3 = AdaptiveRuntime(rt2.profile, rt2.lm, online=False, bandit=False)
     assert rt3.features == tuple(r.record.shape["layers"])
-    assert rt3.warm() > 0  # the slot with feature rows among what a server warms
+    assert rt3.warm() > 0  # the slot with feature rows among what a server warms, and the head's own levels
+    captured = bb.graphs.captures
     again = rt3.generate(prompt, max_new_tokens=24)
     if again.domain == "math":
         assert again.decision == "eagle" and again.stats.drafted > 0
@@ -280,3 +282,16 @@ def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_los
     forced = rt3.generate(prompt, max_new_tokens=24, policy="eagle")
     assert forced.text == plain.text and forced.stats.drafted > 0
     assert any(key[-1] == rt3.features for key in bb.graphs._graphs) and bb.graphs.replays > 0
+    assert bb.graphs.captures == captured  # nothing captured inside the requests
+    assert sum(levels.replays for levels in bb.graphs.attached["eagle"].values()) > 0  # the head's levels replayed
+    # a refined head replacing another: the replaced one's captured levels are dropped with it
+    rec, weights = rt3.profile.distilled_drafter("eagle")
+    first, second = (EagleHead.from_state(HeadShape.from_dict(rec.shape), weights) for _ in range(2))
+    rt3.set_eagle_head("math", first)
+    assert rt3.generate(prompt, max_new_tokens=24, policy="eagle").text == plain.text
+    warm_head(first, bb, rt3.tree)
+    with_first = bb.graphs.captures
+    rt3.set_eagle_head("math", second)
+    steps = first.built_steps()
+    assert steps and bb.graphs.captures < with_first
+    assert not any(levels.step in steps for levels in bb.graphs.attached["eagle"].values())

@@ -8,7 +8,6 @@ import torch
 from adaptive.drafters.eagle import (
     COPY_MIN,
     DEFAULT_TREE,
-    EagleDrafter,
     EagleHead,
     HeadCache,
     HeadShape,
@@ -16,6 +15,7 @@ from adaptive.drafters.eagle import (
     TreeShape,
     lookup_tokens,
 )
+from adaptive.drafters.eagle_drafter import EagleDrafter
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.engine.backbone import Segment
 from adaptive.engine.config import GenerationConfig

@@ -337,7 +337,7 @@ def test_a_slab_with_feature_rows_and_its_batched_step_write_the_eager_rows():
 def test_eagle_sessions_in_a_batch_replay_batched_steps_that_write_their_feature_rows(cpu_step_graphs):
     """Greedy, fp32: requests drafting with an eagle head step together through the batched graphs (their
     caches slab slots with feature rows) with the drafts, acceptance and tokens of the same batch run eagerly."""
-    from adaptive.drafters.eagle import EagleDrafter
+    from adaptive.drafters.eagle_drafter import EagleDrafter
     from adaptive.drafters.factory import eagle_vocab
     from tests.drafters.test_eagle import LAYERS, random_head
 

@@ -13,9 +13,9 @@ from adaptive.engine.engine import Engine
 from adaptive.engine.graphs import (
     BUCKETS,
     PREFILL_BUCKETS,
+    Captured,
     SlotPool,
     StepGraphs,
-    _Captured,
     bucket_for,
     capacity_for,
     prefill_plan,
@@ -75,7 +75,8 @@ def test_slot_pool_reuses_a_freed_slot():
 def _eagle_matches_the_eager_run(eager, graphed, head, cfg, prompts):
     """An eagle head drafting chains and trees on ``graphed`` decodes each prompt as plain decoding on ``eager``
     and with the eager run's drafts and acceptance (so the rows it drafts from are the target's)."""
-    from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
+    from adaptive.drafters.eagle import DEFAULT_TREE
+    from adaptive.drafters.eagle_drafter import EagleDrafter
     from adaptive.drafters.factory import eagle_vocab
     from adaptive.engine.loop import GenerationStats
     from tests.helpers.decoding import decode_ids
@@ -96,7 +97,9 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
     """A cache with feature rows is a slot whose captured steps write them: an eagle head drafting from them
     decodes plain greedy decoding's tokens with the eager run's drafts and acceptance (so the rows are the
     target's), plain decoding in chains on such a slot writes them too, and a freed slot comes back with them."""
-    from adaptive.drafters.eagle import DEFAULT_TREE, EagleDrafter
+    from adaptive.drafters.eagle import DEFAULT_TREE
+    from adaptive.drafters.eagle_drafter import EagleDrafter
+    from adaptive.drafters.eagle_static import warm_head
     from adaptive.drafters.factory import eagle_vocab
     from tests.drafters.test_eagle import LAYERS, random_head
     from tests.helpers.decoding import decode_ids
@@ -106,6 +109,8 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
     head = random_head(lm, vocab_ids=torch.arange(0, eager.vocab_size, 2))
     cfg = GenerationConfig(max_new_tokens=40, draft_len=4, features=LAYERS, ignore_eos=True)
     _eagle_matches_the_eager_run(eager, graphed, head, cfg, ([5, 9, 12, 7, 3, 22, 8, 5, 9], [14, 6, 14, 6, 14]))
+    levels = graphed.graphs.attached["eagle"]  # the head's own captured levels (HeadGraphs)
+    assert len(levels) == 1 and next(iter(levels.values())).replays > 0
     kept = [key for key in graphed.graphs._graphs if key[-1] == LAYERS]
     assert kept and graphed.graphs.replays > 0  # the target's steps replayed, writing the rows
     assert any(key[5] == "tree" for key in kept)  # the trees' verifications replayed tree steps
@@ -131,6 +136,14 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
     assert warm.warm_graphs(features=LAYERS, trees=True) > 0
     before = warm.graphs.captures
     prompt = [5, 9, 12, 7, 3, 22, 8, 5, 9]
+    for tree in (None, DEFAULT_TREE):
+        drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=tree)
+        assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
+    assert warm.graphs.captures > before  # the head's own levels were not warmed: captured by the first request
+    warm = cpu_step_graphs(lm.model)
+    assert warm.warm_graphs(features=LAYERS, trees=True) > 0
+    assert warm_head(head, warm, DEFAULT_TREE) == len(BUCKETS) + 3  # "last" logits of each bucket; trees' 1, 2, 4 rows
+    before = warm.graphs.captures
     for tree in (None, DEFAULT_TREE):
         drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=tree)
         assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
@@ -168,7 +181,7 @@ def test_graph_forward_feeds_prefills_in_chunks(monkeypatch):
         def fn():
             return chain(*inputs, k, v, cos, sin)
 
-        cap = self._graphs[key] = _Captured(_EagerReplay(fn, fn()), None)
+        cap = self._graphs[key] = Captured(_EagerReplay(fn, fn()), None)
         cap.out = cap.graph.out
         return cap
 
@@ -434,7 +447,7 @@ def test_a_kept_prefix_restores_into_a_slot_made_while_warming(cpu_step_graphs):
 def test_an_eagle_head_drafts_over_captured_graphs_on_cuda():
     """fp32 on CUDA: the target's captured steps write the feature rows an eagle head drafts from; its drafts
     and acceptance are the eager run's, chains and trees (tree steps), its tokens plain decoding's, and the
-    steps replayed graphs."""
+    steps, the target's and the head's own levels, replayed graphs."""
     from tests.drafters.test_eagle import LAYERS, random_head
 
     eager_eng, eager = _cuda_engine(graphs=False)
@@ -445,3 +458,4 @@ def test_an_eagle_head_drafts_over_captured_graphs_on_cuda():
     _eagle_matches_the_eager_run(eager, graphed, head, cfg, [prompt])
     assert graphed.graphs.replays > 0 and any(key[-1] == LAYERS for key in graphed.graphs._graphs)
     assert any(key[5] == "tree" for key in graphed.graphs._graphs)
+    assert sum(levels.replays for levels in graphed.graphs.attached["eagle"].values()) > 0  # the head's own
