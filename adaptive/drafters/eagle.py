@@ -378,6 +378,7 @@ class EagleStep:
             self.no_lookup = head.no_lookup.detach().to(dtype)
         self.ids = head.ids
         self.rope = head.rope
+        self.capturable = True  # its levels may be captured as CUDA graphs (False once its head was replaced)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.rms_norm(x, (self.shape.hidden,), self.norms[name], self.shape.eps)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 
 from adaptive.drafters.eagle import COPY_MIN, DEFAULT_TREE, NO_LOOKUP, EagleHead, HeadCache, NgramIndex, TreeShape
-from adaptive.drafters.eagle_static import HEAD_WINDOW, head_graphs, level_banned
+from adaptive.drafters.eagle_static import head_graphs, level_banned
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import ngram_lookup
 from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, tree_first_path
@@ -48,6 +48,7 @@ class EagleDrafter(Drafter):
         self.lookups = NgramIndex(head.shape.lookup)
         self.cache: HeadCache | None = None
         self._graphs = None  # the head's captured levels (HeadGraphs) where the target's steps are graphs
+        self._slot_for = 0  # the target slot capacity its head slot was made for
         self.copy_min = copy_min
         self.tree = tree
 
@@ -66,6 +67,7 @@ class EagleDrafter(Drafter):
         self._graphs = head_graphs(self.step, state.backbone, self.embed)
         capacity = state.cache.k.shape[2]
         if self._graphs is not None and self.extra.shape[0] <= capacity:
+            self._slot_for = capacity  # the target slot's capacity the head slot was made for
             return self._graphs.cache(capacity, self.extra)
         self._graphs = None
         return HeadCache(self.head.shape, max(256, length + 64), device)
@@ -107,8 +109,7 @@ class EagleDrafter(Drafter):
             copied = ngram_lookup(tokens, choice.length, max(3, self.copy_min), self.copy_min)
             if copied:
                 return Draft(torch.tensor(copied, dtype=torch.long))
-        if self.cache is None or (self.cache.slot is not None  # a head slot made for another target slot
-                                   and self.cache.k.shape[1] != cache.k.shape[2] + HEAD_WINDOW):
+        if self.cache is None or (self._graphs is not None and self._slot_for != cache.k.shape[2]):
             self.cache = self._new_cache(state, len(tokens), device)
         start = min(self.cache.length, n - 1)  # rows start .. n-1 are new (the last one at least)
         if self.lookups.done > n:  # the target rewound past what was registered (a race's blocks): index again
@@ -141,7 +142,7 @@ class EagleDrafter(Drafter):
                 break
             context.append(tok)
             row += 1
-            g, logits = self._level(g, [tok], [self.lookups.lookup(context, row)], row)
+            g, logits = self._level(g, [tok], [self.lookups.lookup(context, row)], row, last=True)
         return Draft(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(qs) if qs else None)
 
     def _tree(self, state: DecodeState, g: torch.Tensor, first: torch.Tensor, depth: int) -> Draft:

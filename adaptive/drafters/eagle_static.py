@@ -25,6 +25,7 @@ extra rows than the slot holds) runs eagerly over the same head cache.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -124,9 +125,14 @@ class HeadGraphs:
     the head's keys and values and ``C - HEAD_WINDOW`` extra vocabulary rows (a request's prompt tokens' LM-head
     rows, at most one per prompt position). Get it with :func:`head_graphs`."""
 
+    _serials = itertools.count()  # each HeadGraphs' own number, in its graphs' keys (an id() may be reused)
+
     def __init__(self, step: EagleStep, graphs: StepGraphs, embed, device):
-        self.step, self.embed, self.device = step, embed, device
-        self._graphs = weakref.ref(graphs)  # the graphs hold this object: no cycle
+        self.step, self.device = step, device
+        self.serial = next(HeadGraphs._serials)
+        # the graphs hold this object, so neither they nor the backbone whose embedding this is are held back
+        self._graphs = weakref.ref(graphs)
+        self._embed = weakref.WeakMethod(embed) if hasattr(embed, "__self__") else (lambda: embed)
         self.pool = SlotPool(self._allocate)
         self._ints: dict[int, torch.Tensor] = {}  # bucket -> its ints buffer
         self._u: dict[int, torch.Tensor] = {}  # bucket -> its fused inputs' buffer
@@ -140,7 +146,7 @@ class HeadGraphs:
         self.released = True
         graphs = self._graphs()
         if graphs is not None:
-            graphs.drop(lambda key: key[:2] == ("eagle", id(self)))
+            graphs.drop(lambda key: key[:2] == ("eagle", self.serial))
 
     def _allocate(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.step.shape
@@ -196,18 +202,19 @@ class HeadGraphs:
         g, logits = cap.out
         return g[:T].clone(), logits[:, :width].clone() if last else logits[:T, :width].clone()
 
+    @torch.inference_mode()  # as drafting writes the slots (made in inference mode)
     def warm(self, target_capacity: int, tree_width: int | None) -> int:
         """Capture the levels a request on a target slot of ``target_capacity`` replays first: every bucket's
         ``"last"`` logits (a block of the target's rows, a chain's drafts) and, for trees of ``tree_width``, the
         ``"all"`` logits of the buckets their levels take. Returns the graphs captured now."""
         graphs = self._graphs()
-        if graphs is None or not graphs.enabled:
+        if graphs is None or not graphs.enabled or self.released:
             return 0
         before = graphs.captures
         cache = self.cache(target_capacity, torch.zeros(0, self.step.shape.hidden, device=self.device))
         steps = [(Tb, "last") for Tb in BUCKETS]
         if tree_width is not None:
-            steps += [(Tb, "all") for Tb in BUCKETS if Tb <= bucket_for(tree_width)]
+            steps += [(Tb, "all") for Tb in BUCKETS if Tb <= bucket_for(min(tree_width, BUCKETS[-1]))]
         for Tb, logits in steps:
             buf = self._buffers(Tb)
             buf[0].copy_(torch.tensor([*[0] * Tb, *[NO_LOOKUP] * Tb, *[-1] * Tb, 0, *head_meta(0, 0, Tb, Tb)]))
@@ -222,14 +229,17 @@ class HeadGraphs:
         return self._ints[Tb], self._u[Tb]
 
     def _capture(self, graphs: StepGraphs, cache: HeadCache, Tb: int, logits: str):
+        embed = self._embed()
+        if self.released or embed is None:
+            return None
         capacity = cache.k.shape[1]
         if capacity not in self._tables:
             cos, sin = self.step.rope(0, capacity, self.device)
             self._tables[capacity] = (cos.clone(), sin.clone())
         k, v, extra = cache.slot
         args = (*self._buffers(Tb), k, v, *self._tables[capacity], extra)
-        key = ("eagle", id(self), k.data_ptr(), Tb, logits)
-        cap = graphs.capture(key, lambda ops: StaticHeadStep(self.step, self.embed, Tb, logits), args, turns_off=False)
+        key = ("eagle", self.serial, k.data_ptr(), Tb, logits)
+        cap = graphs.capture(key, lambda ops: StaticHeadStep(self.step, embed, Tb, logits), args, turns_off=False)
         self.failed = cap is None  # the head's levels run eagerly from now on; the target's graphs stay on
         return cap
 
@@ -238,7 +248,7 @@ def head_graphs(step: EagleStep, backbone, embed) -> HeadGraphs | None:
     """The :class:`HeadGraphs` of ``step`` on ``backbone``'s CUDA graphs (made on first use, kept with them);
     ``None`` where the backbone has none or they are off (an eager backbone, llama.cpp)."""
     graphs = getattr(backbone, "graphs", None)
-    if graphs is None or not graphs.enabled:
+    if graphs is None or not graphs.enabled or not step.capturable:
         return None
     kept = graphs.attached.setdefault("eagle", {})
     found = kept.get(id(step))
@@ -249,7 +259,11 @@ def head_graphs(step: EagleStep, backbone, embed) -> HeadGraphs | None:
 
 def release_head(head: EagleHead, backbone) -> int:
     """Forget ``head``'s captured levels on ``backbone`` (a head replaced by a refined one, whose graphs would
-    otherwise stay with the backbone's for good). Returns how many :class:`HeadGraphs` were released."""
+    otherwise stay with the backbone's for good); its levels are never captured again (a request planned with it
+    before runs them eagerly). Call it where no request drafts at the same time (the runtime holds its model
+    lock). Returns how many :class:`HeadGraphs` were released."""
+    for step in head.built_steps():
+        step.capturable = False
     graphs = getattr(backbone, "graphs", None)
     if graphs is None:
         return 0
@@ -274,5 +288,4 @@ def warm_head(head: EagleHead, backbone, tree: TreeShape | None, max_len: int = 
     found = head_graphs(step, backbone, backbone.embed_rows)
     if found is None:
         return 0
-    with torch.inference_mode():
-        return found.warm(capacity_for(max_len, backbone.max_positions), None if tree is None else tree.width)
+    return found.warm(capacity_for(max_len, backbone.max_positions), None if tree is None else tree.width)

@@ -506,7 +506,8 @@ class StepGraphs:
 
     def drop(self, owned: Callable[[object], bool]) -> int:
         """Forget the captured graphs whose key ``owned`` says yes to (a replaced eagle head's levels); their
-        memory returns to the pool once nothing replays them. Returns how many."""
+        memory goes back to the graphs' shared pool, for later captures. Call it where nothing captures or
+        replays at the same time. Returns how many."""
         keys = [key for key in self._graphs if owned(key)]
         for key in keys:
             del self._graphs[key]
@@ -518,13 +519,16 @@ class StepGraphs:
         a :class:`StepOps`, or ``None``: plain kernels), a warm-up run on a side stream, then the capture. The
         drafters' own static steps (an eagle head's) are captured here too, in the same memory pool. ``None``
         when capturing fails, and graphs off (said once) unless ``turns_off`` is false (a drafter's own step:
-        the caller runs it eagerly, and the target's graphs stay on). Its ``graph.replay()`` rewrites ``out``."""
+        the caller runs it eagerly, and the target's graphs stay on; such a step is captured with plain kernels,
+        so that its failing never changes how the target's steps compile). Its ``graph.replay()`` rewrites
+        ``out``."""
         cap = self._graphs.get(key)
         if cap is not None:
             return cap
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
-        if self.compile == "ops":
+        compile = self.compile if turns_off else "none"
+        if compile == "ops":
             try:  # compiled here, outside any capture (a compilation cannot run inside one)
                 if self._ops is None:
                     self._ops = StepOps.compiled()
@@ -533,8 +537,9 @@ class StepGraphs:
                 self.compile = "none"
                 print(f"adaptive: compiling the step's pieces failed ({type(exc).__name__}: {exc}); capturing plain "
                       "kernels", file=sys.stderr)
-        step = build(self._ops if self.compile == "ops" else None)
-        if self.compile == "step":
+        compile = self.compile if turns_off else "none"  # (changed above if compiling the pieces failed)
+        step = build(self._ops if compile == "ops" else None)
+        if compile == "step":
             step = torch.compile(step, fullgraph=True, dynamic=False)
         try:
             if self._mempool is None:
@@ -543,7 +548,7 @@ class StepGraphs:
             side.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces, compiling); the same step: writes are right
-                    for _ in range(2 if self.compile == "step" else 1):
+                    for _ in range(2 if compile == "step" else 1):
                         step(*args)
             finally:  # the eager fallback must not race the warm-up's kernels
                 torch.cuda.current_stream().wait_stream(side)

@@ -372,9 +372,13 @@ class AdaptiveRuntime:
         with self._lock:
             n = warm(self.profile.index.pooling, skips=self.profile.skip_sets(), features=self.features,
                      trees=bool(self.features) and self.tree is not None)
-            if n and self.features and "eagle" in self.profile.distilled:  # and the head's own levels
-                with self._state_lock:
-                    head = self._distilled("eagle")[0].eagle
+            graphs = getattr(bb, "graphs", None)
+            if graphs is not None and graphs.enabled and self.features and "eagle" in self.profile.distilled:
+                try:  # and the head's own levels
+                    with self._state_lock:
+                        head = self._distilled("eagle")[0].eagle
+                except (ProfileError, ConfigError):  # the head does not fit this model: its requests say so
+                    return n
                 n += warm_head(head, bb, self.tree)
             return n
 
@@ -698,8 +702,10 @@ class AdaptiveRuntime:
             old = self._domain_eagle.pop(domain, None)
             if head is not None:
                 self._domain_eagle[domain] = head.to(self.lm.backbone.device)
-            if old is not None and old is not head and all(h is not old for h in self._domain_eagle.values()):
-                release_head(old, self.lm.backbone)  # its captured levels (CUDA graphs) go with it
+            stale = old is not None and old is not head and all(h is not old for h in self._domain_eagle.values())
+        if stale:  # its captured levels (CUDA graphs) go with it, between two steps (they replay under the model lock)
+            with self._lock:
+                release_head(old, self.lm.backbone)
 
     def refined_eagle(self, domain: str) -> EagleHead | None:
         """The head ``domain`` drafts with instead of the profile's (``None``: the profile's)."""

@@ -97,7 +97,7 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
     """A cache with feature rows is a slot whose captured steps write them: an eagle head drafting from them
     decodes plain greedy decoding's tokens with the eager run's drafts and acceptance (so the rows are the
     target's), plain decoding in chains on such a slot writes them too, and a freed slot comes back with them."""
-    from adaptive.drafters.eagle import DEFAULT_TREE
+    from adaptive.drafters.eagle import DEFAULT_TREE, TreeShape
     from adaptive.drafters.eagle_drafter import EagleDrafter
     from adaptive.drafters.eagle_static import warm_head
     from adaptive.drafters.factory import eagle_vocab
@@ -140,14 +140,17 @@ def test_an_eagle_head_drafts_over_the_graphs_as_over_the_eager_steps(cpu_step_g
         drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=tree)
         assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
     assert warm.graphs.captures > before  # the head's own levels were not warmed: captured by the first request
-    warm = cpu_step_graphs(lm.model)
-    assert warm.warm_graphs(features=LAYERS, trees=True) > 0
-    assert warm_head(head, warm, DEFAULT_TREE) == len(BUCKETS) + 3  # "last" logits of each bucket; trees' 1, 2, 4 rows
-    before = warm.graphs.captures
-    for tree in (None, DEFAULT_TREE):
-        drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=tree)
-        assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
-    assert warm.graphs.captures == before
+    for trees in (None, DEFAULT_TREE):  # a runtime drafting chains warms fewer levels
+        warm = cpu_step_graphs(lm.model)
+        assert warm.warm_graphs(features=LAYERS, trees=trees is not None) > 0
+        # "last" logits of each bucket (blocks of the target's rows, chain drafts); trees' levels of 1, 2 and 4 rows
+        assert warm_head(head, warm, trees) == len(BUCKETS) + (3 if trees else 0)
+        before = warm.graphs.captures
+        for tree in {None, trees}:
+            drafter = EagleDrafter(head, eagle_vocab(head, warm, prompt), warm.embed_rows, copy_min=0, tree=tree)
+            assert decode_ids(warm, prompt, cfg, drafter) == decode_ids(eager, prompt, cfg)
+        assert warm.graphs.captures == before
+    assert warm_head(head, cpu_step_graphs(lm.model), TreeShape(40, 60)) == 2 * len(BUCKETS)  # wider than a bucket
 
 
 class _EagerReplay:
