@@ -65,10 +65,9 @@ class EagleDrafter(Drafter):
         """The head's cache for a request: over a pooled head slot whose levels replay captured graphs where the
         target's steps do (:mod:`adaptive.drafters.eagle_static`), else a growing one of its own."""
         self._graphs = head_graphs(self.step, state.backbone, self.embed)
-        capacity = state.cache.k.shape[2]
-        if self._graphs is not None and self.extra.shape[0] <= capacity:
-            self._slot_for = capacity  # the target slot's capacity the head slot was made for
-            return self._graphs.cache(capacity, self.extra)
+        if self._graphs is not None and self.extra.shape[0] <= state.cache.k.shape[2]:
+            self._slot_for = state.cache.k.shape[2]  # the target slot's capacity the head slot was made for
+            return self._graphs.cache(self._slot_for, self.extra)
         self._graphs = None
         return HeadCache(self.head.shape, max(256, length + 64), device)
 
@@ -81,8 +80,8 @@ class EagleDrafter(Drafter):
         names (default: causal), rotated at ``positions`` (default: their rows). Returns ``(g [T, H], logits
         [T, V' + E])``, the logits of the last row only with ``last``. Replays the captured level where it can."""
         committed = at if committed is None else committed
-        index = [self.index_of.get(t, -1) for t in lookups]
         if self._graphs is not None:
+            index = [self.index_of.get(t, -1) for t in lookups]
             out = self._graphs.run(self.cache, u, tokens, lookups, index, self.extra.shape[0], committed, at,
                                    positions, seen, last)
             if out is not NotImplemented:

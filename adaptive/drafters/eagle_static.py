@@ -78,6 +78,16 @@ def level_banned(committed: int, at: int, seen: list[list[int]], device=None) ->
     return banned
 
 
+def level_inputs(tokens: list[int], lookups: list[int], index: list[int], n_extra: int, meta: list[int],
+                 bucket: int) -> torch.Tensor:
+    """A :class:`StaticHeadStep`'s ``ints`` (long, on the host): the rows' ``tokens``, their ``lookups``
+    (:data:`~adaptive.drafters.eagle.NO_LOOKUP`: none) and the lookups' vocabulary ``index`` (-1: none), each
+    padded to ``bucket`` (token 0, no lookup), then ``n_extra`` and ``meta`` (:func:`head_meta`). Example:
+    ``level_inputs([7], [3], [-1], 2, meta, 2)`` -> ``[7, 0, 3, -1, -1, -1, 2, *meta]``."""
+    pad = bucket - len(tokens)
+    return torch.tensor([*tokens, *[0] * pad, *lookups, *[NO_LOOKUP] * pad, *index, *[-1] * pad, n_extra, *meta])
+
+
 class StaticHeadStep:
     """A head level over ``bucket`` rows with every shape fixed (:mod:`adaptive.engine.static`'s rules: nothing
     read back to the host), the formulas :class:`~adaptive.drafters.eagle.EagleStep`'s.
@@ -154,11 +164,6 @@ class HeadGraphs:
         extra = torch.zeros(capacity - HEAD_WINDOW, s.hidden, dtype=self.step.dtype, device=self.device)
         return k, torch.zeros_like(k), extra
 
-    @property
-    def enabled(self) -> bool:
-        graphs = self._graphs()
-        return graphs is not None and graphs.enabled
-
     @torch.inference_mode()  # a slot made while warming holds inference tensors, which only inference mode writes
     def cache(self, target_capacity: int, extra: torch.Tensor) -> HeadCache:
         """A head cache over a pooled head slot for a target slot of ``target_capacity`` positions, with the
@@ -187,11 +192,9 @@ class HeadGraphs:
         if (graphs is None or not graphs.enabled or self.released or self.failed or Tb is None or cache.slot is None
                 or cache.k is not cache.slot[0] or at - committed + Tb > HEAD_WINDOW or at + Tb > cache.k.shape[1]):
             return NotImplemented
-        pad = [0] * (Tb - T)
-        ints = [*tokens, *pad, *lookups, *[NO_LOOKUP] * (Tb - T), *index, *[-1] * (Tb - T), n_extra,
-                *head_meta(committed, at, T, Tb, positions, seen)]
         buf = self._buffers(Tb)
-        buf[0].copy_(torch.tensor(ints), non_blocking=True)
+        meta = head_meta(committed, at, T, Tb, positions, seen)
+        buf[0].copy_(level_inputs(tokens, lookups, index, n_extra, meta, Tb), non_blocking=True)
         buf[1][:T].copy_(u)
         cap = self._capture(graphs, cache, Tb, "last" if last else "all")
         if cap is None:
@@ -217,7 +220,7 @@ class HeadGraphs:
             steps += [(Tb, "all") for Tb in BUCKETS if Tb <= bucket_for(min(tree_width, BUCKETS[-1]))]
         for Tb, logits in steps:
             buf = self._buffers(Tb)
-            buf[0].copy_(torch.tensor([*[0] * Tb, *[NO_LOOKUP] * Tb, *[-1] * Tb, 0, *head_meta(0, 0, Tb, Tb)]))
+            buf[0].copy_(level_inputs([0] * Tb, [NO_LOOKUP] * Tb, [-1] * Tb, 0, head_meta(0, 0, Tb, Tb), Tb))
             if self._capture(graphs, cache, Tb, logits) is None:
                 break
         return graphs.captures - before

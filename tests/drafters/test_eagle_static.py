@@ -15,6 +15,7 @@ from adaptive.drafters.eagle_static import (
     head_graphs,
     head_meta,
     level_banned,
+    level_inputs,
     release_head,
 )
 from adaptive.drafters.factory import eagle_vocab
@@ -41,15 +42,14 @@ def test_head_meta_worked_examples():
         head_meta(0, 0, 2, 2, seen=[[0]])
 
 
+def test_level_inputs_worked_example():
+    assert level_inputs([7], [3], [-1], 2, [10, 11, 0], 2).tolist() == [7, 0, 3, -1, -1, -1, 2, 10, 11, 0]
+
+
 def test_level_banned_worked_examples():
     assert level_banned(1, 2, [[0, 1]]).tolist() == [[False, False, False]]
     assert level_banned(1, 2, [[1]]).tolist() == [[False, True, False]]
     assert level_banned(0, 0, [[0], [0, 1]]).tolist() == [[False, True], [False, False]]  # causal
-
-
-def _ints(tokens, looks, index, n_extra, meta, Tb):
-    pad = Tb - len(tokens)
-    return torch.tensor([*tokens, *[0] * pad, *looks, *[-1] * pad, *index, *[-1] * pad, n_extra, *meta])
 
 
 def test_a_static_level_computes_the_eager_level():
@@ -90,7 +90,7 @@ def test_a_static_level_computes_the_eager_level():
                            extra)
         ubuf = torch.zeros(Tb, s.hidden)
         ubuf[:T] = u
-        ints = _ints(toks, lks, idx, 2, head_meta(committed, at, T, Tb, positions, seen), Tb)
+        ints = level_inputs(toks, lks, idx, 2, head_meta(committed, at, T, Tb, positions, seen), Tb)
         got_g, got = StaticHeadStep(step, bb.embed_rows, Tb, mode)(ints, ubuf, k, v, cos, sin, buffer)
         V = len(head.ids) + 2
         assert torch.allclose(got_g[:T], want_g, atol=1e-5, rtol=1e-5)
