@@ -25,7 +25,7 @@ SLOW = {
     "tests/drafters/test_head.py": {"test_reduced_head_sampling_matches_target"},
     "tests/drafters/test_model.py": {"test_draft_model_sampling_matches_the_target"},
     "tests/drafters/test_early_exit.py": {"test_early_exit_sampling_matches_the_target"},
-    "tests/drafters/test_eagle.py": {"test_eagle_sampling_matches_the_target"},
+    "tests/drafters/test_eagle_drafter.py": {"test_eagle_sampling_matches_the_target"},
     "tests/engine/test_greedy_equality.py": {"test_greedy_equals_hf_generate"},
 }
 EMBEDDED_FIXTURES = {"embedded_fp32", "embedded_bf16"}
