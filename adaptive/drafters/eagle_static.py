@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from adaptive.drafters.eagle import NO_LOOKUP, EagleHead, EagleStep, HeadCache, TreeShape
-from adaptive.engine.graphs import BUCKETS, SlotPool, StepGraphs, bucket_for, capacity_for
+from adaptive.engine.graphs import BUCKETS, SlotPool, StepGraphs, bucket_for, capacity_for, zeros_kv
 
 HEAD_WINDOW = 64  # rows after the committed ones a level sees by mask: a tree's drafted levels (width x depth)
 
@@ -160,9 +160,8 @@ class HeadGraphs:
 
     def _allocate(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.step.shape
-        k = torch.zeros(s.kv_heads, capacity, s.head_dim, device=self.device)
-        extra = torch.zeros(capacity - HEAD_WINDOW, s.hidden, dtype=self.step.dtype, device=self.device)
-        return k, torch.zeros_like(k), extra
+        k, v = zeros_kv((s.kv_heads,), s.head_dim, torch.float32, self.device, capacity)
+        return k, v, torch.zeros(capacity - HEAD_WINDOW, s.hidden, dtype=self.step.dtype, device=self.device)
 
     @torch.inference_mode()  # a slot made while warming holds inference tensors, which only inference mode writes
     def cache(self, target_capacity: int, extra: torch.Tensor) -> HeadCache:

@@ -99,9 +99,10 @@ def prefill_plan(tokens: int, start: int, capacity: int) -> list[tuple[int, int,
     return plan
 
 
-def zeros_kv(lead: tuple[int, int], head_dim: int, dtype: torch.dtype, device: torch.device,
+def zeros_kv(lead: tuple[int, ...], head_dim: int, dtype: torch.dtype, device: torch.device,
              positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed keys and values of a cache, ``[*lead, positions, head_dim]`` (``lead``: layers, kv heads)."""
+    """Zeroed keys and values of a cache, ``[*lead, positions, head_dim]`` (``lead``: layers, kv heads; an
+    eagle head's slot: its kv heads)."""
     shape = (*lead, positions, head_dim)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
