@@ -552,7 +552,8 @@ def race_head(lm, profile_dir: str | Path, head, record: DistilledRecord, held: 
     there: held out of the head's training, as the calibration's races use prompts no drafter was fit
     to), and the global record on all of them; decide each again with the head's measurement beside
     its calibrated ones (:func:`~adaptive.measure.decision.decide`), and write the profile. The head
-    drafts the length its acceptance in that domain and its cost give (at least 1). Returns
+    drafts the length its acceptance in that domain and its cost give (at least 1), and its copies of the
+    context the length prompt lookup's calibrated acceptance gives (:meth:`DomainRecord.copy_length`). Returns
     ``{domain: (old drafter, new drafter)}`` of the records raced."""
     profile = load_profile(profile_dir)
     settings, maxlen = profile.settings, profile.runtime.max_draft_len
@@ -566,7 +567,8 @@ def race_head(lm, profile_dir: str | Path, head, record: DistilledRecord, held: 
         dp = profile.domain(name)
         acc = record.by_domain.get(name, [record.acceptance])[0] if name else record.acceptance
         k = max(1, best_draft_length(acc, record.draft_cost, dp.verify_table(maxlen), maxlen)[0])
-        cand = Candidate("eagle", k, estimated_acceptance=acc, estimated_draft_cost=record.draft_cost)
+        cand = Candidate("eagle", k, estimated_acceptance=acc, estimated_draft_cost=record.draft_cost,
+                         copy_len=dp.copy_length(maxlen))
         timed = race_domain(lm, prompts, {"eagle": cand}, settings, prompts=len(prompts), eagle=head).timed
         if "eagle" not in timed:
             continue

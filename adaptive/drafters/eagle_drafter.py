@@ -14,7 +14,7 @@ from adaptive.drafters.eagle import COPY_MIN, DEFAULT_TREE, NO_LOOKUP, EagleHead
 from adaptive.drafters.eagle_static import head_graphs, level_banned
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import ngram_lookup
-from adaptive.engine.protocol import DecodeState, Draft, DraftChoice, Drafter, tree_first_path
+from adaptive.engine.protocol import STATISTICAL, DecodeState, Draft, DraftChoice, Drafter, tree_first_path
 from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
 
@@ -30,8 +30,9 @@ class EagleDrafter(Drafter):
     warped distribution over them. The head runs as :meth:`EagleHead.step` gives it for ``dtype`` and
     the target's weight ``mode``; ``embed(ids [T]) -> [T, H]`` is the target's token embedding. Where
     prompt lookup matches at least ``copy_min`` tokens it drafts the copy instead (a cascade: lookup
-    first, the head where it has nothing; :data:`COPY_MIN`). Its drafts on a backbone that verifies
-    trees branch as ``tree`` says (:class:`TreeShape`; ``None``: chains).
+    first, the head where it has nothing; :data:`COPY_MIN`), up to :attr:`DraftChoice.copy` tokens (its
+    tokens marked :data:`STATISTICAL`, so that a policy learns their acceptance apart from the head's).
+    Its drafts on a backbone that verifies trees branch as ``tree`` says (:class:`TreeShape`; ``None``: chains).
     """
 
     name = "eagle"
@@ -104,10 +105,13 @@ class EagleDrafter(Drafter):
                               "config must name the head's feature layers")
         n = cache.length  # the pending token's position: the target's features exist for rows 0 .. n-1
         device = features.device
-        if self.copy_min:  # prompt lookup first: a match of copy_min tokens or more drafts its continuation
-            copied = ngram_lookup(tokens, choice.length, max(3, self.copy_min), self.copy_min)
+        copy = choice.length if choice.copy is None else choice.copy
+        if self.copy_min and copy:  # prompt lookup first: a match of copy_min tokens or more drafts its continuation
+            copied = ngram_lookup(tokens, copy, max(3, self.copy_min), self.copy_min)
             if copied:
-                return Draft(torch.tensor(copied, dtype=torch.long))
+                return Draft(torch.tensor(copied, dtype=torch.long), sources=(STATISTICAL,) * len(copied))
+        if choice.length == 0:  # a copy alone was asked for, and there is none
+            return Draft(torch.zeros(0, dtype=torch.long))
         if self.cache is None or (self._graphs is not None and self._slot_for != cache.k.shape[2]):
             self.cache = self._new_cache(state, len(tokens), device)
         start = min(self.cache.length, n - 1)  # rows start .. n-1 are new (the last one at least)

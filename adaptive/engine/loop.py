@@ -338,7 +338,7 @@ class Lane:
                 choice = self.length_policy.choose(self.max_draft)
             elif choice.length > self.max_draft:
                 raise ValueError(f"a draft of {choice.length} exceeds this step's longest, {self.max_draft}")
-            if choice.length > 0:
+            if choice.length > 0 or choice.copy:  # a copy may pay where the drafter's model does not
                 draft = self.drafter.propose(self.state, choice)
         if draft is None or len(draft) == 0:
             draft = NO_DRAFT  # on the host: a plain step sends one id

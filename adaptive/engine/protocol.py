@@ -58,14 +58,20 @@ class DecodeState:
 @dataclass(frozen=True)
 class DraftChoice:
     """``length``: tokens to draft this step (0: a plain step). ``split``: of those, how many a
-    cascade's layer-skip level drafts (``None``: the drafter's own setting)."""
+    cascade's layer-skip level drafts (``None``: the drafter's own setting). ``copy``: for a drafter
+    that copies from the context where it can and drafts with a model where it cannot (the eagle
+    drafter), how many tokens a copy may run to (a copy costs nothing to propose, so it may run
+    longer than ``length``, the model's; 0: no copy this step; ``None``: ``length``)."""
 
     length: int
     split: int | None = None
+    copy: int | None = None
 
     def __post_init__(self):
         if self.length < 0 or (self.split is not None and not 0 <= self.split <= self.length):
             raise ValueError(f"a draft choice needs length >= 0 and 0 <= split <= length, got {self}")
+        if self.copy is not None and self.copy < 0:
+            raise ValueError(f"a draft choice's copy length must be >= 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -177,12 +183,13 @@ class DraftLengthPolicy(ABC):
 
 
 class FixedDraftLength(DraftLengthPolicy):
-    """Always ``k`` tokens (fewer only near ``max_new_tokens``); a cascade keeps its own split."""
+    """Always ``k`` tokens (fewer only near ``max_new_tokens``); a cascade keeps its own split; a copy
+    runs to ``copy`` tokens (:attr:`DraftChoice.copy`; ``None``: ``k``)."""
 
-    def __init__(self, k: int):
-        if k < 1:
-            raise ValueError("draft length must be >= 1")
-        self.k = k
+    def __init__(self, k: int, copy: int | None = None):
+        if k < 1 or (copy is not None and copy < 0):
+            raise ValueError(f"draft length must be >= 1 and a copy's >= 0, got {k} and {copy}")
+        self.k, self.copy = k, copy
 
     def choose(self, max_len: int) -> DraftChoice:
-        return DraftChoice(min(self.k, max_len))
+        return DraftChoice(min(self.k, max_len), copy=None if self.copy is None else min(self.copy, max_len))

@@ -156,7 +156,7 @@ def measure_learned_domain(lm: LoadedModel, profile: Profile, name: str, sequenc
         most = profile.runtime.max_draft_len
         k = max(1, best_draft_length(eagle.acceptance, eagle.draft_cost, glob.verify_table(most), most)[0])
         candidates["eagle"] = Candidate("eagle", k, estimated_acceptance=eagle.acceptance,
-                                        estimated_draft_cost=eagle.draft_cost)
+                                        estimated_draft_cost=eagle.draft_cost, copy_len=glob.copy_length(most))
     tables = [table.snapshot(without=accepted_text(p, out)) for p, out in sequences[:prompts]]
     raced = race_domain(lm, [list(p) for p, _ in sequences], candidates, s, prompts, bigram=tables, guard=guard,
                         eagle=eagle.head if eagle is not None else None)

@@ -23,7 +23,7 @@ from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import BigramTable
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.loop import GenerationStats, decode_steps, prefill
-from adaptive.engine.protocol import DecodeState
+from adaptive.engine.protocol import DecodeState, FixedDraftLength
 from adaptive.engine.skip import SkipSet
 from adaptive.measure.interval import Race
 from adaptive.models import LoadedModel
@@ -47,6 +47,7 @@ class Candidate:
     estimated_acceptance: float | None = None
     estimated_draft_cost: float | None = None
     estimated_speedup: float | None = None
+    copy_len: int | None = None  # an eagle candidate's copies of the context run to this (DraftChoice.copy)
 
 
 @dataclass
@@ -92,16 +93,19 @@ def candidate_drafter(lm: LoadedModel, cand: Candidate, bigram: BigramTable | No
     return build_drafter(DrafterSpec(cand.drafter), bb)
 
 
-def _block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter) -> tuple[float, list[int], GenerationStats]:
+def _block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter, copy: int | None = None
+           ) -> tuple[float, list[int], GenerationStats]:
     """Decode ``n`` tokens from the state ``(cache, tokens)`` (the last token pending) with ``drafter``
-    (``None``: plain decoding); returns the seconds, the new tokens and the loop's statistics. The
-    state is left after those tokens: the caller rewinds it (``cache.length`` and ``tokens``)."""
-    cfg = GenerationConfig(max_new_tokens=n + 1, draft_len=max(draft_len, 1))
+    (``None``: plain decoding), ``draft_len`` tokens a draft and its copies ``copy`` (:attr:`Candidate.copy_len`);
+    returns the seconds, the new tokens and the loop's statistics. The state is left after those tokens: the
+    caller rewinds it (``cache.length`` and ``tokens``)."""
+    k = max(draft_len, 1)
+    cfg = GenerationConfig(max_new_tokens=n + 1, draft_len=max(k, copy or 0))
     stats = GenerationStats()
     state = DecodeState(bb, cache, tokens, cfg, None)
     start = len(tokens)
     t0 = time.perf_counter()
-    for _ in decode_steps(bb, state, drafter, None, cfg, stats):
+    for _ in decode_steps(bb, state, drafter, FixedDraftLength(k, copy), cfg, stats):
         pass
     if bb.device.type == "cuda":
         torch.cuda.synchronize(bb.device)
@@ -114,18 +118,18 @@ def _captures(bb) -> int:
     return graphs.captures if graphs is not None else 0
 
 
-def _timed_block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter
+def _timed_block(bb, cache, tokens: list[int], n: int, draft_len: int, drafter, copy: int | None = None
                  ) -> tuple[float, list[int], GenerationStats]:
     """:func:`_block`, decoded again from the same state when it captured CUDA graphs: a capture is
     one-time work (~0.1 s against a block's ~10 ms on a GPU) that a server does at startup, so a block
     that paid one says nothing of the drafter's pace. Decodes at most twice (the second replays)."""
     pos, length, before = cache.length, len(tokens), _captures(bb)
-    out = _block(bb, cache, tokens, n, draft_len, drafter)
+    out = _block(bb, cache, tokens, n, draft_len, drafter, copy)
     if _captures(bb) == before:
         return out
     cache.length = pos
     del tokens[length:]
-    return _block(bb, cache, tokens, n, draft_len, drafter)
+    return _block(bb, cache, tokens, n, draft_len, drafter, copy)
 
 
 def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candidate], active: Callable[[], list[str]],
@@ -145,7 +149,7 @@ def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candid
     together, so that their times are paired): the runtime's model lock, when a live server shares the model.
     """
     bb = lm.backbone
-    longest = max((c.draft_len for c in candidates.values()), default=1)
+    longest = max((max(c.draft_len, c.copy_len or 0) for c in candidates.values()), default=1)
     positions = len(prompt) + max_tokens + longest + 1
     eagles = any(c.drafter == "eagle" for c in candidates.values())
     cache = bb.new_cache(positions, features=eagle.shape.layers) if eagles else bb.new_cache(positions)
@@ -164,8 +168,9 @@ def time_prompt(lm: LoadedModel, prompt: list[int], candidates: dict[str, Candid
         outs = {}
         with guard():
             for name in names:
-                seconds[name], outs[name], st = _timed_block(bb, cache, tokens, n, candidates[name].draft_len,
-                                                             drafters[name])
+                cand = candidates[name]
+                seconds[name], outs[name], st = _timed_block(bb, cache, tokens, n, cand.draft_len, drafters[name],
+                                                             cand.copy_len)
                 tally[name].add(dict(tokens=n, seconds=seconds[name], drafted=st.drafted, accepted=st.accepted,
                                      rejections=st.rejections, steps=st.steps, blocks=1))
                 cache.length = pos

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from adaptive.codec import from_json, record, text_field
-from adaptive.costs import CostModel, verify_table
+from adaptive.costs import CostModel, best_draft_length, verify_table
 from adaptive.drafters.cascade import CascadePlan
 from adaptive.drafters.factory import DRAFTERS
 from adaptive.drafters.ngram import DEFAULT_PLD_DRAFT_LEN, BigramTable
@@ -233,6 +233,14 @@ class DomainRecord:
         rates = [m.ar_tokens_per_s for m in self.measurements if m.ar_tokens_per_s > 0]
         plain = len(rates) / sum(rates) if rates else cost_model.step_ms / 1e3
         return plain / max(self.decision.speedup, 1e-6)
+
+    def copy_length(self, max_len: int) -> int:
+        """How long the eagle drafter's copies of the context run where its length is fixed (a race, a
+        runtime without bandits): the draft length that pays best at prompt lookup's calibrated
+        acceptance and cost, as the bandit's copy posterior chooses at its prior's mean
+        (:class:`~adaptive.runtime.bandit.ThompsonDraftLength`)."""
+        lookup = self.priors.lookup
+        return best_draft_length(lookup.acceptance, lookup.draft_cost, self.verify_table(max_len), max_len)[0]
 
     def layer_skip_cost(self, reduced: bool) -> float:
         """A layer-skip draft token's cost: over the reduced head where ``reduced`` and chosen."""

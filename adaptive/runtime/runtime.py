@@ -438,17 +438,22 @@ class AdaptiveRuntime:
                 prior, cost = rec.acceptance, rec.draft_cost
                 fixed = max(1, best_draft_length(prior, cost, dp.verify_table(self.max_draft_len),
                                                  self.max_draft_len)[0])
+            # the eagle drafter copies where prompt lookup matches: its copies get a posterior of their own
+            copies = dict(copy_prior=beta_prior(dp.priors.lookup.acceptance),
+                          copy_cost=dp.priors.lookup.draft_cost) if kind == "eagle" else {}
             if self.bandit:
                 length = self._bandits.get(key)
                 if length is None:
                     length = self._bandits[key] = ThompsonDraftLength(
                         cost, dp.verify_table(self.max_draft_len), self.max_draft_len, beta_prior(prior),
-                        window=self._window, seed=self._next_seed())
+                        window=self._window, seed=self._next_seed(), **copies)
                     if self.online is not None:
                         self.online.restore_bandit(key, length)
                 draft_policy = THOMPSON
             else:
-                length, draft_policy = FixedDraftLength(fixed), f"fixed {fixed}"
+                copy = dp.copy_length(self.max_draft_len) if copies else None
+                length = FixedDraftLength(fixed, copy)
+                draft_policy = f"fixed {fixed}" + ("" if copy is None else f", copies {copy}")
         return RoutedPlan(route, dp.name, policy.name, kind, spec, draft_policy, skip, length)
 
     def _cascade_plan(self, key: str, policy: Policy, route: Route | None, dp: DomainRecord,

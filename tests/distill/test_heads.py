@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+from adaptive.costs import best_draft_length
 from adaptive.distill.heads import (
     PACE_STEPS,
     HeadConfig,
@@ -28,6 +29,7 @@ from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
 from adaptive.profile import Decision, load_profile, save_profile
 from adaptive.runtime import AdaptiveRuntime
+from adaptive.runtime.runtime import beta_prior
 from tests.conftest import TINY_DOMAINS
 
 FAST = dict(layers=(1, 2, 4), steps=60, new_tokens=16, eval_every=20, checkpoint_every=10, vocab=32, batch=2,
@@ -246,6 +248,19 @@ def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
         assert eagle.decision == chain.decision == "eagle" and eagle.text == plain.text == chain.text
         assert eagle.stats.drafted > 0 and chain.stats.drafted > 0
         assert eagle.drafter_info["tree"] == asdict(DEFAULT_TREE) and "tree" not in chain.drafter_info
+    # the head's length fixed, its copies' too: as long as the lookup's calibrated acceptance pays for
+    g, most = rt.profile.global_set, rt.max_draft_len
+    copy = best_draft_length(g.priors.lookup.acceptance, g.priors.lookup.draft_cost, g.verify_table(most), most)[0]
+    assert g.copy_length(most) == copy and eagle.draft_policy.endswith(f", copies {copy}")
+    # with bandits: the copies learn in a posterior of their own, from the lookup's prior
+    bandits = AdaptiveRuntime(rt.profile, rt.lm, online=False, seed=0)
+    prompt = "one two three one two three one two three one two"
+    assert bandits.generate(prompt, max_new_tokens=24, policy="eagle").text == \
+        rt.generate(prompt, max_new_tokens=24, policy="ar").text
+    (key, bandit), = bandits._live_bandits().items()
+    prior = beta_prior(rt.profile.global_set.priors.lookup.acceptance)
+    assert key.startswith("eagle:") and bandit.copies is not None and bandit.copies.prior == prior
+    assert "copies" in bandit.state() and bandit.posterior.prior != prior
 
 
 def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_losslessly(lm, prof, cpu_step_graphs):

@@ -63,6 +63,40 @@ def test_a_drafter_rewound_drafts_as_a_fresh_one():
     assert torch.equal(old.propose(state, DraftChoice(3)).tokens, new.propose(state, DraftChoice(3)).tokens)
 
 
+def test_copies_run_to_the_choice_s_copy_length_marked_as_statistical():
+    lm = tiny_lm("llama")
+    bb = lm.backbone
+    head = random_head(lm, scale=1.0)
+    prompt = [5, 9, 12, 7, 3, 22, 8, 14, 6, 5]
+    cfg = GenerationConfig(max_new_tokens=30, draft_len=8, features=LAYERS, ignore_eos=True)
+    cache = new_cache(bb, len(prompt), cfg)
+    prefill(bb, prompt, cache, cfg, None)
+    state = DecodeState(bb, cache, prompt + [9], cfg, None)  # pending 9: [5, 9] occurred at 0, then 12, 7, ...
+    drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, tree=None)
+    long = drafter.propose(state, DraftChoice(1, copy=5))
+    assert long.tokens.tolist() == [12, 7, 3, 22, 8] and long.sources == ("statistical",) * 5
+    assert drafter.propose(state, DraftChoice(2)).tokens.tolist() == [12, 7]  # no copy length: the draft's
+    head_only = drafter.propose(state, DraftChoice(2, copy=0))  # no copy this step: the head drafts
+    assert len(head_only) == 2 and head_only.sources == ()
+    state.tokens[-1] = 31  # [5, 31] occurs nowhere earlier: nothing to copy
+    assert len(drafter.propose(state, DraftChoice(0, copy=5))) == 0  # a copy alone was asked for, and none
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_eagle_greedy_with_long_copies_equals_plain_decoding(family):
+    lm = tiny_lm(family)
+    bb = lm.backbone
+    head = random_head(lm, scale=1.0)
+    cfg = GenerationConfig(max_new_tokens=40, draft_len=8, features=LAYERS, ignore_eos=True)
+    prompt = [14, 6, 14, 6, 14, 6, 9, 14, 6]
+    plain = decode_ids(bb, prompt, cfg)
+    stats = GenerationStats()
+    # copies of a single token's latest occurrence (copy_min 1): frequent in a random model's text, mostly wrong
+    drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=1)
+    assert decode_ids(bb, prompt, cfg, drafter, FixedDraftLength(2, copy=8), stats=stats) == plain
+    assert max(k for k, n in stats.draft_lengths.items() if n) > 2  # some copies ran past the head's length
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_tree_draft_branches_within_its_shape_and_its_main_chain_is_the_chain_s_draft(family):
     """A tree (:class:`TreeShape`) has at most ``nodes`` nodes over at most the chosen depth, its first

@@ -1,9 +1,9 @@
-"""Tree drafts: their depths, main chains and validation (literal examples)."""
+"""Tree drafts: their depths, main chains and validation (literal examples); draft choices and fixed lengths."""
 
 import pytest
 import torch
 
-from adaptive.engine.protocol import Draft, tree_depths, tree_first_path
+from adaptive.engine.protocol import Draft, DraftChoice, FixedDraftLength, tree_depths, tree_first_path
 
 
 def test_tree_depths_and_first_path_worked_examples():
@@ -31,3 +31,14 @@ def test_a_tree_draft_needs_earlier_parents_one_per_token(parents):
 def test_a_tree_draft_s_tokens_are_point_masses():
     with pytest.raises(ValueError, match="point masses"):
         Draft(torch.tensor([3, 4]), q=torch.full((2, 8), 0.125), parents=(-1, 0))
+
+
+def test_a_draft_choice_s_copy_length_and_a_fixed_policy_s():
+    assert DraftChoice(2).copy is None and DraftChoice(0, copy=6).copy == 6
+    with pytest.raises(ValueError, match="copy"):
+        DraftChoice(2, copy=-1)
+    assert FixedDraftLength(3).choose(8) == DraftChoice(3)
+    assert FixedDraftLength(3, copy=8).choose(8) == DraftChoice(3, copy=8)
+    assert FixedDraftLength(3, copy=8).choose(2) == DraftChoice(2, copy=2)  # near the end: the step's limit
+    with pytest.raises(ValueError):
+        FixedDraftLength(3, copy=-1)

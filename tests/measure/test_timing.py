@@ -135,7 +135,7 @@ def test_a_block_that_captured_graphs_is_decoded_again_from_the_same_state(monke
     cache = SimpleNamespace(length=10)
     calls, capture = [], [True]
 
-    def block(bb_, cache_, tokens, n, draft_len, drafter):
+    def block(bb_, cache_, tokens, n, draft_len, drafter, copy=None):
         calls.append((cache_.length, list(tokens)))
         captured = capture.pop() if capture else False
         if captured and hasattr(bb_, "graphs"):

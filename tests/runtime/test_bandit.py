@@ -79,6 +79,49 @@ def test_allow_zero_false_always_drafts():
     assert all(b.choose(5).length >= 1 for _ in range(20))
 
 
+def test_copies_learn_apart_from_the_model_s_drafts():
+    b = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(2, 2), copy_cost=0.005)
+    b.update(draft(4, (STATISTICAL,) * 4), 4)  # a copy, all kept
+    assert (b.alpha, b.beta) == (1.0, 1.0) and (b.copies.alpha, b.copies.beta) == (6.0, 2.0)
+    observe(b, 3, 1)  # the model's draft: one kept, then a rejection
+    assert (b.alpha, b.beta) == (2.0, 2.0) and (b.copies.alpha, b.copies.beta) == (6.0, 2.0)
+    b.update(draft(2, (LAYER_SKIP, STATISTICAL)), 0)  # not every token copied: the model's
+    assert (b.alpha, b.beta) == (2.0, 3.0)
+    plain = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1))  # no copy posterior: copies count as drafts
+    plain.update(draft(4, (STATISTICAL,) * 4), 4)
+    assert (plain.alpha, plain.beta) == (5.0, 1.0) and plain.copies is None and plain.choose(5).copy is None
+
+
+def test_copies_run_as_long_as_their_acceptance_pays_not_as_the_model_s_drafts():
+    # the model's drafts kept a tenth of the time at 0.3 of a step a token: no draft; copies nearly always kept
+    b = ThompsonDraftLength(0.3, VERIFY, 5, prior=(10, 90), copy_prior=(990, 10), copy_cost=0.005, seed=3)
+    choices = [b.choose(5) for _ in range(50)]
+    assert all(c.length == 0 and c.copy == 5 for c in choices)
+    assert b.choose(3).copy == 3  # within the step's limit
+    assert b.state()["copies"]["chosen"] == {5: 50, 3: 1}
+    costly = (1.0, 1.1, 1.15, 1.2, 1.25, 1.3)  # where a row verified costs a tenth of a step
+    wrong = ThompsonDraftLength(0.3, costly, 5, prior=(10, 90), copy_prior=(1, 99), copy_cost=0.005, seed=3)
+    assert all(wrong.choose(5).copy == 0 for _ in range(20))  # copies that are almost never kept: none
+
+
+def test_copies_posterior_is_saved_restored_and_rebased():
+    a = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(1, 1))
+    a.update(draft(3, (STATISTICAL,) * 3), 3)
+    saved = a.posteriors()
+    assert saved["copies"] == {"acceptance": [4.0, 1.0], "evidence": [3.0, 0.0]}
+    b = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(1, 1))
+    b.restore(saved)
+    assert (b.copies.alpha, b.copies.beta) == (4.0, 1.0) and (b.alpha, b.beta) == (1.0, 1.0)
+    c = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(1, 1))
+    c.rebase([saved, saved])  # two replicas' evidence, each counted once
+    assert (c.copies.alpha, c.copies.beta) == (7.0, 1.0)
+    old = {k: v for k, v in saved.items() if k != "copies"}  # saved before copies had a posterior
+    d = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(2, 3))
+    d.restore(old)
+    d.rebase([old])
+    assert (d.copies.alpha, d.copies.beta) == (2.0, 3.0)
+
+
 def test_bandit_is_thread_safe():
     b = ThompsonDraftLength(0.5, VERIFY, 5, prior=(1, 1), window=1e9)
 
