@@ -122,9 +122,9 @@ class ThompsonDraftLength(DraftLengthPolicy):
     from the model's drafts alone; each step then also chooses the copy's length from it at
     ``copy_cost`` a token (:attr:`DraftChoice.copy`). A copy's tokens cost next to nothing, so where
     copies are kept it runs as long as the verify table pays for, not as long as the model's drafts.
-    Measured on the embedded model (torch, 24 held-out Spec-Bench prompts, the eagle policy, one
-    interleaved run; docs/history/2026-11-28-eagle-heads.md, ninth session): 1.09x the decoding speed
-    of copies at the model's length, which also taught the model's bandit.
+    Measured on the embedded model (torch bf16, 24 held-out Spec-Bench prompts, the eagle policy, one
+    interleaved run on a 2-core AMD EPYC; docs/history/2026-11-28-eagle-heads.md, ninth session): 1.08x
+    the decoding speed of copies at the model's length that also taught the model's posterior.
     """
 
     def __init__(self, draft_cost: float, verify: list[float] | tuple[float, ...], max_len: int,
