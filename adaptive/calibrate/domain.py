@@ -218,7 +218,9 @@ def race_key(candidates: dict[str, Candidate], tables: Sequence[BigramTable] = (
              vocabs: Sequence[np.ndarray] = ()) -> str:
     """A short hash of the raced candidates, the cascade's tables and the draft vocabularies: a
     checkpoint's lines are replayed only into the same race."""
-    blob = json.dumps({k: c.to_dict() for k, c in sorted(candidates.items())}, sort_keys=True).encode()
+    # a field added with a None default (copy_len) stays out: checkpoints of races made before it still resume
+    blob = json.dumps({k: {f: v for f, v in c.to_dict().items() if not (f == "copy_len" and v is None)}
+                       for k, c in sorted(candidates.items())}, sort_keys=True).encode()
     digest = hashlib.sha1(blob)
     for a in [x for t in tables for x in (t.keys, t.succ, t.prob)] + list(vocabs):
         digest.update(np.ascontiguousarray(a).tobytes())

@@ -336,8 +336,9 @@ class Lane:
         if self.max_draft > 0:
             if choice is None:
                 choice = self.length_policy.choose(self.max_draft)
-            elif choice.length > self.max_draft:
-                raise ValueError(f"a draft of {choice.length} exceeds this step's longest, {self.max_draft}")
+            elif max(choice.length, choice.copy or 0) > self.max_draft:
+                raise ValueError(f"a draft of {choice.length} (a copy of {choice.copy}) exceeds this step's longest, "
+                                 f"{self.max_draft}")
             if choice.length > 0 or choice.copy:  # a copy may pay where the drafter's model does not
                 draft = self.drafter.propose(self.state, choice)
         if draft is None or len(draft) == 0:

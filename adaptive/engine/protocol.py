@@ -78,21 +78,24 @@ class DraftChoice:
 class DraftPlan:
     """A policy's expectations for this step: ``gains[j]``, the probability that draft token
     ``j + 1`` is accepted (a sample from what the policy believes); ``costs[j]``, its drafting cost
-    in one-token steps; ``split``: a cascade's layer-skip tokens at most (``None``: no cascade).
+    in one-token steps; ``split``: a cascade's layer-skip tokens at most (``None``: no cascade);
+    ``copy``: how long a copy of the context may run (:attr:`DraftChoice.copy`; ``None``: the length
+    chosen). The plan prices the drafter's model; a copy costs next to nothing to propose and is chosen apart.
 
     Example: one per-token acceptance ``a = 0.5`` and a free drafter: ``gains = (0.5, 0.25, 0.125)``."""
 
     gains: tuple[float, ...]
     costs: tuple[float, ...]
     split: int | None = None
+    copy: int | None = None
 
     def __post_init__(self):
         if len(self.gains) != len(self.costs):
             raise ValueError(f"a draft plan needs one cost per gain ({len(self.gains)} != {len(self.costs)})")
 
     def choice(self, k: int) -> DraftChoice:
-        """The choice of drafting ``k`` of the planned tokens."""
-        return DraftChoice(k, None if self.split is None else min(self.split, k))
+        """The choice of drafting ``k`` of the planned tokens (and its copies as planned)."""
+        return DraftChoice(k, None if self.split is None else min(self.split, k), self.copy)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,9 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, state: DecodeState, choice: DraftChoice) -> Draft:
-        """Propose at most ``choice.length`` (>= 1) tokens to follow ``state.tokens``."""
+        """Propose at most ``choice.length`` tokens to follow ``state.tokens`` (a drafter that copies from the
+        context, the eagle drafter: a copy of at most ``choice.copy``, and ``length`` may then be 0; every
+        other drafter is asked for ``length >= 1`` and no copy length)."""
 
     def describe(self) -> dict:
         """A JSON-able description for results and logs."""

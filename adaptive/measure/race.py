@@ -146,7 +146,9 @@ def measure_learned_domain(lm: LoadedModel, profile: Profile, name: str, sequenc
     ``guard``: the model lock, one block at a time), and decided
     (:func:`race_domain`, with the profile's settings, as calibration). With ``eagle`` (a runtime that
     drafts with a head), the head races too, drafting the length its acceptance and cost give, as
-    ``adaptive distill`` races it in a calibrated domain. Verification costs: the global record's."""
+    ``adaptive distill`` races it in a calibrated domain, its copies the global record's
+    (:meth:`DomainRecord.copy_length`; the learned record's own lookup prior exists only after the race;
+    served, its bandit learns their length). Verification costs: the global record's."""
     s, glob = profile.settings, profile.global_set
     max_len = profile.runtime.cascade_max_draft_len
     stat = statistical_acceptance(sequences, max_len, s.bigram_min_count)

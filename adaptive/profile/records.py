@@ -237,7 +237,7 @@ class DomainRecord:
     def copy_length(self, max_len: int) -> int:
         """How long the eagle drafter's copies of the context run where its length is fixed (a race, a
         runtime without bandits): the draft length that pays best at prompt lookup's calibrated
-        acceptance and cost, as the bandit's copy posterior chooses at its prior's mean
+        acceptance and cost, by the formula the bandit's copy posterior chooses with
         (:class:`~adaptive.runtime.bandit.ThompsonDraftLength`)."""
         lookup = self.priors.lookup
         return best_draft_length(lookup.acceptance, lookup.draft_cost, self.verify_table(max_len), max_len)[0]

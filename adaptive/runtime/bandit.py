@@ -178,8 +178,10 @@ class ThompsonDraftLength(DraftLengthPolicy):
             return None
         with self._lock:
             a = self.posterior.sample(self._rng)
+            a_copy = None if self.copies is None else self.copies.sample(self._rng)
         n = min(max_len, self.max_len)
-        return DraftPlan(tuple(a ** (j + 1) for j in range(n)), (self.draft_cost,) * n)
+        copy = None if a_copy is None else best_draft_length(a_copy, self.copy_cost, self.verify, n)[0]
+        return DraftPlan(tuple(a ** (j + 1) for j in range(n)), (self.draft_cost,) * n, copy=copy)
 
     def update(self, draft: Draft, accepted: int) -> None:
         if len(draft) == 0:
@@ -206,25 +208,28 @@ class ThompsonDraftLength(DraftLengthPolicy):
             return out
 
     def restore(self, saved: dict) -> None:
-        """Continue from :meth:`posteriors` (a bandit of another kind: ``ValueError``). A state saved
-        without copies (before they had a posterior, or by a bandit without one) leaves the copies' prior."""
+        """Continue from :meth:`posteriors` (a bandit of another kind: ``ValueError``). A bandit with copies
+        skips a state saved without them: it was saved before copies had a posterior of their own, when
+        they taught the model's, whose acceptance they would inflate (the posteriors start from their priors)."""
         if saved.get("kind") != "length":
             raise ValueError(f"not a draft-length bandit's state: {saved.get('kind')!r}")
+        copies = saved.get("copies")
+        if self.copies is not None and copies is None:
+            return
         with self._lock:
             self.posterior.restore(saved["acceptance"], saved.get("evidence"))
-            copies = saved.get("copies")
-            if self.copies is not None and copies is not None:
+            if self.copies is not None:
                 self.copies.restore(copies["acceptance"], copies.get("evidence"))
 
     def rebase(self, others: list[dict]) -> None:
         """Fold in other replicas' saved :meth:`posteriors` (their evidence, summed; states of another
-        kind are skipped): prior + theirs + this process's own. Idempotent."""
-        mine = [o for o in others if o.get("kind") == "length"]
+        kind are skipped, and, by a bandit with copies, states without them, as :meth:`restore` skips them):
+        prior + theirs + this process's own. Idempotent."""
+        mine = [o for o in others if o.get("kind") == "length" and (self.copies is None or o.get("copies"))]
         with self._lock:
             self.posterior.rebase([(o["acceptance"], o.get("evidence")) for o in mine])
             if self.copies is not None:
-                self.copies.rebase([(o["copies"]["acceptance"], o["copies"].get("evidence"))
-                                    for o in mine if o.get("copies") is not None])
+                self.copies.rebase([(o["copies"]["acceptance"], o["copies"].get("evidence")) for o in mine])
 
 
 class ThompsonCascade(DraftLengthPolicy):

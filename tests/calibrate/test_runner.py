@@ -596,3 +596,17 @@ def test_ray_backend_on_a_local_cluster(tiny_model_dir, tmp_path):
         ray.shutdown()
     assert sorted(p.domains) == sorted(TINY_DOMAINS)
     assert load_profile(tmp_path / "p").global_set.layer_skip.trials == 3
+
+
+def test_a_race_key_leaves_an_unset_copy_length_out():
+    """Checkpoints of races timed before candidates had a copy length resume: their key is the same."""
+    import hashlib
+    import json
+
+    from adaptive.calibrate.domain import race_key
+    from adaptive.measure.timing import Candidate
+
+    cands = {"pld": Candidate("pld", 4), "eagle": Candidate("eagle", 2, copy_len=5)}
+    before = {"pld": {k: v for k, v in cands["pld"].to_dict().items() if k != "copy_len"}}
+    assert race_key({"pld": cands["pld"]}) == hashlib.sha1(json.dumps(before, sort_keys=True).encode()).hexdigest()[:12]
+    assert race_key(cands) != race_key({**cands, "eagle": Candidate("eagle", 2)})

@@ -255,12 +255,13 @@ def test_the_eagle_policy_decodes_as_plain_decoding(lm, prof):
     # with bandits: the copies learn in a posterior of their own, from the lookup's prior
     bandits = AdaptiveRuntime(rt.profile, rt.lm, online=False, seed=0)
     prompt = "one two three one two three one two three one two"
-    assert bandits.generate(prompt, max_new_tokens=24, policy="eagle").text == \
-        rt.generate(prompt, max_new_tokens=24, policy="ar").text
+    r_text = bandits.generate(prompt, max_new_tokens=24, policy="eagle").text
+    assert r_text == rt.generate(prompt, max_new_tokens=24, policy="ar").text
     (key, bandit), = bandits._live_bandits().items()
     prior = beta_prior(rt.profile.global_set.priors.lookup.acceptance)
     assert key.startswith("eagle:") and bandit.copies is not None and bandit.copies.prior == prior
-    assert "copies" in bandit.state() and bandit.posterior.prior != prior
+    state = bandit.state()  # every step chose a copy length too (the tiny profile's lookup prior: rarely kept)
+    assert sum(state["copies"]["chosen"].values()) == sum(state["chosen"].values()) > 0
 
 
 def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_losslessly(lm, prof, cpu_step_graphs):

@@ -10,7 +10,7 @@ from adaptive.drafters.eagle import COPY_MIN, DEFAULT_TREE, TreeShape
 from adaptive.drafters.eagle_drafter import EagleDrafter
 from adaptive.drafters.factory import DrafterSpec, build_drafter, eagle_vocab
 from adaptive.engine.config import GenerationConfig
-from adaptive.engine.loop import GenerationStats, decode_steps, new_cache, prefill
+from adaptive.engine.loop import GenerationStats, Lane, decode_steps, new_cache, prefill
 from adaptive.engine.protocol import DecodeState, DraftChoice, FixedDraftLength
 from adaptive.errors import ConfigError
 from tests.conftest import tiny_lm
@@ -95,6 +95,31 @@ def test_eagle_greedy_with_long_copies_equals_plain_decoding(family):
     drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=1)
     assert decode_ids(bb, prompt, cfg, drafter, FixedDraftLength(2, copy=8), stats=stats) == plain
     assert max(k for k, n in stats.draft_lengths.items() if n) > 2  # some copies ran past the head's length
+
+    class CopiesOnly(FixedDraftLength):  # the head never pays, copies do: the loop asks for a copy alone
+        def choose(self, max_len):
+            return DraftChoice(0, copy=min(8, max_len))
+
+    stats = GenerationStats()
+    drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=1)
+    assert decode_ids(bb, prompt, cfg, drafter, CopiesOnly(1), stats=stats) == plain
+    assert stats.drafted > 0 and stats.steps < len(plain)  # copies were drafted, and some kept
+
+
+def test_a_copy_longer_than_the_step_allows_is_refused():
+    lm = tiny_lm("llama")
+    bb = lm.backbone
+    cfg = GenerationConfig(max_new_tokens=10, draft_len=4, features=LAYERS, ignore_eos=True)
+    head = random_head(lm, scale=1.0)
+    prompt = [5, 9, 12, 7, 5, 9]
+    cache = new_cache(bb, len(prompt), cfg)
+    first = prefill(bb, prompt, cache, cfg, None).first
+    state = DecodeState(bb, cache, prompt + [first], cfg, None)
+    drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows)
+    lane = Lane(state, drafter, FixedDraftLength(2), cfg, GenerationStats())
+    assert lane.max_draft == 4 and len(lane.propose(DraftChoice(2, copy=4))) >= 1
+    with pytest.raises(ValueError, match="exceeds"):  # past cfg.draft_len: past what the cache was sized for
+        lane.propose(DraftChoice(2, copy=5))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from adaptive.engine.protocol import Draft, DraftChoice, FixedDraftLength, tree_depths, tree_first_path
+from adaptive.engine.protocol import Draft, DraftChoice, DraftPlan, FixedDraftLength, tree_depths, tree_first_path
 
 
 def test_tree_depths_and_first_path_worked_examples():
@@ -42,3 +42,5 @@ def test_a_draft_choice_s_copy_length_and_a_fixed_policy_s():
     assert FixedDraftLength(3, copy=8).choose(2) == DraftChoice(2, copy=2)  # near the end: the step's limit
     with pytest.raises(ValueError):
         FixedDraftLength(3, copy=-1)
+    plan = DraftPlan((0.5, 0.25), (0.1, 0.1), split=1, copy=6)
+    assert plan.choice(2) == DraftChoice(2, 1, 6) and DraftPlan((0.5,), (0.1,)).choice(1) == DraftChoice(1)

@@ -115,11 +115,22 @@ def test_copies_posterior_is_saved_restored_and_rebased():
     c = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(1, 1))
     c.rebase([saved, saved])  # two replicas' evidence, each counted once
     assert (c.copies.alpha, c.copies.beta) == (7.0, 1.0)
-    old = {k: v for k, v in saved.items() if k != "copies"}  # saved before copies had a posterior
+    # saved before copies had a posterior (their outcomes in the model's): skipped, both start from their priors
+    old = {"kind": "length", "acceptance": [9.0, 2.0], "evidence": [8.0, 1.0]}
     d = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1), copy_prior=(2, 3))
     d.restore(old)
-    d.rebase([old])
-    assert (d.copies.alpha, d.copies.beta) == (2.0, 3.0)
+    d.rebase([old, saved])
+    assert (d.copies.alpha, d.copies.beta) == (5.0, 3.0) and (d.alpha, d.beta) == (1.0, 1.0)
+    plain = ThompsonDraftLength(0.05, VERIFY, 5, prior=(1, 1))  # without copies: every state is its own
+    plain.restore(old)
+    assert (plain.alpha, plain.beta) == (9.0, 2.0)
+
+
+def test_a_plan_carries_the_copy_length_the_copies_posterior_gives():
+    b = ThompsonDraftLength(0.3, VERIFY, 5, prior=(10, 90), copy_prior=(990, 10), copy_cost=0.005, seed=3)
+    plan = b.plan(4)
+    assert plan.copy == 4 and plan.choice(0).copy == 4 and plan.choice(2).length == 2
+    assert ThompsonDraftLength(0.3, VERIFY, 5, prior=(10, 90)).plan(4).copy is None
 
 
 def test_bandit_is_thread_safe():
