@@ -164,7 +164,7 @@ class ThompsonDraftLength(DraftLengthPolicy):
         k, _ = best_draft_length(a, self.draft_cost, self.verify, n)
         if k == 0 and not self.allow_zero:
             k = 1
-        copy = None if a_copy is None else best_draft_length(a_copy, self.copy_cost, self.verify, n)[0]
+        copy = self._copy_length(a_copy, n)
         with self._lock:
             self.chosen[k] = self.chosen.get(k, 0) + 1
             if copy is not None:
@@ -180,8 +180,12 @@ class ThompsonDraftLength(DraftLengthPolicy):
             a = self.posterior.sample(self._rng)
             a_copy = None if self.copies is None else self.copies.sample(self._rng)
         n = min(max_len, self.max_len)
-        copy = None if a_copy is None else best_draft_length(a_copy, self.copy_cost, self.verify, n)[0]
+        copy = self._copy_length(a_copy, n)
         return DraftPlan(tuple(a ** (j + 1) for j in range(n)), (self.draft_cost,) * n, copy=copy)
+
+    def _copy_length(self, a_copy: float | None, n: int) -> int | None:
+        """The copy length that pays best at a sampled copy acceptance ``a_copy`` (``None``: no copies posterior)."""
+        return None if a_copy is None else best_draft_length(a_copy, self.copy_cost, self.verify, n)[0]
 
     def update(self, draft: Draft, accepted: int) -> None:
         if len(draft) == 0:

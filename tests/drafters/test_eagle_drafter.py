@@ -42,17 +42,24 @@ def test_eagle_greedy_equals_plain_decoding(family, tree):
         assert isinstance(drafter, EagleDrafter) and drafter.copy_min == COPY_MIN
 
 
+def prefilled(prompt: list[int], pending: int | None = None, draft_len: int = 4, max_new_tokens: int = 30):
+    """A tiny llama's prompt prefilled (its cache keeping the head's feature rows), a random head and the
+    decoding state: ``(lm, head, cfg, state)``, the pending token the target's first unless ``pending``."""
+    lm = tiny_lm("llama")
+    bb = lm.backbone
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, features=LAYERS, ignore_eos=True)
+    cache = new_cache(bb, len(prompt), cfg)
+    first = prefill(bb, prompt, cache, cfg, None).first
+    return lm, random_head(lm, scale=1.0), cfg, DecodeState(bb, cache, prompt + [first if pending is None else pending],
+                                                            cfg, None)
+
+
 def test_a_drafter_rewound_drafts_as_a_fresh_one():
     """A race rewinds the target between its blocks: the drafter then feeds again from the rewound row and
     indexes the lookups again, so it proposes what a new drafter at that state would."""
-    lm = tiny_lm("llama")
-    bb = lm.backbone
-    head = random_head(lm, scale=1.0)
     prompt = [5, 9, 12, 7, 3, 5, 9, 12, 8, 14]
-    cfg = GenerationConfig(max_new_tokens=30, draft_len=4, features=LAYERS, ignore_eos=True)
-    cache = new_cache(bb, len(prompt), cfg)
-    first = prefill(bb, prompt, cache, cfg, None).first
-    state = DecodeState(bb, cache, prompt + [first], cfg, None)
+    lm, head, cfg, state = prefilled(prompt)
+    bb, cache = lm.backbone, state.cache
     old = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, copy_min=0)
     steps = decode_steps(bb, state, old, FixedDraftLength(3), cfg)
     for _ in range(4):
@@ -64,14 +71,9 @@ def test_a_drafter_rewound_drafts_as_a_fresh_one():
 
 
 def test_copies_run_to_the_choice_s_copy_length_marked_as_statistical():
-    lm = tiny_lm("llama")
-    bb = lm.backbone
-    head = random_head(lm, scale=1.0)
     prompt = [5, 9, 12, 7, 3, 22, 8, 14, 6, 5]
-    cfg = GenerationConfig(max_new_tokens=30, draft_len=8, features=LAYERS, ignore_eos=True)
-    cache = new_cache(bb, len(prompt), cfg)
-    prefill(bb, prompt, cache, cfg, None)
-    state = DecodeState(bb, cache, prompt + [9], cfg, None)  # pending 9: [5, 9] occurred at 0, then 12, 7, ...
+    lm, head, _, state = prefilled(prompt, pending=9, draft_len=8)  # pending 9: [5, 9] occurred at 0, then 12, 7, ...
+    bb = lm.backbone
     drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows, tree=None)
     long = drafter.propose(state, DraftChoice(1, copy=5))
     assert long.tokens.tolist() == [12, 7, 3, 22, 8] and long.sources == ("statistical",) * 5
@@ -107,14 +109,9 @@ def test_eagle_greedy_with_long_copies_equals_plain_decoding(family):
 
 
 def test_a_copy_longer_than_the_step_allows_is_refused():
-    lm = tiny_lm("llama")
-    bb = lm.backbone
-    cfg = GenerationConfig(max_new_tokens=10, draft_len=4, features=LAYERS, ignore_eos=True)
-    head = random_head(lm, scale=1.0)
     prompt = [5, 9, 12, 7, 5, 9]
-    cache = new_cache(bb, len(prompt), cfg)
-    first = prefill(bb, prompt, cache, cfg, None).first
-    state = DecodeState(bb, cache, prompt + [first], cfg, None)
+    lm, head, cfg, state = prefilled(prompt, max_new_tokens=10)
+    bb = lm.backbone
     drafter = EagleDrafter(head, eagle_vocab(head, bb, prompt), bb.embed_rows)
     lane = Lane(state, drafter, FixedDraftLength(2), cfg, GenerationStats())
     assert lane.max_draft == 4 and len(lane.propose(DraftChoice(2, copy=4))) >= 1
