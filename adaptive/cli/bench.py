@@ -23,7 +23,7 @@ from adaptive.cli.common import (
     quiet_option,
     weights_option,
 )
-from adaptive.profile import load_profile
+from adaptive.profile import TRAINING_ENGINE, ProfileError, is_two_engine, load_profile, read_engines
 
 DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 
@@ -94,7 +94,7 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     profile = load_profile(profile_dir, None if engine == "auto" else engine) if profile_dir else None
     for m in method_list:  # before the model loads: a missing distilled drafter is a one-line error
         if m in DISTILLED_KIND:
-            profile.distilled_drafter(DISTILLED_KIND[m])
+            _check_distilled(profile, profile_dir, m, engine)
     spec = model_spec
     if profile is not None:
         spec, dtype, weights, engine = profile_model(profile, model_spec, dtype, weights, engine)
@@ -113,3 +113,20 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
              f"{max_new_tokens} new tokens, speedup over ar")
     click.echo(table)
     info(f"report written to {out_json}" + (f", {out_md}" if out_md else "") + (f", {out_png}" if out_png else ""))
+
+
+def _check_distilled(profile, profile_dir, method: str, engine: str) -> None:
+    """The profile holds the drafter ``method`` drafts with, or a one-line error: where the member a two-engine
+    profile loads (llama.cpp) lacks it and its torch member, where drafters are trained, holds it, how to bench
+    it there (every method on one engine: ``ar`` is the reference)."""
+    kind = DISTILLED_KIND[method]
+    try:
+        profile.distilled_drafter(kind)
+    except ProfileError:
+        if engine == "auto" and is_two_engine(profile_dir) and TRAINING_ENGINE in read_engines(profile_dir).engines \
+                and kind in load_profile(profile_dir, TRAINING_ENGINE).distilled:
+            raise click.UsageError(f"method {method} drafts with the {kind} drafter of this two-engine profile's "
+                                   f"{TRAINING_ENGINE} member: bench it with --engine {TRAINING_ENGINE} (every "
+                                   "method then runs on that engine)") from None
+        raise
+

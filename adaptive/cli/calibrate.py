@@ -37,6 +37,7 @@ from adaptive.index.router import route_prompt
 from adaptive.models import auto_engines
 from adaptive.profile import (
     SCHEMA_VERSION,
+    TRAINING_ENGINE,
     is_two_engine,
     load_profile,
     member_online_path,
@@ -144,7 +145,7 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
     settings = CalibrationSettings.quick(**over) if quick else CalibrationSettings(**over)
     domains = domain_prompts(domain_args, "--domains")
     engines = auto_engines(model_spec, device, dtype, weights) if engine == "auto" else (engine,)
-    if heads and "torch" not in engines:
+    if heads and TRAINING_ENGINE not in engines:
         raise click.UsageError("--heads trains a head over the torch engine's hidden states, and the head drafts "
                                "there: calibrate with --engine torch or auto")
     head_cfg = HeadConfig(minutes=head_minutes, seed=seed) if heads else None
@@ -153,7 +154,7 @@ def calibrate_cmd(model_spec, domain_args, out_dir, quick, prompts_per_domain, a
                                      backend=backend, scheduler=scheduler, resume=resume, device=device, dtype=dtype,
                                      progress=not quiet, log=info, weights=weights)
         if head_cfg is not None:
-            _train_head(profiles["torch"].path, model_spec, domains, head_cfg, dtype, device, quiet or as_json)
+            _train_head(profiles[TRAINING_ENGINE].path, model_spec, domains, head_cfg, dtype, device, quiet or as_json)
         seconds = sum(p.calibration.get("seconds") or 0 for p in profiles.values())
         if as_json:
             echo_json({"profile": str(out_dir), "engines": {e: {"profile": str(p.path), **profile_json(p)}

@@ -26,7 +26,7 @@ from adaptive.distill.data import DATA_SOURCES
 from adaptive.distill.divergences import DIVERGENCES
 from adaptive.distill.heads import HeadConfig
 from adaptive.distill.trainer import DistillConfig, distill, distill_head
-from adaptive.profile import load_profile
+from adaptive.profile import TRAINING_ENGINE, is_two_engine, load_profile, training_member
 
 EARLY_EXIT, EAGLE = "early-exit", "eagle"
 
@@ -112,6 +112,10 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     if drafter == "skip":
         raise click.UsageError(f"adapters for the layer-skip drafter are not built: use --drafter {EARLY_EXIT} or a "
                                "draft model")
+    if is_two_engine(profile_dir):  # `adaptive calibrate`'s default: the drafter goes where it is trained and drafts
+        member = training_member(profile_dir)
+        info(f"{profile_dir} is a two-engine profile: training into its {TRAINING_ENGINE} member, {member}")
+        profile_dir = str(member)
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
     if drafter != EAGLE and (samples != HeadConfig.samples or temperature != HeadConfig.temperature

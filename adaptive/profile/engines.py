@@ -25,6 +25,7 @@ from adaptive.workdir import atomic_write
 
 ENGINES_FILE = "engines.json"
 ENGINES_FORMAT = "adaptive-engines"
+TRAINING_ENGINE = "torch"  # the member distilled drafters are trained into and drafted on (its hidden states)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,13 @@ def member_dir(path: str | Path, engine: str | None = None) -> Path:
     if engine not in members.engines:
         raise ProfileError(f"{path} was calibrated on {' and '.join(members.engines)}, not on {engine}")
     return path / engine
+
+
+def training_member(path: str | Path) -> Path:
+    """The profile directory a distilled drafter of ``path`` is trained into (distillation runs the torch
+    engine's layers): ``path`` itself unless it is a two-engine profile, else its :data:`TRAINING_ENGINE`
+    member (:class:`ProfileError` where it has none)."""
+    return member_dir(path, TRAINING_ENGINE) if is_two_engine(path) else Path(path)
 
 
 def member_online_path(online_path: str | Path, engine: str) -> Path:

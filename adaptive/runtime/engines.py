@@ -56,10 +56,11 @@ from pathlib import Path
 
 from adaptive.costs import extrapolate
 from adaptive.engine import llamacpp
-from adaptive.errors import ConfigError, StepFailed
+from adaptive.errors import AdaptiveError, ConfigError, StepFailed
 from adaptive.index.router import RouteDecision
 from adaptive.models import load_model
 from adaptive.profile import (
+    TRAINING_ENGINE,
     Profile,
     ProfileError,
     is_two_engine,
@@ -106,7 +107,9 @@ class EngineChoice:
     """Where a request runs and why: the ``engine`` whose estimate is least among ``estimates`` (ties:
     the first), for ``prompt_tokens`` and at most ``new_tokens``, each engine's pace that of ``domain``
     (the domain guessed from the prompt's tokens; ``None``: the average over domains), priced for
-    ``expected_tokens`` of them (``None``: all ``new_tokens``; :mod:`adaptive.runtime.lengths`)."""
+    ``expected_tokens`` of them (``None``: all ``new_tokens``; :mod:`adaptive.runtime.lengths`).
+    ``unable``: the engines left out because their member cannot decode the request's ``policy``
+    (:meth:`AdaptiveRuntime.refusal`, e.g. ``eagle`` where only the torch member holds a head)."""
 
     engine: str
     estimates: tuple[EngineEstimate, ...]
@@ -114,6 +117,8 @@ class EngineChoice:
     new_tokens: int
     domain: str | None = None
     expected_tokens: float | None = None
+    unable: tuple[str, ...] = ()
+    policy: str | None = None
 
     @property
     def priced_tokens(self) -> float:
@@ -123,11 +128,14 @@ class EngineChoice:
     @property
     def reason(self) -> str:
         """E.g. ``"expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa, for 42 of 256 tokens)"``
-        (the chosen engine first)."""
+        (the chosen engine first), or ``"expected 1.70 s on torch (priced as qa, llama.cpp cannot decode
+        eagle)"``."""
         ordered = sorted(self.estimates, key=lambda e: e.engine != self.engine)
         notes = [f"priced as {self.domain}"] if self.domain is not None else []
         if round(self.priced_tokens) < self.new_tokens:
             notes.append(f"for {round(self.priced_tokens)} of {self.new_tokens} tokens")
+        if self.unable:
+            notes.append(f"{' and '.join(self.unable)} cannot decode {self.policy}")
         return ("expected " + ", ".join(f"{e.expected_s:.2f} s on {e.engine}"
                                         + (f" ({e.cached} prompt tokens cached)" if e.cached else "") for e in ordered)
                 + (f" ({', '.join(notes)})" if notes else ""))
@@ -135,7 +143,7 @@ class EngineChoice:
     def to_dict(self) -> dict:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "domain": self.domain,
-                "expected_tokens": float(round(self.priced_tokens, 1)),
+                "expected_tokens": float(round(self.priced_tokens, 1)), "unable": list(self.unable),
                 "estimates": [e.to_dict() for e in self.estimates]}
 
 
@@ -164,13 +172,16 @@ def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: i
 
 
 def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
-           domain: str | None = None, expected_tokens: float | None = None) -> EngineChoice:
+           domain: str | None = None, expected_tokens: float | None = None, unable: Sequence[str] = (),
+           policy: str | None = None) -> EngineChoice:
     """The engine with the least expected time (the first among equals), priced as ``domain`` for
-    ``expected_tokens`` of the ``new_tokens`` allowed (``None``: all of them)."""
+    ``expected_tokens`` of the ``new_tokens`` allowed (``None``: all of them); ``unable``: the engines
+    left out of ``estimates`` because they cannot decode ``policy`` (said in the choice's reason)."""
     if not estimates:
         raise ValueError("no engine to choose from")
     best = min(estimates, key=lambda e: e.expected_s)
-    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain, expected_tokens)
+    return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain, expected_tokens,
+                        tuple(unable), policy)
 
 
 class TwoEngineRuntime:
@@ -275,14 +286,35 @@ class TwoEngineRuntime:
         the engines whose context holds it)."""
         return max(rt.room(prompt_ids) for rt in self.runtimes.values())
 
-    def _fitting(self, prompt_tokens: int, new_tokens: int) -> list[str]:
-        """The engines that can take such a request now: their context holds it and, where the live
-        caches share it (llama.cpp), the positions it needs are free (:meth:`AdaptiveRuntime.fits`)."""
-        return [name for name, rt in self.runtimes.items() if rt.fits(prompt_tokens, new_tokens)]
+    def _fitting(self, prompt_tokens: int, new_tokens: int, engines: Sequence[str] | None = None) -> list[str]:
+        """The ``engines`` (``None``: every one) that can take such a request now: their context holds it
+        and, where the live caches share it (llama.cpp), the positions it needs are free
+        (:meth:`AdaptiveRuntime.fits`)."""
+        return [name for name in (self.runtimes if engines is None else engines)
+                if self.runtimes[name].fits(prompt_tokens, new_tokens)]
 
-    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
-        """Whether some engine can take the request now (a server keeps it queued until one can)."""
-        return bool(self._fitting(prompt_tokens, max_new_tokens))
+    def decoders(self, policy: str | None) -> list[str]:
+        """The engines whose member can decode a request under ``policy`` (``None``: every engine;
+        :meth:`AdaptiveRuntime.refusal`): a forced ``eagle`` goes to the member that holds the head. Where
+        no member can, raises what the :data:`~adaptive.profile.TRAINING_ENGINE` member (where distilled
+        drafters are trained; else the default member) refuses it with."""
+        if policy is None:
+            return list(self.runtimes)
+        refusals = {name: rt.refusal(policy) for name, rt in self.runtimes.items()}
+        able = [name for name, refused in refusals.items() if refused is None]
+        if not able:
+            raise refusals.get(TRAINING_ENGINE) or refusals[self.default]
+        return able
+
+    def fits(self, prompt_tokens: int, max_new_tokens: int, policy: str | None = None) -> bool:
+        """Whether some engine that can decode ``policy`` (:meth:`decoders`) can take the request now (a
+        server keeps it queued until one can); ``True`` where none can decode it: it then fails at once,
+        saying why, rather than wait."""
+        try:
+            engines = self.decoders(policy)
+        except AdaptiveError:
+            return True
+        return bool(self._fitting(prompt_tokens, max_new_tokens, engines))
 
     def route(self, prompt) -> RouteDecision:
         return self.primary.route(prompt)
@@ -323,25 +355,28 @@ class TwoEngineRuntime:
         return lexicon.guess(prompt_ids) if lexicon is not None else None
 
     def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None,
-               prompt_ids: Sequence[int] | None = None) -> EngineChoice:
+               prompt_ids: Sequence[int] | None = None, policy: str | None = None) -> EngineChoice:
         """Where a request of ``prompt_tokens`` and at most ``new_tokens`` runs, among the engines that can
         take it now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the
         cost, each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
         domains), priced for the tokens it is expected to decode (:attr:`lengths`; see the module
         docstring). Given its ``prompt_ids``, each engine prices only the prompt tokens its prefix
         cache does not hold (:meth:`AdaptiveRuntime.cached_tokens`): a conversation stays where its
-        history is, unless the other engine is expected to finish first anyway."""
+        history is, unless the other engine is expected to finish first anyway. Only the engines that can
+        decode ``policy`` are candidates (:meth:`decoders`, which raises where none can)."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
-        # the engines that can take it now; none (its caller did not ask fits()): every engine, and the
-        # one chosen says why it cannot
-        names = self._fitting(prompt_tokens, new_tokens) or list(self.runtimes)
+        # the engines that can decode it and take it now; none (its caller did not ask fits()): every engine
+        # that can decode it, and the one chosen says why it cannot take it
+        decoders = self.decoders(policy)
+        names = self._fitting(prompt_tokens, new_tokens, decoders) or decoders
         expected = self.lengths.expected(domain, new_tokens) if self.lengths is not None else None
         estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens if expected is None else expected,
                               running[name], domain, self.pace.factor(name, domain) if self.pace is not None else 1.0,
                               self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0)
                      for name in names]
-        return choose(estimates, prompt_tokens, new_tokens, domain, expected)
+        return choose(estimates, prompt_tokens, new_tokens, domain, expected,
+                      [name for name in self.runtimes if name not in decoders], policy)
 
     # -- learning each engine's pace ------------------------------------------------------------
 
@@ -418,7 +453,7 @@ class TwoEngineRuntime:
         """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
-        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids)
+        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids, options.get("policy"))
         member = self.runtimes[choice.engine]
         items = member.stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(), **options)  # checks them now
         greedy = member.config(max_new_tokens, **{k: v for k, v in options.items() if k != "policy"}).greedy
@@ -451,7 +486,8 @@ class TwoEngineRuntime:
 
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> _ChosenPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
-        choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids), prompt_ids)
+        choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids), prompt_ids,
+                             options.get("policy"))
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
         self._admit(choice.engine, task, choice, task.task.config.greedy)

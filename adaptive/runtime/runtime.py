@@ -48,7 +48,7 @@ from adaptive.engine.loop import cache_positions
 from adaptive.engine.prefix import DEFAULT_PREFIX_CACHE_MIB, PrefixStats, budget_bytes
 from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
-from adaptive.errors import ConfigError
+from adaptive.errors import AdaptiveError, ConfigError
 from adaptive.index.anchors import Route
 from adaptive.index.embedding import embed_prompt, pooled_to_numpy
 from adaptive.index.router import RouteDecision, decision_of, route_vector
@@ -57,7 +57,7 @@ from adaptive.models import LoadedModel, load_model
 from adaptive.profile import GLOBAL, DomainRecord, Profile, ProfileError, is_two_engine, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
 from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
-from adaptive.runtime.policies import ROUTED_POLICY, Policy, get_policy
+from adaptive.runtime.policies import DISTILLED, ROUTED_POLICY, Policy, get_policy
 from adaptive.runtime.turns import TurnLock
 
 THOMPSON = "thompson"
@@ -497,17 +497,46 @@ class AdaptiveRuntime:
         ids, rows = self._heads[dp.name]
         return DraftHead.build(bb, ids, rows, extra=prompt_ids)
 
+    def refusal(self, policy: str) -> AdaptiveError | None:
+        """Why this runtime cannot decode a request under ``policy``, known before its prompt is prefilled
+        (``None``: it can): the policy names a distilled drafter the profile does not hold, one trained for
+        another model, or the eagle head on an engine that keeps no hidden states. An unknown policy
+        raises :class:`ConfigError` (:func:`get_policy`). A two-engine runtime sends such a request to a
+        member that can decode it (:class:`~adaptive.runtime.engines.TwoEngineRuntime`)."""
+        kind = get_policy(policy).drafter
+        return self._distilled_refusal(kind) if kind in DISTILLED else None
+
+    def _decodable(self, policy: str) -> Policy:
+        """``policy``'s :class:`Policy`, or the error it would meet (:meth:`refusal`), raised before the prefill:
+        nothing is spent on a request that cannot be decoded."""
+        refused = self.refusal(policy)
+        if refused is not None:
+            raise refused
+        return get_policy(policy)
+
+    def _distilled_refusal(self, kind: str) -> AdaptiveError | None:
+        if kind not in self.profile.distilled:
+            try:
+                self.profile.distilled_drafter(kind)  # its error names the profile and the command to run
+            except ProfileError as exc:
+                return exc
+        rec = self.profile.distilled[kind]
+        if not rec.model.same_model(self._fingerprint):
+            return ProfileError(f"the distilled {kind} drafter was trained for another model ({rec.model.name!r}); "
+                                "distill it again for this one")
+        if kind == "eagle" and not self.features:
+            return ConfigError("the eagle head drafts from the target's hidden states, which the "
+                               f"{self.lm.backbone.engine} engine does not keep: use --engine torch")
+        return None
+
     def _distilled(self, kind: str):
         """``(DrafterSpec, DistilledRecord)`` of the profile's distilled drafter ``kind``; its exit block
         or draft backbone is built once (caller holds the state lock)."""
+        refused = self._distilled_refusal(kind)
+        if refused is not None:
+            raise refused
         rec, weights = self.profile.distilled_drafter(kind)
-        if not rec.model.same_model(self._fingerprint):
-            raise ProfileError(f"the distilled {kind} drafter was trained for another model ({rec.model.name!r}); "
-                               "distill it again for this one")
         bb = self.lm.backbone
-        if kind == "eagle" and not self.features:
-            raise ConfigError("the eagle head drafts from the target's hidden states, which the "
-                              f"{bb.engine} engine does not keep: use --engine torch")
         try:
             if kind == "eagle":
                 if self._eagle is None:
@@ -545,12 +574,13 @@ class AdaptiveRuntime:
         prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""
         return self.engine.backbone.max_positions - cache_positions(len(prompt_ids), 0, self.draft_len)
 
-    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+    def fits(self, prompt_tokens: int, max_new_tokens: int, policy: str | None = None) -> bool:
         """Whether a request of ``prompt_tokens`` and ``max_new_tokens`` can start now and decode to its
         end: when the model's context holds it (:meth:`room`) and, on an engine whose live caches share
         that context (llama.cpp's), the positions its cache is made for are free (else it would overflow
         the context mid-request: a server keeps it queued until running requests finish). Torch's caches
-        each hold their own positions."""
+        each hold their own positions. ``policy``: as a two-engine runtime's; one this runtime cannot
+        decode (:meth:`refusal`) does not keep a request waiting: it fails at once, saying why."""
         bb = self.engine.backbone
         need = cache_positions(prompt_tokens, max_new_tokens, self.draft_len)
         return need <= bb.max_positions and bb.room_for(need)
@@ -596,7 +626,7 @@ class AdaptiveRuntime:
         whose ``advance()`` prefills ``chunk`` more prompt tokens (``0``: all) under the model lock
         and, after the last, routes and plans the request (a :class:`RoutedDecoding`). A server
         steps its running requests between the chunks (:mod:`adaptive.serve.scheduler`)."""
-        pol = get_policy(policy)
+        pol = self._decodable(policy)
         cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
         with self._lock:
             task = self.engine.prefilling(list(prompt_ids), cfg, pool=self.profile.index.pooling, chunk=chunk,
@@ -754,7 +784,7 @@ class AdaptiveRuntime:
                    policy: str = ROUTED_POLICY, confidence_threshold: float | None = None,
                    engine_choice: dict | None = None) -> Iterator[str | RuntimeResult]:
         """:meth:`stream` of encoded prompt ``ids`` (``engine_choice``: recorded on the result)."""
-        pol = get_policy(policy)
+        pol = self._decodable(policy)
         cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
         return self._stream(list(ids), cfg, pol, engine_choice)
 

@@ -228,7 +228,7 @@ class Scheduler:
                     break
                 job = self._queue[0]
             if not job.cancelled.is_set() and not self.runtime.fits(len(job.admission.prompt_ids),
-                                                                    job.admission.max_tokens):
+                                                                    job.admission.max_tokens, job.request.policy):
                 blocked = True
                 break
             with self._cond:

@@ -128,3 +128,32 @@ def test_a_head_trained_on_a_busy_machine_is_said(monkeypatch):
             assert texts == ["other work used 45% of this machine's CPU while the eagle head's training and race was "
                              "timed: its timings read slow (and the engine choice and decisions they price with "
                              "them); time it again on an idle machine"]
+
+
+def test_distill_on_a_two_engine_profile_trains_into_its_torch_member(capsys, tiny_model_dir, tiny_profile, files,
+                                                                      tmp_path):
+    """`adaptive calibrate`'s default profile has two members; a drafter is trained through the torch engine's
+    layers and drafts there, so `distill` on the pair trains into that member (and says so); a pair without a
+    torch member is refused in one line."""
+    from adaptive.profile import EngineSet, write_engines
+
+    two = tmp_path / "two"
+    for member in ("llama.cpp", "torch"):  # the members' contents: distill reads the torch one alone
+        shutil.copytree(tiny_profile, two / member)
+    write_engines(two, EngineSet(("llama.cpp", "torch"), "llama.cpp"))
+    data = [x for f in files for x in ("--data", str(f))]
+    out, err = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(two), "--drafter", "eagle",
+                      "--layers", "1,2,4", "--steps", "2", "--new-tokens", "6", "--vocab", "32", "--batch-size", "2",
+                      "--dtype", "float32", "--no-race", "--quiet", *data)
+    assert f"training into its torch member, {two / 'torch'}" in err and str(two / "torch") in out
+    shown, _ = run_ok(capsys, "profile", "show", str(two / "torch"), "--json")
+    assert "eagle" in json.loads(shown)["distilled"]
+    shown, _ = run_ok(capsys, "profile", "show", str(two / "llama.cpp"), "--json")
+    assert "eagle" not in json.loads(shown).get("distilled", {})
+    code, _, err = run(capsys, "bench", "--data", str(files[0]), "--profile", str(two), "--methods", "ar,eagle",
+                       "--quiet")  # the pair loads its llama.cpp member, which has no head
+    assert code == 2 and "bench it with --engine torch" in err
+    write_engines(two, EngineSet(("llama.cpp", "vllm"), "llama.cpp"))
+    code, _, err = run(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(two), "--drafter", "eagle",
+                       "--steps", "2", "--dtype", "float32", "--quiet", *data)
+    assert code == 1 and "not on torch" in err.strip().splitlines()[-1]

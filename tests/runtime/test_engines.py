@@ -242,6 +242,59 @@ def test_a_request_goes_where_the_positions_it_needs_are_free(two):
     assert rt.room(ids) == max(m.room(ids) for m in rt.runtimes.values())
 
 
+def test_a_forced_policy_goes_to_the_member_that_can_decode_it(two, tmp_path):
+    """A two-engine profile whose torch member holds an eagle head (``adaptive calibrate --heads`` makes one):
+    a request forcing ``eagle`` runs on torch where llama.cpp is expected to finish first, and decodes as
+    plain decoding does there; the routed policy still chooses by time. With no head in any member, the
+    torch member's refusal (what to train, and where), raised before any prefill; fits() lets such a request
+    start, to fail at once rather than wait."""
+    import shutil
+
+    from adaptive.distill.heads import HeadConfig
+    from adaptive.distill.trainer import distill_head
+    from adaptive.engine.config import GenerationConfig
+    from adaptive.engine.engine import Engine
+    from tests.conftest import TINY_DOMAINS
+
+    out, lms = two
+    headed = tmp_path / "p"
+    shutil.copytree(out, headed)
+    distill_head(lms["torch"], headed / "torch", TINY_DOMAINS,
+                 HeadConfig(layers=(1, 2, 4), steps=3, new_tokens=12, vocab=32, batch=2, window=32, warmup=2),
+                 progress=False, race=False)
+    rt = _runtime((headed, lms))
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    short = "what is 2 plus 5? answer:"
+    assert rt.runtimes["llama.cpp"].refusal("eagle") is not None and rt.runtimes["torch"].refusal("eagle") is None
+    assert rt.decoders("eagle") == ["torch"] and rt.decoders("ar") == ["llama.cpp", "torch"]
+    assert rt.generate(short, max_new_tokens=16).engine == "llama.cpp"  # routed: the time decides
+    r = rt.generate(short, max_new_tokens=16, policy="eagle")
+    assert r.engine == "torch" and r.decision == "eagle"
+    assert [e["engine"] for e in r.engine_choice["estimates"]] == ["torch"]
+    assert r.engine_choice["unable"] == ["llama.cpp"] and "llama.cpp cannot decode eagle" in r.engine_choice["reason"]
+    plain = Engine(lms["torch"]).generate(rt.encode(short), GenerationConfig(max_new_tokens=16))
+    assert r.token_ids == plain.token_ids
+    ids = rt.encode(short)
+    run = rt.prefilling(ids, 16, policy="eagle").advance()  # the server's path
+    assert run.engine == "torch" and rt.fits(len(ids), 16, "eagle")
+
+    bare = _runtime(two)  # no head in either member
+    _set_costs(bare, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
+    with pytest.raises(ProfileError, match=r"torch has no distilled eagle drafter"):
+        bare.generate(short, max_new_tokens=16, policy="eagle")
+    prefilled = []
+    for member in bare.runtimes.values():  # refused before any prefill
+        member.engine.prefilling = lambda *a, **k: prefilled.append(a)
+    with pytest.raises(ProfileError, match="no distilled eagle"):
+        bare.prefilling(ids, 16, policy="eagle")
+    with pytest.raises(ProfileError, match="no distilled eagle"):
+        bare.runtimes["torch"].generate(short, max_new_tokens=16, policy="eagle")
+    assert prefilled == []
+    assert bare.fits(len(ids), 16, "eagle") and bare.decoders(None) == ["llama.cpp", "torch"]
+    with pytest.raises(ConfigError, match="unknown routing policy"):
+        bare.decoders("nope")
+
+
 def test_steps_take_turns_between_engines_and_the_load_moves_the_choice(two):
     from adaptive.engine.config import GenerationConfig
     from adaptive.engine.engine import Engine

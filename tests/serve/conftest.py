@@ -149,7 +149,7 @@ class ScriptedRuntime:
     def room(self, ids):
         return CONTEXT - len(ids) - 9
 
-    def fits(self, prompt_tokens, max_new_tokens):
+    def fits(self, prompt_tokens, max_new_tokens, policy=None):
         """Always, unless ``shared`` is set: then live requests share that many positions (llama.cpp's
         context), each holding its prompt's and new tokens' from its prefilling to its end."""
         if self.shared is None:
