@@ -23,7 +23,7 @@ from adaptive.cli.common import (
     quiet_option,
     weights_option,
 )
-from adaptive.profile import TRAINING_ENGINE, ProfileError, is_two_engine, load_profile, read_engines
+from adaptive.profile import TRAINING_ENGINE, ProfileError, is_two_engine, load_profile, training_member
 
 DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 
@@ -123,10 +123,16 @@ def _check_distilled(profile, profile_dir, method: str, engine: str) -> None:
     try:
         profile.distilled_drafter(kind)
     except ProfileError:
-        if engine == "auto" and is_two_engine(profile_dir) and TRAINING_ENGINE in read_engines(profile_dir).engines \
-                and kind in load_profile(profile_dir, TRAINING_ENGINE).distilled:
+        if engine == "auto" and is_two_engine(profile_dir) and kind in _training_distilled(profile_dir):
             raise click.UsageError(f"method {method} drafts with the {kind} drafter of this two-engine profile's "
                                    f"{TRAINING_ENGINE} member: bench it with --engine {TRAINING_ENGINE} (every "
                                    "method then runs on that engine)") from None
         raise
 
+
+def _training_distilled(profile_dir) -> dict:
+    """The distilled drafters of a two-engine profile's torch member (none where it has no such member)."""
+    try:
+        return load_profile(training_member(profile_dir)).distilled
+    except ProfileError:
+        return {}

@@ -112,15 +112,15 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
     if drafter == "skip":
         raise click.UsageError(f"adapters for the layer-skip drafter are not built: use --drafter {EARLY_EXIT} or a "
                                "draft model")
-    if is_two_engine(profile_dir):  # `adaptive calibrate`'s default: the drafter goes where it is trained and drafts
-        member = training_member(profile_dir)
-        info(f"{profile_dir} is a two-engine profile: training into its {TRAINING_ENGINE} member, {member}")
-        profile_dir = str(member)
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
     if drafter != EAGLE and (samples != HeadConfig.samples or temperature != HeadConfig.temperature
                              or head_width is not None):
         raise click.UsageError(f"--samples, --temperature and --head-width are for --drafter {EAGLE}")
+    if is_two_engine(profile_dir):  # `adaptive calibrate`'s default: the drafter goes where it is trained and drafts
+        member = training_member(profile_dir)
+        info(f"{profile_dir} is a two-engine profile: training into its {TRAINING_ENGINE} member, {member}")
+        profile_dir = str(member)
     if drafter == EAGLE:
         return _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers, vocab, head_width, unroll,
                               race, lr, batch_size, new_tokens, samples, temperature, prompts_per_domain, eval_every,

@@ -92,7 +92,7 @@ def training_member(path: str | Path) -> Path:
     """The profile directory a distilled drafter of ``path`` is trained into (distillation runs the torch
     engine's layers): ``path`` itself unless it is a two-engine profile, else its :data:`TRAINING_ENGINE`
     member (:class:`ProfileError` where it has none)."""
-    return member_dir(path, TRAINING_ENGINE) if is_two_engine(path) else Path(path)
+    return member_dir(path, TRAINING_ENGINE)
 
 
 def member_online_path(online_path: str | Path, engine: str) -> Path:

@@ -143,7 +143,8 @@ class EngineChoice:
     def to_dict(self) -> dict:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "domain": self.domain,
-                "expected_tokens": float(round(self.priced_tokens, 1)), "unable": list(self.unable),
+                "expected_tokens": float(round(self.priced_tokens, 1)), "policy": self.policy,
+                "unable": list(self.unable),
                 "estimates": [e.to_dict() for e in self.estimates]}
 
 
@@ -281,10 +282,17 @@ class TwoEngineRuntime:
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         return self.primary.encode(prompt, chat)
 
-    def room(self, prompt_ids: Sequence[int]) -> int:
-        """The most new tokens the prompt leaves room for on an engine (the choice keeps a request to
-        the engines whose context holds it)."""
-        return max(rt.room(prompt_ids) for rt in self.runtimes.values())
+    def room(self, prompt_ids: Sequence[int], policy: str | None = None) -> int:
+        """The most new tokens the prompt leaves room for on an engine that can decode ``policy``
+        (:meth:`decoders`; every engine where none can: the request then fails when it starts, saying
+        why) (the choice keeps a request to the engines whose context holds it)."""
+        return max(self.runtimes[name].room(prompt_ids) for name in self._decoders_or_all(policy))
+
+    def _decoders_or_all(self, policy: str | None) -> list[str]:
+        try:
+            return self.decoders(policy)
+        except AdaptiveError:
+            return list(self.runtimes)
 
     def _fitting(self, prompt_tokens: int, new_tokens: int, engines: Sequence[str] | None = None) -> list[str]:
         """The ``engines`` (``None``: every one) that can take such a request now: their context holds it

@@ -506,13 +506,21 @@ class AdaptiveRuntime:
         kind = get_policy(policy).drafter
         return self._distilled_refusal(kind) if kind in DISTILLED else None
 
+    def _refuses(self, policy: str) -> bool:
+        """Whether a request under ``policy`` would be refused (:meth:`refusal`; an unknown policy too)."""
+        try:
+            return self.refusal(policy) is not None
+        except AdaptiveError:
+            return True
+
     def _decodable(self, policy: str) -> Policy:
         """``policy``'s :class:`Policy`, or the error it would meet (:meth:`refusal`), raised before the prefill:
         nothing is spent on a request that cannot be decoded."""
-        refused = self.refusal(policy)
+        pol = get_policy(policy)
+        refused = self._distilled_refusal(pol.drafter) if pol.drafter in DISTILLED else None
         if refused is not None:
             raise refused
-        return get_policy(policy)
+        return pol
 
     def _distilled_refusal(self, kind: str) -> AdaptiveError | None:
         if kind not in self.profile.distilled:
@@ -569,9 +577,10 @@ class AdaptiveRuntime:
         backbone measured it to pay: torch)."""
         return bool(getattr(self.engine.backbone, "carry_chunks", False))
 
-    def room(self, prompt_ids: Sequence[int]) -> int:
+    def room(self, prompt_ids: Sequence[int], policy: str | None = None) -> int:
         """The most new tokens a request with this prompt can ask for (the model's context less the
-        prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long."""
+        prompt and the longest draft beyond the last token); 0 or less: the prompt alone is too long.
+        ``policy``: as a two-engine runtime's (one runtime's room is the same for every policy)."""
         return self.engine.backbone.max_positions - cache_positions(len(prompt_ids), 0, self.draft_len)
 
     def fits(self, prompt_tokens: int, max_new_tokens: int, policy: str | None = None) -> bool:
@@ -581,6 +590,8 @@ class AdaptiveRuntime:
         the context mid-request: a server keeps it queued until running requests finish). Torch's caches
         each hold their own positions. ``policy``: as a two-engine runtime's; one this runtime cannot
         decode (:meth:`refusal`) does not keep a request waiting: it fails at once, saying why."""
+        if policy is not None and self._refuses(policy):
+            return True
         bb = self.engine.backbone
         need = cache_positions(prompt_tokens, max_new_tokens, self.draft_len)
         return need <= bb.max_positions and bb.room_for(need)

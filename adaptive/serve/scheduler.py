@@ -146,7 +146,7 @@ class Scheduler:
         except Exception as exc:  # e.g. a chat template that refuses this sequence of roles
             raise RequestError(f"the {param} could not be encoded for this model ({type(exc).__name__}: {exc})",
                                param=param) from None
-        room = self.runtime.room(ids)
+        room = self.runtime.room(ids, req.policy)  # on a member that can decode its policy
         if room < 1:
             raise RequestError(f"the prompt is {len(ids)} tokens, which leaves no room in the model's context "
                                f"of {self.runtime.engine.backbone.max_positions}", param=param,

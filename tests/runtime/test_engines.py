@@ -277,6 +277,12 @@ def test_a_forced_policy_goes_to_the_member_that_can_decode_it(two, tmp_path):
     ids = rt.encode(short)
     run = rt.prefilling(ids, 16, policy="eagle").advance()  # the server's path
     assert run.engine == "torch" and rt.fits(len(ids), 16, "eagle")
+    torch_rt = rt.runtimes["torch"]
+    torch_rt.fits = lambda *a, **k: False  # the member that can decode it cannot take it now: it waits
+    torch_rt.room = lambda *a, **k: 3
+    assert not rt.fits(len(ids), 16, "eagle") and rt.fits(len(ids), 16) and rt.fits(len(ids), 16, "ar")
+    assert rt.room(ids, "eagle") == 3 and rt.room(ids) == rt.runtimes["llama.cpp"].room(ids) > 3
+    assert r.engine_choice["policy"] == "eagle"
 
     bare = _runtime(two)  # no head in either member
     _set_costs(bare, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
@@ -291,6 +297,8 @@ def test_a_forced_policy_goes_to_the_member_that_can_decode_it(two, tmp_path):
         bare.runtimes["torch"].generate(short, max_new_tokens=16, policy="eagle")
     assert prefilled == []
     assert bare.fits(len(ids), 16, "eagle") and bare.decoders(None) == ["llama.cpp", "torch"]
+    assert bare.room(ids, "eagle") == bare.room(ids)  # no member can: sized as any, then refused at its start
+    assert bare.runtimes["torch"].fits(len(ids), 16, "eagle")  # one runtime: refused at once, never waiting
     with pytest.raises(ConfigError, match="unknown routing policy"):
         bare.decoders("nope")
 

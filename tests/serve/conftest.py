@@ -138,6 +138,7 @@ class ScriptedRuntime:
         self.shared = None  # positions live requests share (fits), None: no shared limit
         self.held = 0  # of them, held by something other than the server's requests (an online measurement)
         self.prefills = []
+        self.policies = []  # ("room" or "fits", the policy it was asked for)
 
     def encode(self, prompt, chat=None):
         self.encoded.append(chat)
@@ -146,12 +147,14 @@ class ScriptedRuntime:
         text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
         return list(range(len(text)))
 
-    def room(self, ids):
+    def room(self, ids, policy=None):
+        self.policies.append(("room", policy))
         return CONTEXT - len(ids) - 9
 
     def fits(self, prompt_tokens, max_new_tokens, policy=None):
         """Always, unless ``shared`` is set: then live requests share that many positions (llama.cpp's
         context), each holding its prompt's and new tokens' from its prefilling to its end."""
+        self.policies.append(("fits", policy))
         if self.shared is None:
             return True
         used = self.held + sum(p.need for p in self.prefills if p.live)

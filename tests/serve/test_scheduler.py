@@ -121,6 +121,19 @@ def test_deltas_then_the_result_and_metrics(loop):
         s.close()
 
 
+def test_a_request_is_sized_and_queued_for_its_own_policy(loop):
+    """The room and the fit asked for a request are its policy's (a two-engine runtime answers them for
+    the members that can decode it: a forced eagle on the member holding the head)."""
+    rt = ScriptedRuntime()
+    s = Scheduler(rt)
+    try:
+        _, events = run_job(s, chat(max_tokens=5, speculation="eagle"), loop)
+        assert events[-1].kind == "done"
+        assert set(rt.policies) == {("room", "eagle"), ("fits", "eagle")} and rt.calls[0]["policy"] == "eagle"
+    finally:
+        s.close()
+
+
 def test_a_completion_is_encoded_as_raw_text(loop):
     rt = ScriptedRuntime()
     s = Scheduler(rt)
