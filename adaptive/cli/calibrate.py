@@ -242,15 +242,20 @@ def profile_show(directory, online_path, member, as_json):
                   **merged.summary(), "replica": None,
                   "replicas": {r: ov.summary() for r, ov in sorted(everyone.items())}}
     heads = refined_heads(replica_dir(ov_path), digest)  # eagle heads refined on the traffic
+    # each member's distilled drafters (a head trained by `calibrate --heads` is in the torch member's)
+    shown = (member or members.default) if members is not None else None
+    distilled = {e: sorted((p if e == shown else load_profile(directory, e)).distilled)
+                 for e in members.engines} if members is not None else None
     if as_json:
         echo_json({"profile": str(p.path), **profile_json(p), "online": online, "refined_heads": heads,
-                   **({"engines": members.to_dict()} if members is not None else {})})
+                   **({"engines": {**members.to_dict(), "distilled": distilled}} if members is not None else {})})
         return
     m, c, s = p.model, p.cost_model, p.calibration
     if members is not None:
-        others = [e for e in members.engines if e != m.engine]
+        others = [e for e in members.engines if e != shown]
+        held = "".join(f"; its {e} member holds distilled {', '.join(distilled[e])}" for e in others if distilled[e])
         click.echo(f"two-engine profile {directory}: {', '.join(members.engines)} (default {members.default}); "
-                   f"showing {m.engine} (--engine {others[0]} for the other)")
+                   f"showing {shown} (--engine {others[0]} for the other){held}")
     click.echo(f"profile {p.path} (schema {SCHEMA_VERSION}, adaptive {p.version}, created {p.created})")
     click.echo(f"model   {m.name} ({m.model_type}, {m.n_layers} layers, {m.engine} engine, {m.dtype or 'GGUF'}, "
                f"{m.weights} weights; "

@@ -150,6 +150,10 @@ def test_distill_on_a_two_engine_profile_trains_into_its_torch_member(capsys, ti
     assert "eagle" in json.loads(shown)["distilled"]
     shown, _ = run_ok(capsys, "profile", "show", str(two / "llama.cpp"), "--json")
     assert "eagle" not in json.loads(shown).get("distilled", {})
+    text, _ = run_ok(capsys, "profile", "show", str(two))  # the pair shows its default member, and where the head is
+    assert "showing llama.cpp (--engine torch for the other); its torch member holds distilled eagle" in text
+    shown, _ = run_ok(capsys, "profile", "show", str(two), "--json")
+    assert json.loads(shown)["engines"]["distilled"] == {"llama.cpp": [], "torch": ["eagle"]}
     code, _, err = run(capsys, "bench", "--data", str(files[0]), "--profile", str(two), "--methods", "ar,eagle",
                        "--quiet")  # the pair loads its llama.cpp member, which has no head
     assert code == 2 and "bench it with --engine torch" in err
