@@ -42,10 +42,9 @@ from adaptive.profile.store import (
                                       save_profile,
 )
 
-__all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "ENGINES_FILE", "FORMAT", "GLOBAL", "SCHEMA_VERSION", "TRAINING_ENGINE",
-           "VOCAB",
-           "Decision", "DistilledRecord", "DomainRecord", "EngineSet", "Interval", "MeasureSettings", "Measurement",
-           "ModelFingerprint", "Prior", "Priors", "Profile", "ProfileError", "RuntimeSettings", "SkipSearch",
-           "StatisticalAcceptance", "VocabChoice", "check_writable", "is_two_engine", "load_profile", "member_dir",
-           "member_online_path", "profile_json", "read_engines", "save_profile", "training_member",
-           "write_engines"]
+__all__ = ["BIGRAMS", "DECISIONS", "DISTILLED", "ENGINES_FILE", "FORMAT", "GLOBAL", "SCHEMA_VERSION",
+           "TRAINING_ENGINE", "VOCAB", "Decision", "DistilledRecord", "DomainRecord", "EngineSet", "Interval",
+           "MeasureSettings", "Measurement", "ModelFingerprint", "Prior", "Priors", "Profile", "ProfileError",
+           "RuntimeSettings", "SkipSearch", "StatisticalAcceptance", "VocabChoice", "check_writable", "is_two_engine",
+           "load_profile", "member_dir", "member_online_path", "profile_json", "read_engines", "save_profile",
+           "training_member", "write_engines"]

@@ -286,13 +286,14 @@ class TwoEngineRuntime:
         """The most new tokens the prompt leaves room for on an engine that can decode ``policy``
         (:meth:`decoders`; every engine where none can: the request then fails when it starts, saying
         why) (the choice keeps a request to the engines whose context holds it)."""
-        return max(self.runtimes[name].room(prompt_ids) for name in self._decoders_or_all(policy))
+        return max(self.runtimes[name].room(prompt_ids) for name in self._able(policy) or self.runtimes)
 
-    def _decoders_or_all(self, policy: str | None) -> list[str]:
+    def _able(self, policy: str | None) -> list[str]:
+        """:meth:`decoders`, or none where no member can decode ``policy``."""
         try:
             return self.decoders(policy)
         except AdaptiveError:
-            return list(self.runtimes)
+            return []
 
     def _fitting(self, prompt_tokens: int, new_tokens: int, engines: Sequence[str] | None = None) -> list[str]:
         """The ``engines`` (``None``: every one) that can take such a request now: their context holds it
@@ -318,11 +319,8 @@ class TwoEngineRuntime:
         """Whether some engine that can decode ``policy`` (:meth:`decoders`) can take the request now (a
         server keeps it queued until one can); ``True`` where none can decode it: it then fails at once,
         saying why, rather than wait."""
-        try:
-            engines = self.decoders(policy)
-        except AdaptiveError:
-            return True
-        return bool(self._fitting(prompt_tokens, max_new_tokens, engines))
+        able = self._able(policy)
+        return not able or bool(self._fitting(prompt_tokens, max_new_tokens, able))
 
     def route(self, prompt) -> RouteDecision:
         return self.primary.route(prompt)

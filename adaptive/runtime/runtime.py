@@ -516,19 +516,16 @@ class AdaptiveRuntime:
     def _decodable(self, policy: str) -> Policy:
         """``policy``'s :class:`Policy`, or the error it would meet (:meth:`refusal`), raised before the prefill:
         nothing is spent on a request that cannot be decoded."""
-        pol = get_policy(policy)
-        refused = self._distilled_refusal(pol.drafter) if pol.drafter in DISTILLED else None
+        refused = self.refusal(policy)
         if refused is not None:
             raise refused
-        return pol
+        return get_policy(policy)
 
     def _distilled_refusal(self, kind: str) -> AdaptiveError | None:
-        if kind not in self.profile.distilled:
-            try:
-                self.profile.distilled_drafter(kind)  # its error names the profile and the command to run
-            except ProfileError as exc:
-                return exc
-        rec = self.profile.distilled[kind]
+        try:
+            rec, _ = self.profile.distilled_drafter(kind)
+        except ProfileError as exc:  # it names the profile and the command to run
+            return exc
         if not rec.model.same_model(self._fingerprint):
             return ProfileError(f"the distilled {kind} drafter was trained for another model ({rec.model.name!r}); "
                                 "distill it again for this one")
