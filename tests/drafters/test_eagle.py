@@ -11,6 +11,7 @@ from adaptive.drafters.eagle import (
     HeadCache,
     HeadShape,
     NgramIndex,
+    default_layers,
     lookup_tokens,
 )
 from adaptive.engine.backbone import Segment
@@ -32,6 +33,10 @@ def test_lookup_tokens_worked_example():
     assert index.lookup([5, 7, 9, 5, 7], 3) == 9
     with pytest.raises(ValueError):
         NgramIndex(0)
+
+
+def test_default_layers_are_the_middle_and_the_top():
+    assert default_layers(30) == (15, 30) and default_layers(28) == (14, 28) and default_layers(1) == (1,)
 
 
 def test_head_shape_is_validated():
