@@ -43,6 +43,10 @@ llama.cpp prefills 128 tokens in 0.38 s and 512 in 1.63 s and decodes at 9.0 ms 
 engine 0.13 s and 0.53 s, at 25 ms a token. A 100-token prompt and 64 new tokens: llama.cpp
 0.30 + 0.58 = 0.88 s, torch 0.10 + 1.60 = 1.70 s: llama.cpp. A 700-token prompt: llama.cpp
 2.28 + 0.58 = 2.86 s, torch 0.77 + 1.60 = 2.37 s: torch.
+
+Why it runs past 600 lines: its one concern is choosing an engine for each request and keeping that
+choice true while both engines run: the choice's arithmetic, which members can decode a request's
+policy, the admission of requests, the engines' turns, and what their traffic teaches the choice.
 """
 
 from __future__ import annotations
