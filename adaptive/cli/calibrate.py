@@ -186,7 +186,7 @@ def _train_head(path, model_spec: str, domains: dict[str, list[str]], cfg: HeadC
     lm = load(spec, device, dt, "dense", engine="torch")
     info(f"training an eagle head into {path} ({cfg.minutes:g} minutes after its data) ...")
     r = train_head_watched(lm, path, domains, cfg, progress=not quiet, log=info)
-    info(f"eagle head: held-out first draft kept {r.record.acceptance:.3f}, tau {r.record.tau:.2f} "
+    info(f"eagle head: held-out first draft kept {r.record.kept_text()}, tau {r.record.tau:.2f} "
          f"({r.record.seconds:.0f} s in all)")
     return load_profile(path)
 
@@ -288,7 +288,7 @@ def profile_show(directory, online_path, member, as_json):
             kept = " / ".join(f"{x:.3f}" for x in d.positions)
             click.echo(f"\ndistilled eagle (features after layers {','.join(map(str, d.shape['layers']))}; "
                        f"{d.vocab} rows, {d.train_seconds / 60:.1f} min of training): held-out first draft kept "
-                       f"{b['greedy']:.3f} -> {a['greedy']:.3f}, drafts 1..s kept {kept} (tau {d.tau:.2f}), "
+                       f"{b['greedy']:.3f} -> {d.kept_text()}, drafts 1..s kept {kept} (tau {d.tau:.2f}), "
                        f"draft cost {d.draft_cost:.3f} of a step")
             continue
         what = f"exit after layer {d.exit_layer}" if d.exit_layer is not None else f"model {d.name}"

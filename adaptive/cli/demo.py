@@ -315,7 +315,7 @@ def head_demo(path: Path, model_spec: str, device: str, cfg: HeadConfig, domains
     audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
               for m in ("eagle", "routed")}
     return {"profile": str(path), "trained_now": trained, "minutes": rec.train_seconds / 60,
-            "acceptance": rec.acceptance, "tau": rec.tau, "draft_cost": rec.draft_cost,
+            "acceptance": rec.acceptance, "interval": list(rec.interval), "tau": rec.tau, "draft_cost": rec.draft_cost,
             "decisions": _decisions(profile), "before": before,
             "routed_decision": results["routed"].decision,
             "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
@@ -338,7 +338,8 @@ def head_text(h: dict) -> str:
     eagle = sorted(n for n, d in h["decisions"].items() if d == "eagle")
     lines = [f"an eagle head on the torch engine ({h['minutes']:.1f} min of training"
              + (", this run" if h["trained_now"] else ", kept in the profile") + f"): held-out first draft kept "
-             f"{h['acceptance']:.2f}, tau {h['tau']:.2f} (3 drafts), a draft {h['draft_cost']:.3f} of a step",
+             f"{h['acceptance']:.2f}" + (" [{:.2f}, {:.2f}]".format(*h["interval"]) if h.get("interval") else "")
+             + f", tau {h['tau']:.2f} (3 drafts), a draft {h['draft_cost']:.3f} of a step",
              "  raced in each domain: " + ("; ".join(changed) if changed else
                                           "decisions unchanged" if h["before"] is not None else "(raced before)")
              + "; decoding with it: " + (", ".join(eagle) if eagle else "none"),

@@ -183,11 +183,14 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
     rec = r.record
     click.echo(f"eagle head ({len(rec.positions)} draft positions, {rec.train_seconds:.0f} s of training, "
                f"{rec.seconds:.0f} s in all; {rec.vocab} rows covering {rec.coverage:.1%} of held-out answer tokens)")
-    click.echo(f"  held-out first draft kept  {rec.before['greedy']:.3f} -> {rec.acceptance:.3f}")
+    click.echo(f"  held-out first draft kept  {rec.before['greedy']:.3f} -> {rec.kept_text()} "
+               f"(90% interval over {rec.eval_prompts} held-out answers)")
     click.echo("  drafts 1..s all kept       " + "  ".join(f"s={i + 1}: {a:.3f}" for i, a in enumerate(rec.positions))
                + f"  (tau {rec.tau:.2f})")
     for name, acc in sorted(rec.by_domain.items()):
-        click.echo(f"    {name:<20} " + "  ".join(f"{a:.3f}" for a in acc))
+        iv = rec.domain_intervals.get(name, ())
+        click.echo(f"    {name:<20} " + "  ".join(f"{a:.3f}" for a in acc)
+                   + (f"  (first draft [{iv[0]:.3f}, {iv[1]:.3f}])" if len(iv) == 2 else ""))
     click.echo(f"  draft cost per token: {rec.draft_cost:.3f} of a full step")
     curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
     click.echo(f"stored in {d['profile']}{curves}")

@@ -39,6 +39,7 @@ from adaptive.drafters.head import rank_tokens
 from adaptive.engine.backbone import Segment
 from adaptive.engine.sampling import warp_probs
 from adaptive.errors import ConfigError
+from adaptive.measure.interval import bootstrap_share
 
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5)  # the loss weight of unrolled step s (later steps matter less: fewer reach them)
 SAMPLE_TEMPERATURE = 0.7  # sampled continuations' temperature (``samples`` > 1)
@@ -375,9 +376,13 @@ class HeadTrainer:
     def evaluate(self, data: HeadData, steps: int = 3) -> dict:
         """Held-out acceptance per draft position: ``positions[s-1]``, the share of answer rows whose first
         ``s`` drafts all equal the target's greedy tokens, over the mix and ``by_domain``; ``tau``: the
-        tokens per verification a chain of ``steps`` drafts would give (1 + their sum)."""
+        tokens per verification a chain of ``steps`` drafts would give (1 + their sum); ``interval`` and
+        ``domain_intervals``: the first draft's 90% bootstrap interval over the held-out sequences
+        (:func:`~adaptive.measure.interval.bootstrap_share`: one prompt's answer keeps far more than
+        another's, so a few dozen answers read the mix to a few hundredths)."""
         self.head.eval()
         hits = defaultdict(lambda: [[0, 0] for _ in range(steps)])  # per draft position: [accepted, drafted]
+        firsts = defaultdict(list)  # per domain: each sequence's (first drafts kept, first drafts made)
         for s in range(len(data)):
             width = int(data.ids[s].numel()) - 2
             batch = data.window([s], width, None, self.bb.device)
@@ -398,14 +403,24 @@ class HeadTrainer:
                 for key in (data.domains[s], "all"):
                     hits[key][k][0] += int((chain & drafted).sum())
                     hits[key][k][1] += int(drafted.sum())
+                if k == 0:
+                    firsts[data.domains[s]].append((int((chain & drafted).sum()), int(drafted.sum())))
         self.head.train()
 
         def rates(c):
             return [round(a / n, 4) if n else 0.0 for a, n in c]
 
+        def interval(pairs):
+            if not any(made for _, made in pairs):
+                return []
+            iv = bootstrap_share(*zip(*pairs), seed=self.cfg.seed)[1]
+            return [iv.low, iv.high]
+
         positions = rates(hits["all"])
         return {"positions": positions, "tau": round(1 + sum(positions), 4), "rows": hits["all"][0][1],
-                "by_domain": {d: rates(c) for d, c in sorted(hits.items()) if d != "all"}}
+                "by_domain": {d: rates(c) for d, c in sorted(hits.items()) if d != "all"},
+                "interval": interval([p for d in firsts.values() for p in d]),
+                "domain_intervals": {d: interval(pairs) for d, pairs in sorted(firsts.items())}}
 
     def state(self) -> dict:
         return {"head": self.head.state(), "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),

@@ -525,7 +525,8 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
         record = DistilledRecord(
             kind=kind, model=lm.fingerprint(), acceptance=after["greedy"], draft_cost=measure_head_cost(bb, head),
             shape=shape.to_dict(), positions=tuple(after["positions"]), tau=after["tau"],
-            by_domain={d: list(v) for d, v in after["by_domain"].items()}, vocab=int(len(vocab_ids)),
+            by_domain={d: list(v) for d, v in after["by_domain"].items()}, interval=tuple(after["interval"]),
+            domain_intervals=dict(after["domain_intervals"]), vocab=int(len(vocab_ids)),
             coverage=coverage, config=cfg.to_dict(), before={"greedy": evals[0]["greedy"], "tau": evals[0]["tau"]},
             after={"greedy": after["greedy"], "tau": after["tau"]}, train_positions=train.rows,
             eval_positions=held.rows, train_prompts=len(train_p), eval_prompts=len(eval_p),

@@ -38,6 +38,7 @@ def test_the_demo_trains_a_head_once_and_decodes_with_it_as_plain_decoding_does(
     assert h["audit"]["violation"] == 0 and all(a["identical"] for a in h["audits"].values())  # fp32
     text = demo.head_text(h)
     assert "an eagle head on the torch engine" in text and "this run" in text and "identical to ar" in text
+    assert "held-out first draft kept {:.2f} [{:.2f}, {:.2f}], tau".format(h["acceptance"], *h["interval"]) in text
     again = demo.head_demo(prof, str(tiny_model_dir), "cpu", cfg, TINY_DOMAINS, prompt, 8, 1, quiet=True)
     assert not again["trained_now"] and again["acceptance"] == h["acceptance"]  # kept in the profile
     assert "kept in the profile" in demo.head_text(again)

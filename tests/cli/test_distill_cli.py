@@ -1,6 +1,7 @@
 """``adaptive distill`` end to end on the tiny model, then the trained drafter through generate and bench."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -79,8 +80,11 @@ def test_distill_an_eagle_head_then_generate_show_and_bench(capsys, tiny_model_d
     assert obj["kind"] == "eagle" and obj["shape"]["layers"] == [1, 2, 4] and obj["vocab"] == 32
     assert obj["shape"]["intermediate"] == 24  # a head narrower than the target's MLP, decoded below
     assert len(obj["positions"]) == 3 and obj["domains"] == ["chat", "code", "math"]
+    low, high = obj["interval"]  # the first draft's interval over the held-out answers
+    assert low <= obj["acceptance"] <= high and set(obj["domain_intervals"]) == set(obj["by_domain"])
     text, _ = run_ok(capsys, "profile", "show", str(prof))
     assert "distilled eagle (features after layers 1,2,4; 32 rows" in text
+    assert f"-> {obj['acceptance']:.3f} [{low:.3f}, {high:.3f}], drafts 1..s kept" in text
     gen = ["generate", "what is 2 plus 5? answer:", "--model", str(tiny_model_dir), "--profile", str(prof),
            "--max-new-tokens", "12", "--dtype", "float32", "--json"]
     eagle, _ = run_ok(capsys, *gen, "--policy", "eagle")
@@ -146,6 +150,8 @@ def test_distill_on_a_two_engine_profile_trains_into_its_torch_member(capsys, ti
                       "--layers", "1,2,4", "--steps", "2", "--new-tokens", "6", "--vocab", "32", "--batch-size", "2",
                       "--dtype", "float32", "--no-race", "--quiet", *data)
     assert f"training into its torch member, {two / 'torch'}" in err and str(two / "torch") in out
+    assert re.search(r"held-out first draft kept  [0-9.]+ -> [0-9.]+ \[[0-9.]+, [0-9.]+\] \(90% interval over \d+ "
+                     r"held-out answers\)", out), out
     shown, _ = run_ok(capsys, "profile", "show", str(two / "torch"), "--json")
     assert "eagle" in json.loads(shown)["distilled"]
     shown, _ = run_ok(capsys, "profile", "show", str(two / "llama.cpp"), "--json")

@@ -27,6 +27,7 @@ from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, HeadShape
 from adaptive.drafters.eagle_static import warm_head
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
+from adaptive.measure.interval import bootstrap_share
 from adaptive.profile import Decision, load_profile, save_profile
 from adaptive.runtime import AdaptiveRuntime
 from adaptive.runtime.runtime import beta_prior
@@ -108,6 +109,30 @@ def test_a_sequence_drafts_over_the_head_rows_and_its_prompt_tokens(lm):
     assert run.evaluate(text)["positions"][0] == 0.0  # none of 5, 6, 7, 9 among them
 
 
+def test_the_first_drafts_interval_resamples_the_held_out_sequences(lm):
+    # a head that always drafts the lookup token keeps every draft of an answer that repeats its prompt and
+    # almost none of one that does not: the mix's interval is the bootstrap over the sequences' own counts
+    bb = lm.backbone
+    cfg = HeadConfig(**FAST)
+    run = HeadTrainer(bb, head_shape(bb, cfg), torch.tensor([1, 2, 3]), cfg)
+    with torch.no_grad():
+        run.head.bonus.bias.fill_(1e4)
+    texts = [([5, 6, 7, 9] * 3, "a"), ([5, 6, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37], "a"), ([6, 7, 9, 5] * 3, "b")]
+    alone = []
+    for ids, domain in texts:
+        one = run.evaluate(HeadData.build([(ids, torch.randn(12, 3, bb.hidden_size))], [4], [domain], 2))
+        alone.append((round(one["positions"][0] * one["rows"]), one["rows"]))
+    assert alone[0] == alone[2] == (7, 7) and alone[1][1] == 7 and alone[1][0] <= 1  # copies kept; new tokens not
+    torch.manual_seed(0)
+    data = HeadData.build([(ids, torch.randn(12, 3, bb.hidden_size)) for ids, _ in texts], [4, 4, 4],
+                          [d for _, d in texts], 2)
+    ev = run.evaluate(data)
+    iv = bootstrap_share(*zip(*alone), seed=cfg.seed)[1]
+    assert ev["interval"] == [iv.low, iv.high] and iv.low < ev["positions"][0] < iv.high
+    a = bootstrap_share(*zip(*alone[:2]), seed=cfg.seed)[1]
+    assert ev["domain_intervals"] == {"a": [a.low, a.high], "b": [1.0, 1.0]}
+
+
 def test_training_raises_acceptance_and_stores_the_head(lm, prof):
     # The tiny model's text is random characters: what comes two tokens on cannot be learnt from a few
     # hundred positions of it, so here the held-out prompts repeat the training ones and the check is
@@ -126,6 +151,9 @@ def test_training_raises_acceptance_and_stores_the_head(lm, prof):
     assert not (prof.parent / "prof.distill-eagle.work").exists()
     again = load_profile(prof)
     assert again.distilled["eagle"].acceptance == rec.acceptance
+    low, high = rec.interval  # the first draft's interval over the held-out sequences, kept in the profile
+    assert low <= rec.acceptance <= high and again.distilled["eagle"].interval == rec.interval
+    assert set(rec.domain_intervals) == set(rec.by_domain) and again.distilled["eagle"].kept_text().endswith("]")
     head = EagleHead.from_state(HeadShape.from_dict(rec.shape), again.distilled_weights["eagle"])
     assert len(head.ids) == rec.vocab == 32
 

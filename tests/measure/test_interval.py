@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptive.measure.interval import FASTER, NOT_FASTER, OPEN, Race, bootstrap_speedup, verdict
+from adaptive.measure.interval import FASTER, NOT_FASTER, OPEN, Race, bootstrap_share, bootstrap_speedup, verdict
 from adaptive.profile import Interval
 
 
@@ -122,3 +122,34 @@ def test_a_race_settles_only_on_enough_prompts():
     assert verdict(bootstrap_speedup([1.0] * 8, [1.05] * 4 + [0.7] * 4)[1], 0.02) == FASTER
     with pytest.raises(ValueError, match="min_prompts"):
         Race(["c"], margin=0.0, min_prompts=0)
+
+
+def test_share_docstring_example():
+    point, iv = bootstrap_share([30, 50, 20], [60, 60, 60])
+    assert point == pytest.approx(100 / 180)
+    assert (iv.low, iv.high) == (pytest.approx(0.3889), pytest.approx(0.7222)) and iv.blocks == 3 and iv.level == 0.9
+    assert 60 / 180 <= iv.low < point < iv.high <= 150 / 180  # within the extremes a resample can reach
+
+
+def test_share_resamples_sequences_not_drafts():
+    # the same 180 drafts in one sequence have nothing to resample; spread over sequences that differ, a wide interval
+    point, one = bootstrap_share([100], [180])
+    assert point == pytest.approx(100 / 180) and one.low == one.high == pytest.approx(0.5556) and one.blocks == 1
+    _, alike = bootstrap_share([10] * 18, [18] * 18)
+    _, unlike = bootstrap_share([18, 2] * 9, [18] * 18)
+    assert alike.low == alike.high == pytest.approx(10 / 18, abs=1e-4)
+    assert unlike.high - unlike.low > 0.2 and unlike.low < 10 / 18 < unlike.high
+    assert bootstrap_share([3, 0, 5], [4, 0, 9], seed=1) == bootstrap_share([3, 5], [4, 9], seed=1)
+
+
+def test_share_refuses_impossible_counts():
+    with pytest.raises(ValueError, match="as many"):
+        bootstrap_share([1, 2], [3])
+    with pytest.raises(ValueError, match="between 0"):
+        bootstrap_share([4], [3])
+    with pytest.raises(ValueError, match="between 0"):
+        bootstrap_share([-1], [3])
+    with pytest.raises(ValueError, match="no unit"):
+        bootstrap_share([0], [0])
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_share([1], [2], level=0.3)
