@@ -400,11 +400,12 @@ class HeadTrainer:
                 kept = torch.zeros_like(rows)
                 kept[: width - k] = right[k][k:]
                 chain = chain & kept
+                counts = int((chain & drafted).sum()), int(drafted.sum())
                 for key in (data.domains[s], "all"):
-                    hits[key][k][0] += int((chain & drafted).sum())
-                    hits[key][k][1] += int(drafted.sum())
+                    hits[key][k][0] += counts[0]
+                    hits[key][k][1] += counts[1]
                 if k == 0:
-                    firsts[data.domains[s]].append((int((chain & drafted).sum()), int(drafted.sum())))
+                    firsts[data.domains[s]].append(counts)
         self.head.train()
 
         def rates(c):

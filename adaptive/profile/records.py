@@ -388,12 +388,11 @@ class DistilledRecord:
         if self.interval and (len(self.interval) != 2 or not self.interval[0] <= self.interval[1]):
             raise ValueError(f"an interval is (low, high) with low <= high, got {self.interval}")
 
-    def kept_text(self, domain: str | None = None) -> str:
-        """The held-out first draft kept, over the mix or in ``domain``, with its interval where recorded:
+    def kept_text(self) -> str:
+        """The held-out first draft kept over the mix, with its interval where recorded:
         ``0.481 [0.452, 0.509]``, or ``0.481``."""
-        point = self.acceptance if domain is None else self.by_domain[domain][0]
-        iv = self.interval if domain is None else self.domain_intervals.get(domain, ())
-        return f"{point:.3f}" + (f" [{iv[0]:.3f}, {iv[1]:.3f}]" if len(iv) == 2 else "")
+        iv = self.interval
+        return f"{self.acceptance:.3f}" + (f" [{iv[0]:.3f}, {iv[1]:.3f}]" if len(iv) == 2 else "")
 
 
 @dataclass

@@ -153,7 +153,11 @@ def test_training_raises_acceptance_and_stores_the_head(lm, prof):
     assert again.distilled["eagle"].acceptance == rec.acceptance
     low, high = rec.interval  # the first draft's interval over the held-out sequences, kept in the profile
     assert low <= rec.acceptance <= high and again.distilled["eagle"].interval == rec.interval
-    assert set(rec.domain_intervals) == set(rec.by_domain) and again.distilled["eagle"].kept_text().endswith("]")
+    assert set(rec.domain_intervals) == set(rec.by_domain)
+    assert again.distilled["eagle"].kept_text() == f"{rec.acceptance:.3f} [{low:.3f}, {high:.3f}]"
+    assert replace(rec, interval=()).kept_text() == f"{rec.acceptance:.3f}"  # a profile distilled before intervals
+    with pytest.raises(ValueError, match="low <= high"):
+        replace(rec, interval=(high + 0.1, high))
     head = EagleHead.from_state(HeadShape.from_dict(rec.shape), again.distilled_weights["eagle"])
     assert len(head.ids) == rec.vocab == 32
 
