@@ -315,7 +315,8 @@ def head_demo(path: Path, model_spec: str, device: str, cfg: HeadConfig, domains
     audits = {m: audit_divergence(lm.backbone, ids, results["ar"].token_ids, results[m].token_ids)
               for m in ("eagle", "routed")}
     return {"profile": str(path), "trained_now": trained, "minutes": rec.train_seconds / 60,
-            "acceptance": rec.acceptance, "interval": list(rec.interval), "tau": rec.tau, "draft_cost": rec.draft_cost,
+            "acceptance": rec.acceptance, "interval": [rec.interval.low, rec.interval.high] if rec.interval else [],
+            "tau": rec.tau, "draft_cost": rec.draft_cost,
             "decisions": _decisions(profile), "before": before,
             "routed_decision": results["routed"].decision,
             "tokens_per_s": {m: round(v, 2) for m, v in med.items()},

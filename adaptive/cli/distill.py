@@ -188,9 +188,9 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
     click.echo("  drafts 1..s all kept       " + "  ".join(f"s={i + 1}: {a:.3f}" for i, a in enumerate(rec.positions))
                + f"  (tau {rec.tau:.2f})")
     for name, acc in sorted(rec.by_domain.items()):
-        iv = rec.domain_intervals.get(name, ())
+        iv = rec.domain_intervals.get(name)
         click.echo(f"    {name:<20} " + "  ".join(f"{a:.3f}" for a in acc)
-                   + (f"  (first draft [{iv[0]:.3f}, {iv[1]:.3f}])" if len(iv) == 2 else ""))
+                   + (f"  (first draft [{iv.low:.3f}, {iv.high:.3f}])" if iv is not None else ""))
     click.echo(f"  draft cost per token: {rec.draft_cost:.3f} of a full step")
     curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
     click.echo(f"stored in {d['profile']}{curves}")

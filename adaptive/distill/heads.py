@@ -377,7 +377,8 @@ class HeadTrainer:
         """Held-out acceptance per draft position: ``positions[s-1]``, the share of answer rows whose first
         ``s`` drafts all equal the target's greedy tokens, over the mix and ``by_domain``; ``tau``: the
         tokens per verification a chain of ``steps`` drafts would give (1 + their sum); ``interval`` and
-        ``domain_intervals``: the first draft's 90% bootstrap interval over the held-out sequences
+        ``domain_intervals``: the first draft's 90% bootstrap interval over the held-out sequences, as
+        :meth:`~adaptive.profile.Interval.to_dict` writes it (``None`` where nothing was drafted)
         (:func:`~adaptive.measure.interval.bootstrap_share`: one prompt's answer keeps far more than
         another's, so a few dozen answers read the mix to a few hundredths)."""
         self.head.eval()
@@ -413,9 +414,8 @@ class HeadTrainer:
 
         def interval(pairs):
             if not any(made for _, made in pairs):
-                return []
-            iv = bootstrap_share(*zip(*pairs), seed=self.cfg.seed)[1]
-            return [iv.low, iv.high]
+                return None
+            return bootstrap_share(*zip(*pairs), seed=self.cfg.seed)[1].to_dict()
 
         positions = rates(hits["all"])
         return {"positions": positions, "tau": round(1 + sum(positions), 4), "rows": hits["all"][0][1],

@@ -53,7 +53,7 @@ from adaptive.limits import check_room
 from adaptive.measure.decision import ROLES, decide
 from adaptive.measure.race import race_domain
 from adaptive.measure.timing import Candidate
-from adaptive.profile import DistilledRecord, load_profile, save_profile
+from adaptive.profile import DistilledRecord, Interval, load_profile, save_profile
 from adaptive.progress import progress_bar
 from adaptive.workdir import CHECKPOINT_FORMAT, WorkDir, atomic_write, checkpointed
 
@@ -525,8 +525,10 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
         record = DistilledRecord(
             kind=kind, model=lm.fingerprint(), acceptance=after["greedy"], draft_cost=measure_head_cost(bb, head),
             shape=shape.to_dict(), positions=tuple(after["positions"]), tau=after["tau"],
-            by_domain={d: list(v) for d, v in after["by_domain"].items()}, interval=tuple(after["interval"]),
-            domain_intervals=dict(after["domain_intervals"]), vocab=int(len(vocab_ids)),
+            by_domain={d: list(v) for d, v in after["by_domain"].items()},
+            interval=Interval.from_dict(after["interval"]) if after["interval"] else None,
+            domain_intervals={d: Interval.from_dict(v) for d, v in after["domain_intervals"].items() if v},
+            vocab=int(len(vocab_ids)),
             coverage=coverage, config=cfg.to_dict(), before={"greedy": evals[0]["greedy"], "tau": evals[0]["tau"]},
             after={"greedy": after["greedy"], "tau": after["tau"]}, train_positions=train.rows,
             eval_positions=held.rows, train_prompts=len(train_p), eval_prompts=len(eval_p),

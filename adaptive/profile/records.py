@@ -348,8 +348,8 @@ class DistilledRecord:
     An eagle head also records its held-out acceptance per draft position (``positions``: the share of
     drafts ``1 .. s`` all kept, for each ``s``), ``tau`` (1 + their sum: tokens per verification of a
     chain that long), the same per domain (``by_domain``), its rows (``vocab``) and their ``coverage`` of
-    the held-out answers' tokens; ``interval`` (``(low, high)``) and ``domain_intervals``: the first
-    draft's 90% bootstrap interval over the held-out sequences, over the mix and per domain (empty in
+    the held-out answers' tokens; ``interval`` and ``domain_intervals``: the first draft's 90% bootstrap
+    :class:`Interval` over the held-out sequences, over the mix and per domain (``None`` and empty in
     profiles distilled before it was recorded)."""
 
     kind: str
@@ -363,8 +363,8 @@ class DistilledRecord:
     positions: tuple[float, ...] = ()
     tau: float = 0.0
     by_domain: dict[str, Any] = field(default_factory=dict)
-    interval: tuple[float, ...] = ()
-    domain_intervals: dict[str, Any] = field(default_factory=dict)
+    interval: Interval | None = None
+    domain_intervals: dict[str, Interval] = field(default_factory=dict)
     vocab: int = 0
     coverage: float = 0.0
     name: str = ""
@@ -385,14 +385,12 @@ class DistilledRecord:
     def __post_init__(self):
         if self.kind not in DISTILLED_KINDS or self.kind not in DRAFTERS:
             raise ValueError(f"a distilled drafter is one of {', '.join(DISTILLED_KINDS)}, got {self.kind!r}")
-        if self.interval and (len(self.interval) != 2 or not self.interval[0] <= self.interval[1]):
-            raise ValueError(f"an interval is (low, high) with low <= high, got {self.interval}")
 
     def kept_text(self) -> str:
         """The held-out first draft kept over the mix, with its interval where recorded:
         ``0.481 [0.452, 0.509]``, or ``0.481``."""
         iv = self.interval
-        return f"{self.acceptance:.3f}" + (f" [{iv[0]:.3f}, {iv[1]:.3f}]" if len(iv) == 2 else "")
+        return f"{self.acceptance:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv is not None else "")
 
 
 @dataclass

@@ -80,7 +80,7 @@ def test_distill_an_eagle_head_then_generate_show_and_bench(capsys, tiny_model_d
     assert obj["kind"] == "eagle" and obj["shape"]["layers"] == [1, 2, 4] and obj["vocab"] == 32
     assert obj["shape"]["intermediate"] == 24  # a head narrower than the target's MLP, decoded below
     assert len(obj["positions"]) == 3 and obj["domains"] == ["chat", "code", "math"]
-    low, high = obj["interval"]  # the first draft's interval over the held-out answers
+    low, high = obj["interval"]["low"], obj["interval"]["high"]  # the first draft's interval over the held-out answers
     assert low <= obj["acceptance"] <= high and set(obj["domain_intervals"]) == set(obj["by_domain"])
     text, _ = run_ok(capsys, "profile", "show", str(prof))
     assert "distilled eagle (features after layers 1,2,4; 32 rows" in text

@@ -28,7 +28,7 @@ from adaptive.drafters.eagle_static import warm_head
 from adaptive.errors import ConfigError
 from adaptive.measure.decision import ROLES, decide
 from adaptive.measure.interval import bootstrap_share
-from adaptive.profile import Decision, load_profile, save_profile
+from adaptive.profile import Decision, Interval, load_profile, save_profile
 from adaptive.runtime import AdaptiveRuntime
 from adaptive.runtime.runtime import beta_prior
 from tests.conftest import TINY_DOMAINS
@@ -128,9 +128,9 @@ def test_the_first_drafts_interval_resamples_the_held_out_sequences(lm):
                           [d for _, d in texts], 2)
     ev = run.evaluate(data)
     iv = bootstrap_share(*zip(*alone), seed=cfg.seed)[1]
-    assert ev["interval"] == [iv.low, iv.high] and iv.low < ev["positions"][0] < iv.high
+    assert ev["interval"] == iv.to_dict() and iv.low < ev["positions"][0] < iv.high and iv.blocks == 3
     a = bootstrap_share(*zip(*alone[:2]), seed=cfg.seed)[1]
-    assert ev["domain_intervals"] == {"a": [a.low, a.high], "b": [1.0, 1.0]}
+    assert ev["domain_intervals"] == {"a": a.to_dict(), "b": Interval(1.0, 1.0, 0.9, 1).to_dict()}
 
 
 def test_training_raises_acceptance_and_stores_the_head(lm, prof):
@@ -151,13 +151,12 @@ def test_training_raises_acceptance_and_stores_the_head(lm, prof):
     assert not (prof.parent / "prof.distill-eagle.work").exists()
     again = load_profile(prof)
     assert again.distilled["eagle"].acceptance == rec.acceptance
-    low, high = rec.interval  # the first draft's interval over the held-out sequences, kept in the profile
-    assert low <= rec.acceptance <= high and again.distilled["eagle"].interval == rec.interval
+    iv = rec.interval  # the first draft's interval over the held-out sequences, kept in the profile
+    assert iv.low <= rec.acceptance <= iv.high and iv.level == 0.9 and iv.blocks == rec.eval_prompts
+    assert again.distilled["eagle"].interval == iv and again.distilled["eagle"].domain_intervals == rec.domain_intervals
     assert set(rec.domain_intervals) == set(rec.by_domain)
-    assert again.distilled["eagle"].kept_text() == f"{rec.acceptance:.3f} [{low:.3f}, {high:.3f}]"
-    assert replace(rec, interval=()).kept_text() == f"{rec.acceptance:.3f}"  # a profile distilled before intervals
-    with pytest.raises(ValueError, match="low <= high"):
-        replace(rec, interval=(high + 0.1, high))
+    assert again.distilled["eagle"].kept_text() == f"{rec.acceptance:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
+    assert replace(rec, interval=None).kept_text() == f"{rec.acceptance:.3f}"  # a profile distilled before intervals
     head = EagleHead.from_state(HeadShape.from_dict(rec.shape), again.distilled_weights["eagle"])
     assert len(head.ids) == rec.vocab == 32
 
