@@ -44,7 +44,7 @@ from adaptive.engine.audit import audit_divergence
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Engine
 from adaptive.models import auto_engines
-from adaptive.profile import ProfileError, is_two_engine, load_profile, member_dir, read_engines
+from adaptive.profile import Interval, ProfileError, is_two_engine, load_profile, member_dir, read_engines
 from adaptive.runtime import AdaptiveRuntime
 
 DEMO_DOMAIN = "math"
@@ -339,7 +339,7 @@ def head_text(h: dict) -> str:
     eagle = sorted(n for n, d in h["decisions"].items() if d == "eagle")
     lines = [f"an eagle head on the torch engine ({h['minutes']:.1f} min of training"
              + (", this run" if h["trained_now"] else ", kept in the profile") + f"): held-out first draft kept "
-             f"{h['acceptance']:.2f}" + (" [{:.2f}, {:.2f}]".format(*h["interval"]) if h.get("interval") else "")
+             f"{h['acceptance']:.2f}" + (f" {Interval(*h['interval']).to_text()}" if h.get("interval") else "")
              + f", tau {h['tau']:.2f} (3 drafts), a draft {h['draft_cost']:.3f} of a step",
              "  raced in each domain: " + ("; ".join(changed) if changed else
                                           "decisions unchanged" if h["before"] is not None else "(raced before)")

@@ -190,7 +190,7 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
     for name, acc in sorted(rec.by_domain.items()):
         iv = rec.domain_intervals.get(name)
         click.echo(f"    {name:<20} " + "  ".join(f"{a:.3f}" for a in acc)
-                   + (f"  (first draft [{iv.low:.3f}, {iv.high:.3f}])" if iv is not None else ""))
+                   + (f"  (first draft {iv.to_text(3)})" if iv is not None else ""))
     click.echo(f"  draft cost per token: {rec.draft_cost:.3f} of a full step")
     curves = f"; curves: {d['plot']}" if d["plot"] else "; no curves (matplotlib missing)"
     click.echo(f"stored in {d['profile']}{curves}")

@@ -377,10 +377,10 @@ class HeadTrainer:
         """Held-out acceptance per draft position: ``positions[s-1]``, the share of answer rows whose first
         ``s`` drafts all equal the target's greedy tokens, over the mix and ``by_domain``; ``tau``: the
         tokens per verification a chain of ``steps`` drafts would give (1 + their sum); ``interval`` and
-        ``domain_intervals``: the first draft's 90% bootstrap interval over the held-out sequences, as
-        :meth:`~adaptive.profile.Interval.to_dict` writes it (``None`` where nothing was drafted)
+        ``domain_intervals``: the first draft's 90% bootstrap interval over the held-out sequences
         (:func:`~adaptive.measure.interval.bootstrap_share`: one prompt's answer keeps far more than
-        another's, so a few dozen answers read the mix to a few hundredths)."""
+        another's, so a few dozen answers read the mix to a few hundredths), as
+        :meth:`~adaptive.profile.Interval.to_dict` writes it, ``None`` where nothing was drafted."""
         self.head.eval()
         hits = defaultdict(lambda: [[0, 0] for _ in range(steps)])  # per draft position: [accepted, drafted]
         firsts = defaultdict(list)  # per domain: each sequence's (first drafts kept, first drafts made)

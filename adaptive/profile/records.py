@@ -77,9 +77,9 @@ class Interval:
         if not self.low <= self.high or not 0.0 < self.level < 1.0:
             raise ValueError(f"an interval needs low <= high and a level in (0, 1), got {self}")
 
-    def to_text(self) -> str:
-        """``[0.95, 1.12]``: how tables show it."""
-        return f"[{self.low:.2f}, {self.high:.2f}]"
+    def to_text(self, digits: int = 2) -> str:
+        """``[0.95, 1.12]``: how tables show it (``digits`` decimals)."""
+        return f"[{self.low:.{digits}f}, {self.high:.{digits}f}]"
 
 
 @record
@@ -389,8 +389,7 @@ class DistilledRecord:
     def kept_text(self) -> str:
         """The held-out first draft kept over the mix, with its interval where recorded:
         ``0.481 [0.452, 0.509]``, or ``0.481``."""
-        iv = self.interval
-        return f"{self.acceptance:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv is not None else "")
+        return f"{self.acceptance:.3f}" + (f" {self.interval.to_text(3)}" if self.interval is not None else "")
 
 
 @dataclass
