@@ -62,7 +62,7 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
               help="eagle: the training budget (the decoding of its data comes first, apart).")
 @click.option("--layers", "feature_layers", type=LayerList(), default=None, metavar="K,K,...",
               help="eagle: the feature layers, as layer counts (0: the embeddings; the top one included) "
-                   "[an eighth, half and all of the model's layers].")
+                   "[half and all of the model's layers].")
 @click.option("--vocab", type=int, default=HeadConfig.vocab, show_default=True,
               help="eagle: the head's rows (the training text's most frequent tokens; a request adds its prompt's).")
 @click.option("--head-width", type=click.IntRange(min=1), default=None, metavar="N",
