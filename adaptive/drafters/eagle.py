@@ -340,7 +340,13 @@ class EagleHead(nn.Module):
     # -- storage ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.state_dict().items()}
+        """The weights to store: the LM-head rows ``lm`` in bf16 where that holds them exactly (a bf16 target's
+        own rows: half the bytes of a head drafting over many rows), everything else as it is."""
+        out = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        half = out["lm"].to(torch.bfloat16)
+        if torch.equal(half.float(), out["lm"]):
+            out["lm"] = half
+        return out
 
     @classmethod
     def from_state(cls, shape: HeadShape, tensors: dict[str, torch.Tensor]) -> EagleHead:

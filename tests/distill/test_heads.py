@@ -342,3 +342,18 @@ def test_the_race_adds_the_head_to_each_domain_and_a_decision_for_it_decodes_los
     steps = first.built_steps()
     assert steps and bb.graphs.captures < with_first
     assert not any(levels.step in steps for levels in bb.graphs.attached["eagle"].values())
+
+
+def test_a_head_stores_its_rows_in_bf16_only_where_that_holds_them_exactly():
+    shape = HeadShape(hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, layers=(1, 2), eps=1e-6,
+                      rope_theta=1e4, lookup=3)
+    rows = torch.randn(5, 8)
+    exact = EagleHead(shape, torch.arange(5), rows.to(torch.bfloat16).float(), torch.ones(8))  # a bf16 target's
+    state = exact.state()
+    assert state["lm"].dtype == torch.bfloat16
+    back = EagleHead.from_state(shape, state)
+    assert back.lm.dtype == torch.float32 and torch.equal(back.lm, exact.lm)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), exact.state_dict().values()))
+    fine = EagleHead(shape, torch.arange(5), rows, torch.ones(8))  # float32 rows bf16 would round: kept as they are
+    assert fine.state()["lm"].dtype == torch.float32
+    assert torch.equal(EagleHead.from_state(shape, fine.state()).lm, rows)
