@@ -340,8 +340,8 @@ class EagleHead(nn.Module):
     # -- storage ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The weights to store: the LM-head rows ``lm`` in bf16 where that holds them exactly (a bf16 target's
-        own rows: half the bytes of a head drafting over many rows), everything else as it is."""
+        """The weights to store: the LM-head rows ``lm`` in bf16 where bf16 holds them exactly (a bf16 target's
+        own rows, in half the bytes; :meth:`from_state` reads them back as float32), everything else as it is."""
         out = {k: v.detach().clone() for k, v in self.state_dict().items()}
         half = out["lm"].to(torch.bfloat16)
         if torch.equal(half.float(), out["lm"]):
