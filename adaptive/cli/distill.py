@@ -169,10 +169,9 @@ def _distill_eagle(model_spec, profile_dir, data, steps, minutes, feature_layers
     domains = domain_prompts(data, "--data")
     profile = load_profile(profile_dir)
     spec, dt, _, engine = profile_model(profile, model_spec, dtype)
-    if engine != "torch":
-        raise click.UsageError(f"the profile was calibrated on the {engine} engine; an eagle head trains on the torch "
-                               "engine's hidden states: calibrate with --engine torch first")
-    lm = load(spec, device, dt, "dense", engine="torch")
+    # the head trains on the features of the engine it drafts on (llama.cpp's: its layer inputs and output rows)
+    lm = load(spec, device, dt, "dense", engine="torch") if engine == "torch" else load(spec, device, "auto",
+                                                                                        engine=engine)
     profile.check_model(lm.fingerprint())
     r = train_head_watched(lm, profile_dir, domains, cfg, resume=resume, progress=not quiet and not as_json,
                            plot=plot, race=race, log=(lambda m: None) if as_json else info)

@@ -172,7 +172,7 @@ def head_shape(bb, cfg: HeadConfig) -> HeadShape:
     theta = getattr(mc, "rope_theta", None) or (getattr(mc, "rope_parameters", None) or {}).get("rope_theta", 1e4)
     width = cfg.intermediate if cfg.intermediate is not None else int(mc.intermediate_size)
     return HeadShape(bb.hidden_size, bb.n_heads, bb.n_kv_heads, bb.head_dim, width,
-                     tuple(layers), float(bb.norm_eps), float(theta), cfg.lookup)
+                     tuple(layers), float(bb.norm_eps), float(theta), cfg.lookup, bb.feature_top)
 
 
 @torch.inference_mode()
@@ -186,6 +186,8 @@ def decode_with_features(bb, prompts: list[list[int]], new_tokens: int, eos: set
     is not kept (no forward has fed it, so it has no features)."""
     out: list[tuple[list[int], torch.Tensor]] = []
     gen = torch.Generator(device=bb.device).manual_seed(seed)
+    if bb.shared_cache:  # llama.cpp: its sequences and the context's cells bound a group too
+        batch = min(batch, bb.sequences)
 
     def choose(logits: torch.Tensor) -> int:
         if temperature == 0.0:
@@ -193,8 +195,18 @@ def decode_with_features(bb, prompts: list[list[int]], new_tokens: int, eos: set
         return int(torch.multinomial(warp_probs(logits.float(), temperature), 1, generator=gen))
 
     t0 = time.perf_counter()
-    for b0 in range(0, len(prompts), batch):
-        group = prompts[b0:b0 + batch]
+    groups, b0 = [], 0
+    while b0 < len(prompts):  # as many prompts as fit a batch (and, sharing a context, its free cells)
+        room, b1 = (bb.free_positions(collect=True) if bb.shared_cache else None), b0
+        while b1 < len(prompts) and b1 - b0 < batch:
+            need = len(prompts[b1]) + new_tokens + 1
+            if room is not None and b1 > b0 and need > room:
+                break
+            room = None if room is None else room - need
+            b1 += 1
+        groups.append(prompts[b0:b1])
+        b0 = b1
+    for group in groups:
         caches, seqs, pending = [], [], []
         for p in group:
             cache = bb.new_cache(len(p) + new_tokens + 1, features=layers)
@@ -213,6 +225,7 @@ def decode_with_features(bb, prompts: list[list[int]], new_tokens: int, eos: set
                 pending[i] = choose(lg[0])
         for seq, cache in zip(seqs, caches):
             out.append((seq, cache.features[:len(seq)].to(device="cpu", dtype=torch.bfloat16).clone()))
+            cache.release()  # a llama.cpp sequence goes back to the context now
         log(f"decoded {len(out)}/{len(prompts)} prompts' continuations ({time.perf_counter() - t0:.0f} s)")
     return out
 

@@ -228,8 +228,8 @@ class HeadRefiner:
                  directory: str | Path | None = None, current: Callable[[str], EagleHead | None] | None = None):
         self.lm, self.profile, self.settings = lm, profile, settings or RefineSettings()
         self.bb = lm.backbone
-        if self.bb.engine != "torch":
-            raise ConfigError(f"a head is refined on the torch engine's features, not the {self.bb.engine} engine's")
+        if head.shape.top != self.bb.feature_top or not self.bb.keeps_features(head.shape.layers):
+            raise ConfigError(f"the {self.bb.engine} engine does not keep the features this head was trained on")
         self.base = head
         self.shape: HeadShape = head.shape
         self._adopt = adopt
@@ -552,7 +552,7 @@ def attach_refiner(runtime, settings: RefineSettings | None = None, guard_for=No
                    replica: str | None = None) -> HeadRefiner | None:
     """A :class:`HeadRefiner` listening to ``runtime`` (one engine, or a two-engine runtime: every member's
     requests, the head refined for the member that drafts with it), or ``None`` with the reason logged
-    where no member drafts with an eagle head (no head in the profile, or no torch engine that keeps
+    where no member drafts with an eagle head (no head in the profile, or no engine that keeps its
     features). ``guard_for(model_lock)``: the guard of its model time (e.g. a ``ShareGuard``); ``replica``:
     ``None``: the drafting member's online learner's, else host and pid; adopted heads are saved beside
     that learner's overlay (``PROFILE.online.d``)."""
@@ -560,7 +560,7 @@ def attach_refiner(runtime, settings: RefineSettings | None = None, guard_for=No
     drafting = [rt for rt in members.values() if rt.features and "eagle" in rt.profile.distilled]
     if not drafting:
         log.info("no head refinement: no engine here drafts with an eagle head (train one with "
-                 "`adaptive distill --drafter eagle`; it drafts on the torch engine)")
+                 "`adaptive distill --drafter eagle`; it drafts on the engine it was trained on)")
         return None
     rt = drafting[0]
     rec, weights = rt.profile.distilled_drafter("eagle")

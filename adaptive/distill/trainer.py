@@ -433,9 +433,10 @@ def distill_head(lm, profile_dir: str | Path, domains: dict[str, list[str]], con
     profile = load_profile(profile_dir)
     profile.check_model(lm.fingerprint())
     bb = lm.backbone
-    if bb.engine != "torch":
-        raise ConfigError(f"an eagle head trains on the torch engine's hidden states, not the {bb.engine} engine's")
     shape = head_shape(bb, cfg)
+    if not bb.keeps_features(shape.layers):
+        raise ConfigError(f"the {bb.engine} engine gives no hidden states of this model after layers "
+                          f"{list(shape.layers)}: train the head with --engine torch")
     engine = Engine(lm)
     encoded = {n: [engine.encode(p, chat=profile.runtime.chat) for p in ps] for n, ps in domains.items()}
     per = cfg.prompts_per_domain or max(len(v) for v in encoded.values())

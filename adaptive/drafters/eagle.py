@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaptive.engine.config import check_feature_layers
+from adaptive.engine.config import FEATURE_TOPS, check_feature_layers
 from adaptive.engine.quant import Linear
 from adaptive.errors import ConfigError
 
@@ -97,8 +97,9 @@ def lookup_tokens(tokens: Sequence[int], n: int = 3) -> list[int]:
 @dataclass(frozen=True)
 class HeadShape:
     """A head's sizes (the target's: ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate``),
-    its ``layers`` (feature layers, ascending), its RMSNorm ``eps``, ``rope_theta`` and ``lookup`` (the
-    longest n-gram of its lookup token)."""
+    its ``layers`` (feature layers, ascending), its RMSNorm ``eps``, ``rope_theta``, ``lookup`` (the longest
+    n-gram of its lookup token) and ``top``: how the engine it was trained on keeps the top feature row
+    (:data:`~adaptive.engine.config.FEATURE_TOPS`; it drafts only on an engine that keeps it so)."""
 
     hidden: int
     heads: int
@@ -109,6 +110,7 @@ class HeadShape:
     eps: float = 1e-5
     rope_theta: float = 10000.0
     lookup: int = 3
+    top: str = "residual"
 
     def __post_init__(self):
         object.__setattr__(self, "layers", check_feature_layers(tuple(self.layers)))
@@ -118,6 +120,8 @@ class HeadShape:
             raise ConfigError(f"{self.heads} heads do not group into {self.kv_heads} key-value heads")
         if self.lookup < 1:
             raise ConfigError(f"the lookup n-gram must be >= 1, got {self.lookup}")
+        if self.top not in FEATURE_TOPS:
+            raise ConfigError(f"a head's top feature is one of {', '.join(FEATURE_TOPS)}, got {self.top!r}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "layers": list(self.layers)}

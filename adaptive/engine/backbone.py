@@ -190,6 +190,8 @@ class Backbone:
     # measured 8% less time for a 128-token chunk and an 8-row step together than apart (bf16, CPU)
     carry_chunks = True
     shared_cache = False  # each cache holds its own positions (llama.cpp's share one context)
+    # the top feature row (the residual stream after every layer) as it is, not scaled (FEATURE_TOPS)
+    feature_top = "residual"
 
     def __init__(self, model, weights: str = "dense", graphs: bool = True, source: str | Path | None = None):
         cfg = model.config
@@ -328,6 +330,10 @@ class Backbone:
         """The KV cache's and attention's dtype: float32 on the CPU (its bf16 batched products and
         attention kernels cost 3-4x float32's at decoding sizes, measured), the model's elsewhere."""
         return torch.float32 if self.device.type == "cpu" else self.dtype
+
+    def keeps_features(self, layers: Sequence[int]) -> bool:
+        """Whether a cache can keep the feature rows of ``layers`` (here any, up to the top one)."""
+        return all(0 <= x <= self.n_layers for x in layers)
 
     def new_cache(self, max_len: int, features: Sequence[int] = (), shared: int = 0) -> KVCache:
         """A cache for ``max_len`` positions; :class:`PromptTooLongError` beyond the model's context.

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from adaptive.errors import ConfigError
 
+# How a cache keeps its top feature row, the residual stream after every layer: "residual" as it is (the torch
+# engine), "unit" divided by its root mean square (llama.cpp, whose API gives the final norm's output and not the
+# residual: that output over the norm's weight). A head reads features kept as they were when it was trained.
+FEATURE_TOPS = ("residual", "unit")
+
 
 def check_feature_layers(layers, n_layers: int | None = None) -> tuple[int, ...]:
     """``layers`` (layer counts: the residual stream after that many decoder layers, 0 the embeddings)

@@ -35,12 +35,22 @@ GGUF file, with the file's own quantized weights: no float copy of the model is 
   way: set for a context's lifetime, it calls into Python at each of a step's ~940 graph nodes,
   every decoding step included; the scheduler's own setter is reset by every graph rebuild.)
 
-Its one concern, decoding on llama.cpp (caches, forwards, verification batches, the routing pools, the
-prefix cache's sequences), is why it runs past 600 lines; loading the binding and probing the host
-are :mod:`adaptive.engine.llamacpp_host`'s.
+* An eagle head's feature rows (:attr:`LlamaCache.features`, what the torch cache keeps too): a cache
+  made with ``features`` has every forward over it write the residual stream after those layers at its
+  positions, the layers under the top one from the layer-input rows (asked for while any cache keeps
+  them, so the graph is not rebuilt per forward), the top one from llama.cpp's output rows (embeddings on
+  for that decode, every fed row an output): the final norm's output over the norm's weight, the
+  residual scaled to unit RMS (:data:`~adaptive.engine.config.FEATURE_TOPS` "unit"; the API gives no
+  residual after the last layer). A prefill keeping them computes the LM head at every row (+9% for a
+  300-token prompt of the embedded model) in micro-batches of 512. The head's own inputs (the token
+  embedding, the LM head's rows, the final norm, its sizes) are read from the GGUF file.
 
-What it cannot do: skip sublayers, swap the LM head, exit early or return hidden states; those stay
-with the torch backbone (``layer_skip = False`` says so to the drafter factory and calibration).
+Its one concern, decoding on llama.cpp (caches, forwards, verification batches, the routing pools, the
+feature rows, the prefix cache's sequences), is why it runs past 600 lines; loading the binding and
+probing the host are :mod:`adaptive.engine.llamacpp_host`'s.
+
+What it cannot do: skip sublayers, swap the LM head, exit early or return hidden states to the caller;
+those stay with the torch backbone (``layer_skip = False`` says so to the drafter factory and calibration).
 Tested with llama-cpp-python 0.3.36 (the ``llamacpp`` extra pins ``>=0.3.36,<0.4``).
 """
 
@@ -61,6 +71,7 @@ import numpy as np
 import torch
 
 from adaptive.engine.backbone import ForwardOutput, Segment
+from adaptive.engine.config import check_feature_layers
 from adaptive.engine.formulas import rms_norm
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
 from adaptive.engine.llamacpp_host import (
@@ -75,6 +86,7 @@ from adaptive.engine.llamacpp_host import (
     threadpool_api,
 )
 from adaptive.engine.prefix import PrefixStore
+from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
 from adaptive.errors import ConfigError, ContextFullError, ModelNotFoundError, PromptTooLongError
 
 ENGINE = "llama.cpp"
@@ -94,6 +106,14 @@ STALE_ROWS = 4096
 REUSE_SAMPLES, MIN_STALE_ROWS = 8, 256
 
 
+@dataclass(frozen=True)
+class GGUFModelConfig:
+    """What an eagle head's shape reads of a model's configuration, from its GGUF metadata."""
+
+    intermediate_size: int
+    rope_theta: float
+
+
 @dataclass(eq=False)
 class LlamaCache:
     """One sequence of the backbone's llama.cpp context: its id ``seq``, room for ``max_len``
@@ -106,6 +126,12 @@ class LlamaCache:
     length: int = 0
     written: int = 0
     _release: object = field(default=None, repr=False)
+    # [max_len, len(feature_layers), hidden] float32 (``None``: none kept), as the torch cache's
+    # (:class:`~adaptive.engine.backbone.KVCache`), written by every forward over the sequence: the
+    # residual stream after each of ``feature_layers`` layers, the top one scaled to unit RMS ("unit",
+    # :data:`~adaptive.engine.config.FEATURE_TOPS`)
+    features: torch.Tensor | None = None
+    feature_layers: tuple[int, ...] = ()
 
     def release(self) -> None:
         """Give the sequence and its cells back to the context now (done anyway when the cache is
@@ -124,6 +150,8 @@ class _KeptSequence:
     tokens: int = 0  # the cells it holds
     reused: bool = False  # restored for at least half its cells since kept
     released: bool = False
+    features: torch.Tensor | None = None  # the kept cache's feature rows of its cells (LlamaCache.features)
+    feature_layers: tuple[int, ...] = ()
 
     def release(self) -> None:
         bb = self.backbone()
@@ -150,6 +178,7 @@ class LlamaCppBackbone:
     # with the embedded model on 2 cores (docs/history/2026-11-25-serving-under-load.md)
     carry_chunks = False
     shared_cache = True  # live caches share the context's max_positions cells (llama.cpp's unified KV cache)
+    feature_top = "unit"  # the top feature row from the final norm's output (FEATURE_TOPS; keeps_features)
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int | None = None,
                  sequences: int = DEFAULT_SEQUENCES):
@@ -219,6 +248,9 @@ class LlamaCppBackbone:
                                         (pool, free_pool, detach) if pool else None)
         self.eos = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self.vocab, t))
         self._layers = None  # the layer-input calls and the final norm, once probed (layer_pools)
+        self._final_norm = None  # (final_norm(),) once read
+        self._taps: dict[int, int] = {}  # layer -> users of its input rows (llama.cpp copies them while any)
+        self._rows = None  # (token embedding, LM head) rows read from the file, once asked for (embed_rows)
 
     # -- what the engine reads ------------------------------------------------------------------
 
@@ -244,9 +276,14 @@ class LlamaCppBackbone:
         return buf.value.decode() if n > 0 else None
 
     def final_norm(self) -> tuple[torch.Tensor, float] | None:
-        """The model's final RMSNorm, read from the GGUF file (llama.cpp's API gives no tensor):
+        """The model's final RMSNorm, read from the GGUF file once (llama.cpp's API gives no tensor):
         ``output_norm.weight`` (``[hidden]`` float32) and its epsilon; ``None`` if the file holds no
         such weight in float form or no epsilon."""
+        if self._final_norm is None:
+            self._final_norm = (self._read_final_norm(),)
+        return self._final_norm[0]
+
+    def _read_final_norm(self) -> tuple[torch.Tensor, float] | None:
         key = f"{self.describe()['architecture']}.attention.layer_norm_rms_epsilon"
         try:
             values, weight = read_gguf(self.path, (key,), "output_norm.weight")
@@ -262,19 +299,103 @@ class LlamaCppBackbone:
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "n_params": int(self._lib.llama_model_n_params(self._model))}
 
+    @property
+    def n_heads(self) -> int:
+        return int(self._lib.llama_model_n_head(self._model))
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self._lib.llama_model_n_head_kv(self._model))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    @property
+    def config(self) -> GGUFModelConfig:
+        """The sizes an eagle head over this model takes that llama.cpp's API does not give (its metadata)."""
+        arch = self.describe()["architecture"]
+        width = self._meta(f"{arch}.feed_forward_length")
+        theta = self._meta(f"{arch}.rope.freq_base")
+        if width is None:
+            raise ConfigError(f"{self.path.name} does not give its MLP width ({arch}.feed_forward_length)")
+        return GGUFModelConfig(int(width), float(theta) if theta is not None else 10000.0)
+
+    def _norm(self) -> tuple[torch.Tensor, float]:
+        norm = self.final_norm()
+        if norm is None:
+            raise ConfigError(f"{self.path.name} holds no final norm weight in float form and its epsilon")
+        return norm
+
+    @property
+    def final_norm_weight(self) -> torch.Tensor:
+        """``[hidden]``: the final RMSNorm's weight, read from the file (:meth:`final_norm`)."""
+        return self._norm()[0]
+
+    @property
+    def norm_eps(self) -> float:
+        return self._norm()[1]
+
+    def _tables(self) -> tuple[FileRows, FileRows]:
+        """The token embedding's and the LM head's rows, read from the GGUF file when asked for
+        (:class:`~adaptive.engine.rows.FileRows`, float32; the head is the embedding where the model ties them)."""
+        if self._rows is None:
+            embed = FileRows.open(self.path, TOKEN_TABLE, torch.float32)
+            if embed is None:
+                raise ConfigError(f"{self.path.name} holds no {TOKEN_TABLE}")
+            self._rows = (embed, FileRows.open(self.path, HEAD_TABLE, torch.float32) or embed)
+        return self._rows
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` float32: the token embeddings of ``ids`` (``[T]``), as the file holds them (an
+        eagle head's inputs; llama.cpp embeds its own)."""
+        return self._tables()[0](ids)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[len(ids), hidden]`` float32: the LM head's rows of ``ids``, as the file holds them."""
+        return self._tables()[1](ids)
+
     def close(self) -> None:
         """Free llama.cpp's model and context now (also done when the backbone is collected)."""
         self._closer()
 
     # -- caches ---------------------------------------------------------------------------------
 
-    def new_cache(self, max_len: int, shared: int = 0) -> LlamaCache:
+    def keeps_features(self, layers: Sequence[int]) -> bool:
+        """Whether a cache can keep the feature rows of ``layers``: those under the top one from llama.cpp's
+        layer inputs (:attr:`layer_pools`), the top one from its output rows through the final norm, over the
+        norm's weight (:attr:`feature_top` "unit": where no weight is 0)."""
+        layers = check_feature_layers(tuple(layers), self.n_layers)
+        if self.n_layers in layers and (self.final_norm() is None or bool((self.final_norm()[0] == 0).any())):
+            return False
+        return all(x == self.n_layers for x in layers) or self.layer_pools
+
+    def _tap(self, layers: Sequence[int], users: int) -> None:
+        """Add ``users`` (+1, -1) to the users of each layer's input rows; llama.cpp copies them out of every
+        forward while a layer has any (turned on or off, the graph is rebuilt once, ~3 ms)."""
+        if not layers:
+            return
+        set_fn = self._layers[0][0]
+        with self._lock:
+            for layer in layers:
+                n = self._taps.get(layer, 0)
+                self._taps[layer] = max(0, n + users)
+                if (n == 0) != (self._taps[layer] == 0) and self._closer.alive:
+                    set_fn(self._ctx, layer, self._taps[layer] > 0)
+
+    def new_cache(self, max_len: int, shared: int = 0, features: Sequence[int] = ()) -> LlamaCache:
         """A sequence for ``max_len`` positions; :class:`PromptTooLongError` beyond the context,
         :class:`ContextFullError` when live caches hold so many of its positions that this one could
         overflow it mid-request (:meth:`free_positions`), and :class:`ConfigError` when ``sequences``
         caches are already alive. Prefix-cache entries give their cells and sequences back, least recently
         used first, as far as this one needs them; ``shared``: positions it will share with a kept
-        prefix (:meth:`restore_prefix`: those cells are held already)."""
+        prefix (:meth:`restore_prefix`: those cells are held already). ``features``: layer counts whose rows
+        every forward over the sequence keeps (:attr:`LlamaCache.features`; :meth:`keeps_features`, else a
+        :class:`ConfigError`)."""
+        layers = check_feature_layers(tuple(features), self.n_layers)
+        if layers and not self.keeps_features(layers):
+            raise ConfigError(f"this llama.cpp build gives no hidden states of {self.path.name} before its last "
+                              "layer (or its final norm has a zero weight): use --engine torch for an eagle head")
         if max_len > self.max_positions:
             raise PromptTooLongError(
                 f"prompt plus new tokens need {max_len} positions but the llama.cpp context is {self.max_positions}")
@@ -299,6 +420,12 @@ class LlamaCppBackbone:
             self._reserved[seq] = max_len
         cache = LlamaCache(seq, max_len)
         cache._release = weakref.finalize(cache, self._release, seq)
+        if layers:
+            cache.features = torch.zeros(max_len, len(layers), self.hidden_size)
+            cache.feature_layers = layers
+            below = tuple(x for x in layers if x < self.n_layers)
+            self._tap(below, +1)
+            weakref.finalize(cache, self._tap, below, -1)  # a kept prefix's sequence outlives its cache: no matter
         return cache
 
     def free_positions(self, collect: bool = False) -> int:
@@ -342,8 +469,10 @@ class LlamaCppBackbone:
             self._reserved.pop(cache.seq, None)
             self._kept[cache.seq] = n
         self._holders.add(self.prefixes)
-        return self.prefixes.add(ids[:n], _KeptSequence(weakref.ref(self), cache.seq, self.rows, n),
-                                 n * self.kv_bytes_per_token())
+        features = None if cache.features is None else cache.features[:n].clone()
+        kept = _KeptSequence(weakref.ref(self), cache.seq, self.rows, n, features=features,
+                             feature_layers=cache.feature_layers)
+        return self.prefixes.add(ids[:n], kept, n * self.kv_bytes_per_token())
 
     def stale_rows(self) -> int:
         """Rows fed after which an entry not restored is given back (:func:`stale_horizon` of the reuses seen)."""
@@ -364,10 +493,15 @@ class LlamaCppBackbone:
 
     def restore_prefix(self, entry, cache: LlamaCache, n: int) -> int:
         """Share a kept entry's first ``n`` cells with a new sequence (llama.cpp copies no keys: the
-        cells are tagged with both sequences): ``n``."""
+        cells are tagged with both sequences): ``n``; 0 for a cache keeping feature rows the entry has not."""
         with self._lock:
             if cache.written:
                 raise ValueError("a prefix is restored into a new sequence only")
+            if cache.features is not None:
+                kept = entry.handle.features
+                if kept is None or entry.handle.feature_layers != cache.feature_layers:
+                    return 0
+                cache.features[:n] = kept[:n]
             self._lib.llama_memory_seq_cp(self._mem, entry.handle.seq, cache.seq, 0, n)
             cache.written = n
             handle = entry.handle
@@ -447,12 +581,15 @@ class LlamaCppBackbone:
         """Decode ``ids`` at ``start ..`` in llama.cpp batches: the logits rows of each batch
         (``[n, V]`` tensors), or with ``argmax`` the argmax of every row (one list of ints)."""
         rows = []
-        for a in range(0, len(ids), N_BATCH):
-            chunk = ids[a:a + N_BATCH]
-            last = a + N_BATCH >= len(ids)
+        # a cache keeping feature rows takes every fed row's output (its top row): a micro-batch at a time,
+        # so that llama.cpp's output buffer stays at 512 rows of the vocabulary
+        size = N_BATCH if cache.features is None else N_UBATCH
+        for a in range(0, len(ids), size):
+            chunk = ids[a:a + size]
+            last = a + size >= len(ids)
             flags = True if logits == "all" else ("last" if logits == "last" and last else False)
             cache.written = start + a + len(chunk)  # before the decode: a failed one is dropped by the next
-            r, _ = self._decode([(chunk, cache.seq, start + a, flags)], argmax=argmax)
+            r, _ = self._decode([(chunk, cache.seq, start + a, flags)], argmax=argmax, keep=[cache])
             if r is not None and argmax:
                 rows.extend(r)
             elif r is not None:
@@ -495,7 +632,7 @@ class LlamaCppBackbone:
             total += len(ids)
         if total > N_BATCH:
             raise ValueError(f"a batched forward of {total} tokens exceeds llama.cpp's batch of {N_BATCH}")
-        rows = self._decode(parts)[0]
+        rows = self._decode(parts, keep=[s.cache for s in segments])[0]
         out, row = [], 0
         for ids, _, _, wanted in parts:
             out.append(rows[row:row + len(ids)] if wanted else None)
@@ -510,32 +647,39 @@ class LlamaCppBackbone:
             self._lib.llama_memory_seq_rm(self._mem, cache.seq, start, -1)
             cache.written = start
 
-    def _decode(self, parts, embeddings: bool = False,
-                argmax: bool = False) -> tuple[torch.Tensor | list[int] | None, torch.Tensor | None]:
+    def _decode(self, parts, embeddings: bool = False, argmax: bool = False,
+                keep: Sequence[LlamaCache] = ()) -> tuple[torch.Tensor | list[int] | None, torch.Tensor | None]:
         """One ``llama_decode`` of ``parts`` (``(ids, seq, start, logits)``, ``logits`` True for every
         row, ``"last"`` for the last, False for none); returns the logits rows (``[n, V]``, a copy: the
         next decode overwrites llama.cpp's buffer), or with ``argmax`` each row's argmax (``n`` ints,
-        read in place), and, with ``embeddings``, the last row's hidden state."""
+        read in place), and, with ``embeddings``, the last row's hidden state. ``keep``: each part's cache,
+        whose feature rows (where it keeps them) this decode writes (:meth:`_keep_features`)."""
         lib, b = self._lib, self._batch
+        keeps = [c is not None and c.features is not None for c in keep] + [False] * (len(parts) - len(keep))
         n = 0
-        for ids, seq, start, flags in parts:
+        wanted: list[int] = []  # the output rows asked for (a part keeping features outputs every row)
+        for (ids, seq, start, flags), kept in zip(parts, keeps):
             T = len(ids)
             for j in range(T):
                 b.token[n + j] = ids[j]
                 b.pos[n + j] = start + j
                 b.n_seq_id[n + j] = 1
                 b.seq_id[n + j][0] = seq
-                b.logits[n + j] = flags is True or (flags == "last" and j == T - 1)
+                asked = flags is True or (flags == "last" and j == T - 1)
+                b.logits[n + j] = asked or kept
+                if asked:
+                    wanted.append(n + j)
             n += T
         b.n_tokens = n
         self.rows += n
-        n_out = sum(len(ids) if flags is True else int(flags == "last") for ids, _, _, flags in parts)
-        if embeddings:
+        outputs = [i for i in range(n) if b.logits[i]]
+        top = any(kept and self.n_layers in c.feature_layers for c, kept in zip(keep, keeps))
+        if embeddings or top:
             lib.llama_set_embeddings(self._ctx, True)
         try:
             rc = lib.llama_decode(self._ctx, b)
         finally:
-            if embeddings:
+            if embeddings or top:
                 lib.llama_set_embeddings(self._ctx, False)
         if rc == 1:
             raise PromptTooLongError(f"llama.cpp could not decode {n} tokens: its KV cache is full "
@@ -543,15 +687,50 @@ class LlamaCppBackbone:
         if rc != 0:
             raise RuntimeError(f"llama.cpp could not decode {n} tokens: error {rc}")
         rows = None
-        if n_out:
+        if outputs:
             ptr = lib.llama_get_logits(self._ctx)
-            view = np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size))
-            rows = view.argmax(axis=1).tolist() if argmax else torch.from_numpy(view.copy())
+            view = np.ctypeslib.as_array(ptr, shape=(len(outputs), self.vocab_size))
+            if len(wanted) != len(outputs):  # rows output for feature rows alone: not handed out
+                at = {i: r for r, i in enumerate(outputs)}
+                view = view[[at[i] for i in wanted]]
+            if wanted:
+                rows = view.argmax(axis=1).tolist() if argmax else torch.from_numpy(np.array(view))
+        if any(keeps):
+            self._keep_features(parts, keep, keeps, len(outputs))
         hidden = None
         if embeddings:
             ptr = lib.llama_get_embeddings_ith(self._ctx, -1)
             hidden = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.hidden_size,)).copy())
         return rows, hidden
+
+    def _keep_features(self, parts, keep, keeps, n_out: int) -> None:
+        """Write the feature rows of the parts whose caches keep them (``keeps``) from the decode just run:
+        a layer's input rows (every fed row, in the batch's order) and the top layer's from the output rows
+        (every row of such a part is one) through the final norm, over its weight (:attr:`feature_top`)."""
+        H = self.hidden_size
+        n = sum(len(p[0]) for p in parts)
+        layers = sorted({x for c, k in zip(keep, keeps) if k for x in c.feature_layers})
+        rows = {}
+        for x in layers:
+            if x < self.n_layers:
+                ptr = self._layers[0][1](self._ctx, x)
+                if not ptr:
+                    raise ConfigError(f"llama.cpp gave no rows for the input of layer {x} of this model")
+                rows[x] = np.ctypeslib.as_array(ptr, shape=(n, H))
+            else:
+                ptr = self._lib.llama_get_embeddings(self._ctx)
+                if not ptr:
+                    raise ConfigError("llama.cpp gave no output rows of this model's final norm")
+                rows[x] = np.ctypeslib.as_array(ptr, shape=(n_out, H)) / self.final_norm()[0].numpy()
+        row = out = 0
+        for (ids, _, start, flags), k, c in zip(parts, keeps, list(keep) + [None] * (len(parts) - len(keep))):
+            T = len(ids)
+            if k:
+                for i, x in enumerate(c.feature_layers):
+                    at = out if x == self.n_layers else row
+                    c.features[start:start + T, i] = torch.from_numpy(np.asarray(rows[x][at:at + T], np.float32))
+            row += T
+            out += T if k or flags is True else int(flags == "last")
 
     # -- the prompt embedding (routing) ---------------------------------------------------------
 
@@ -682,8 +861,7 @@ class _LayerTaps:
             raise ValueError(f"pooling after layer(s) {bad} of a {bb.n_layers}-layer model")
         self.sums = {layer: torch.zeros(bb.hidden_size) for layer in layers}
         self.last: dict[int, torch.Tensor] = {}
-        for layer in layers:
-            self.set_fn(bb._ctx, layer, True)
+        bb._tap(layers, +1)
 
     def read(self, n: int) -> None:
         """Take the rows of the ``n`` tokens the last decode fed."""
@@ -697,8 +875,7 @@ class _LayerTaps:
             self.last[layer] = normed[-1]
 
     def close(self) -> None:
-        for layer in self.layers:
-            self.set_fn(self.bb._ctx, layer, False)
+        self.bb._tap(self.layers, -1)
 
     def pools(self, n: int) -> dict[int, torch.Tensor]:
         """``{layer: [2, hidden]}``: the mean over the ``n`` fed positions and the last one."""

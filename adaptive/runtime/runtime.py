@@ -303,12 +303,14 @@ class AdaptiveRuntime:
         self._domain_eagle: dict[str, EagleHead] = {}  # domain -> a head refined on its traffic (set_eagle_head)
         self._listeners: list[RequestListener] = []
         # the feature rows every request's cache keeps: the eagle head's, where the profile holds one and the
-        # engine gives them (torch; with CUDA graphs the captured steps write them into the slot); the routing
-        # happens after the prefill, whose rows the head reads too
+        # engine gives them as the head was trained on (torch, with CUDA graphs the captured steps writing them
+        # into the slot; llama.cpp from its layer inputs and output rows); the routing happens after the prefill,
+        # whose rows the head reads too
         eagle = profile.distilled.get("eagle")
         bb = lm.backbone
-        self.features = tuple(eagle.shape["layers"]) if eagle is not None and eagle.shape and \
-            bb.engine == "torch" else ()
+        shape = HeadShape.from_dict(eagle.shape) if eagle is not None and eagle.shape else None
+        self.features = shape.layers if shape is not None and shape.top == bb.feature_top and \
+            bb.keeps_features(shape.layers) else ()
         # finished requests' keys, reused by later requests sharing their first tokens (a conversation's
         # history, a shared system prompt or document): MiB on this engine, 0 off (:mod:`adaptive.engine.prefix`)
         bb.prefixes.resize(budget_bytes(prefix_cache))
@@ -530,8 +532,8 @@ class AdaptiveRuntime:
             return ProfileError(f"the distilled {kind} drafter was trained for another model ({rec.model.name!r}); "
                                 "distill it again for this one")
         if kind == "eagle" and not self.features:
-            return ConfigError("the eagle head drafts from the target's hidden states, which the "
-                               f"{self.lm.backbone.engine} engine does not keep: use --engine torch")
+            return ConfigError(f"the profile's eagle head drafts from hidden states the {self.lm.backbone.engine} "
+                               "engine does not keep as it was trained on: use the engine it was distilled on")
         return None
 
     def _distilled(self, kind: str):
@@ -546,7 +548,8 @@ class AdaptiveRuntime:
             if kind == "eagle":
                 if self._eagle is None:
                     self._eagle = EagleHead.from_state(HeadShape.from_dict(rec.shape), weights).to(bb.device)
-                return DrafterSpec("eagle", eagle=self._eagle, tree=self.tree), rec
+                tree = self.tree if getattr(bb, "verifies_trees", False) else None  # llama.cpp verifies chains
+                return DrafterSpec("eagle", eagle=self._eagle, tree=tree), rec
             if kind == "early-exit":
                 if self._exit_block is None:
                     block = ExitBlock.from_state(rec.block, weights)

@@ -164,6 +164,8 @@ def test_the_final_norm_is_read_from_the_file_and_a_bad_file_only_turns_layer_po
         raise GGUFFormatError("x.gguf: a damaged GGUF file")
 
     monkeypatch.setattr(llamacpp, "read_gguf", damaged)
+    assert cpp.final_norm() == (weight, eps)  # read once
+    monkeypatch.setattr(cpp, "_final_norm", None)  # as a backbone that had not read it yet
     assert cpp.final_norm() is None
 
 
