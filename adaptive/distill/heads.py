@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from adaptive.drafters.eagle import EagleHead, HeadCache, HeadShape, default_layers, lookup_tokens
+from adaptive.drafters.eagle import EagleHead, HeadCache, HeadShape, default_layers, lookup_tokens, step_settings
 from adaptive.drafters.factory import eagle_vocab
 from adaptive.drafters.head import rank_tokens
 from adaptive.engine.backbone import Segment
@@ -472,7 +472,7 @@ def measure_head_cost(bb, head: EagleHead, context: int = 128) -> float:
     from adaptive.costs import measure_draft_cost
 
     dev = bb.device
-    step = head.step(bb.dtype, getattr(bb, "weight_mode", "dense"))
+    step = head.step(*step_settings(bb))
     cache = HeadCache(head.shape, context + 8, dev)
     x = torch.randn(context, head.shape.hidden, device=dev)
     none = torch.zeros(context, dtype=torch.bool, device=dev)

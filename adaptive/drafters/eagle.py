@@ -131,6 +131,13 @@ class HeadShape:
         return cls(**{**d, "layers": tuple(d["layers"])})
 
 
+def step_settings(backbone) -> tuple[torch.dtype, str]:
+    """``(dtype, weight mode)`` a head's draft step runs in beside ``backbone`` (:meth:`EagleHead.step`): its
+    ``draft_dtype`` where it has one (llama.cpp, whose own weights are not torch's), else its dtype, and its
+    weight mode (``dense`` where it has none)."""
+    return getattr(backbone, "draft_dtype", backbone.dtype), getattr(backbone, "weight_mode", "dense")
+
+
 def default_layers(n_layers: int) -> tuple[int, ...]:
     """Middle and top: ``(n // 2, n)``; for 30 layers ``(15, 30)``. Measured on the embedded model (550
     training steps, two seeds, held-out Spec-Bench answers): first draft kept 0.484 and 0.486 with

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from adaptive.drafters.eagle import NO_LOOKUP, EagleHead, EagleStep, HeadCache, TreeShape
+from adaptive.drafters.eagle import NO_LOOKUP, EagleHead, EagleStep, HeadCache, TreeShape, step_settings
 from adaptive.engine.graphs import BUCKETS, SlotPool, StepGraphs, bucket_for, capacity_for, zeros_kv
 
 HEAD_WINDOW = 64  # rows after the committed ones a level sees by mask: a tree's drafted levels (width x depth)
@@ -286,7 +286,7 @@ def warm_head(head: EagleHead, backbone, tree: TreeShape | None, max_len: int = 
     ``max_len`` positions now (a server's startup, :meth:`AdaptiveRuntime.warm
     <adaptive.runtime.runtime.AdaptiveRuntime.warm>`), on the head slot such a request takes; ``tree``: how its
     drafts branch (``None``: chains). Returns the graphs captured (0 without graphs)."""
-    step = head.step(backbone.dtype, getattr(backbone, "weight_mode", "dense"))
+    step = head.step(*step_settings(backbone))
     found = head_graphs(step, backbone, backbone.embed_rows)
     if found is None:
         return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive.drafters.cascade import CascadeDrafter, CascadePlan
-from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, TreeShape
+from adaptive.drafters.eagle import DEFAULT_TREE, EagleHead, TreeShape, step_settings
 from adaptive.drafters.eagle_drafter import EagleDrafter
 from adaptive.drafters.early_exit import EarlyExitDrafter, ExitBlock
 from adaptive.drafters.head import DraftHead
@@ -100,7 +100,7 @@ def build_drafter(spec: DrafterSpec, backbone) -> Drafter | None:
                               lenience=plan.lenience, head=spec.head if skip else None)
     if spec.kind == "eagle":
         return EagleDrafter(spec.eagle, spec.head or eagle_vocab(spec.eagle, backbone), backbone.embed_rows,
-                            backbone.dtype, getattr(backbone, "weight_mode", "dense"), tree=spec.tree)
+                            *step_settings(backbone), tree=spec.tree)
     if spec.kind == "early-exit":
         return EarlyExitDrafter(spec.exit_layer, n_layers, spec.exit_block, dtype=backbone.dtype,
                                 device=backbone.device)

@@ -86,6 +86,7 @@ from adaptive.engine.llamacpp_host import (
     threadpool_api,
 )
 from adaptive.engine.prefix import PrefixStore
+from adaptive.engine.quant import packing_supported
 from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
 from adaptive.errors import ConfigError, ContextFullError, ModelNotFoundError, PromptTooLongError
 
@@ -262,6 +263,19 @@ class LlamaCppBackbone:
     def dtype(self) -> torch.dtype:
         """The dtype of the logits handed out (the weights are the GGUF file's own)."""
         return torch.float32
+
+    @property
+    def draft_dtype(self) -> torch.dtype:
+        """The dtype a torch drafter beside llama.cpp computes in (an eagle head's step): bf16 where oneDNN
+        computes it on this CPU (with :attr:`weight_mode` packed), else float32. Measured (AMD EPYC, 2 cores,
+        the embedded model's head of 8,192 rows): a draft token 2.0 ms in packed bf16, 4.1 ms in float32,
+        against a llama.cpp step of ~9 ms."""
+        return torch.bfloat16 if packing_supported(torch.bfloat16) else torch.float32
+
+    @property
+    def weight_mode(self) -> str:
+        """How a torch drafter's weights beside llama.cpp are laid out (:attr:`draft_dtype`)."""
+        return "packed" if self.draft_dtype == torch.bfloat16 else "dense"
 
     @property
     def numerics(self) -> torch.dtype:

@@ -405,15 +405,17 @@ class AdaptiveRuntime:
         with self._state_lock:
             return dict(self._bandits)
 
-    def plan(self, policy: Policy, route: Route | None, prompt_ids: list[int]) -> RoutedPlan:
+    def plan(self, policy: Policy, route: Route | None, prompt_ids: list[int], features: bool = True) -> RoutedPlan:
         """What decodes a request routed to ``route`` under ``policy`` (``prompt_ids`` join a reduced
-        draft head). Takes the state lock once; creates the domain's bandit on first use."""
+        draft head; ``features``: its cache keeps the head's feature rows, :meth:`request_features`).
+        Takes the state lock once; creates the domain's bandit on first use."""
         dp = self._record(route.domain if policy.routed and route is not None else None)
         kind = policy.drafter or dp.decision.drafter
         if kind == "ssd" and not dp.layer_skip.skip:
             kind = "ar"  # no skip set to draft with
-        if kind == "eagle" and policy.drafter is None and not self.features:
-            kind = "ar"  # a domain decided for the head, on an engine where it cannot draft (see features)
+        if kind == "eagle" and policy.drafter is None and not (self.features and features):
+            kind = "ar"  # a domain decided for the head, on an engine where it cannot draft (see features), or
+            # a request prefilled without its rows (no record had decided for the head when it started)
         if kind == "ar":
             return RoutedPlan(route, dp.name, policy.name, "ar", DrafterSpec("ar"))
         key = f"{policy.name}:{dp.name}"
@@ -610,12 +612,30 @@ class AdaptiveRuntime:
 
     def config(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] | str = (), seed: int | None = None,
-               confidence_threshold: float | None = None) -> GenerationConfig:
-        """A request's :class:`GenerationConfig` (its draft length: the longest any policy makes)."""
+               confidence_threshold: float | None = None, policy: str = ROUTED_POLICY) -> GenerationConfig:
+        """A request's :class:`GenerationConfig` (its draft length: the longest any policy makes; its feature
+        rows: :meth:`request_features` under ``policy``)."""
         return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
                                 draft_len=self.draft_len, confidence_threshold=confidence_threshold,
-                                features=self.features)
+                                features=self.request_features(get_policy(policy)))
+
+    def request_features(self, policy: Policy) -> tuple[int, ...]:
+        """The feature rows a request under ``policy`` keeps from its prefill on (the routing comes after it):
+        the head's (:attr:`features`) where it may draft with them, under the ``eagle`` policy, or under one the
+        records decide while any record (a calibrated domain's, the global one, a domain learned online) decides
+        for the head; else none. Kept, they cost every forward on llama.cpp (the embedded model: a prefill
+        +13-15%, a step +4%), so a request that cannot draft with the head does not pay for them."""
+        if not self.features or (policy.drafter != "eagle" and not (policy.drafter is None and self._head_decided())):
+            return ()
+        return self.features
+
+    def _head_decided(self) -> bool:
+        """Whether any record decides for the eagle head: the global one, a calibrated domain's or a learned one's."""
+        records = [self.profile.global_set, *self.profile.domains.values()]
+        if self.online is not None:
+            records += [d.record for d in list(self.online.learned.values())]
+        return any(r.decision.drafter == "eagle" for r in records)
 
     def start(self, prompt: str | Sequence[dict], max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
@@ -638,7 +658,7 @@ class AdaptiveRuntime:
         and, after the last, routes and plans the request (a :class:`RoutedDecoding`). A server
         steps its running requests between the chunks (:mod:`adaptive.serve.scheduler`)."""
         pol = self._decodable(policy)
-        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
+        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold, pol.name)
         with self._lock:
             task = self.engine.prefilling(list(prompt_ids), cfg, pool=self.profile.index.pooling, chunk=chunk,
                                           prefix=True)
@@ -657,7 +677,7 @@ class AdaptiveRuntime:
             route, flagged = self.online.route(vector)
         else:
             route = self.profile.index.route(vector)
-        plan = self.plan(pol, route, ids)
+        plan = self.plan(pol, route, ids, getattr(session.state.cache, "features", None) is not None)
         obs = None if flagged is None else Observation(vector, tuple(ids), (), plan.applied, flagged,
                                                        learned=flagged and not route.out_of_domain)
         if plan.drafter == "draft-model" and shared_draft_model:
@@ -796,7 +816,7 @@ class AdaptiveRuntime:
                    engine_choice: dict | None = None) -> Iterator[str | RuntimeResult]:
         """:meth:`stream` of encoded prompt ``ids`` (``engine_choice``: recorded on the result)."""
         pol = self._decodable(policy)
-        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold)
+        cfg = self.config(max_new_tokens, temperature, top_p, top_k, stop, seed, confidence_threshold, pol.name)
         return self._stream(list(ids), cfg, pol, engine_choice)
 
     def _stream(self, ids: list[int], cfg: GenerationConfig, pol: Policy,

@@ -47,6 +47,31 @@ def test_a_head_trained_on_llama_cpp_drafts_there_exactly_as_plain_decoding(memb
     assert drafted > 0
 
 
+def test_only_a_request_that_may_draft_with_the_head_keeps_its_rows(member):
+    """Rows cost every llama.cpp forward: a routed request keeps them only while some record decides for the
+    head; the eagle policy always; and a domain decided for the head drafts with it, as plain decoding."""
+    cpp_dir, _, lms = member
+    cpp = lms["llama.cpp"]
+    distill_head(cpp, cpp_dir, TINY_DOMAINS, HeadConfig(**{**FAST, "steps": 20}), progress=False, race=False)
+    rt = AdaptiveRuntime.from_profile(cpp_dir, model=cpp, online=False, bandit=False)
+    assert rt.features == (1, 2, 4) and not rt._head_decided()
+    assert rt.config().features == () and rt.config(policy="ar").features == ()
+    assert rt.config(policy="eagle").features == (1, 2, 4)
+    profile = load_profile(cpp_dir)
+    for name, dp in [(None, profile.global_set), *profile.domains.items()]:
+        new = replace(dp, decision=replace(dp.decision, drafter="eagle", draft_len=2))
+        if name is None:
+            profile.global_set = new
+        else:
+            profile.domains[name] = new
+    save_profile(profile, cpp_dir)
+    rt = AdaptiveRuntime.from_profile(cpp_dir, model=cpp, online=False, bandit=False)
+    assert rt.config().features == (1, 2, 4) and rt.config(policy="cascade").features == ()
+    prompt = "what is 3 plus 6? answer:"
+    routed, plain = rt.generate(prompt, max_new_tokens=24), rt.generate(prompt, max_new_tokens=24, policy="ar")
+    assert routed.decision == "eagle" and routed.stats.drafted > 0 and routed.text == plain.text
+
+
 def test_a_head_is_refused_on_an_engine_that_keeps_its_features_otherwise(member):
     """A torch-trained head (the residual top) in the llama.cpp member: the eagle policy is refused there
     before any prefill, with the engine named; the routed policies decode as before."""

@@ -151,3 +151,13 @@ def test_an_eagle_head_s_sizes_and_rows_are_read_from_the_file(pair):
     ids = torch.tensor([3, 7, 7, 11])
     assert torch.allclose(cpp.embed_rows(ids), pt.embed_rows(ids).float(), atol=1e-3)
     assert torch.allclose(cpp.head_rows(ids), pt.head_rows(ids).float(), atol=1e-3)
+
+
+def test_a_head_beside_llama_cpp_drafts_in_bf16_where_onednn_computes_it(pair):
+    from adaptive.drafters.eagle import step_settings
+    from adaptive.engine.quant import packing_supported
+
+    cpp, pt = pair
+    bf16 = packing_supported(torch.bfloat16)
+    assert step_settings(cpp) == ((torch.bfloat16, "packed") if bf16 else (torch.float32, "dense"))
+    assert step_settings(pt) == (pt.dtype, pt.weight_mode)
