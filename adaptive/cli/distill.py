@@ -105,7 +105,8 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
 
     early-exit: the target's first --exit-layer layers plus a trained exit block; eagle: a head
     over the target's own hidden states and a lookup token, trained on the target's continuations
-    of the prompts (docs/design.md, "Eagle heads"); MODEL: a separate draft model sharing the
+    of the prompts on the profile's engine (a two-engine profile: its torch member; PAIR/llama.cpp for
+    a head on llama.cpp; docs/design.md, "Eagle heads"); MODEL: a separate draft model sharing the
     target's tokenizer, fine-tuned whole. The drafter is then used by `adaptive generate --profile
     DIR --policy early-exit|eagle|draft-model` and `adaptive bench`.
     """
