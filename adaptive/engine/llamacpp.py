@@ -670,8 +670,9 @@ class LlamaCppBackbone:
         whose feature rows (where it keeps them) this decode writes (:meth:`_keep_features`)."""
         lib, b = self._lib, self._batch
         keeps = [c is not None and c.features is not None for c in keep] + [False] * (len(parts) - len(keep))
-        n = 0
-        wanted: list[int] = []  # the output rows asked for (a part keeping features outputs every row)
+        keeping = any(keeps)
+        n = n_out = 0
+        wanted: list[int] = []  # the output rows asked for, where a part keeping features outputs every row
         for (ids, seq, start, flags), kept in zip(parts, keeps):
             T = len(ids)
             for j in range(T):
@@ -679,14 +680,14 @@ class LlamaCppBackbone:
                 b.pos[n + j] = start + j
                 b.n_seq_id[n + j] = 1
                 b.seq_id[n + j][0] = seq
-                asked = flags is True or (flags == "last" and j == T - 1)
-                b.logits[n + j] = asked or kept
-                if asked:
-                    wanted.append(n + j)
+                b.logits[n + j] = kept or flags is True or (flags == "last" and j == T - 1)
+            if keeping:
+                asked = range(T) if flags is True else ([T - 1] if flags == "last" else [])
+                wanted.extend(n_out + j for j in asked)
             n += T
+            n_out += T if kept or flags is True else int(flags == "last")
         b.n_tokens = n
         self.rows += n
-        outputs = [i for i in range(n) if b.logits[i]]
         top = any(kept and self.n_layers in c.feature_layers for c, kept in zip(keep, keeps))
         if embeddings or top:
             lib.llama_set_embeddings(self._ctx, True)
@@ -701,16 +702,15 @@ class LlamaCppBackbone:
         if rc != 0:
             raise RuntimeError(f"llama.cpp could not decode {n} tokens: error {rc}")
         rows = None
-        if outputs:
+        handed = len(wanted) if keeping else n_out  # rows output for the feature rows alone are not handed out
+        if handed:
             ptr = lib.llama_get_logits(self._ctx)
-            view = np.ctypeslib.as_array(ptr, shape=(len(outputs), self.vocab_size))
-            if len(wanted) != len(outputs):  # rows output for feature rows alone: not handed out
-                at = {i: r for r, i in enumerate(outputs)}
-                view = view[[at[i] for i in wanted]]
-            if wanted:
-                rows = view.argmax(axis=1).tolist() if argmax else torch.from_numpy(np.array(view))
-        if any(keeps):
-            self._keep_features(parts, keep, keeps, len(outputs))
+            view = np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size))
+            if handed != n_out:
+                view = view[wanted]
+            rows = view.argmax(axis=1).tolist() if argmax else torch.from_numpy(np.array(view))
+        if keeping:
+            self._keep_features(parts, keep, keeps, n_out)
         hidden = None
         if embeddings:
             ptr = lib.llama_get_embeddings_ith(self._ctx, -1)

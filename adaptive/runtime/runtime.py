@@ -302,10 +302,10 @@ class AdaptiveRuntime:
         self._eagle: EagleHead | None = None  # the distilled eagle head, on the model's device
         self._domain_eagle: dict[str, EagleHead] = {}  # domain -> a head refined on its traffic (set_eagle_head)
         self._listeners: list[RequestListener] = []
-        # the feature rows every request's cache keeps: the eagle head's, where the profile holds one and the
-        # engine gives them as the head was trained on (torch, with CUDA graphs the captured steps writing them
-        # into the slot; llama.cpp from its layer inputs and output rows); the routing happens after the prefill,
-        # whose rows the head reads too
+        # the feature rows a request that may draft with the head keeps (request_features): the eagle head's,
+        # where the profile holds one and the engine gives them as the head was trained on (torch, with CUDA
+        # graphs the captured steps writing them into the slot; llama.cpp from its layer inputs and output rows);
+        # the routing happens after the prefill, whose rows the head reads too
         eagle = profile.distilled.get("eagle")
         bb = lm.backbone
         shape = HeadShape.from_dict(eagle.shape) if eagle is not None and eagle.shape else None
