@@ -42,8 +42,8 @@ GGUF file, with the file's own quantized weights: no float copy of the model is 
   for that decode, every fed row an output): the final norm's output over the norm's weight, the
   residual scaled to unit RMS (:data:`~adaptive.engine.config.FEATURE_TOPS` "unit"; the API gives no
   residual after the last layer). A prefill keeping them computes the LM head at every row, in micro-batches
-  of 512 (with the rows copied out: a prefill +13-15%, a step +4% on the embedded model). The head's own inputs (the token
-  embedding, the LM head's rows, the final norm, its sizes) are read from the GGUF file.
+  of 512 (with the rows copied out: a prefill +13-15%, a step +4% on the embedded model). The head's own
+  inputs (the token embedding, the LM head's rows, the final norm, its sizes) are read from the GGUF file.
 
 Its one concern, decoding on llama.cpp (caches, forwards, verification batches, the routing pools, the
 feature rows, the prefix cache's sequences), is why it runs past 600 lines; loading the binding and
