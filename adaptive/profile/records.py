@@ -227,13 +227,15 @@ class DomainRecord:
         """Layer-skip drafts of this domain run over its reduced vocabulary (measured faster)."""
         return self.vocab is not None and self.vocab.use and self.draft_vocab is not None
 
-    def seconds_per_token(self, cost_model: CostModel) -> float:
+    def seconds_per_token(self, cost_model: CostModel, greedy: bool = True) -> float:
         """Expected seconds per new token under this domain's decision: plain decoding's measured pace
         (the mean ``ar_tokens_per_s`` of its races, whole decoding loop; the cost model's step where
-        none was timed) over the decision's measured speedup."""
+        none was timed) over the decision's measured speedup. The races decode greedily, so a sampled
+        request (``greedy=False``) is priced at plain decoding's pace: its drafts are kept less often
+        and its bandit drafts only where that pays (:func:`~adaptive.runtime.bandit.temperature_class`)."""
         rates = [m.ar_tokens_per_s for m in self.measurements if m.ar_tokens_per_s > 0]
         plain = len(rates) / sum(rates) if rates else cost_model.step_ms / 1e3
-        return plain / max(self.decision.speedup, 1e-6)
+        return plain / max(self.decision.speedup, 1e-6) if greedy else plain
 
     def copy_length(self, max_len: int) -> int:
         """How long the eagle drafter's copies of the context run where its length is fixed (a race, a
@@ -450,16 +452,17 @@ class Profile:
                 out[d.layer_skip.skip] = None
         return tuple(out)
 
-    def seconds_per_token(self, domain: str | None = None) -> float:
+    def seconds_per_token(self, domain: str | None = None, greedy: bool = True) -> float:
         """Expected seconds per new token before the request is routed: ``domain``'s
         :meth:`DomainRecord.seconds_per_token` where it is one of the profile's domains (a guess, e.g.
         :meth:`Lexicon.guess <adaptive.index.lexicon.Lexicon.guess>`), else each domain's weighted by
-        its calibration prompts (the global record's without domains)."""
+        its calibration prompts (the global record's without domains); ``greedy=False``: a sampled
+        request's, plain decoding's pace."""
         if domain in self.domains:
-            return self.domains[domain].seconds_per_token(self.cost_model)
+            return self.domains[domain].seconds_per_token(self.cost_model, greedy)
         doms = [d for d in self.domains.values() if d.prompts > 0] or [self.global_set]
         weights = [max(d.prompts, 1) for d in doms]
-        return sum(w * d.seconds_per_token(self.cost_model) for w, d in zip(weights, doms)) / sum(weights)
+        return sum(w * d.seconds_per_token(self.cost_model, greedy) for w, d in zip(weights, doms)) / sum(weights)
 
     def check_model(self, fingerprint: ModelFingerprint) -> None:
         """Raise :class:`ProfileError` unless ``fingerprint`` is this profile's model, on its engine."""

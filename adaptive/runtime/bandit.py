@@ -18,6 +18,18 @@ from adaptive.costs import best_draft_length, best_split
 from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, Draft, DraftChoice, DraftLengthPolicy, DraftPlan
 
 
+def temperature_class(temperature: float) -> str:
+    """The suffix of a bandit's key for requests sampled at ``temperature``: ``""`` for greedy
+    decoding, else ``"@t"`` and the temperature to one decimal (``0.7`` -> ``"@t0.7"``, ``1.0`` ->
+    ``"@t1"``). Acceptance falls as the temperature rises (a sampled draft is kept with probability
+    ``sum_x min(p(x), q(x))``, not when the target's argmax agrees), so each class learns its own
+    posterior: a domain's greedy traffic never teaches its sampled requests to draft, and the other
+    way round."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return "" if temperature == 0 else f"@t{round(float(temperature), 1):g}"
+
+
 class BetaPosterior:
     """A Beta posterior on a per-token acceptance, with a bounded memory (``window``).
 

@@ -123,6 +123,7 @@ class EngineChoice:
     expected_tokens: float | None = None
     unable: tuple[str, ...] = ()
     policy: str | None = None
+    greedy: bool = True  # False: a sampled request, priced at plain decoding's pace (the races are greedy)
 
     @property
     def priced_tokens(self) -> float:
@@ -136,6 +137,8 @@ class EngineChoice:
         eagle)"``."""
         ordered = sorted(self.estimates, key=lambda e: e.engine != self.engine)
         notes = [f"priced as {self.domain}"] if self.domain is not None else []
+        if not self.greedy:
+            notes.append("sampled: at plain decoding's pace")
         if round(self.priced_tokens) < self.new_tokens:
             notes.append(f"for {round(self.priced_tokens)} of {self.new_tokens} tokens")
         if self.unable:
@@ -148,7 +151,7 @@ class EngineChoice:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "domain": self.domain,
                 "expected_tokens": float(round(self.priced_tokens, 1)), "policy": self.policy,
-                "unable": list(self.unable),
+                "unable": list(self.unable), "greedy": self.greedy,
                 "estimates": [e.to_dict() for e in self.estimates]}
 
 
@@ -163,14 +166,15 @@ def added_step(verify: Sequence[float], running: int) -> float:
 
 
 def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: int = 0,
-             domain: str | None = None, pace: float = 1.0, cached: int = 0) -> EngineEstimate:
+             domain: str | None = None, pace: float = 1.0, cached: int = 0, greedy: bool = True) -> EngineEstimate:
     """The :class:`EngineEstimate` on ``profile``'s engine: its measured prefill of ``prompt_tokens``
     less the ``cached`` ones its prefix cache holds, and ``new_tokens`` (an expectation may be
     fractional) at its expected pace in ``domain`` (``None`` or not one of its domains: the average,
     :meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`) times ``pace``
     (a learned correction, :class:`~adaptive.runtime.pace.PaceLearner`), each step priced by :func:`added_step` with
-    ``running`` requests already decoding there."""
-    per_token = profile.seconds_per_token(domain) * pace * added_step(profile.cost_model.verify, running)
+    ``running`` requests already decoding there; ``greedy=False``: a sampled request, at plain decoding's
+    pace (:meth:`Profile.seconds_per_token <adaptive.profile.Profile.seconds_per_token>`)."""
+    per_token = profile.seconds_per_token(domain, greedy) * pace * added_step(profile.cost_model.verify, running)
     uncached = max(prompt_tokens - cached, 1)
     return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(uncached),
                           new_tokens * per_token, pace, cached)
@@ -178,7 +182,7 @@ def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: i
 
 def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
            domain: str | None = None, expected_tokens: float | None = None, unable: Sequence[str] = (),
-           policy: str | None = None) -> EngineChoice:
+           policy: str | None = None, greedy: bool = True) -> EngineChoice:
     """The engine with the least expected time (the first among equals), priced as ``domain`` for
     ``expected_tokens`` of the ``new_tokens`` allowed (``None``: all of them); ``unable``: the engines
     left out of ``estimates`` because they cannot decode ``policy`` (said in the choice's reason)."""
@@ -186,7 +190,7 @@ def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: 
         raise ValueError("no engine to choose from")
     best = min(estimates, key=lambda e: e.expected_s)
     return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain, expected_tokens,
-                        tuple(unable), policy)
+                        tuple(unable), policy, greedy)
 
 
 class TwoEngineRuntime:
@@ -365,7 +369,8 @@ class TwoEngineRuntime:
         return lexicon.guess(prompt_ids) if lexicon is not None else None
 
     def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None,
-               prompt_ids: Sequence[int] | None = None, policy: str | None = None) -> EngineChoice:
+               prompt_ids: Sequence[int] | None = None, policy: str | None = None,
+               greedy: bool = True) -> EngineChoice:
         """Where a request of ``prompt_tokens`` and at most ``new_tokens`` runs, among the engines that can
         take it now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the
         cost, each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
@@ -383,10 +388,10 @@ class TwoEngineRuntime:
         expected = self.lengths.expected(domain, new_tokens) if self.lengths is not None else None
         estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens if expected is None else expected,
                               running[name], domain, self.pace.factor(name, domain) if self.pace is not None else 1.0,
-                              self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0)
+                              self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0, greedy)
                      for name in names]
         return choose(estimates, prompt_tokens, new_tokens, domain, expected,
-                      [name for name in self.runtimes if name not in decoders], policy)
+                      [name for name in self.runtimes if name not in decoders], policy, greedy)
 
     # -- learning each engine's pace ------------------------------------------------------------
 
@@ -463,10 +468,10 @@ class TwoEngineRuntime:
         """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
-        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids, options.get("policy"))
+        greedy = options.get("temperature", 0.0) == 0.0
+        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids, options.get("policy"), greedy)
         member = self.runtimes[choice.engine]
         items = member.stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(), **options)  # checks them now
-        greedy = member.config(max_new_tokens, **{k: v for k, v in options.items() if k != "policy"}).greedy
         return self._stream(items, choice, greedy)
 
     def _stream(self, items: Iterator[str | RuntimeResult], choice: EngineChoice,
@@ -497,7 +502,7 @@ class TwoEngineRuntime:
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> _ChosenPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
         choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids), prompt_ids,
-                             options.get("policy"))
+                             options.get("policy"), options.get("temperature", 0.0) == 0.0)
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
         self._admit(choice.engine, task, choice, task.task.config.greedy)

@@ -55,7 +55,7 @@ from adaptive.index.router import RouteDecision, decision_of, route_vector
 from adaptive.measure.race import HeadCandidate
 from adaptive.models import LoadedModel, load_model
 from adaptive.profile import GLOBAL, DomainRecord, Profile, ProfileError, is_two_engine, load_profile
-from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength
+from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength, temperature_class
 from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
 from adaptive.runtime.policies import DISTILLED, ROUTED_POLICY, Policy, get_policy
 from adaptive.runtime.turns import TurnLock
@@ -295,7 +295,7 @@ class AdaptiveRuntime:
         # the model: one decode at a time, in arrival order (re-entrant); shared by the engines of one machine
         self._lock = model_lock if model_lock is not None else TurnLock()
         self._state_lock = threading.Lock()  # what is built on first use, below
-        self._bandits: dict[str, DraftLengthPolicy] = {}  # "policy:domain" -> its Thompson sampler
+        self._bandits: dict[str, DraftLengthPolicy] = {}  # "policy:domain[@tT]" -> its Thompson sampler
         self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> (ids, LM-head rows)
         self._exit_block: ExitBlock | None = None  # the distilled early-exit block, in the model's dtype
         self._draft_model = None  # the distilled draft model's drafter: built once, its own KV cache reused
@@ -405,10 +405,13 @@ class AdaptiveRuntime:
         with self._state_lock:
             return dict(self._bandits)
 
-    def plan(self, policy: Policy, route: Route | None, prompt_ids: list[int], features: bool = True) -> RoutedPlan:
+    def plan(self, policy: Policy, route: Route | None, prompt_ids: list[int], features: bool = True,
+             temperature: float = 0.0) -> RoutedPlan:
         """What decodes a request routed to ``route`` under ``policy`` (``prompt_ids`` join a reduced
-        draft head; ``features``: its cache keeps the head's feature rows, :meth:`request_features`).
-        Takes the state lock once; creates the domain's bandit on first use."""
+        draft head; ``features``: its cache keeps the head's feature rows, :meth:`request_features`),
+        sampled at ``temperature``. Takes the state lock once; creates the domain's bandit on first use:
+        one per policy, domain and :func:`~adaptive.runtime.bandit.temperature_class` (greedy requests'
+        acceptance says little of sampled ones', so each learns its own)."""
         dp = self._record(route.domain if policy.routed and route is not None else None)
         kind = policy.drafter or dp.decision.drafter
         if kind == "ssd" and not dp.layer_skip.skip:
@@ -418,7 +421,7 @@ class AdaptiveRuntime:
             # a request prefilled without its rows (no record had decided for the head when it started)
         if kind == "ar":
             return RoutedPlan(route, dp.name, policy.name, "ar", DrafterSpec("ar"))
-        key = f"{policy.name}:{dp.name}"
+        key = f"{policy.name}:{dp.name}{temperature_class(temperature)}"
         with self._state_lock:
             if kind == "cascade":
                 return self._cascade_plan(key, policy, route, dp, prompt_ids)
@@ -677,7 +680,8 @@ class AdaptiveRuntime:
             route, flagged = self.online.route(vector)
         else:
             route = self.profile.index.route(vector)
-        plan = self.plan(pol, route, ids, getattr(session.state.cache, "features", None) is not None)
+        plan = self.plan(pol, route, ids, getattr(session.state.cache, "features", None) is not None,
+                         session.config.temperature)
         obs = None if flagged is None else Observation(vector, tuple(ids), (), plan.applied, flagged,
                                                        learned=flagged and not route.out_of_domain)
         if plan.drafter == "draft-model" and shared_draft_model:
@@ -849,7 +853,7 @@ class AdaptiveRuntime:
             self.online.close()
 
     def bandit_state(self) -> dict:
-        """Each ``"policy:domain"`` bandit's posterior and choices so far (does not wait for a running decode)."""
+        """Each ``"policy:domain[@tT]"`` bandit's posterior and choices so far (does not wait for a running decode)."""
         with self._state_lock:
             bandits = dict(self._bandits)
         return {k: b.state() for k, b in bandits.items()}

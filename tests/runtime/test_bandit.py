@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from adaptive.costs import best_draft_length
 from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, Draft
-from adaptive.runtime.bandit import ThompsonDraftLength
+from adaptive.runtime.bandit import ThompsonDraftLength, temperature_class
 
 VERIFY = (1.0, 1.0, 1.05, 1.1, 1.15, 1.2)
 
@@ -25,6 +25,15 @@ def draft(k, sources=(), forwards=0):
 
 def observe(b, drafted, accepted):
     b.update(draft(drafted), accepted)
+
+
+def test_temperature_class_keys_greedy_apart_from_each_sampled_temperature():
+    assert temperature_class(0.0) == "" and temperature_class(0) == ""
+    assert temperature_class(1.0) == "@t1" and temperature_class(0.7) == "@t0.7"
+    assert temperature_class(0.74) == "@t0.7" and temperature_class(0.04) == "@t0"  # to one decimal
+    assert temperature_class(1.25) == "@t1.2"  # Python's round: to the even digit
+    with pytest.raises(ValueError):
+        temperature_class(-0.1)
 
 
 def test_best_length_worked_examples():

@@ -41,6 +41,9 @@ def test_choose_takes_the_least_expected_time_and_says_why():
     priced = choose([fast_decode, fast_prefill], 100, 256, "qa", expected_tokens=41.6)  # where answers end
     assert priced.reason == "expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa, for 42 of 256 tokens)"
     assert priced.to_dict()["expected_tokens"] == 41.6 and d["expected_tokens"] == 64  # None: all it may decode
+    sampled = choose([fast_decode, fast_prefill], 100, 64, "qa", greedy=False)
+    assert sampled.reason.endswith("(priced as qa, sampled: at plain decoding's pace)")
+    assert sampled.to_dict()["greedy"] is False and d["greedy"] is True
     with pytest.raises(ValueError):
         choose([], 1, 1)
 
@@ -172,6 +175,9 @@ def test_estimate_prices_a_known_domain_at_its_own_pace(two):
     average = 64 * 0.010 * (1 / 2.0 + 2 * 1.0) / 3
     assert estimate(p, 100, 64).decode_s == pytest.approx(average)
     assert estimate(p, 100, 64, domain="poetry").decode_s == pytest.approx(average)
+    # a sampled request: plain decoding's pace (the races that measured the speedups are greedy)
+    assert estimate(p, 100, 64, domain="code", greedy=False).decode_s == pytest.approx(0.64)
+    assert estimate(p, 100, 64, greedy=False).decode_s == pytest.approx(0.64)
 
 
 def test_the_domain_guessed_from_the_prompt_prices_the_choice(two):

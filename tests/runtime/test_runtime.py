@@ -180,8 +180,27 @@ def test_concurrent_requests_match_single_threaded_output(runtime):
             assert ids == expected[j], j
         else:  # sampled: a complete, valid generation
             assert 1 <= len(ids) <= 20 and all(0 <= t < runtime.lm.backbone.vocab_size for t in ids)
-    # bounded state: one bandit per (drafting policy, record) at most: knn-ssd, knn-skip, cascade, ssd-static
-    assert len(runtime.bandit_state()) <= 4 * (len(TINY_DOMAINS) + 1)
+    # bounded state: one bandit per (drafting policy, record, temperature class) at most: knn-ssd, knn-skip,
+    # cascade, ssd-static, each greedy and at 0.7
+    assert len(runtime.bandit_state()) <= 2 * 4 * (len(TINY_DOMAINS) + 1)
+    assert all(k.endswith("@t0.7") or "@" not in k for k in runtime.bandit_state())
+
+
+def test_sampled_requests_learn_in_a_bandit_of_their_own(runtime):
+    """A domain's greedy and sampled requests each draft from their own bandit (keyed by the
+    temperature class): a sampled request's verifications leave the greedy bandit as it was."""
+    rt = AdaptiveRuntime(runtime.profile, runtime.lm, online=False)
+    try:
+        greedy = rt.generate(PROMPTS[0], max_new_tokens=16, policy="knn-ssd")
+        key = f"knn-ssd:{greedy.applied}"
+        before = rt.bandit_state()[key]
+        sampled = rt.generate(PROMPTS[0], max_new_tokens=16, policy="knn-ssd", temperature=1.0, seed=3)
+        assert sampled.applied == greedy.applied
+        states = rt.bandit_state()
+        assert states[key] == before  # the sampled request taught the greedy bandit nothing
+        assert f"{key}@t1" in states and sampled.bandit == states[f"{key}@t1"]
+    finally:
+        rt.close()
 
 
 def test_started_requests_step_together_and_equal_plain_decoding(runtime):
