@@ -74,7 +74,7 @@ from adaptive.profile import (
     read_engines,
 )
 from adaptive.runtime.lengths import LengthLearner
-from adaptive.runtime.online import OnlineSettings
+from adaptive.runtime.online import OnlineSettings, link_members
 from adaptive.runtime.pace import PaceLearner
 from adaptive.runtime.policies import ROUTED_POLICY
 from adaptive.runtime.runtime import AdaptiveRuntime, RoutedDecoding, RoutedPrefilling, RuntimeResult
@@ -219,6 +219,8 @@ class TwoEngineRuntime:
                                    "choosing an engine needs: calibrate it again with this adaptive")
         self.runtimes = dict(runtimes)
         self.default = default
+        # the members' online learners pool their out-of-domain requests to discover domains (online.py)
+        link_members({name: rt.online for name, rt in runtimes.items() if rt.online is not None})
         # each engine's requests: RoutedDecodings, and _ChosenPrefillings still being prefilled
         self._live: dict[str, weakref.WeakSet] = {name: weakref.WeakSet() for name in runtimes}
         self._live_lock = threading.Lock()

@@ -43,6 +43,27 @@ state, which of their domains are adopted, the lock and the publishing thread ar
 :mod:`adaptive.runtime.replicas`'; folding the others' state into this replica's tables, bandits
 and domains is the learner's, here (:meth:`OnlineLearner.merge`).
 
+**Two engines' members.** A two-engine runtime (:mod:`adaptive.runtime.engines`) sends each request to
+one member, each an :class:`~adaptive.runtime.AdaptiveRuntime` with its own learner and overlay
+(``PROFILE/ENGINE.online``), so a domain's traffic is split between two buffers, and neither may hold
+``min_cluster`` of it. :func:`link_members` (called by the two-engine runtime) pools them: each
+member's discovery clusters its own pending requests (its replicas' included) and the other member's
+(its :class:`~adaptive.runtime.replicas.MemberShare`, a snapshot read without the other's lock, ids
+prefixed with the other's engine: ``torch/REPLICA:N``), as replicas pool theirs. That needs the
+vectors to be comparable: the members were calibrated apart, each with its own index, and
+are pooled only where both route on the same embedding (pooling, dimension, centring:
+:func:`~adaptive.runtime.replicas.embedding_mismatch`), where the vectors differ only by the engines'
+numerics (the same model's hidden state in Q4 kernels and in bf16); members that route on different
+layers stay apart (the log and :meth:`OnlineLearner.state` say why: re-embedding each request on
+the other engine would cost a prefill, not built). One member discovers at a time (neither proposes
+while the other measures). The member that learns a domain measured it on its own engine; it hands
+the domain (name, anchors, members' token ids) to the other (:meth:`OnlineLearner.offer`), which
+measures it on *its* engine in turn (under its own measuring lock; until then those requests use its
+global record), so each member decides with its own engine's race. A request counts once in
+discovery: a domain's members are taken out of both members' pools (by id), and a member already
+holding a domain near an offered one skips it. Another replica's members learn the domain from
+their replicas' files as before.
+
 Everything here only changes what is *drafted*: verification still decides every
 token, so outputs stay those of plain decoding.
 
@@ -59,8 +80,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +105,19 @@ from adaptive.profile.overlay import (
     replica_path,
     save_overlay,
 )
-from adaptive.runtime.replicas import MeasuringLock, Others, Publisher, ReplicaFiles, adoptable, load_own, lock_path
+from adaptive.runtime.replicas import (
+    MeasuringLock,
+    MemberShare,
+    Others,
+    Publisher,
+    ReplicaFiles,
+    adoptable,
+    embedding_mismatch,
+    load_own,
+    lock_path,
+    member_id,
+    near,
+)
 from adaptive.runtime.turns import ShareGuard
 
 log = logging.getLogger("adaptive.online")
@@ -172,6 +205,7 @@ class _Pending:
     name: str
     anchors: np.ndarray
     members: list[BufferedRequest]
+    offered: bool = False  # the other member's learned domain, measured on this engine (OnlineLearner.offer)
     share: ShareGuard | None = field(default=None, repr=False)
     thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -219,6 +253,13 @@ class OnlineLearner:
         self._publisher: Publisher | None = None
         self._unadopted: dict[str, PairCounts] = {}  # own counts of tables of domains not adopted yet
         self._closing = threading.Event()
+        # the two-engine runtime's other members (link_members): engine -> learner, pooled for discovery; those
+        # whose embeddings differ, with why; what this one shows them; the domains they learned, to measure here
+        self.member: str | None = None
+        self._siblings: dict[str, OnlineLearner] = {}
+        self._apart: dict[str, str] = {}
+        self._share = MemberShare()
+        self._offers: list[_Pending] = []
         self.update_seconds = 0.0  # time spent in observe() (tables, buffer, discovery; not measuring)
         self.measure_seconds = 0.0  # model time taken by finished measurements' race blocks
         self.measure_waits = 0  # race blocks that waited for their share while serving was busy
@@ -281,6 +322,7 @@ class OnlineLearner:
         held = [n for n in merged.counts if n in self.profile.domains or n == GLOBAL or n in self.learned]
         for name, c in self._others.changed_counts(held):
             self.table(name).set_others(c.prev, c.succ, c.count)
+        self._reshare()
 
     def _after_merge(self, merged: OnlineOverlay, shared: bool) -> None:
         """Outside the lock: the publishing thread once other replicas exist, and the bandits rebased
@@ -327,6 +369,8 @@ class OnlineLearner:
 
     def _publish(self) -> None:
         self.merge()
+        if self._offers:
+            self._start_offer()
         if self._since_save > 0:
             self._save_quietly()
 
@@ -334,15 +378,50 @@ class OnlineLearner:
         """The ids of the buffered requests (of any replica) that formed the domains held (caller holds the lock)."""
         return {m for d in self.learned.values() for m in d.member_ids}
 
-    def _pooled(self) -> list[BufferedRequest]:
+    def _own_pool(self) -> list[BufferedRequest]:
         """This replica's buffered requests and the other replicas' (less any a learned domain took or
-        that now route to one): what discovery clusters (caller holds the lock)."""
+        that now route to one) (caller holds the lock)."""
         taken = self._members()
         mine = {b.id for b in self.buffer}
         theirs = [b for b in self._others.merged.buffer if b.id not in taken and b.id not in mine]
         if theirs and self._learned_index is not None:
             theirs = [b for b in theirs if self._learned_index.route(b.vector).out_of_domain]
         return list(self.buffer) + theirs
+
+    def _pooled(self) -> list[BufferedRequest]:
+        """What discovery clusters (caller holds the lock): :meth:`_own_pool`, less the requests a domain
+        of another member took (held or being measured), and the other members' pending requests (their
+        :class:`~adaptive.runtime.replicas.MemberShare`, ids as this member names them) less those this
+        member's domains took or that route to one."""
+        pool = self._own_pool()
+        taken = self._members()
+        for name, sib in self._siblings.items():
+            share = sib._share  # a snapshot: read without the other learner's lock
+            pool = [b for b in pool if member_id(b.id, self.member, name) not in share.taken]
+            theirs = [replace(b, id=member_id(b.id, name, self.member)) for b in share.entries]
+            theirs = [b for b in theirs if b.id not in taken]
+            if theirs and self._learned_index is not None:
+                theirs = [b for b in theirs if self._learned_index.route(b.vector).out_of_domain]
+            pool += theirs
+        return pool
+
+    def _reshare(self) -> None:
+        """Renew what the other members see of this one (:class:`~adaptive.runtime.replicas.MemberShare`):
+        its pending requests, the ids its domains (held, or being measured) took and their names (caller
+        holds the lock)."""
+        if not self._siblings:
+            return
+        p = self._pending
+        taken, names = self._members(), set(self.learned) | {d.name for d in self._others.merged.learned}
+        if p is not None:
+            taken |= {m.id for m in p.members}
+            names.add(p.name)
+        self._share = MemberShare(tuple(b for b in self._own_pool() if b.id not in taken), frozenset(taken),
+                                  frozenset(names))
+
+    def _sibling_measuring(self) -> bool:
+        """Whether another member measures a domain now (this process's, or, by its lock, another replica's)."""
+        return any(s._pending is not None or s._measuring_lock.held_elsewhere() for s in self._siblings.values())
 
     # -- routing and tables ------------------------------------------------------------------
 
@@ -430,12 +509,15 @@ class OnlineLearner:
                                                    f"{self.replica}:{self.requests}"))  # this request's number: unique
                 self._since_attempt += 1
                 buffered = True
+                self._reshare()
                 attempt = self._attempt_due()
             # saved when save_every requests are unsaved and when a request was buffered (discovery pools the
             # replicas' buffers); among other replicas the publishing thread also saves what is unsaved
             # every merge_interval, off the serving thread
             due = self.persist and (self._since_save >= self.settings.save_every or buffered)
-        if attempt:  # outside the lock: proposing merges the other replicas' files first
+        if self._offers:  # a domain the other member learned, measured on this engine before any new one
+            start = self._take_offer()
+        if attempt and start is None:  # outside the lock: proposing merges the other replicas' files first
             start = self._propose()
         self.update_seconds += time.perf_counter() - t0
         if start is not None:
@@ -447,10 +529,12 @@ class OnlineLearner:
         """Whether to look for a new domain now (caller holds the lock): once ``min_cluster`` requests are
         pending (this replica's and the others'), then after every ``min_cluster // 2`` more (a full buffer
         of unrelated requests takes about 0.1 s to search, so not at every request), and not while
-        another replica measures."""
+        another replica or member measures."""
         if self._pending is not None or self._since_attempt < max(1, self.settings.min_cluster // 2):
             return False
         if len(self._pooled()) < self.settings.min_cluster or self._measuring_lock.held_elsewhere():
+            return False
+        if self._sibling_measuring():
             return False
         self._since_attempt = 0
         return True
@@ -485,13 +569,64 @@ class OnlineLearner:
         kept = [b for b in self.buffer if b.id not in chosen]
         self.buffer.clear()
         self.buffer.extend(kept)
+        self._pending = _Pending(self._fresh_name(), anchors, members)
+        self._reshare()
+        return self._pending
+
+    def _fresh_name(self, prefer: str | None = None) -> str:
+        """A learned domain's name: ``prefer`` where this member's replicas hold no domain of that name,
+        else the first ``learned-N`` none of them, the calibration nor another member holds (caller holds
+        the lock)."""
         learned = set(self.learned) | {d.name for d in self._others.merged.learned}
         taken = learned | set(self.profile.domains)
+        if prefer is not None and prefer not in taken:
+            return prefer
+        learned |= {n for s in self._siblings.values() for n in s._share.names}
+        taken |= learned
         n = len(learned) + 1
         while f"{LEARNED_PREFIX}{n}" in taken:
             n += 1
-        self._pending = _Pending(f"{LEARNED_PREFIX}{n}", anchors, members)
-        return self._pending
+        return f"{LEARNED_PREFIX}{n}"
+
+    def offer(self, source: str, domain: LearnedDomain, members: Sequence[BufferedRequest]) -> None:
+        """The other member ``source`` learned ``domain`` from ``members`` (ids as ``source`` names them),
+        measured on its engine: this member measures it on its own (the same name where free, the same
+        anchors and members; its own of them leave its buffer), now if it can, else at its next request
+        or publish, unless it holds a domain near it by then. See the module doc."""
+        mine = [replace(m, id=member_id(m.id, source, self.member)) for m in members]
+        with self._lock:
+            self._offers.append(_Pending(domain.name, domain.anchors, mine, offered=True))
+        self._start_offer()
+
+    def _start_offer(self) -> None:
+        pending = self._take_offer()
+        if pending is not None:
+            self._start_measuring(pending)
+
+    def _take_offer(self) -> _Pending | None:
+        """The first offered domain to measure now (:meth:`offer`), under the measuring lock and after a
+        merge; ``None`` when there is none or not now (this replica measures, or another holds the lock:
+        tried again later). One this member holds a domain near (its own, or a replica's) is dropped.
+        The caller does not hold the learner's lock."""
+        if not self._offers or self._pending is not None or not self._measuring_lock.take():
+            return None
+        self.merge(force=True)  # a replica of this member may have measured it meanwhile
+        pending = None
+        with self._lock:
+            while self._offers and self._pending is None and pending is None:
+                p = self._offers.pop(0)
+                if any(near(p.anchors, d.anchors, self.profile.index.ood_threshold) for d in self.learned.values()):
+                    continue  # this traffic has its domain here already: one domain per traffic
+                ids = {m.id for m in p.members}
+                kept = [b for b in self.buffer if b.id not in ids]
+                self.buffer.clear()
+                self.buffer.extend(kept)
+                p.name = self._fresh_name(p.name)
+                self._pending = pending = p
+            self._reshare()
+        if pending is None:
+            self._measuring_lock.release()
+        return pending
 
     def _start_measuring(self, pending: _Pending) -> None:
         if self.settings.background:
@@ -526,11 +661,11 @@ class OnlineLearner:
                     self.measure_seconds += share.used_s
                     self.measure_waits += share.waits
         except _Stopped:
-            self._give_back(pending)
+            self._give_back(pending, again=True)
             return
         except ContextFullError as exc:  # the served requests hold llama.cpp's context: measured again later
             log.info("measuring %s waits for room in the context: %s", pending.name, exc)
-            self._give_back(pending)
+            self._give_back(pending, again=True)
             return
         except (AdaptiveError, ValueError, RuntimeError) as exc:  # a failed measurement must not stop serving
             log.warning("measuring %s failed: %s", pending.name, exc)
@@ -547,18 +682,30 @@ class OnlineLearner:
             self._rebuild_index()
             self._pending = None
             self._absorb(domain.name, table)
+            self._reshare()
         log.info("learned domain %s from %d requests: %s at %.2fx", domain.name, domain.members,
                  rec.decision.drafter, rec.decision.speedup)
         self._save_quietly()  # saved before the lock goes: the others adopt it at their next merge
         self._measuring_lock.release()
+        if not pending.offered and not self._stop.is_set():  # found here: the other members race it too
+            for sib in list(self._siblings.values()):
+                try:
+                    sib.offer(self.member, domain, pending.members)
+                except (AdaptiveError, OSError, ValueError, RuntimeError) as exc:  # serving goes on
+                    log.warning("handing %s to the %s member failed: %s", domain.name, sib.member, exc)
+                    self.errors.append(f"offer {domain.name}: {type(exc).__name__}: {exc}")
 
-    def _give_back(self, pending: _Pending) -> None:
+    def _give_back(self, pending: _Pending, again: bool = False) -> None:
         """A measurement that did not finish: this replica's members go back to its buffer (the other
-        replicas' never left theirs), and the lock goes."""
+        replicas' and members' never left theirs), and the lock goes; ``again``: an offered domain
+        (:meth:`offer`) is offered again (measured at a later request)."""
         mine = [m for m in pending.members if m.id.startswith(f"{self.replica}:")]
         with self._lock:
             self.buffer.extendleft(reversed(mine))
             self._pending = None
+            if again and pending.offered:
+                self._offers.append(pending)
+            self._reshare()
         self._measuring_lock.release()
 
     def _joins_learned(self, obs: Observation) -> LiveBigramTable | None:
@@ -637,6 +784,8 @@ class OnlineLearner:
                     "own_requests": self.requests, "generation": self.generation, "saves": self.saves,
                     "path": str(self.own_path) if self.own_path else None, "persist": self.persist,
                     "buffered": len(self._pooled()), "measuring": self.measuring,
+                    "members": {**{n: "pooled" for n in self._siblings}, **self._apart},
+                    "offered": [p.name for p in self._offers],
                     "replicas": replicas, "merges": others.merges,
                     "merge_ms": round(1e3 * others.seconds, 3),
                     "tables": {n: {"entries": len(t), "pairs": t.pairs, "observed": round(t.observed, 1)}
@@ -655,3 +804,28 @@ class OnlineLearner:
         return {"measure_seconds": round(self.measure_seconds + running[0], 3),
                 "measure_waits": self.measure_waits + running[1]}
 
+
+def link_members(learners: Mapping[str, OnlineLearner]) -> None:
+    """Link the online learners of a two-engine runtime's members (engine -> learner): each pools the
+    others' out-of-domain requests for discovery and hands them the domains it learns (see the module
+    doc). Members whose routing vectors cannot be compared
+    (:func:`~adaptive.runtime.replicas.embedding_mismatch`) stay apart, said in the log and in each
+    one's :meth:`~OnlineLearner.state` (``members``)."""
+    for name, learner in learners.items():
+        learner.member = name
+    for name, a in learners.items():
+        for other, b in learners.items():
+            if other == name:
+                continue
+            why = embedding_mismatch(a.profile.index, b.profile.index)
+            if why is None:
+                a._siblings[other] = b
+                a._apart.pop(other, None)
+            else:
+                a._apart[other] = why
+                a._siblings.pop(other, None)
+                if name < other:
+                    log.warning("the %s and %s members discover domains apart: %s", name, other, why)
+    for learner in learners.values():
+        with learner._lock:
+            learner._reshare()

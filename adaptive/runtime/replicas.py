@@ -2,7 +2,10 @@
 other replicas' overlay files changed since they were last read and their merged state
 (:class:`Others`), which of their learned domains a replica adopts (:func:`adoptable`), a replica's
 own overlay read back at start (:func:`load_own`), the lock that lets one replica at a time measure
-a proposed domain, and the thread that merges and publishes an idle replica's state.
+a proposed domain, and the thread that merges and publishes an idle replica's state. Also what the
+two members of a two-engine runtime show each other for discovery (:class:`MemberShare`), whether
+their embeddings can be compared (:func:`embedding_mismatch`) and how a request's id reads in the
+other member (:func:`member_id`).
 
 The learner (:mod:`adaptive.runtime.online`) folds what these give it into its tables, bandits and
 domains; the file formats and the merge of overlays are :mod:`adaptive.profile.overlay`'s.
@@ -17,11 +20,15 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from adaptive.index.anchors import AnchorIndex
+from adaptive.index.choice import pooling_key
 from adaptive.profile.overlay import (
+    BufferedRequest,
     LearnedDomain,
     OnlineOverlay,
     OverlayError,
@@ -248,3 +255,42 @@ class Publisher:
 
     def join(self) -> None:
         self.thread.join()
+
+
+@dataclass(frozen=True)
+class MemberShare:
+    """What one member's learner of a two-engine runtime shows the other for discovery (a snapshot,
+    replaced whole, so the other reads it without this one's lock): ``entries``, the requests pending
+    discovery (its own buffer and its replicas', less those its domains took), ``taken``, the ids of
+    the requests its domains (held, or being measured) took as members, and ``names``, those domains'
+    names. Ids are in the member's own namespace (``REPLICA:N``; the other member's ``ENGINE/REPLICA:N``)."""
+
+    entries: tuple[BufferedRequest, ...] = ()
+    taken: frozenset[str] = frozenset()
+    names: frozenset[str] = frozenset()
+
+
+def member_id(rid: str, source: str, target: str) -> str:
+    """The id ``rid`` of member ``source``'s namespace as member ``target`` names it: ``target``'s own
+    requests (``TARGET/ID`` in ``source``) lose the prefix, ``source``'s own gain ``SOURCE/`` (replica ids
+    and engine names hold no ``/``). Example: ``member_id("r1:3", "torch", "llama.cpp")`` is
+    ``"torch/r1:3"``, and ``member_id("llama.cpp/r1:4", "torch", "llama.cpp")`` is ``"r1:4"``."""
+    prefix = f"{target}/"
+    if rid.startswith(prefix):
+        return rid[len(prefix):]
+    return rid if "/" in rid else f"{source}/{rid}"
+
+
+def embedding_mismatch(a: AnchorIndex, b: AnchorIndex) -> str | None:
+    """Why two members' routing vectors cannot be compared (``None``: they can): a buffered vector of one
+    is set beside the other's only where both indexes embed a prompt the same way (the same pooling,
+    dimension and centring mean: then the vectors differ only by the engines' numerics, as the same
+    model's hidden state in Q4 kernels and in bf16)."""
+    if a.pooling != b.pooling:
+        return f"they route on different embeddings ({pooling_key(a.pooling)} and {pooling_key(b.pooling)})"
+    if a.dim != b.dim:
+        return f"their embeddings differ in dimension ({a.dim} and {b.dim})"
+    scale = max(float(np.linalg.norm(a.mean)), float(np.linalg.norm(b.mean)), 1e-6)
+    if float(np.linalg.norm(a.mean - b.mean)) > 0.05 * scale:
+        return "they centre their embeddings on different means"
+    return None
