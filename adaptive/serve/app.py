@@ -69,12 +69,23 @@ def error_response(exc: RequestError) -> JSONResponse:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed as soon as sending fails (the client left)."""
+    """A job's server-sent events. However the response ends (the stream finished, the client left
+    before or while it streamed, a send failed, the task was cancelled), the job is cancelled and
+    the events' generator closed: a request nobody listens to leaves the scheduler's queue at once,
+    or the batch at its next step. Cancelling the job here, not only in the generator's ``finally``,
+    covers a stream whose body never started (a send of the response's start that fails, as ASGI
+    2.4 servers' sends to a closed connection do, or a disconnect that cancels the stream while
+    the start is being sent): closing a generator that never started runs none of its code."""
 
-    async def stream_response(self, send) -> None:
+    def __init__(self, job: Job, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().stream_response(send)
+            await super().__call__(scope, receive, send)
         finally:
+            self.job.cancel()  # a no-op once the job has finished
             await self.body_iterator.aclose()
 
 
@@ -152,13 +163,15 @@ class _Endpoints:
             return self.counted(endpoint, error_response(exc))
         except ClientDisconnect:
             return self.counted(endpoint, Response(status_code=499))
-        if req.stream:
-            return self.counted(endpoint, _EventStream(self.sse(request, job), media_type="text/event-stream",
+        if req.stream:  # the response cancels the job however it ends, started or not
+            return self.counted(endpoint, _EventStream(job, self.sse(request, job), media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"}))
         return self.counted(endpoint, await self.answer(request, job))
 
     async def answer(self, request: Request, job: Job) -> Response:
-        """A non-streaming request's response: its whole result, an error, or 499 if the client left."""
+        """A non-streaming request's response: its whole result, an error, or 499 if the client left
+        (noticed within ``POLL_S``). However it ends (its task cancelled too) the job is cancelled:
+        a queued one leaves the queue at once."""
         try:
             result = None
             async for event in job_events(request, job):  # the deltas add up to the result's text

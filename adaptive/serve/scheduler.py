@@ -21,8 +21,9 @@ whose prefill finished is routed and planned and joins the batch; then one :meth
 drafts for every running request and verifies all of them in one forward; each job's text delta,
 and its result when it is done, go back to its handler's event loop. A finished job leaves the
 batch at once and a waiting one takes its place at the next step. A job whose client went away is
-cancelled: skipped if still queued, dropped between chunks if prefilling and before the next step
-if decoding. :meth:`Scheduler.close` stops admitting and lets queued and running jobs finish.
+cancelled: taken out of the queue at once if still waiting (its place is free for the next request
+then, not when the worker gets round to it), dropped between chunks if prefilling and before the
+next step if decoding. :meth:`Scheduler.close` stops admitting and lets queued and running jobs finish.
 ``max_batch=1`` decodes one request at a time.
 
 The default chunk, 128 tokens, leaves a prefill's numbers as one call would on both engines where
@@ -82,9 +83,10 @@ class Admission:
         return len(self.prompt_ids)
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One admitted request in flight: its events arrive on ``events`` in the handler's ``loop``."""
+    """One admitted request in flight: its events arrive on ``events`` in the handler's ``loop``.
+    A job is equal only to itself (its scheduler finds it in its queue by identity)."""
 
     request: ServeRequest
     admission: Admission
@@ -93,6 +95,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     first_posted: bool = False  # the worker's: a text delta has been posted
+    scheduler: Scheduler | None = field(default=None, init=False, repr=False)  # set by Scheduler.submit
 
     def post(self, event: Event) -> None:
         """Thread-safe: hand ``event`` to the handler (dropped if its loop has closed)."""
@@ -102,7 +105,14 @@ class Job:
             self.cancelled.set()
 
     def cancel(self) -> None:
+        """Its client went away (or its handler ended): stop the job. Thread-safe, idempotent, and a
+        no-op for a job already finished. A job still waiting in its scheduler's queue leaves it at
+        once (:meth:`Scheduler.withdraw`: the next :meth:`Scheduler.submit` finds its place free and
+        the worker never prefills it); one the worker holds is dropped between prefill chunks or
+        before the next step."""
         self.cancelled.set()
+        if self.scheduler is not None:
+            self.scheduler.withdraw(self)
 
 
 class Scheduler:
@@ -180,9 +190,25 @@ class Scheduler:
             if len(self._queue) >= self.max_queue:
                 raise RequestError(f"the queue is full ({self.max_queue} requests waiting); retry later",
                                    status=429, type="rate_limit_error", code="queue_full")
+            job.scheduler = self
             self._queue.append(job)
             self.metrics.set("queue_depth", len(self._queue))
             self._cond.notify()
+
+    def withdraw(self, job: Job) -> bool:
+        """Take ``job`` out of the queue if it still waits there (its client left: :meth:`Job.cancel`
+        calls this), counted once in ``cancelled_requests_total``: its place is free for the next
+        :meth:`submit` at once, however long the worker is busy, and the worker never sees it.
+        ``False`` when it is not queued (the worker has taken it, which drops a cancelled job itself,
+        or it has finished)."""
+        with self._cond:
+            try:
+                self._queue.remove(job)  # by identity (a Job equals only itself)
+            except ValueError:
+                return False
+            self.metrics.set("queue_depth", len(self._queue))
+            self.metrics.inc("cancelled_requests_total")
+            return True
 
     @property
     def closing(self) -> bool:
@@ -218,12 +244,13 @@ class Scheduler:
         running requests to finish, and the jobs behind it with it (arrival order is kept). With none
         running it waits for positions held outside the batch (an online measurement's race) to be given
         back, asking every :data:`POLL_S`. Each job's prefilling is made (its cache taken) before the next
-        is considered."""
+        is considered. A job withdrawn from the queue while its fit was asked (its client left) is
+        passed over: the head is taken only if it is still the job that was asked about."""
         if not self._wait(running):
             return None
         started, taken, blocked = [], 0, False
         while running + taken < self.max_batch:
-            with self._cond:  # only this thread takes jobs: the head stays the head while the lock is out
+            with self._cond:  # only this thread takes jobs, but a cancelled one leaves the queue by itself
                 if not self._queue:
                     break
                 job = self._queue[0]
@@ -232,6 +259,8 @@ class Scheduler:
                 blocked = True
                 break
             with self._cond:
+                if not self._queue or self._queue[0] is not job:  # withdrawn meanwhile: ask about the new head
+                    continue
                 self._queue.popleft()
                 self.metrics.set("queue_depth", len(self._queue))
             try:
@@ -291,7 +320,8 @@ class Scheduler:
         self.metrics.set("running_requests", len(jobs))
 
     def _dropped(self, job: Job) -> bool:
-        """The job's client went away (counted once)."""
+        """The job's client went away (counted once: a job the worker holds is no longer in the queue,
+        so :meth:`withdraw` has not counted it)."""
         if job.cancelled.is_set():
             self.metrics.inc("cancelled_requests_total")
             return True

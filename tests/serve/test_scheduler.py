@@ -393,3 +393,78 @@ def test_a_step_that_failed_for_some_jobs_fails_only_those(loop):
         assert second[-1].kind == "done" and "".join(e.text for e in second) == "abcd"
     finally:
         s.close()
+
+
+def test_a_cancelled_job_leaves_a_full_queue_at_once_while_the_worker_is_busy(loop):
+    """A disconnected client's queued request frees its place at once, however long the worker is busy
+    (the regression: abandoned streams kept the queue full, so new clients got 429s until the worker
+    had prefilled and decoded every one of them): with one request held mid-decode and the queue full,
+    cancelling the waiting jobs (as their responses do when their clients reset) empties the queue
+    there and then, each counted cancelled once; the next submit is accepted, and no cancelled job is
+    ever prefilled."""
+    rt = ScriptedRuntime()
+    rt.gate = threading.Semaphore(0)  # the worker is busy: its first request waits mid-decode
+    s = Scheduler(rt, max_queue=4, max_batch=1)
+    try:
+        s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
+        deadline = time.time() + 10
+        while not s.busy:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        waiting = [Job(chat(), Admission(tuple(range(5)), 3), loop) for _ in range(4)]
+        for job in waiting:
+            s.submit(job)
+        with pytest.raises(RequestError) as e:
+            s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
+        assert e.value.status == 429
+        for job in waiting:
+            job.cancel()
+        waiting[0].cancel()  # twice: still counted once
+        assert s.metrics.value("queue_depth") == 0 and s.metrics.value("cancelled_requests_total") == 4
+        fresh = Job(chat(), Admission(tuple(range(5)), 3), loop)
+        s.submit(fresh)  # no 429, though the worker has not moved
+        assert s.metrics.value("queue_depth") == 1 and len(rt.calls) == 1
+        for _ in range(10):
+            rt.gate.release()
+        events = loop.run_until_complete(asyncio.wait_for(collect(fresh), 10))
+        assert events[-1].kind == "done" and "".join(e.text for e in events) == "abc"
+        assert len(rt.calls) == 2  # the busy request's prefill and the fresh one's: none of the cancelled
+        assert s.metrics.value("cancelled_requests_total") == 4 and s.metrics.value("queue_depth") == 0
+    finally:
+        s.close()
+
+
+def test_a_job_withdrawn_while_the_worker_asks_whether_it_fits_is_passed_over(loop):
+    """The worker asks whether the queue's head fits without the lock; a head whose client leaves
+    meanwhile is withdrawn, and the worker then takes the new head (not the job behind the one it
+    asked about, which would be lost): the job behind it is served, the withdrawn one never prefilled."""
+    rt = ScriptedRuntime()
+    rt.gate = threading.Semaphore(0)
+    asked = []
+
+    def fits(prompt_tokens, max_new_tokens, policy=None):
+        asked.append(prompt_tokens)
+        if prompt_tokens == 7:  # the client of the job being asked about leaves now
+            leaving.cancel()
+        return True
+
+    rt.fits = fits
+    s = Scheduler(rt, max_batch=1)
+    try:
+        s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
+        deadline = time.time() + 10
+        while not s.busy:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        leaving = Job(chat(), Admission(tuple(range(7)), 3), loop)
+        staying = Job(chat(), Admission(tuple(range(9)), 3), loop)
+        s.submit(leaving)
+        s.submit(staying)
+        for _ in range(10):
+            rt.gate.release()
+        events = loop.run_until_complete(asyncio.wait_for(collect(staying), 10))
+        assert events[-1].kind == "done" and asked == [5, 7, 9]
+        assert rt.prefilled == [5, 9]  # the busy request's prompt and the staying one's
+        assert s.metrics.value("cancelled_requests_total") == 1 and s.metrics.value("queue_depth") == 0
+    finally:
+        s.close()
