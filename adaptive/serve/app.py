@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from adaptive.distill.refine import HeadRefiner
+from adaptive.models import release_threads
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from adaptive.serve.metrics import Metrics
@@ -344,8 +345,13 @@ def create_app(runtime, *, served_model: str | None = None, api_key: str | None 
 def serve(app: Starlette, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
           on_ready=None) -> None:
     """Run ``app`` under uvicorn until SIGINT/SIGTERM: then stop accepting connections, let in-flight
-    requests finish for up to ``drain_timeout`` seconds, and return."""
+    requests finish for up to ``drain_timeout`` seconds, and return. Call it on the thread that loaded
+    the runtime: the OpenMP threads that thread's loading started are given back first
+    (:func:`~adaptive.models.release_threads`), so that the scheduler's worker, which decodes, keeps
+    the only pool and its steps run at the engine's pace."""
     import uvicorn
+
+    release_threads()
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout,
                             lifespan="on")

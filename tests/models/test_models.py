@@ -332,3 +332,34 @@ def test_models_of_one_gguf_file_share_its_tokenizer_while_in_use(tmp_path, monk
     del a, b, c
     gc.collect()
     assert held() is None
+
+
+def test_release_threads_gives_back_the_calling_threads_openmp_pool():
+    """A thread whose torch work started OpenMP threads gives them back (the process has that many
+    threads fewer), and its next parallel region starts them again. Run in a child process: the
+    test process's own pools are the tests' business."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import torch
+
+    if "OpenMP" not in torch.__config__.parallel_info() or torch.get_num_threads() < 2:
+        pytest.skip("torch runs without OpenMP threads here")
+    code = textwrap.dedent("""
+        import os, torch
+        from adaptive.models import release_threads
+        count = lambda: len(os.listdir("/proc/self/task"))
+        base = count()
+        x = torch.randn(512, 512)
+        (x @ x).sum().item()  # a parallel region on this thread: its pool starts
+        started = count()
+        released = release_threads()
+        after = count()
+        (x @ x).sum().item()
+        print(base, started, released, after, count())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    base, started, released, after, again = out.stdout.split()
+    assert released == "True"
+    assert int(started) > int(base) and int(after) == int(base) and int(again) == int(started)
