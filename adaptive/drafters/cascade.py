@@ -30,7 +30,7 @@ from adaptive.codec import record
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import DEFAULT_BIGRAM_MIN_PROB, NgramDrafter
 from adaptive.engine.protocol import LAYER_SKIP, STATISTICAL, DecodeState, Draft, DraftChoice, Drafter
-from adaptive.engine.sampling import warp_probs
+from adaptive.engine.sampling import sample_token, warp_probs
 from adaptive.engine.skip import SkipSet
 
 
@@ -198,10 +198,10 @@ class CascadeDrafter(Drafter):
             if float(torch.rand((), generator=gen, device=q.device)) < a:
                 out.append(x)
                 continue
-            out.append(int(torch.multinomial(rest, 1, generator=gen)))
+            out.append(sample_token(rest, gen))
             return out
         q_rows.append(q[len(guess)])  # every proposal kept: the skipped model's own next token
-        out.append(int(torch.multinomial(q[len(guess)], 1, generator=gen)))
+        out.append(sample_token(q[len(guess)], gen))
         return out
 
     def describe(self) -> dict:

@@ -15,7 +15,7 @@ from adaptive.drafters.eagle_static import head_graphs, level_banned
 from adaptive.drafters.head import DraftHead
 from adaptive.drafters.ngram import ngram_lookup
 from adaptive.engine.protocol import STATISTICAL, DecodeState, Draft, DraftChoice, Drafter, tree_first_path
-from adaptive.engine.sampling import warp_probs
+from adaptive.engine.sampling import sample_token, warp_probs
 from adaptive.errors import ConfigError
 
 
@@ -137,7 +137,7 @@ class EagleDrafter(Drafter):
                 conf = float(torch.softmax(logits, -1).max()) if threshold else None
             else:
                 q = warp_probs(self.vocab.expand_logits(logits), cfg.temperature, cfg.top_k, cfg.top_p)
-                tok = int(torch.multinomial(q, 1, generator=state.generator))
+                tok = sample_token(q, state.generator)
                 qs.append(q)
                 conf = float(q.max()) if threshold else None
             drafted.append(tok)

@@ -24,6 +24,7 @@ from adaptive.engine.sampling import (
     greedy_accept_host,
     greedy_accept_ids,
     greedy_accept_tree,
+    sample_token,
     speculative_accept,
     speculative_accept_tree,
     warp_probs,
@@ -287,8 +288,7 @@ class ChunkedPrefill:
         cfg = self.cfg
         if cfg.greedy:
             return int(logits.argmax())
-        return int(torch.multinomial(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), 1,
-                                     generator=self.generator))
+        return sample_token(warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), self.generator)
 
     def _pooled(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         if not self._pools:
