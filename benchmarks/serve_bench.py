@@ -161,16 +161,29 @@ def ratios(summary: dict[str, dict], ours: str, peer: str) -> dict:
             "groups": {g: one(a["groups"][g], b["groups"][g]) for g in a["groups"] if g in b["groups"]}}
 
 
-def predicted_s(adaptive: dict | None) -> float | None:
-    """The engine choice's predicted seconds in a ``usage.adaptive`` object: the chosen engine's
-    ``expected_s`` among ``engine_choice.estimates`` (``None``: no choice was made, a one-engine profile)."""
+def _chosen_estimate(adaptive: dict | None) -> dict | None:
     choice = (adaptive or {}).get("engine_choice")
     if not choice:
         return None
-    for e in choice.get("estimates") or ():
-        if e.get("engine") == choice.get("engine"):
-            return float(e["expected_s"])
-    return None
+    return next((e for e in choice.get("estimates") or () if e.get("engine") == choice.get("engine")), None)
+
+
+def predicted_s(adaptive: dict | None) -> float | None:
+    """The engine choice's predicted seconds in a ``usage.adaptive`` object: the chosen engine's
+    ``expected_s`` among ``engine_choice.estimates`` (``None``: no choice was made, a one-engine profile)."""
+    e = _chosen_estimate(adaptive)
+    return None if e is None else float(e["expected_s"])
+
+
+def priced_s(adaptive: dict | None, tokens: int) -> float | None:
+    """The chosen engine's price for the ``tokens`` the request did decode: its ``prefill_s`` and
+    ``tokens`` at its ``per_token_s`` (the cost model alone, apart from where the answer was expected
+    to end), compared with the runtime's own ``seconds`` on the request (queue and HTTP left out).
+    Example: prefill 0.1 s, 0.01 s a token, 20 tokens: 0.3 s."""
+    e = _chosen_estimate(adaptive)
+    if e is None or "per_token_s" not in e:
+        return None
+    return float(e["prefill_s"]) + tokens * float(e["per_token_s"])
 
 
 def within_share(pairs: list[tuple[float | None, float | None]], tolerance: float = WITHIN) -> dict:
@@ -283,7 +296,8 @@ def run_pass(servers: list[Server], prompts: list, clients: int, temperature: fl
                     if label == OURS:
                         a = r["adaptive"] or {}
                         rec.update(engine=a.get("engine"), domain=a.get("domain"), drafter=a.get("drafter"),
-                                   policy=a.get("policy"), predicted_s=predicted_s(a))
+                                   policy=a.get("policy"), predicted_s=predicted_s(a),
+                                   priced_s=priced_s(a, rec["tokens"]), server_s=a.get("seconds"))
                     records.append(rec)
                 failed = [r["error"] for r in records[-len(wave):] if r["error"] is not None]
                 tok = sum(r["tokens"] for r in records[-len(wave):])
@@ -298,6 +312,7 @@ def pass_report(records: list[dict], peers: list[str]) -> dict:
     return {"servers": summary,
             "vs": {p: ratios(summary, OURS, p) for p in peers if OURS in summary and p in summary},
             "predictions": within_share([(r.get("predicted_s"), r["latency_s"]) for r in ours]),
+            "cost_model": within_share([(r.get("priced_s"), r.get("server_s")) for r in ours]),
             "errors": {s: sum(r["server"] == s and r["error"] is not None for r in records)
                        for s in sorted({r["server"] for r in records})},
             "requests": records}
@@ -321,10 +336,11 @@ def table(p: dict, peers: list[str]) -> str:
         lines.append(f"  by group, ours/{peer}: tok/s, pace, TTFT")
         for g, v in p["vs"][peer]["groups"].items():
             lines.append(f"    {g:<26} {f(v['tokens_per_s']):>6}x {f(v['pace']):>6}x {f(v['ttft_median']):>6}x")
-    pr = p["predictions"]
-    lines.append(f"  engine choice within {WITHIN:.0%} of measured: " + (
-        f"{pr['within']} of {pr['requests']} ({pr['share']:.0%})" if pr["requests"] else
-        "no predictions (one-engine profile)"))
+    for key, what in (("predictions", "engine choice's prediction within {:.0%} of the measured time"),
+                      ("cost_model", "its price at the tokens decoded within {:.0%} of the runtime's time")):
+        pr = p[key]
+        lines.append(f"  {what.format(WITHIN)}: " + (f"{pr['within']} of {pr['requests']} ({pr['share']:.0%})"
+                                                      if pr["requests"] else "none (one-engine profile)"))
     return "\n".join(lines)
 
 

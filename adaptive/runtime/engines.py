@@ -73,6 +73,7 @@ from adaptive.profile import (
     member_online_path,
     read_engines,
 )
+from adaptive.runtime.bandit import temperature_class
 from adaptive.runtime.lengths import LengthLearner
 from adaptive.runtime.online import OnlineSettings, link_members
 from adaptive.runtime.pace import PaceLearner
@@ -96,14 +97,21 @@ class EngineEstimate:
     decode_s: float
     pace: float = 1.0  # the learned factor decode_s includes (:mod:`adaptive.runtime.pace`; 1: the calibrated price)
     cached: int = 0  # prompt tokens its prefix cache holds (not in prefill_s)
+    per_token_s: float = 0.0  # the price of one new token (its load and pace included): decode_s over the tokens
 
     @property
     def expected_s(self) -> float:
         return self.prefill_s + self.decode_s
 
+    def seconds_for(self, tokens: int) -> float:
+        """What this estimate prices a request that decoded ``tokens`` new tokens at: its prefill and
+        that many tokens (the cost model checked on its own, apart from where the answer was expected to end)."""
+        return self.prefill_s + tokens * self.per_token_s
+
     def to_dict(self) -> dict:
         return {"engine": self.engine, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
-                "expected_s": round(self.expected_s, 4), "pace": round(self.pace, 4), "cached_tokens": self.cached}
+                "expected_s": round(self.expected_s, 4), "pace": round(self.pace, 4), "cached_tokens": self.cached,
+                "per_token_s": round(self.per_token_s, 6)}
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,11 @@ class EngineChoice:
     expected_tokens: float | None = None
     unable: tuple[str, ...] = ()
     policy: str | None = None
-    greedy: bool = True  # False: a sampled request, priced at plain decoding's pace (the races are greedy)
+    temperature: float = 0.0  # > 0: a sampled request, priced at plain decoding's pace (the races are greedy)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
     @property
     def priced_tokens(self) -> float:
@@ -151,7 +163,7 @@ class EngineChoice:
         return {"engine": self.engine, "reason": self.reason, "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "domain": self.domain,
                 "expected_tokens": float(round(self.priced_tokens, 1)), "policy": self.policy,
-                "unable": list(self.unable), "greedy": self.greedy,
+                "unable": list(self.unable), "temperature": self.temperature,
                 "estimates": [e.to_dict() for e in self.estimates]}
 
 
@@ -163,6 +175,17 @@ def added_step(verify: Sequence[float], running: int) -> float:
     if running <= 0:
         return 1.0
     return max(extrapolate(verify, running) - extrapolate(verify, running - 1), 0.0)
+
+
+def pace_domain(domain: str | None, temperature: float) -> str | None:
+    """The domain a request's pace is learned and priced under (:class:`~adaptive.runtime.pace.PaceLearner`):
+    a greedy request's own (``None``: none, the engine's factor alone); a sampled one's with its
+    :func:`~adaptive.runtime.bandit.temperature_class` (``"qa@t1"``; ``"*@t1"`` without a domain), so
+    that its sampler's cost and the drafts it keeps at that temperature correct its price apart.
+    Example: ``("qa", 0.0)`` -> ``"qa"``, ``("qa", 0.7)`` -> ``"qa@t0.7"``, ``(None, 1.0)`` -> ``"*@t1"``."""
+    if temperature == 0.0:
+        return domain
+    return f"{domain or '*'}{temperature_class(temperature)}"
 
 
 def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: int = 0,
@@ -177,20 +200,21 @@ def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: i
     per_token = profile.seconds_per_token(domain, greedy) * pace * added_step(profile.cost_model.verify, running)
     uncached = max(prompt_tokens - cached, 1)
     return EngineEstimate(profile.model.engine, profile.cost_model.prefill_seconds(uncached),
-                          new_tokens * per_token, pace, cached)
+                          new_tokens * per_token, pace, cached, per_token)
 
 
 def choose(estimates: Sequence[EngineEstimate], prompt_tokens: int, new_tokens: int,
            domain: str | None = None, expected_tokens: float | None = None, unable: Sequence[str] = (),
-           policy: str | None = None, greedy: bool = True) -> EngineChoice:
+           policy: str | None = None, temperature: float = 0.0) -> EngineChoice:
     """The engine with the least expected time (the first among equals), priced as ``domain`` for
-    ``expected_tokens`` of the ``new_tokens`` allowed (``None``: all of them); ``unable``: the engines
-    left out of ``estimates`` because they cannot decode ``policy`` (said in the choice's reason)."""
+    ``expected_tokens`` of the ``new_tokens`` allowed (``None``: all of them), for a request sampled at
+    ``temperature`` (0: greedy); ``unable``: the engines left out of ``estimates`` because they cannot
+    decode ``policy`` (said in the choice's reason)."""
     if not estimates:
         raise ValueError("no engine to choose from")
     best = min(estimates, key=lambda e: e.expected_s)
     return EngineChoice(best.engine, tuple(estimates), prompt_tokens, new_tokens, domain, expected_tokens,
-                        tuple(unable), policy, greedy)
+                        tuple(unable), policy, temperature)
 
 
 class TwoEngineRuntime:
@@ -372,7 +396,7 @@ class TwoEngineRuntime:
 
     def choose(self, prompt_tokens: int, new_tokens: int, domain: str | None = None,
                prompt_ids: Sequence[int] | None = None, policy: str | None = None,
-               greedy: bool = True) -> EngineChoice:
+               temperature: float = 0.0) -> EngineChoice:
         """Where a request of ``prompt_tokens`` and at most ``new_tokens`` runs, among the engines that can
         take it now (:meth:`fits`), with the requests this runtime is decoding now on each engine in the
         cost, each engine's pace that of ``domain`` (:meth:`guess_domain`; ``None``: the average over
@@ -380,7 +404,9 @@ class TwoEngineRuntime:
         docstring). Given its ``prompt_ids``, each engine prices only the prompt tokens its prefix
         cache does not hold (:meth:`AdaptiveRuntime.cached_tokens`): a conversation stays where its
         history is, unless the other engine is expected to finish first anyway. Only the engines that can
-        decode ``policy`` are candidates (:meth:`decoders`, which raises where none can)."""
+        decode ``policy`` are candidates (:meth:`decoders`, which raises where none can). A request sampled
+        at ``temperature`` > 0 is priced at plain decoding's pace, with its pace factor learned from the
+        requests sampled at that temperature (:func:`pace_domain`)."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
         # the engines that can decode it and take it now; none (its caller did not ask fits()): every engine
@@ -388,12 +414,14 @@ class TwoEngineRuntime:
         decoders = self.decoders(policy)
         names = self._fitting(prompt_tokens, new_tokens, decoders) or decoders
         expected = self.lengths.expected(domain, new_tokens) if self.lengths is not None else None
+        keyed = pace_domain(domain, temperature)
         estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens if expected is None else expected,
-                              running[name], domain, self.pace.factor(name, domain) if self.pace is not None else 1.0,
-                              self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0, greedy)
+                              running[name], domain, self.pace.factor(name, keyed) if self.pace is not None else 1.0,
+                              self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0,
+                              temperature == 0.0)
                      for name in names]
         return choose(estimates, prompt_tokens, new_tokens, domain, expected,
-                      [name for name in self.runtimes if name not in decoders], policy, greedy)
+                      [name for name in self.runtimes if name not in decoders], policy, temperature)
 
     # -- learning each engine's pace ------------------------------------------------------------
 
@@ -404,18 +432,18 @@ class TwoEngineRuntime:
         return (sum(o.measure_cost()["measure_seconds"] for o in learners),
                 any(o.measuring is not None for o in learners))
 
-    def _admit(self, engine: str, request, choice: EngineChoice, greedy: bool) -> None:
+    def _admit(self, engine: str, request, choice: EngineChoice) -> None:
         """Count ``request`` (anything with ``done``) live on ``engine`` (a :class:`_Streamed` one
         only among the streams: it runs alone on the model, so it is no load a batch shares); it and
-        every request live now share the machine if any is. A ``greedy`` request may teach its
-        engine's pace once done (:meth:`_learn`)."""
+        every request live now share the machine if any is. It may teach its engine's pace once done
+        (:meth:`_learn`)."""
         seconds = self._measuring()[0] if self.pace is not None else 0.0
         with self._live_lock:
             others = [r for live in (*self._live.values(), self._streams) for r in live if not r.done]
             for r in others + ([request] if others else []):
                 self._shared.add(r)
             (self._streams if isinstance(request, _Streamed) else self._live[engine]).add(request)
-            if self.pace is not None and greedy:
+            if self.pace is not None:
                 self._priced[request] = (choice, seconds)
             if self.lengths is not None:
                 self._chosen[request] = choice
@@ -459,9 +487,9 @@ class TwoEngineRuntime:
         (choice, seconds), (now, running) = priced, self._measuring()
         if running or now != seconds or r.policy != ROUTED_POLICY:
             return
-        per_token = self.runtimes[choice.engine].profile.seconds_per_token(choice.domain)
-        self.pace.observe(choice.engine, choice.domain, r.stats.decoded_tokens * per_token, r.stats.decode_time,
-                          r.stats.decoded_tokens)
+        per_token = self.runtimes[choice.engine].profile.seconds_per_token(choice.domain, choice.greedy)
+        self.pace.observe(choice.engine, pace_domain(choice.domain, choice.temperature),
+                          r.stats.decoded_tokens * per_token, r.stats.decode_time, r.stats.decoded_tokens)
 
     # -- decoding ----------------------------------------------------------------------------------
 
@@ -470,16 +498,15 @@ class TwoEngineRuntime:
         """:meth:`AdaptiveRuntime.stream` on the chosen engine; the result says which and why
         (``engine``, ``engine_choice``)."""
         ids = self.encode(prompt, chat)
-        greedy = options.get("temperature", 0.0) == 0.0
-        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids, options.get("policy"), greedy)
+        choice = self.choose(len(ids), max_new_tokens, self.guess_domain(ids), ids, options.get("policy"),
+                             options.get("temperature", 0.0))
         member = self.runtimes[choice.engine]
         items = member.stream_ids(ids, max_new_tokens, engine_choice=choice.to_dict(), **options)  # checks them now
-        return self._stream(items, choice, greedy)
+        return self._stream(items, choice)
 
-    def _stream(self, items: Iterator[str | RuntimeResult], choice: EngineChoice,
-                greedy: bool) -> Iterator[str | RuntimeResult]:
+    def _stream(self, items: Iterator[str | RuntimeResult], choice: EngineChoice) -> Iterator[str | RuntimeResult]:
         request = _Streamed()
-        self._admit(choice.engine, request, choice, greedy)
+        self._admit(choice.engine, request, choice)
         try:
             for item in items:
                 if isinstance(item, RuntimeResult):
@@ -504,10 +531,10 @@ class TwoEngineRuntime:
     def prefilling(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, **options) -> _ChosenPrefilling:
         """:meth:`AdaptiveRuntime.prefilling` on the engine chosen now (the server's admission)."""
         choice = self.choose(len(prompt_ids), max_new_tokens, self.guess_domain(prompt_ids), prompt_ids,
-                             options.get("policy"), options.get("temperature", 0.0) == 0.0)
+                             options.get("policy"), options.get("temperature", 0.0))
         task = _ChosenPrefilling(self.runtimes[choice.engine].prefilling(prompt_ids, max_new_tokens, **options),
                                  self, choice)
-        self._admit(choice.engine, task, choice, task.task.config.greedy)
+        self._admit(choice.engine, task, choice)
         return task
 
     def _busy_turn(self) -> str | None:

@@ -37,9 +37,12 @@ it can be found out. Measured (``benchmarks/engine_pace.py``, ``docs/history/202
 from every domain's requests on the engine, already carries most of the correction, so the mean is
 the default. Requests that shared the machine (another request live
 on either engine at any time of theirs, or a race block of the online learner's background
-measurement), sampled ones, ones under another policy than the routed
+measurement), ones under another policy than the routed
 ``knn-ssd`` (their pace is not the priced decision's) and ones that decoded fewer than
-``min_tokens`` tokens teach nothing.
+``min_tokens`` tokens teach nothing. A sampled request teaches its engine under its domain's
+temperature class (:func:`~adaptive.runtime.engines.pace_domain`: ``qa@t1``), against plain
+decoding's price, so its sampler's cost and what it drafts at that temperature are learned apart
+from the greedy requests' deviation.
 """
 
 from __future__ import annotations

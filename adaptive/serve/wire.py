@@ -337,12 +337,14 @@ def extension(result) -> dict:
     that decoded, the ``skip`` set it drafted with (text form, ``None`` without a layer-skip level),
     ``drafted``/``accepted`` tokens, ``acceptance_rate`` and ``mean_accepted_tokens``
     (tokens per verification step, the target's own included), ``cached_tokens`` (prompt tokens
-    started from the prefix cache), the ``engine`` that decoded it and, from a two-engine profile,
+    started from the prefix cache), ``seconds`` (the runtime's time on it: prefill and decoding, without
+    the queue and HTTP), the ``engine`` that decoded it and, from a two-engine profile,
     ``engine_choice`` (why: each engine's expected seconds)."""
     s = result.stats
     out = {"domain": result.domain, "applied": result.applied, "policy": result.policy,
            "drafter": result.decision, "skip": result.skip.to_text() if result.skip is not None else None,
            "drafted": s.drafted, "accepted": s.accepted, "cached_tokens": s.cached_tokens,
+           "seconds": round(s.total_time, 4),
            "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_tokens": round(s.mean_accepted_tokens, 4),
            "engine": result.engine or None}
     if result.engine_choice is not None:

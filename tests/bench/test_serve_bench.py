@@ -106,6 +106,10 @@ def test_predictions_within_twenty_percent(script):
     assert script.predicted_s(usage) == 0.9
     assert script.predicted_s({"engine": "torch", "engine_choice": None}) is None  # one-engine profile
     assert script.predicted_s(None) is None
+    usage["engine_choice"]["estimates"][0].update(prefill_s=0.1, per_token_s=0.01)
+    assert script.priced_s(usage, 20) == pytest.approx(0.3)
+    older = {"engine_choice": {"engine": "torch", "estimates": [{"engine": "torch", "expected_s": 1.0}]}}
+    assert script.priced_s(older, 5) is None  # a server before per_token_s
     share = script.within_share([(1.0, 1.1), (2.0, 1.0), (None, 1.0)])
     assert share == {"requests": 2, "within": 1, "share": 0.5}
     assert script.within_share([(1.2, 1.0), (0.8, 1.0)])["within"] == 2  # the edges count

@@ -36,14 +36,16 @@ def test_choose_takes_the_least_expected_time_and_says_why():
     assert long.engine == "torch" and long.reason == "expected 2.37 s on torch, 2.86 s on llama.cpp"
     d = long.to_dict()
     assert d["estimates"][1] == {"engine": "torch", "prefill_s": 0.77, "decode_s": 1.6, "expected_s": 2.37, "pace": 1.0,
-                                 "cached_tokens": 0}
+                                 "cached_tokens": 0, "per_token_s": 0.0}
+    priced = EngineEstimate("torch", prefill_s=0.10, decode_s=1.60, per_token_s=0.025)  # 64 tokens at 25 ms
+    assert priced.seconds_for(10) == pytest.approx(0.35)  # an answer that ended after 10 tokens
     assert choose([fast_decode, replace(fast_decode, engine="torch")], 1, 1).engine == "llama.cpp"  # ties: first
     priced = choose([fast_decode, fast_prefill], 100, 256, "qa", expected_tokens=41.6)  # where answers end
     assert priced.reason == "expected 0.88 s on llama.cpp, 1.70 s on torch (priced as qa, for 42 of 256 tokens)"
     assert priced.to_dict()["expected_tokens"] == 41.6 and d["expected_tokens"] == 64  # None: all it may decode
-    sampled = choose([fast_decode, fast_prefill], 100, 64, "qa", greedy=False)
+    sampled = choose([fast_decode, fast_prefill], 100, 64, "qa", temperature=1.0)
     assert sampled.reason.endswith("(priced as qa, sampled: at plain decoding's pace)")
-    assert sampled.to_dict()["greedy"] is False and d["greedy"] is True
+    assert sampled.to_dict()["temperature"] == 1.0 and d["temperature"] == 0.0 and not sampled.greedy
     with pytest.raises(ValueError):
         choose([], 1, 1)
 
@@ -170,6 +172,7 @@ def test_estimate_prices_a_known_domain_at_its_own_pace(two):
                  for n, d in p.domains.items()}
     code = estimate(p, 100, 64, domain="code")
     assert code.prefill_s == pytest.approx(0.05) and code.decode_s == pytest.approx(64 * 0.010 / 2.0)
+    assert code.per_token_s == pytest.approx(0.010 / 2.0) and code.seconds_for(64) == pytest.approx(code.expected_s)
     assert estimate(p, 100, 64, domain="math").decode_s == pytest.approx(0.64)
     # no domain, or one the profile does not have: the average over domains, by calibration prompts
     average = 64 * 0.010 * (1 / 2.0 + 2 * 1.0) / 3
@@ -517,14 +520,28 @@ def test_a_request_alone_teaches_its_engine_the_pace_it_decoded_at(two):
     assert est["torch"].pace == 1.0
 
 
-def test_shared_sampled_and_unrouted_requests_teach_nothing(two):
+def test_pace_domain_keys_sampled_requests_by_temperature():
+    from adaptive.runtime.engines import pace_domain
+
+    assert pace_domain("qa", 0.0) == "qa" and pace_domain(None, 0.0) is None
+    assert pace_domain("qa", 0.7) == "qa@t0.7" and pace_domain(None, 1.0) == "*@t1"
+
+
+def test_shared_and_unrouted_requests_teach_nothing_and_sampled_ones_teach_apart(two):
     pace = _pace()
     rt = _runtime(two, pace)
     _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
     ar = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, policy="ar")  # not the priced decision
-    sampled = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, temperature=0.8, seed=1)
-    assert ar.stats.decoded_tokens >= 1 and sampled.stats.decoded_tokens >= 1  # each could have taught
+    assert ar.stats.decoded_tokens >= 1  # it could have taught
     assert pace.state() == {}
+    sampled = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, temperature=0.8, seed=1)
+    assert sampled.stats.decoded_tokens >= 1 and sampled.engine_choice["temperature"] == 0.8
+    domain = sampled.engine_choice["domain"]
+    learned = pace.state()[sampled.engine]
+    assert learned["requests"] == 1 and set(learned["domains"]) == {f"{domain or '*'}@t0.8"}
+    pace = _pace()  # the rest as before, on a learner that has seen nothing
+    rt = _runtime(two, pace)
+    _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
     # two requests live together (a server's batch): neither had the machine to itself
     a = rt.prefilling(rt.encode("what is 3 plus 6? answer:"), max_new_tokens=8).advance()
     b = rt.prefilling(rt.encode("hello there friend " * 15), max_new_tokens=8).advance()

@@ -135,12 +135,12 @@ def test_the_usage_extension_gives_the_skip_set_as_text():
     from adaptive.engine.loop import GenerationStats
     from adaptive.engine.skip import SkipSet
 
-    stats = GenerationStats(tokens=4, steps=2, drafted=4, accepted=3)
+    stats = GenerationStats(tokens=4, steps=2, drafted=4, accepted=3, total_time=0.123456)
     r = SimpleNamespace(stats=stats, domain="maths", applied="maths", policy="knn-ssd", decision="ssd",
                         skip=SkipSet((1, 2), (3,)), engine="torch", engine_choice=None)
     assert extension(r) == {"domain": "maths", "applied": "maths", "policy": "knn-ssd", "drafter": "ssd",
                             "skip": "attn=1-2;mlp=3", "drafted": 4, "accepted": 3, "cached_tokens": 0,
-                            "acceptance_rate": 0.75, "mean_accepted_tokens": 2.5, "engine": "torch"}
+                            "seconds": 0.1235, "acceptance_rate": 0.75, "mean_accepted_tokens": 2.5, "engine": "torch"}
     assert extension(SimpleNamespace(**{**vars(r), "decision": "pld", "skip": None}))["skip"] is None
     why = {"engine": "torch", "reason": "expected 1.00 s on torch, 2.00 s on llama.cpp"}
     assert extension(SimpleNamespace(**{**vars(r), "engine_choice": why}))["engine_choice"] == why
