@@ -25,7 +25,6 @@ written to a temporary directory and renamed, so that later loads take about a s
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -47,6 +46,7 @@ from adaptive.engine.engine import eos_ids
 from adaptive.engine.quant import check_weights, resolve_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
 from adaptive.progress import quiet_library_bars
+from adaptive.resources import release_heap
 from adaptive.workdir import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -446,40 +446,6 @@ def saved_tokenizer(directory: Path):
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
         cls = transformers.AutoTokenizer
     return cls.from_pretrained(str(directory), local_files_only=True)
-
-
-def release_heap() -> bool:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); whether it could.
-    Loading a model and packing its weights free hundreds of MB of temporaries that glibc otherwise
-    keeps in the process's resident set: ~200 MB of the embedded model's two-engine runtime (1.27 GB
-    before, 1.08 GB after). A no-op without glibc."""
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True
-
-
-def release_threads() -> bool:
-    """Give back the OpenMP threads the calling thread's parallel work started (libgomp's
-    ``omp_pause_resource_all``, soft: the next parallel region of this thread starts them again);
-    whether it could (``False`` where OpenMP is not libgomp, or this thread is inside a parallel region).
-
-    Call it on a thread that loaded a model and hands decoding to another (a server: the CLI's main
-    thread loads, the scheduler's worker decodes). torch and llama.cpp's ggml share one libgomp in
-    the process, and libgomp keeps a pool of threads per thread that started a parallel region. With
-    the loading thread's pool kept beside the decoding thread's, libgomp manages more threads than
-    the machine has CPUs and throttles their spinning: ggml's barriers between a decode's operations
-    then sleep and wake on futexes. On the 2-core EPYC a llama.cpp step of the embedded model took
-    15.2 ms from a second thread against 12.2 ms from the loading one, and 11.3 ms from the second
-    thread once the loading thread's pool was given back (``docs/design.md``, "One OpenMP pool")."""
-    try:
-        pause = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all
-    except (OSError, AttributeError):
-        return False
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    return pause(1) == 0  # 1: omp_pause_soft
 
 
 def resolve_engine(engine: str, gguf: Path | None, device: torch.device, dtype, weights: str) -> str:

@@ -11,7 +11,7 @@ import adaptive
 
 ROOT = Path(adaptive.__file__).parent
 LAYERS = [
-    {"errors", "codec", "workdir", "limits", "progress"},  # no adaptive imports but each other's, one way
+    {"errors", "codec", "workdir", "limits", "progress", "resources"},  # no adaptive imports but each other's, one way
     {"engine"},
     {"models"},
     {"drafters"},
@@ -23,7 +23,8 @@ LAYERS = [
     {"cli"},
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
-BOTTOM_ORDER = ["errors", "codec", "workdir", "limits", "progress"]  # inside the bottom layer, imports go leftwards
+# inside the bottom layer, imports go leftwards
+BOTTOM_ORDER = ["errors", "codec", "workdir", "limits", "progress", "resources"]
 
 
 def _module_name(path: Path) -> str:

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from adaptive.distill.refine import HeadRefiner
-from adaptive.models import release_threads
+from adaptive.resources import release_threads
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from adaptive.serve.metrics import Metrics
@@ -347,7 +347,7 @@ def serve(app: Starlette, host: str = "127.0.0.1", port: int = 8000, drain_timeo
     """Run ``app`` under uvicorn until SIGINT/SIGTERM: then stop accepting connections, let in-flight
     requests finish for up to ``drain_timeout`` seconds, and return. Call it on the thread that loaded
     the runtime: the OpenMP threads that thread's loading started are given back first
-    (:func:`~adaptive.models.release_threads`), so that the scheduler's worker, which decodes, keeps
+    (:func:`~adaptive.resources.release_threads`), so that the scheduler's worker, which decodes, keeps
     the only pool and its steps run at the engine's pace."""
     import uvicorn
 

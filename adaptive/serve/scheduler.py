@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from adaptive.errors import AdaptiveError, ContextFullError, StepFailed
-from adaptive.models import release_heap
+from adaptive.resources import release_heap
 from adaptive.serve import DEFAULT_PREFILL_CHUNK
 from adaptive.serve.metrics import Metrics
 from adaptive.serve.wire import RequestError, ServeRequest, internal_error
