@@ -395,6 +395,15 @@ def test_a_step_that_failed_for_some_jobs_fails_only_those(loop):
         s.close()
 
 
+def _hold_one_request(s: Scheduler, loop) -> None:
+    """Submit one request and wait until the worker decodes it (its runtime's gate holds it there)."""
+    s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
+    deadline = time.time() + 10
+    while not s.busy:
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
 def test_a_cancelled_job_leaves_a_full_queue_at_once_while_the_worker_is_busy(loop):
     """A disconnected client's queued request frees its place at once, however long the worker is busy
     (the regression: abandoned streams kept the queue full, so new clients got 429s until the worker
@@ -406,11 +415,7 @@ def test_a_cancelled_job_leaves_a_full_queue_at_once_while_the_worker_is_busy(lo
     rt.gate = threading.Semaphore(0)  # the worker is busy: its first request waits mid-decode
     s = Scheduler(rt, max_queue=4, max_batch=1)
     try:
-        s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
-        deadline = time.time() + 10
-        while not s.busy:
-            assert time.time() < deadline
-            time.sleep(0.01)
+        _hold_one_request(s, loop)
         waiting = [Job(chat(), Admission(tuple(range(5)), 3), loop) for _ in range(4)]
         for job in waiting:
             s.submit(job)
@@ -451,11 +456,7 @@ def test_a_job_withdrawn_while_the_worker_asks_whether_it_fits_is_passed_over(lo
     rt.fits = fits
     s = Scheduler(rt, max_batch=1)
     try:
-        s.submit(Job(chat(), Admission(tuple(range(5)), 3), loop))
-        deadline = time.time() + 10
-        while not s.busy:
-            assert time.time() < deadline
-            time.sleep(0.01)
+        _hold_one_request(s, loop)
         leaving = Job(chat(), Admission(tuple(range(7)), 3), loop)
         staying = Job(chat(), Admission(tuple(range(9)), 3), loop)
         s.submit(leaving)
