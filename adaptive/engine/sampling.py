@@ -217,6 +217,6 @@ def speculative_accept(
             residual = (p[n] - q[n]).clamp_min(0.0)
             total = residual.sum()
             if total <= 0:  # p == q up to rounding: the residual is empty, fall back to p itself
-                residual, total = p[n], p[n].sum()
+                residual = p[n]
             return n, sample_token(residual, generator)
     return k, sample_token(p[k], generator)

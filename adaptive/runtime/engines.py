@@ -177,15 +177,17 @@ def added_step(verify: Sequence[float], running: int) -> float:
     return max(extrapolate(verify, running) - extrapolate(verify, running - 1), 0.0)
 
 
-def pace_domain(domain: str | None, temperature: float) -> str | None:
-    """The domain a request's pace is learned and priced under (:class:`~adaptive.runtime.pace.PaceLearner`):
-    a greedy request's own (``None``: none, the engine's factor alone); a sampled one's with its
-    :func:`~adaptive.runtime.bandit.temperature_class` (``"qa@t1"``; ``"*@t1"`` without a domain), so
-    that its sampler's cost and the drafts it keeps at that temperature correct its price apart.
-    Example: ``("qa", 0.0)`` -> ``"qa"``, ``("qa", 0.7)`` -> ``"qa@t0.7"``, ``(None, 1.0)`` -> ``"*@t1"``."""
+def pace_key(engine: str, domain: str | None, temperature: float) -> tuple[str, str | None]:
+    """The engine and domain a request's pace is learned and priced under
+    (:class:`~adaptive.runtime.pace.PaceLearner`): a greedy request's own; a sampled one's each with its
+    :func:`~adaptive.runtime.bandit.temperature_class`, so that its sampler's cost and the drafts it
+    keeps at that temperature correct its price apart, and never the greedy requests' price.
+    Example: ``("torch", "qa", 0.0)`` -> ``("torch", "qa")``, ``("torch", "qa", 0.7)`` ->
+    ``("torch@t0.7", "qa@t0.7")``, ``("torch", None, 1.0)`` -> ``("torch@t1", None)``."""
     if temperature == 0.0:
-        return domain
-    return f"{domain or '*'}{temperature_class(temperature)}"
+        return engine, domain
+    suffix = temperature_class(temperature)
+    return f"{engine}{suffix}", None if domain is None else f"{domain}{suffix}"
 
 
 def estimate(profile: Profile, prompt_tokens: int, new_tokens: float, running: int = 0,
@@ -406,7 +408,7 @@ class TwoEngineRuntime:
         history is, unless the other engine is expected to finish first anyway. Only the engines that can
         decode ``policy`` are candidates (:meth:`decoders`, which raises where none can). A request sampled
         at ``temperature`` > 0 is priced at plain decoding's pace, with its pace factor learned from the
-        requests sampled at that temperature (:func:`pace_domain`)."""
+        requests sampled at that temperature (:func:`pace_key`)."""
         with self._live_lock:  # decoding, or admitted and still prefilling (about to decode)
             running = {name: sum(1 for r in live if not r.done) for name, live in self._live.items()}
         # the engines that can decode it and take it now; none (its caller did not ask fits()): every engine
@@ -414,9 +416,9 @@ class TwoEngineRuntime:
         decoders = self.decoders(policy)
         names = self._fitting(prompt_tokens, new_tokens, decoders) or decoders
         expected = self.lengths.expected(domain, new_tokens) if self.lengths is not None else None
-        keyed = pace_domain(domain, temperature)
         estimates = [estimate(self.runtimes[name].profile, prompt_tokens, new_tokens if expected is None else expected,
-                              running[name], domain, self.pace.factor(name, keyed) if self.pace is not None else 1.0,
+                              running[name], domain,
+                              self.pace.factor(*pace_key(name, domain, temperature)) if self.pace is not None else 1.0,
                               self.runtimes[name].cached_tokens(prompt_ids) if prompt_ids is not None else 0,
                               temperature == 0.0)
                      for name in names]
@@ -488,7 +490,7 @@ class TwoEngineRuntime:
         if running or now != seconds or r.policy != ROUTED_POLICY:
             return
         per_token = self.runtimes[choice.engine].profile.seconds_per_token(choice.domain, choice.greedy)
-        self.pace.observe(choice.engine, pace_domain(choice.domain, choice.temperature),
+        self.pace.observe(*pace_key(choice.engine, choice.domain, choice.temperature),
                           r.stats.decoded_tokens * per_token, r.stats.decode_time, r.stats.decoded_tokens)
 
     # -- decoding ----------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ the default. Requests that shared the machine (another request live
 on either engine at any time of theirs, or a race block of the online learner's background
 measurement), ones under another policy than the routed
 ``knn-ssd`` (their pace is not the priced decision's) and ones that decoded fewer than
-``min_tokens`` tokens teach nothing. A sampled request teaches its engine under its domain's
-temperature class (:func:`~adaptive.runtime.engines.pace_domain`: ``qa@t1``), against plain
-decoding's price, so its sampler's cost and what it drafts at that temperature are learned apart
-from the greedy requests' deviation.
+``min_tokens`` tokens teach nothing. A sampled request teaches its engine and domain under their
+temperature class (:func:`~adaptive.runtime.engines.pace_key`: ``torch@t1``, ``qa@t1``), against
+plain decoding's price, so its sampler's cost and what it drafts at that temperature are learned
+apart from the greedy requests' factors.
 """
 
 from __future__ import annotations

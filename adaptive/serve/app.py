@@ -218,9 +218,7 @@ class _Endpoints:
         except Exception as exc:  # noqa: BLE001 - a bug after the stream started: say so, then end it
             log.error("streaming request %s failed", req.id, exc_info=exc)
             yield data(internal_error(exc).body())
-        finally:
-            job.cancel()
-        yield "data: [DONE]\n\n"
+        yield "data: [DONE]\n\n"  # the response (_EventStream) cancels the job however it ends
 
     # -- the other endpoints -----------------------------------------------------------------------
 

@@ -266,6 +266,8 @@ class Scheduler:
             try:
                 task = self._prefilling(job)
             except ContextFullError:  # the positions fits() saw were taken meanwhile (an online measurement's)
+                if self._dropped(job):  # its client left meanwhile: not queued again
+                    continue
                 with self._cond:
                     self._queue.appendleft(job)  # first again: it waits for room as if it had not fitted
                     self.metrics.set("queue_depth", len(self._queue))

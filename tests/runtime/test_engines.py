@@ -520,11 +520,12 @@ def test_a_request_alone_teaches_its_engine_the_pace_it_decoded_at(two):
     assert est["torch"].pace == 1.0
 
 
-def test_pace_domain_keys_sampled_requests_by_temperature():
-    from adaptive.runtime.engines import pace_domain
+def test_pace_key_keeps_sampled_requests_apart_by_temperature():
+    from adaptive.runtime.engines import pace_key
 
-    assert pace_domain("qa", 0.0) == "qa" and pace_domain(None, 0.0) is None
-    assert pace_domain("qa", 0.7) == "qa@t0.7" and pace_domain(None, 1.0) == "*@t1"
+    assert pace_key("torch", "qa", 0.0) == ("torch", "qa") and pace_key("torch", None, 0.0) == ("torch", None)
+    assert pace_key("torch", "qa", 0.7) == ("torch@t0.7", "qa@t0.7")
+    assert pace_key("llama.cpp", None, 1.0) == ("llama.cpp@t1", None)
 
 
 def test_shared_and_unrouted_requests_teach_nothing_and_sampled_ones_teach_apart(two):
@@ -537,8 +538,9 @@ def test_shared_and_unrouted_requests_teach_nothing_and_sampled_ones_teach_apart
     sampled = rt.generate("what is 2 plus 5? answer:", max_new_tokens=8, temperature=0.8, seed=1)
     assert sampled.stats.decoded_tokens >= 1 and sampled.engine_choice["temperature"] == 0.8
     domain = sampled.engine_choice["domain"]
-    learned = pace.state()[sampled.engine]
-    assert learned["requests"] == 1 and set(learned["domains"]) == {f"{domain or '*'}@t0.8"}
+    assert set(pace.state()) == {f"{sampled.engine}@t0.8"}  # the greedy requests' factors untouched
+    learned = pace.state()[f"{sampled.engine}@t0.8"]
+    assert learned["requests"] == 1 and set(learned["domains"]) == ({f"{domain}@t0.8"} if domain else set())
     pace = _pace()  # the rest as before, on a learner that has seen nothing
     rt = _runtime(two, pace)
     _set_costs(rt, llama_prefill_ms_per_token=3.0, torch_prefill_ms_per_token=1.0)
