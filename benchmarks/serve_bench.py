@@ -60,19 +60,17 @@ PEER_SAMPLER = {"top_k": 0, "min_p": 0}  # llama-server's truncations off: the m
 def deal(prompts: list, parts: int) -> list[list]:
     """``prompts`` (each with a ``group``) dealt out to ``parts`` passes: within each group the j-th
     prompt goes to pass ``j % parts``, so no prompt is in two passes and each pass gets every group;
-    each pass round robin over its groups (:func:`adaptive.bench.data.mixed_stream`'s order: groups
-    sorted, file order within a group), so that a wave of concurrent requests mixes groups.
+    each pass round robin over its groups (:func:`adaptive.bench.data.mixed_stream`: groups sorted,
+    file order within a group), so that a wave of concurrent requests mixes groups.
     Example: ``q1 q2 q3 q4`` (qa), ``m1 m2`` (math) into 2: ``[m1 q1 q3]`` and ``[m2 q2 q4]``."""
+    from adaptive.bench.data import mixed_stream
+
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     by_group: dict[str, list] = defaultdict(list)
     for p in prompts:
         by_group[p.group].append(p)
-    out = []
-    for k in range(parts):
-        queues = [by_group[g][k::parts] for g in sorted(by_group)]
-        out.append([q[i] for i in range(max((len(q) for q in queues), default=0)) for q in queues if i < len(q)])
-    return out
+    return [mixed_stream([p for q in by_group.values() for p in q[k::parts]]) for k in range(parts)]
 
 
 def waves(items: list, clients: int) -> list[list]:
