@@ -606,8 +606,8 @@ class OnlineLearner:
     def _take_offer(self) -> _Pending | None:
         """The first offered domain to measure now (:meth:`offer`), under the measuring lock and after a
         merge; ``None`` when there is none or not now (this replica or the other member measures, or
-        another replica holds the lock: tried again later). One this member holds a domain near (its own, or a replica's) is dropped.
-        The caller does not hold the learner's lock."""
+        another replica holds the lock: tried again later). One this member holds a domain near (its own,
+        or a replica's) is dropped. The caller does not hold the learner's lock."""
         if not self._offers or self._pending is not None or self._sibling_measuring() \
                 or not self._measuring_lock.take():  # one member measures at a time, as for a proposal
             return None
