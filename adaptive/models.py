@@ -43,6 +43,8 @@ from adaptive.codec import record
 from adaptive.engine import llamacpp, llamacpp_host
 from adaptive.engine.backbone import Backbone
 from adaptive.engine.engine import eos_ids
+from adaptive.engine.prefill_file import DEFAULT_PREFILL, resolve_prefill
+from adaptive.engine.prefill_file import check_mode as check_prefill_mode
 from adaptive.engine.quant import check_weights, resolve_weights
 from adaptive.errors import ConfigError, ModelNotFoundError
 from adaptive.progress import quiet_library_bars
@@ -127,6 +129,9 @@ class ModelFingerprint:
     dtype: str = ""
     weights: str = "dense"
     engine: str = "torch"  # the engine that ran the model: a profile's measurements hold on it only
+    # the hybrid llama.cpp engine's prefill file (PrefillFile.kind: bf16, f16, q8_0, file; "" for none):
+    # a profile's prefill times were measured with it
+    prefill: str = ""
 
     def same_model(self, other: ModelFingerprint) -> bool:
         return (self.model_type, self.n_layers, self.config_hash, self.weights_hash) == (
@@ -156,6 +161,7 @@ class LoadedModel:
     engine: str = "torch"
     threads: int | None = None  # llama.cpp's threads (default: the CPUs this process may use)
     context: int | None = None  # llama.cpp's positions, shared by its live caches (default: the model's, <= 8192)
+    prefill: str = DEFAULT_PREFILL  # llama.cpp's prefill mode (adaptive.engine.prefill_file.PREFILL_MODES or a path)
     _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -165,13 +171,15 @@ class LoadedModel:
         if (self.model is None) != (self.engine == llamacpp.ENGINE):
             raise ConfigError("a llama.cpp model has no torch model, and a torch model needs one")
         _check_context(self.context, self.engine)
+        check_prefill_mode(self.prefill)
 
     @cached_property
     def backbone(self):
         """The engine's view of the model. Quantized ``weights`` round the model's own weights in
         place and ``packed`` ones release them: its fingerprint (the dense model's identity) is taken before."""
         if self.engine == llamacpp.ENGINE:
-            return llamacpp.LlamaCppBackbone(self.source, threads=self.threads, context=self.context)
+            return llamacpp.LlamaCppBackbone(self.source, threads=self.threads, context=self.context,
+                                             prefill=resolve_prefill(self.source, self.prefill))
         if self.weights != "dense":
             self.fingerprint()
         gguf = Path(self.source) if self.source.endswith(".gguf") else None
@@ -243,7 +251,8 @@ def gguf_fingerprint(backbone, name: str) -> ModelFingerprint:
     config_hash = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     return ModelFingerprint(name=name, model_type=str(info["architecture"]), n_layers=backbone.n_layers,
                             config_hash=config_hash, weights_hash=sampled_digest(backbone.path)[:16],
-                            engine=llamacpp.ENGINE)
+                            engine=llamacpp.ENGINE,
+                            prefill=backbone.prefill_file.kind if backbone.prefill_file is not None else "")
 
 
 def sampled_digest(path: Path) -> str:
@@ -519,6 +528,7 @@ def _load_hf(path_or_id: str, device: torch.device, dtype: torch.dtype, tokenize
 def load_model(
     spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
     weights: str = "dense", engine: str = "auto", threads: int | None = None, context: int | None = None,
+    prefill: str = DEFAULT_PREFILL,
 ) -> LoadedModel:
     """Load a target model offline; see the module docstring for what ``spec`` may be.
 
@@ -530,7 +540,10 @@ def load_model(
     ``packed`` on a CPU whose oneDNN computes the dtype, else ``dense``. ``engine``: ``auto``, ``torch``
     or ``llama.cpp`` (:func:`resolve_engine`); ``threads``: llama.cpp's; ``context``: the positions of llama.cpp's
     context, shared by its live requests (default: the model's training context, at most 8192; never more than
-    it; a :class:`ConfigError` on the torch engine). Raises :class:`ModelNotFoundError` naming what was tried.
+    it; a :class:`ConfigError` on the torch engine); ``prefill``: the llama.cpp engine's prefill file
+    (:mod:`adaptive.engine.prefill_file`: ``auto`` derives a BF16 copy of a quantized file where it fits in
+    memory, ``off``, a kind, or a path; the torch engine ignores it). Raises :class:`ModelNotFoundError`
+    naming what was tried.
     """
     dev = resolve_device("cpu" if str(device) == "auto" and weights not in ("auto", "dense") else device)
     if weights != "auto":
@@ -539,7 +552,7 @@ def load_model(
     name = gguf.stem if spec.endswith(".gguf") else spec
     if resolve_engine(engine, gguf, dev, dtype, weights) == llamacpp.ENGINE:
         return LoadedModel(None, _gguf_tokenizer(gguf, name), name, str(gguf), dev, torch.float32, "dense",
-                           engine=llamacpp.ENGINE, threads=threads, context=context)
+                           engine=llamacpp.ENGINE, threads=threads, context=context, prefill=prefill)
     _check_context(context, "torch")  # before the torch model loads
     dt = resolve_dtype(dtype, dev)
     weights = resolve_weights(weights, dev, dt)

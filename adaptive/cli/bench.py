@@ -19,6 +19,7 @@ from adaptive.cli.common import (
     info,
     load,
     model_option,
+    prefill_option,
     profile_model,
     quiet_option,
     weights_option,
@@ -68,6 +69,7 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @dtype_option
 @weights_option
 @engine_option
+@prefill_option
 @device_option
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default="report.json", show_default=True)
 @click.option("--markdown", "out_md", type=click.Path(dir_okay=False), default=None,
@@ -75,8 +77,8 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
 @quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
-              shared_context, prefix_cache, order, max_new_tokens, warmup, threads, dtype, weights, engine, device,
-              out_json, out_md, out_png, quiet):
+              shared_context, prefix_cache, order, max_new_tokens, warmup, threads, dtype, weights, engine, prefill,
+              device, out_json, out_md, out_png, quiet):
     """Measure speedup, acceptance and equality with ar per group, for each method.
 
     Conversations (--all-turns) and questions over one shared text (--shared-context) with
@@ -98,7 +100,7 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     spec = model_spec
     if profile is not None:
         spec, dtype, weights, engine = profile_model(profile, model_spec, dtype, weights, engine)
-    lm = load(spec, device, dtype, weights, engine, threads)
+    lm = load(spec, device, dtype, weights, engine, threads, prefill)
     report = run_bench(lm, prompts, method_list, settings, profile, progress=not quiet)
     report["settings"].update(data=str(data_file), per_category=per_category, skip_first=skip_first,
                               group_mt_bench=not no_group_mt_bench, all_turns=all_turns,

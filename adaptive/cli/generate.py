@@ -24,6 +24,7 @@ from adaptive.cli.common import (
     load,
     load_runtime,
     model_option,
+    prefill_option,
     sampling_config,
     sampling_options,
     weights_option,
@@ -65,11 +66,12 @@ stream_option = click.option("--stream", is_flag=True, help="Print text as it is
 @dtype_option
 @weights_option
 @engine_option
+@prefill_option
 @device_option
 @stream_option
 @json_option
-def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, weights, engine, device, stream,
-               as_json, **sampling):
+def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw, dtype, weights, engine, prefill,
+               device, stream, as_json, **sampling):
     """Decode PROMPT with the drafter you choose (no profile) and print the text.
 
     The output is what plain decoding (`--drafter ar`) gives, token for token when greedy. With
@@ -81,7 +83,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
         raise click.UsageError(f"--skip-attn/--skip-mlp are for --drafter {' or '.join(LAYER_SKIP_DRAFTERS)}, "
                                f"not {drafter}")
     spec = DrafterSpec(drafter, skip=skip or None)  # before the model loads: `ssd` without a skip set is an error
-    lm = load(model_spec, device, dtype, weights, engine)
+    lm = load(model_spec, device, dtype, weights, engine, prefill=prefill)
     skip.validate_for(lm.n_layers)
     items = Engine(lm).stream(prompt, cfg, drafter=build_drafter(spec, lm.backbone), chat=False if raw else None)
     result = _print_stream(items, lm, stream, as_json)
@@ -128,6 +130,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
 @dtype_option
 @weights_option
 @engine_option
+@prefill_option
 @device_option
 @click.option("--online/--no-online", default=True, show_default=True,
               help="Use what `adaptive serve` learned (PROFILE.online: tables, bandits, learned domains); "
@@ -135,7 +138,7 @@ def decode_cmd(prompt, model_spec, drafter, skip_attn, skip_mlp, draft_len, raw,
 @stream_option
 @json_option
 def generate_cmd(prompt, messages, chat, prefix_cache, profile_dir, policy, full_vocab, fixed_draft_len, online,
-                 model_spec, dtype, weights, engine, device, stream, as_json, **sampling):
+                 model_spec, dtype, weights, engine, prefill, device, stream, as_json, **sampling):
     """Decode PROMPT (or a conversation: --messages, --chat) through a profile (the runtime) and print the text.
 
     The prompt is routed to its domain (or out-of-domain: the global record), which says what
@@ -157,7 +160,7 @@ def generate_cmd(prompt, messages, chat, prefix_cache, profile_dir, policy, full
 
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine, reduced_vocab=not full_vocab,
                       bandit=not fixed_draft_len, online=OnlineSettings(enabled=online, persist=False),
-                      prefix_cache=prefix_cache)
+                      prefix_cache=prefix_cache, prefill=prefill)
     if not chat:
         _answer(rt, messages if messages is not None else prompt, policy, stream, as_json, sampling)
         return

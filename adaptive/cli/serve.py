@@ -12,6 +12,7 @@ from adaptive.cli.common import (
     info,
     load_runtime,
     model_option,
+    prefill_option,
     weights_option,
 )
 from adaptive.engine.prefix import DEFAULT_PREFIX_CACHE_MIB
@@ -45,6 +46,7 @@ class ReplicaId(click.ParamType):
 @dtype_option
 @weights_option
 @engine_option
+@prefill_option
 @device_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
@@ -86,7 +88,7 @@ class ReplicaId(click.ParamType):
 @click.option("--prefix-cache", type=click.FloatRange(min=0), default=DEFAULT_PREFIX_CACHE_MIB, show_default=True,
               metavar="MIB", help="MiB of finished requests' keys and values each engine keeps for requests that start "
               "with the same tokens (a conversation's next turn, a shared system prompt or document); 0: none.")
-def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, port, max_batch, prefill_chunk,
+def serve_cmd(profile_dir, model_spec, dtype, weights, engine, prefill, device, host, port, max_batch, prefill_chunk,
               goodput, max_queue, max_body, default_max_tokens, api_key, served_model_name, drain_timeout, online,
               online_path, replica_id, merge_interval, refine_heads, prefix_cache):
     """Serve a profile over OpenAI's HTTP API (chat and text completions, streaming, metrics).
@@ -126,7 +128,7 @@ def serve_cmd(profile_dir, model_spec, dtype, weights, engine, device, host, por
 
     learning = OnlineSettings(enabled=online, path=online_path, replica=replica_id, merge_interval=merge_interval)
     rt = load_runtime(profile_dir, model_spec, device, dtype, weights, engine, online=learning, goodput=goodput,
-                      prefix_cache=prefix_cache)
+                      prefix_cache=prefix_cache, prefill=prefill)
     if online and refine_heads:  # within the online learner's share of the model
         from adaptive.distill.refine import attach_refiner
         from adaptive.runtime.turns import ShareGuard

@@ -85,6 +85,8 @@ from adaptive.engine.llamacpp_host import (
     say_once,
     threadpool_api,
 )
+from adaptive.engine.llamacpp_hybrid import HybridPrefill
+from adaptive.engine.prefill_file import PrefillFile
 from adaptive.engine.prefix import PrefixStore
 from adaptive.engine.quant import packing_supported
 from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
@@ -133,6 +135,9 @@ class LlamaCache:
     # :data:`~adaptive.engine.config.FEATURE_TOPS`)
     features: torch.Tensor | None = None
     feature_layers: tuple[int, ...] = ()
+    # the hybrid engine's cache of the prefill context mirroring this sequence while its prompt is prefilled
+    # (:class:`~adaptive.engine.llamacpp_hybrid.HybridPrefill`)
+    staged: LlamaCache | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """Give the sequence and its cells back to the context now (done anyway when the cache is
@@ -182,7 +187,8 @@ class LlamaCppBackbone:
     feature_top = "unit"  # the top feature row from the final norm's output (FEATURE_TOPS; keeps_features)
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int | None = None,
-                 sequences: int = DEFAULT_SEQUENCES):
+                 sequences: int = DEFAULT_SEQUENCES, prefill: PrefillFile | str | Path | None = None,
+                 threadpool=None):
         lib = library()
         path = Path(gguf)
         if not path.is_file():
@@ -229,9 +235,12 @@ class LlamaCppBackbone:
         self._mem = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(N_BATCH, 0, 1)
         new_pool, free_pool, attach, detach = threadpool_api(lib)
-        pool = new_pool(self.threads)
+        # a hybrid's prefill context shares its decode context's pool (``threadpool``): two pools' idle
+        # threads would spin against the working ones on the same cores
+        pool = threadpool or new_pool(self.threads)
         if pool:
             attach(ctx, pool, None)
+        self._pool = pool
         self._free_seqs = list(range(sequences - 1, -1, -1))
         self._reserved: dict[int, int] = {}  # live sequence -> the positions its cache was made for
         self._kept: dict[int, int] = {}  # a prefix-cache entry's sequence -> the cells it holds
@@ -245,14 +254,27 @@ class LlamaCppBackbone:
         self._scratch = sequences  # the routing embedding's sequence (see the module docstring)
         self.sequences = sequences
         self._lock = threading.RLock()  # llama.cpp's context is not thread-safe: one call at a time
+        self._first: list = []  # closed before this context (the hybrid's prefill context, on its pool)
         self._closer = weakref.finalize(self, _free_native, lib, model, ctx, self._batch,
-                                        (pool, free_pool, detach) if pool else None)
+                                        (pool, free_pool, detach) if pool and not threadpool else None, self._first)
         self.eos = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self.vocab, t))
         self._layers = None  # the layer-input calls and the final norm, once probed (layer_pools)
         self._final_norm = None  # (final_norm(),) once read
         self._taps: dict[int, int] = {}  # layer -> users of its input rows (llama.cpp copies them while any)
         self._rows = None  # (token embedding, LM head) rows read from the file, once asked for (embed_rows)
+        self.prefill_file = PrefillFile(Path(prefill), "file") if isinstance(prefill, (str, Path)) else prefill
+        self.hybrid = None if self.prefill_file is None else self._hybrid(self.prefill_file.path)
 
+    def _hybrid(self, path: Path) -> HybridPrefill:
+        """The hybrid engine's prefill side: a context over ``path`` of this context's size, sequences and pool."""
+        other = LlamaCppBackbone(path, threads=self.threads, context=self.max_positions, sequences=self.sequences,
+                                 threadpool=self._pool)
+        same = (other.n_layers, other.hidden_size, other.vocab_size, other.max_positions, other.kv_bytes_per_token())
+        if same != (self.n_layers, self.hidden_size, self.vocab_size, self.max_positions, self.kv_bytes_per_token()):
+            other.close()
+            raise ConfigError(f"the prefill file {path} is not a copy of {self.path.name} (another shape or context)")
+        self._first.append(other._closer)
+        return HybridPrefill(self, other)
     # -- what the engine reads ------------------------------------------------------------------
 
     @property
@@ -373,6 +395,31 @@ class LlamaCppBackbone:
         """Free llama.cpp's model and context now (also done when the backbone is collected)."""
         self._closer()
 
+    # -- sequences, as the hybrid's handover moves them -------------------------------------------
+
+    @property
+    def lib(self):
+        """llama-cpp-python's binding."""
+        return self._lib
+
+    @property
+    def ctx(self):
+        """The ``llama_context`` pointer (calls on it are made under this backbone's lock)."""
+        return self._ctx
+
+    @property
+    def scratch(self) -> int:
+        """The sequence id no cache takes (the routing embedding's and the handover's, one call at a time)."""
+        return self._scratch
+
+    def share(self, src: int, dst: int, a: int, b: int) -> None:
+        """Tag sequence ``src``'s cells at positions ``a .. b-1`` with ``dst`` as well (no key is copied)."""
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, a, b)
+
+    def drop(self, seq: int, a: int = -1, b: int = -1) -> None:
+        """Drop sequence ``seq``'s cells at positions ``a .. b-1`` (all of them by default)."""
+        self._lib.llama_memory_seq_rm(self._mem, seq, a, b)
+
     # -- caches ---------------------------------------------------------------------------------
 
     def keeps_features(self, layers: Sequence[int]) -> bool:
@@ -480,6 +527,7 @@ class LlamaCppBackbone:
             return False
         with self._lock:
             self._rewind(cache, n)
+            cache.staged = None
             cache._release.detach()  # the sequence is the entry's now
             self._reserved.pop(cache.seq, None)
             self._kept[cache.seq] = n
@@ -569,6 +617,8 @@ class LlamaCppBackbone:
                               "exits or hidden states): use --engine torch for that")
         ids = self._checked(input_ids, cache, start, logits)
         T = len(ids)
+        if self.hybrid is not None and self.hybrid.takes(T, cache, logits):
+            return self.hybrid.forward(ids, cache, start, logits, pool_last, pool_layers)
         taps = _LayerTaps(self, pool_layers) if pool_layers else None  # capture on: closed below, whatever happens
         try:
             rows = self._feed(ids, cache, start, logits, taps)
@@ -920,7 +970,9 @@ def _ids(x) -> list[int]:
     return [int(t) for t in x]
 
 
-def _free_native(lib, model, ctx, batch, pool) -> None:
+def _free_native(lib, model, ctx, batch, pool, first) -> None:
+    for close in first:
+        close()
     lib.llama_batch_free(batch)
     if pool is not None:
         threadpool, free_pool, detach = pool

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from adaptive.costs import extrapolate
 from adaptive.engine import llamacpp
+from adaptive.engine.prefill_file import DEFAULT_PREFILL
 from adaptive.errors import AdaptiveError, ConfigError, StepFailed
 from adaptive.index.router import RouteDecision
 from adaptive.models import load_model
@@ -262,11 +263,12 @@ class TwoEngineRuntime:
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | None = None, device: str = "auto",
                      online: bool | OnlineSettings = True, context: int | None = MEMBER_CONTEXT,
-                     **kwargs) -> TwoEngineRuntime:
+                     prefill: str = DEFAULT_PREFILL, **kwargs) -> TwoEngineRuntime:
         """Load each member of a two-engine profile and its model on its engine (``model``: another
         spec of the same model, e.g. a path to its GGUF file). An explicit online overlay ``path``
         becomes one per engine (``PATH.ENGINE``). ``context``: the positions of the llama.cpp member's
-        shared context (:data:`MEMBER_CONTEXT`; ``None``: the model's, up to 8192). With online
+        shared context (:data:`MEMBER_CONTEXT`; ``None``: the model's, up to 8192); ``prefill``: its prefill file
+        (:func:`~adaptive.models.load_model`). With online
         learning on, each engine's pace is learned too (:class:`~adaptive.runtime.pace.PaceLearner`,
         in memory: a restart starts again from the calibrated prices), and where answers end
         (:class:`~adaptive.runtime.lengths.LengthLearner`, in memory too)."""
@@ -277,7 +279,7 @@ class TwoEngineRuntime:
             spec = model or profile.model.spec or profile.model.name
             lm = load_model(spec, device=device, dtype=(profile.model.dtype or "auto") if engine == "torch" else "auto",
                             weights=profile.model.weights, engine=engine,
-                            context=context if engine == llamacpp.ENGINE else None)
+                            context=context if engine == llamacpp.ENGINE else None, prefill=prefill)
             runtimes[engine] = AdaptiveRuntime(profile, lm, online=_member_online(online, engine), model_lock=lock,
                                                **kwargs)
         learning = OnlineSettings.coerce(online).enabled

@@ -45,6 +45,7 @@ from adaptive.drafters.model import build_draft_model
 from adaptive.engine.config import GenerationConfig
 from adaptive.engine.engine import Decoding, Engine, GenerationResult, Prefilling, Session
 from adaptive.engine.loop import cache_positions
+from adaptive.engine.prefill_file import DEFAULT_PREFILL
 from adaptive.engine.prefix import DEFAULT_PREFIX_CACHE_MIB, PrefixStats, budget_bytes
 from adaptive.engine.protocol import DraftChoice, DraftLengthPolicy, FixedDraftLength
 from adaptive.engine.skip import SkipSet
@@ -57,6 +58,7 @@ from adaptive.models import LoadedModel, load_model
 from adaptive.profile import GLOBAL, DomainRecord, Profile, ProfileError, is_two_engine, load_profile
 from adaptive.runtime.bandit import ThompsonCascade, ThompsonDraftLength, temperature_class
 from adaptive.runtime.online import Observation, OnlineLearner, OnlineSettings
+from adaptive.runtime.pace import prefill_as_loaded
 from adaptive.runtime.policies import DISTILLED, ROUTED_POLICY, Policy, get_policy
 from adaptive.runtime.turns import TurnLock
 
@@ -276,6 +278,7 @@ class AdaptiveRuntime:
                  prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB, tree: TreeShape | None = DEFAULT_TREE):
         self._fingerprint = lm.fingerprint()
         profile.check_model(self._fingerprint)
+        profile = prefill_as_loaded(profile, self._fingerprint, lm.backbone) if lm.model is None else profile
         busy = busy_warning(f"the {profile.model.engine} engine's costs in the profile "
                             f"{profile.path or '(in memory)'}", profile.cost_model.others_share)
         if busy:  # said once per profile a process loads: it skews every price, decisions and engine choice
@@ -327,12 +330,13 @@ class AdaptiveRuntime:
     @classmethod
     def from_profile(cls, directory: str | Path, model: str | LoadedModel | None = None, device: str = "auto",
                      dtype: str | None = None, weights: str | None = None, engine: str | None = None,
-                     **kwargs) -> AdaptiveRuntime:
+                     prefill: str = DEFAULT_PREFILL, **kwargs) -> AdaptiveRuntime:
         """Load a profile and its model (the one it names unless ``model`` is a spec or a loaded model).
 
         A model the profile was not calibrated for, or on another engine, is a
         :class:`~adaptive.profile.ProfileError`. ``dtype``, ``weights`` and ``engine`` default to the
-        ones calibration used. A two-engine profile's directory gives its default member alone (said
+        ones calibration used; ``prefill``: the llama.cpp engine's prefill file (:func:`~adaptive.models.load_model`).
+        A two-engine profile's directory gives its default member alone (said
         once, as a warning): ``adaptive.open(directory)`` gives both, choosing the engine per request.
         """
         if is_two_engine(directory):
@@ -346,7 +350,7 @@ class AdaptiveRuntime:
             eng = engine or profile.model.engine
             default_dtype = (profile.model.dtype or "auto") if eng == "torch" else "auto"
             lm = load_model(spec, device=device, dtype=dtype or default_dtype,
-                            weights=weights or profile.model.weights, engine=eng)
+                            weights=weights or profile.model.weights, engine=eng, prefill=prefill)
         return cls(profile, lm, **kwargs)
 
     def reserve_batch(self, requests: int) -> bool:

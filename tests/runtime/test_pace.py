@@ -99,3 +99,31 @@ def test_draws_spread_as_the_posterior_and_narrow_with_requests():
 def test_settings_are_validated(field, value):
     with pytest.raises(ConfigError, match=field.replace("_", "-")):
         PaceSettings(**{field: value})
+
+
+def test_prefill_times_are_measured_again_where_the_engine_prefills_on_another_file(two_engine_profile, capsys):
+    """A profile calibrated without a prefill file, loaded on a hybrid llama.cpp engine: the runtime prices
+    prompts by the hybrid's prefill, measured at load, and says so; the same engine again measures nothing."""
+    import shutil
+
+    import torch
+
+    from adaptive.models import LoadedModel
+    from adaptive.profile import load_profile
+    from adaptive.runtime import AdaptiveRuntime
+    from tests.conftest import char_tokenizer
+
+    directory, lms = two_engine_profile
+    profile = load_profile(directory, "llama.cpp")
+    assert profile.model.prefill == "" and profile.cost_model.prefill
+    source = lms["llama.cpp"].source
+    copy = directory.parent / "prefill-copy.gguf"
+    shutil.copyfile(source, copy)
+    lm = LoadedModel(None, char_tokenizer(), "tiny-gguf", source, torch.device("cpu"), torch.float32,
+                     engine="llama.cpp", threads=1, prefill=str(copy))
+    rt = AdaptiveRuntime(profile, lm, online=False)
+    assert rt.profile.model.prefill == "file" and rt.profile.cost_model.prefill != profile.cost_model.prefill
+    assert [n for n, _ in rt.profile.cost_model.prefill] == [n for n, _ in profile.cost_model.prefill]
+    assert "measuring them again" in capsys.readouterr().err
+    again = AdaptiveRuntime(rt.profile, lm, online=False)
+    assert again.profile is rt.profile and "measuring" not in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""The prefill file of the hybrid llama.cpp engine: a copy of the user's GGUF in a format whose kernels
+prefill fastest, derived once and cached (see :mod:`adaptive.engine.llamacpp_hybrid` for the engine).
+
+llama.cpp has no file that is best at both phases of a request on a CPU: its quantized kernels decode
+fastest (a step reads the fewest bytes) while its BF16 kernels prefill several times faster (a prompt's
+rows are a matrix product, where the quantized kernels are compute-bound). Measured with llama-bench
+on the embedded model, 2 threads, AMD EPYC (docs/design.md, "Prefill on the fastest weights"):
+Q4_1 pp512 502 tok/s and tg64 198 tok/s; BF16 of the same weights 1,996 and 138.
+
+Terms:
+
+* **decode file**: the GGUF the user gave, whose context decodes and verifies.
+* **prefill file**: the same weights in :data:`PREFILL_KINDS` (``bf16``, ``f16`` or ``q8_0``), whose
+  context prefills prompts. Derived by llama.cpp's own quantizer (``llama_model_quantize``, requantizing
+  allowed: each weight is dequantized to float32, then stored in the new type; F32 tensors stay F32), into
+  ``$ADAPTIVE_CACHE/prefill/``, keyed by the decode file's path, size and modification time, written to a
+  temporary name and renamed (atomic: an interrupted derivation leaves nothing behind).
+* **prefill mode** (:data:`PREFILL_MODES`, ``--prefill-model``): ``auto`` derives ``bf16`` where the copy
+  fits the memory budget (:func:`fits_memory`), else ``q8_0`` where that fits, else none; ``off``: none; a
+  kind: that one, whatever the budget; anything else: a path to a GGUF file of the same model. A decode
+  file that is already unquantized (F32, F16, BF16) is its own best prefill file: ``auto`` gives none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
+from adaptive.errors import ConfigError, ModelNotFoundError
+from adaptive.workdir import cache_dir
+
+# llama.cpp's LLAMA_FTYPE of each kind a prefill file may be derived in, and its bytes per weight
+PREFILL_KINDS = {"bf16": (32, 2.0), "f16": (1, 2.0), "q8_0": (7, 34 / 32)}
+PREFILL_MODES = ("auto", "off", *PREFILL_KINDS)
+DEFAULT_PREFILL = "auto"
+UNQUANTIZED_FILE_TYPES = (0, 1, 32)  # general.file_type of an F32, F16 or BF16 file: nothing to derive
+# the share of this machine's available memory a derived copy may take (the decode file, the torch engine's
+# weights and every context's KV cache need the rest)
+MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class PrefillFile:
+    """Where a hybrid engine's prompts are prefilled: ``path``, and ``kind`` (a :data:`PREFILL_KINDS` key,
+    or ``"file"`` for one the user named), what a profile records and results show."""
+
+    path: Path
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in (*PREFILL_KINDS, "file"):
+            raise ValueError(f"a prefill file's kind is one of {', '.join(PREFILL_KINDS)} or 'file', got {self.kind!r}")
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is a :data:`PREFILL_MODES` entry or an existing file, else a :class:`ConfigError`."""
+    if mode in PREFILL_MODES or Path(mode).expanduser().is_file():
+        return mode
+    raise ConfigError(f"--prefill-model {mode!r} is neither one of {', '.join(PREFILL_MODES)} nor a GGUF file")
+
+
+def resolve_prefill(decode_file: str | Path, mode: str = DEFAULT_PREFILL, lib=None) -> PrefillFile | None:
+    """The prefill file for ``decode_file`` under ``mode`` (see the module docstring), derived now when
+    it is not cached yet; ``None`` for no hybrid. ``lib``: llama-cpp-python (imported when needed)."""
+    check_mode(mode)
+    if mode == "off":
+        return None
+    if mode not in PREFILL_MODES:
+        path = Path(mode).expanduser().resolve()
+        if path == Path(decode_file).resolve():
+            return None  # the decode file itself: no hybrid
+        return PrefillFile(path, "file")
+    if mode == "auto":
+        if file_type(decode_file) in UNQUANTIZED_FILE_TYPES:
+            return None
+        kind = next((k for k in ("bf16", "q8_0") if fits_memory(decode_file, k)), None)
+        if kind is None:
+            return None
+    else:
+        kind = mode
+    return PrefillFile(derive(decode_file, kind, lib), kind)
+
+
+def file_type(path: str | Path) -> int | None:
+    """The GGUF file's ``general.file_type`` (llama.cpp's LLAMA_FTYPE), ``None`` when it has none."""
+    try:
+        value = read_gguf(Path(path), ("general.file_type",))[0].get("general.file_type")
+    except (GGUFFormatError, OSError) as exc:
+        raise ModelNotFoundError(f"cannot read GGUF file {path}: {exc}") from exc
+    return value if isinstance(value, int) else None
+
+
+def weights_count(path: str | Path) -> int:
+    """The number of weights (elements of every tensor) in a GGUF file, from its tensor table."""
+    from gguf import GGUFReader
+
+    return int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+
+
+def derived_bytes(path: str | Path, kind: str) -> int:
+    """The size of ``path``'s copy in ``kind`` (its weights at :data:`PREFILL_KINDS`' bytes per weight)."""
+    return int(weights_count(path) * PREFILL_KINDS[kind][1])
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine has available now (``MemAvailable``; the physical total elsewhere)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fits_memory(path: str | Path, kind: str, available: int | None = None) -> bool:
+    """Whether ``path``'s copy in ``kind`` fits :data:`MEMORY_SHARE` of the memory available now
+    (``available``: bytes, instead of :func:`available_memory`; a copy already derived fits the same)."""
+    have = available_memory() if available is None else available
+    return derived_bytes(path, kind) <= MEMORY_SHARE * have
+
+
+def derived_path(decode_file: str | Path, kind: str) -> Path:
+    """Where ``decode_file``'s copy in ``kind`` is cached: keyed by the file's resolved path, size and
+    modification time (a file replaced in place gets a new copy)."""
+    src = Path(decode_file).resolve()
+    st = src.stat()
+    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "prefill" / f"{src.stem}-{key}.{kind}.gguf"
+
+
+def derive(decode_file: str | Path, kind: str, lib=None) -> Path:
+    """``decode_file``'s weights in ``kind``, cached (:func:`derived_path`); derived now with llama.cpp's
+    quantizer when not cached yet (the embedded model: ~1 s; a 1.5B model: tens of seconds)."""
+    if kind not in PREFILL_KINDS:
+        raise ConfigError(f"a prefill file is derived as one of {', '.join(PREFILL_KINDS)}, not {kind!r}")
+    src = Path(decode_file)
+    if not src.is_file():
+        raise ModelNotFoundError(f"GGUF file {src} does not exist")
+    target = derived_path(src, kind)
+    if target.is_file():
+        return target
+    if lib is None:
+        from adaptive.engine.llamacpp_host import init_backend, library
+
+        lib = library()
+        init_backend(lib)  # llama.cpp's log (a line per tensor) silenced
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    params = lib.llama_model_quantize_default_params()
+    params.nthread = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    params.ftype = PREFILL_KINDS[kind][0]
+    params.allow_requantize = True
+    try:
+        rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise ConfigError(f"llama.cpp could not derive a {kind} copy of {src} (error {rc})")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
