@@ -45,6 +45,11 @@ GGUF file, with the file's own quantized weights: no float copy of the model is 
   of 512 (with the rows copied out: a prefill +13-15%, a step +4% on the embedded model). The head's own
   inputs (the token embedding, the LM head's rows, the final norm, its sizes) are read from the GGUF file.
 
+* The hybrid engine (``prefill``: a copy of the model in another format, :mod:`adaptive.engine.prefill_file`):
+  prompts are prefilled on a second context over that file and their cells handed to this one
+  (:mod:`adaptive.engine.llamacpp_hybrid`; the sequence-state calls it makes are :meth:`share`, :meth:`drop`
+  and :attr:`ctx`).
+
 Its one concern, decoding on llama.cpp (caches, forwards, verification batches, the routing pools, the
 feature rows, the prefix cache's sequences), is why it runs past 600 lines; loading the binding and
 probing the host are :mod:`adaptive.engine.llamacpp_host`'s.
@@ -274,6 +279,9 @@ class LlamaCppBackbone:
             other.close()
             raise ConfigError(f"the prefill file {path} is not a copy of {self.path.name} (another shape or context)")
         self._first.append(other._closer)
+        say_once(f"llama.cpp: prompts prefilled on {path.name} ({self.prefill_file.kind}, "
+                 f"{path.stat().st_size / 2**20:.0f} MiB mapped beside {self.path.name}'s "
+                 f"{self.path.stat().st_size / 2**20:.0f} MiB), decoded on {self.path.name}")
         return HybridPrefill(self, other)
     # -- what the engine reads ------------------------------------------------------------------
 
@@ -618,7 +626,9 @@ class LlamaCppBackbone:
         ids = self._checked(input_ids, cache, start, logits)
         T = len(ids)
         if self.hybrid is not None and self.hybrid.takes(T, cache, logits):
-            return self.hybrid.forward(ids, cache, start, logits, pool_last, pool_layers)
+            out = self.hybrid.forward(ids, cache, start, logits, pool_last, pool_layers)
+            if out is not None:
+                return out
         taps = _LayerTaps(self, pool_layers) if pool_layers else None  # capture on: closed below, whatever happens
         try:
             rows = self._feed(ids, cache, start, logits, taps)

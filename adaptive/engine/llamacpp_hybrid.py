@@ -37,6 +37,8 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
+from adaptive.errors import ConfigError, ContextFullError
+
 if TYPE_CHECKING:  # the backbone module imports this one
     from adaptive.engine.llamacpp import LlamaCache, LlamaCppBackbone
 
@@ -69,13 +71,13 @@ def load_seq_state(lib, ctx, buf: ctypes.Array, seq: int) -> None:
 class HybridPrefill:
     """Prompts of ``decode``'s sequences prefilled on ``prefill`` (the same model in another file), handed back
     (see the module docstring). ``handed``: positions handed over so far; ``copied``: positions staged
-    from the decode context."""
+    from the decode context; ``refused``: prompts prefilled on the decode file for want of room here."""
 
     def __init__(self, decode: LlamaCppBackbone, prefill: LlamaCppBackbone, min_tokens: int = MIN_TOKENS):
         if min_tokens < 2:
             raise ValueError(f"min_tokens must be >= 2 (a decoding step is one token), got {min_tokens}")
         self.decode, self.prefill, self.min_tokens = decode, prefill, min_tokens
-        self.handed = self.copied = 0
+        self.handed = self.copied = self.refused = 0
 
     def takes(self, tokens: int, cache: LlamaCache, logits: str) -> bool:
         """Whether a forward of ``tokens`` over ``cache`` asking for ``logits`` is a prompt's, prefilled here."""
@@ -84,8 +86,14 @@ class HybridPrefill:
     def forward(self, ids: list[int], cache: LlamaCache, start: int, logits: str, pool_last: bool,
                 pool_layers: tuple[int, ...]):
         """The decode backbone's forward of ``ids`` at ``start`` (already rewound there), prefilled here and
-        handed over: the prefill backbone's :class:`~adaptive.engine.backbone.ForwardOutput`."""
-        staged = self._staged(cache, start)
+        handed over: the prefill backbone's :class:`~adaptive.engine.backbone.ForwardOutput`; ``None`` where the
+        prefill context has no room or sequence for it now (the caller prefills on the decode file then)."""
+        try:
+            staged = self._staged(cache, start)
+        except (ContextFullError, ConfigError):
+            cache.staged = None
+            self.refused += 1
+            return None
         try:
             out = self.prefill.forward(ids, staged, start, logits=logits, pool_last=pool_last,
                                        pool_layers=pool_layers)

@@ -35,6 +35,8 @@ from adaptive.workdir import cache_dir
 
 # llama.cpp's LLAMA_FTYPE of each kind a prefill file may be derived in, and its bytes per weight
 PREFILL_KINDS = {"bf16": (32, 2.0), "f16": (1, 2.0), "q8_0": (7, 34 / 32)}
+# every kind :func:`derive` writes (the formats table of benchmarks/formats.py compares Q4_0 too)
+DERIVED_KINDS = {**PREFILL_KINDS, "q4_0": (2, 18 / 32), "q4_1": (3, 20 / 32)}
 PREFILL_MODES = ("auto", "off", *PREFILL_KINDS)
 DEFAULT_PREFILL = "auto"
 UNQUANTIZED_FILE_TYPES = (0, 1, 32)  # general.file_type of an F32, F16 or BF16 file: nothing to derive
@@ -102,8 +104,8 @@ def weights_count(path: str | Path) -> int:
 
 
 def derived_bytes(path: str | Path, kind: str) -> int:
-    """The size of ``path``'s copy in ``kind`` (its weights at :data:`PREFILL_KINDS`' bytes per weight)."""
-    return int(weights_count(path) * PREFILL_KINDS[kind][1])
+    """The size of ``path``'s copy in ``kind`` (its weights at :data:`DERIVED_KINDS`' bytes per weight)."""
+    return int(weights_count(path) * DERIVED_KINDS[kind][1])
 
 
 def available_memory() -> int:
@@ -137,8 +139,8 @@ def derived_path(decode_file: str | Path, kind: str) -> Path:
 def derive(decode_file: str | Path, kind: str, lib=None) -> Path:
     """``decode_file``'s weights in ``kind``, cached (:func:`derived_path`); derived now with llama.cpp's
     quantizer when not cached yet (the embedded model: ~1 s; a 1.5B model: tens of seconds)."""
-    if kind not in PREFILL_KINDS:
-        raise ConfigError(f"a prefill file is derived as one of {', '.join(PREFILL_KINDS)}, not {kind!r}")
+    if kind not in DERIVED_KINDS:
+        raise ConfigError(f"a GGUF file is derived as one of {', '.join(DERIVED_KINDS)}, not {kind!r}")
     src = Path(decode_file)
     if not src.is_file():
         raise ModelNotFoundError(f"GGUF file {src} does not exist")
@@ -154,7 +156,7 @@ def derive(decode_file: str | Path, kind: str, lib=None) -> Path:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     params = lib.llama_model_quantize_default_params()
     params.nthread = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    params.ftype = PREFILL_KINDS[kind][0]
+    params.ftype = DERIVED_KINDS[kind][0]
     params.allow_requantize = True
     try:
         rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))

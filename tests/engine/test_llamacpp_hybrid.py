@@ -132,3 +132,63 @@ def test_greedy_speculative_decoding_equals_the_hybrid_s_plain_decoding(bf16_hyb
     assert spec == plain
     assert stats.accepted > 0 and stats.steps < len(plain) - 1
     assert bf16_hybrid.hybrid.handed - handed == 2 * len(PROMPT)  # both prompts were prefilled on BF16
+
+
+def test_without_room_on_the_prefill_context_the_prompt_is_prefilled_on_the_decode_file(tiny_gguf):
+    path = tiny_gguf[0]
+    plain = LlamaCppBackbone(path, threads=1, context=128, sequences=1)
+    hybrid = LlamaCppBackbone(path, threads=1, context=128, sequences=1, prefill=path)
+    held = hybrid.hybrid.prefill.new_cache(8)  # the prefill context's one sequence, taken
+    assert greedy(hybrid, PROMPT, n=8)[1] == greedy(plain, PROMPT, n=8)[1]
+    assert hybrid.hybrid.refused == 1 and hybrid.hybrid.handed == 0
+    held.release()
+    assert greedy(hybrid, PROMPT, n=8)[1] == greedy(plain, PROMPT, n=8)[1]
+    assert hybrid.hybrid.handed == len(PROMPT)
+
+
+def test_a_server_s_batch_steps_while_a_prompt_is_prefilled_in_chunks_on_the_hybrid(tiny_gguf, tmp_path,
+                                                                                   monkeypatch):
+    """A request decoding on the decode file while another's prompt is prefilled a chunk at a time on the prefill
+    file between its steps, then both in one batch; a prompt sharing a kept prefix after them: each output is
+    its lone greedy output on the hybrid."""
+    from adaptive.engine.engine import Engine
+    from adaptive.engine.prefix import PrefixStore
+    from adaptive.models import LoadedModel
+
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path))
+    q8 = derive(tiny_gguf[0], "q8_0")
+    lm = LoadedModel(None, char_tokenizer(), "tiny-q8", str(q8), torch.device("cpu"), torch.float32,
+                     engine="llama.cpp", threads=1, prefill="bf16")
+    eng = Engine(lm)
+    bb = lm.backbone
+    assert bb.prefill_file.kind == "bf16"
+    cfg = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    long_prompt, short = PROMPT * 2, PROMPT[:20]
+    alone = [eng.generate(p, cfg).token_ids for p in (short, long_prompt)]
+    first = eng.begin(eng.start(short, cfg))
+    chunked = eng.prefilling(long_prompt, cfg, chunk=16)
+    session = None
+    while session is None:
+        eng.step([first])  # the decode context steps between the prefill context's chunks
+        session = chunked.advance()
+    second = eng.begin(session)
+    while not (first.done and second.done):
+        eng.step([d for d in (first, second) if not d.done])
+    assert [first.result().token_ids, second.result().token_ids] == alone
+    bb.prefixes = PrefixStore(1 << 20)
+    try:
+        kept = eng.prefilling(long_prompt, cfg, prefix=True)
+        run = eng.begin(kept.advance())
+        while not run.done:
+            eng.step([run])
+        copied = bb.hybrid.copied
+        again = eng.prefilling(long_prompt[:60] + PROMPT[:30], cfg, prefix=True)
+        assert again.cached > 0
+        session = again.advance()
+        assert bb.hybrid.copied - copied == again.cached  # the kept prefix staged from the decode context
+        out = eng.begin(session)
+        while not out.done:
+            eng.step([out])
+    finally:
+        bb.prefixes = PrefixStore(0)
+    assert out.result().token_ids == eng.generate(long_prompt[:60] + PROMPT[:30], cfg).token_ids
