@@ -179,7 +179,8 @@ class LoadedModel:
         place and ``packed`` ones release them: its fingerprint (the dense model's identity) is taken before."""
         if self.engine == llamacpp.ENGINE:
             return llamacpp.LlamaCppBackbone(self.source, threads=self.threads, context=self.context,
-                                             prefill=resolve_prefill(self.source, self.prefill))
+                                             prefill=resolve_prefill(self.source, self.prefill,
+                                                                     rate=llamacpp.prefill_rate))
         if self.weights != "dense":
             self.fingerprint()
         gguf = Path(self.source) if self.source.endswith(".gguf") else None

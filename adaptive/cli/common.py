@@ -225,9 +225,11 @@ engine_option = click.option(
 prefill_option = click.option(
     "--prefill-model", "prefill", default=DEFAULT_PREFILL, show_default=True, callback=lambda c, p, v: _prefill(v),
     help="The llama.cpp engine's prefill file: prompts are prefilled on it and handed to the GGUF file, which "
-         "decodes (llama.cpp's BF16 kernels prefill ~3-4x faster than its Q4 ones and decode slower). auto: a BF16 "
-         "copy of a quantized GGUF, derived once into the cache where it fits in half the available memory, else "
-         "Q8_0, else none; off; bf16, f16 or q8_0; or a path to a GGUF file of the same model.")
+         "decodes (on a CPU llama.cpp's BF16 kernels prefill a Q4_1 model's prompts ~3x faster and decode slower). "
+         "auto: of a BF16 copy (derived once into the cache where it fits in half the available memory, else "
+         "Q8_0) and the GGUF file without llama.cpp's repacked layouts, the faster prefill where it is >= 1.25x "
+         "the file's own, measured once per machine; else none. off; bf16, f16, q8_0; no-repack; or a path to a "
+         "GGUF file of the same model.")
 device_option = click.option("--device", type=Device(), default="auto", show_default=True,
                              help="auto: CUDA when present, else the CPU; cuda:N picks a GPU.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

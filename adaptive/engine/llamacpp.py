@@ -66,6 +66,7 @@ import gc
 import importlib.util
 import signal
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -91,7 +92,7 @@ from adaptive.engine.llamacpp_host import (
     threadpool_api,
 )
 from adaptive.engine.llamacpp_hybrid import HybridPrefill
-from adaptive.engine.prefill_file import PrefillFile
+from adaptive.engine.prefill_file import RATE_TOKENS, PrefillFile
 from adaptive.engine.prefix import PrefixStore
 from adaptive.engine.quant import packing_supported
 from adaptive.engine.rows import HEAD_TABLE, TOKEN_TABLE, FileRows
@@ -193,7 +194,7 @@ class LlamaCppBackbone:
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int | None = None,
                  sequences: int = DEFAULT_SEQUENCES, prefill: PrefillFile | str | Path | None = None,
-                 threadpool=None):
+                 threadpool=None, repack: bool = True):
         lib = library()
         path = Path(gguf)
         if not path.is_file():
@@ -207,7 +208,7 @@ class LlamaCppBackbone:
         self.path = path
         self.threads = threads or default_threads()
         mparams = lib.llama_model_default_params()
-        mparams.use_extra_bufts = extra_buffers_ok(path)
+        mparams.use_extra_bufts = repack and extra_buffers_ok(path)
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelNotFoundError(f"llama.cpp cannot load {path} (not a GGUF model it supports)")
@@ -273,7 +274,7 @@ class LlamaCppBackbone:
     def _hybrid(self, path: Path) -> HybridPrefill:
         """The hybrid engine's prefill side: a context over ``path`` of this context's size, sequences and pool."""
         other = LlamaCppBackbone(path, threads=self.threads, context=self.max_positions, sequences=self.sequences,
-                                 threadpool=self._pool)
+                                 threadpool=self._pool, repack=self.prefill_file.repack)
         same = (other.n_layers, other.hidden_size, other.vocab_size, other.max_positions, other.kv_bytes_per_token())
         if same != (self.n_layers, self.hidden_size, self.vocab_size, self.max_positions, self.kv_bytes_per_token()):
             other.close()
@@ -899,6 +900,26 @@ def _layer_inputs_safe(path: Path, arch: str) -> bool:
     version = importlib.import_module("llama_cpp").__version__
     return bool(probe(LAYER_INPUTS_FILE, f"{version}:{arch}", "_probe_child", path,
                        f"llama.cpp's layer inputs for {arch}", (signal.SIGABRT,)))
+
+
+def prefill_rate(path: str | Path, repack: bool = True, tokens: int = RATE_TOKENS, repeats: int = 2) -> float:
+    """Tokens per second of a ``tokens``-token prompt prefilled on ``path`` with this machine's threads (the best
+    of ``repeats`` after a short warm-up; token ids spread over the vocabulary), with llama.cpp's repacked layouts
+    where ``repack`` and this machine allows them: what :func:`~adaptive.engine.prefill_file.measured_rates`
+    compares."""
+    bb = LlamaCppBackbone(path, context=max(16, tokens + 1), sequences=1, repack=repack)
+    try:
+        ids = [(i * 7919 + 13) % bb.vocab_size for i in range(tokens)]
+        cache = bb.new_cache(tokens + 1)
+        bb.forward(ids[:16], cache, 0, logits="last")
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            bb.forward(ids, cache, 0, logits="last")
+            best = min(best, time.perf_counter() - t)
+        return tokens / best
+    finally:
+        bb.close()
 
 
 def extra_buffers_child(path: str) -> None:

@@ -15,10 +15,21 @@ Terms:
   allowed: each weight is dequantized to float32, then stored in the new type; F32 tensors stay F32), into
   ``$ADAPTIVE_CACHE/prefill/``, keyed by the decode file's path, size and modification time, written to a
   temporary name and renamed (atomic: an interrupted derivation leaves nothing behind).
-* **prefill mode** (:data:`PREFILL_MODES`, ``--prefill-model``): ``auto`` derives ``bf16`` where the copy
-  fits the memory budget (:func:`fits_memory`), else ``q8_0`` where that fits, else none; ``off``: none; a
-  kind: that one, whatever the budget; anything else: a path to a GGUF file of the same model. A decode
-  file that is already unquantized (F32, F16, BF16) is its own best prefill file: ``auto`` gives none.
+* **prefill mode** (:data:`PREFILL_MODES`, ``--prefill-model``): ``auto`` measures two candidates, a copy (``bf16``,
+  else ``q8_0`` where BF16 does not fit the memory budget, :func:`fits_memory`) and the decode file itself without
+  llama.cpp's repacked layouts (:data:`NO_REPACK`), and takes the faster of those that **pay**: a prefill rate at
+  least :data:`PAYS` times the decode file's on this machine (:func:`measured_rates`), else none; ``off``: none;
+  a kind: that one, whatever the budget or the rates; anything else: a path to a GGUF file of the same model. A
+  decode file that is already unquantized (F32, F16, BF16) is its own best prefill file: ``auto`` gives none.
+
+Whether a prefill file pays is measured, not assumed: it depends on the kernels the decode file's type gets
+here. On the embedded model's Q4_1 (not repacked on x86) a BF16 copy prefilled 2.3-3.3x faster and the file
+without repacking slower; on Qwen2.5-Coder-1.5B's Q4_K_M (repacked into llama.cpp's multi-row kernels) BF16
+prefilled at 0.8-1.1x its rate and the file without repacking 1.6x (docs/design.md, the formats table; AMD EPYC
+Zen 4, 2 threads). :func:`measured_rates` times a prefill of :data:`RATE_TOKENS` tokens on each file (llama.cpp's
+own kernels, the machine's threads), once per machine and file, the answers kept in
+``$ADAPTIVE_CACHE/prefill/rates.json``; a copy that does not pay is deleted again (a BF16 copy of a 1.5B model is
+3.4 GB).
 """
 
 from __future__ import annotations
@@ -26,36 +37,51 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
 from adaptive.errors import ConfigError, ModelNotFoundError
-from adaptive.workdir import cache_dir
+from adaptive.workdir import cache_dir, cpu_name, read_json, write_json
 
 # llama.cpp's LLAMA_FTYPE of each kind a prefill file may be derived in, and its bytes per weight
 PREFILL_KINDS = {"bf16": (32, 2.0), "f16": (1, 2.0), "q8_0": (7, 34 / 32)}
 # every kind :func:`derive` writes (the formats table of benchmarks/formats.py compares Q4_0 too)
 DERIVED_KINDS = {**PREFILL_KINDS, "q4_0": (2, 18 / 32), "q4_1": (3, 20 / 32)}
-PREFILL_MODES = ("auto", "off", *PREFILL_KINDS)
+# the decode file itself, read by a context without llama.cpp's repacked weight layouts (llama-server's
+# --no-repack): on Qwen2.5-Coder-1.5B's Q4_K_M they decode 7% faster but prefill 1.6x slower (the formats table)
+NO_REPACK = "no-repack"
+PREFILL_MODES = ("auto", "off", *PREFILL_KINDS, NO_REPACK)
+KINDS = (*PREFILL_KINDS, NO_REPACK, "file")
 DEFAULT_PREFILL = "auto"
 UNQUANTIZED_FILE_TYPES = (0, 1, 32)  # general.file_type of an F32, F16 or BF16 file: nothing to derive
 # the share of this machine's available memory a derived copy may take (the decode file, the torch engine's
 # weights and every context's KV cache need the rest)
 MEMORY_SHARE = 0.5
+# auto's hybrid must prefill at least this many times faster than the decode file: it maps a second copy of the
+# weights and hands every prompt over, and the rates are measured once, on a machine whose noise is ~10%
+PAYS = 1.25
+RATE_TOKENS = 256  # the prompt a prefill rate is measured on
+RATES_FILE = "rates.json"
 
 
 @dataclass(frozen=True)
 class PrefillFile:
     """Where a hybrid engine's prompts are prefilled: ``path``, and ``kind`` (a :data:`PREFILL_KINDS` key,
-    or ``"file"`` for one the user named), what a profile records and results show."""
+    :data:`NO_REPACK` for the decode file itself in its own layout, or ``"file"`` for one the user named), what
+    a profile records and results show. ``repack``: whether its context may use llama.cpp's repacked layouts."""
 
     path: Path
     kind: str
+    repack: bool = True
 
     def __post_init__(self):
-        if self.kind not in (*PREFILL_KINDS, "file"):
-            raise ValueError(f"a prefill file's kind is one of {', '.join(PREFILL_KINDS)} or 'file', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"a prefill file's kind is one of {', '.join(KINDS)}, got {self.kind!r}")
+        if (self.kind == NO_REPACK) == self.repack:
+            raise ValueError(f"a prefill file has its repacked layouts off exactly when its kind is {NO_REPACK}")
 
 
 def check_mode(mode: str) -> str:
@@ -65,9 +91,12 @@ def check_mode(mode: str) -> str:
     raise ConfigError(f"--prefill-model {mode!r} is neither one of {', '.join(PREFILL_MODES)} nor a GGUF file")
 
 
-def resolve_prefill(decode_file: str | Path, mode: str = DEFAULT_PREFILL, lib=None) -> PrefillFile | None:
+def resolve_prefill(decode_file: str | Path, mode: str = DEFAULT_PREFILL, lib=None,
+                    rate: Callable[[Path], float] | None = None) -> PrefillFile | None:
     """The prefill file for ``decode_file`` under ``mode`` (see the module docstring), derived now when
-    it is not cached yet; ``None`` for no hybrid. ``lib``: llama-cpp-python (imported when needed)."""
+    it is not cached yet; ``None`` for no hybrid. ``lib``: llama-cpp-python (imported when needed); ``rate``:
+    a GGUF file's prefill rate in tokens per second (:func:`adaptive.engine.llamacpp.prefill_rate`), which
+    ``auto`` needs."""
     check_mode(mode)
     if mode == "off":
         return None
@@ -76,15 +105,49 @@ def resolve_prefill(decode_file: str | Path, mode: str = DEFAULT_PREFILL, lib=No
         if path == Path(decode_file).resolve():
             return None  # the decode file itself: no hybrid
         return PrefillFile(path, "file")
+    if mode == NO_REPACK:
+        return PrefillFile(Path(decode_file).resolve(), NO_REPACK, repack=False)
     if mode == "auto":
         if file_type(decode_file) in UNQUANTIZED_FILE_TYPES:
             return None
-        kind = next((k for k in ("bf16", "q8_0") if fits_memory(decode_file, k)), None)
-        if kind is None:
+        if rate is None:
+            raise ValueError("auto needs rate: a function measuring a GGUF file's prefill rate")
+        copy = next((k for k in ("bf16", "q8_0") if fits_memory(decode_file, k)), None)
+        rates = measured_rates(decode_file, [k for k in (copy, NO_REPACK) if k], rate, lib)
+        paying = [k for k, r in rates.items() if k != "decode" and r >= PAYS * rates["decode"]]
+        for kind in rates:
+            if kind not in ("decode", NO_REPACK, *paying):
+                derived_path(decode_file, kind).unlink(missing_ok=True)  # derived to be measured: it does not pay
+        if not paying:
             return None
-    else:
-        kind = mode
-    return PrefillFile(derive(decode_file, kind, lib), kind)
+        return resolve_prefill(decode_file, max(paying, key=rates.get), lib)
+    return PrefillFile(derive(decode_file, mode, lib), mode)
+
+
+def measured_rates(decode_file: str | Path, kinds: list[str], rate: Callable[[Path, bool], float],
+                   lib=None) -> dict[str, float]:
+    """``{"decode": r, kind: r, ...}``: the prefill rates (tokens per second) of ``decode_file`` as it decodes and
+    of each candidate prefill file, measured once per machine and file (deriving the copies) and kept in
+    :data:`RATES_FILE` beside the copies. ``rate(path, repack)``: one file's rate."""
+    store = cache_dir() / "prefill" / RATES_FILE
+    key = f"{platform.node()}/{cpu_name()}/{os.cpu_count()}|{derived_path(decode_file, 'decode').name}"
+    known = _read_rates(store).get(key, {})
+    if not all(k in known for k in ("decode", *kinds)):
+        if "decode" not in known:
+            known["decode"] = round(rate(Path(decode_file), True), 1)
+        for kind in kinds:
+            if kind not in known:
+                path = Path(decode_file) if kind == NO_REPACK else derive(decode_file, kind, lib)
+                known[kind] = round(rate(path, kind != NO_REPACK), 1)
+        write_json(store, {**_read_rates(store), key: known})  # with another process's answers since
+    return {k: known[k] for k in ("decode", *kinds)}
+
+
+def _read_rates(path: Path) -> dict:
+    try:
+        return dict(read_json(path))
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def file_type(path: str | Path) -> int | None:

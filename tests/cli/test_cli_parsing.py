@@ -76,7 +76,7 @@ def test_every_command_has_examples(capsys, name):
     ("generate", ["--profile", "p", "--drafter", "ssd"], "--policy"),
     ("generate", ["--profile", "p", "--method", "knn-ssd"], "--policy"),
     ("generate", ["--profile", "p", "--policy", "ssd"], "'ssd' is not one of"),
-    ("decode", ["--prefill-model", "bf8"], "neither one of auto, off, bf16, f16, q8_0 nor a GGUF file"),
+    ("decode", ["--prefill-model", "bf8"], "neither one of auto, off, bf16, f16, q8_0, no-repack nor a GGUF file"),
     ("serve", ["--profile", "p", "--prefill-model", "/no/such.gguf"], "nor a GGUF file"),
 ])
 def test_invalid_combinations_do_not_parse(capsys, tmp_path, command, args, message):

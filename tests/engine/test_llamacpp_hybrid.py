@@ -192,3 +192,17 @@ def test_a_server_s_batch_steps_while_a_prompt_is_prefilled_in_chunks_on_the_hyb
     finally:
         bb.prefixes = PrefixStore(0)
     assert out.result().token_ids == eng.generate(long_prompt[:60] + PROMPT[:30], cfg).token_ids
+
+
+def test_the_decode_file_without_repacking_is_a_prefill_file(tiny_gguf, tmp_path, monkeypatch):
+    """``no-repack``: the same file in a context without llama.cpp's repacked layouts prefills, the repacked one
+    decodes; greedy speculative output equals the hybrid's plain output."""
+    from adaptive.engine.prefill_file import NO_REPACK, PrefillFile
+
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path))
+    q8 = derive(tiny_gguf[0], "q8_0")
+    bb = LlamaCppBackbone(q8, threads=1, context=256, sequences=2, prefill=PrefillFile(q8, NO_REPACK, repack=False))
+    cfg = GenerationConfig(max_new_tokens=30, draft_len=6)
+    plain = decode_ids(bb, PROMPT, cfg)
+    spec = decode_ids(bb, PROMPT, cfg, drafter=build_drafter(DrafterSpec("pld"), bb))
+    assert spec == plain and bb.hybrid.handed == 2 * len(PROMPT)
