@@ -129,7 +129,7 @@ class ModelFingerprint:
     dtype: str = ""
     weights: str = "dense"
     engine: str = "torch"  # the engine that ran the model: a profile's measurements hold on it only
-    # the hybrid llama.cpp engine's prefill file (PrefillFile.kind: bf16, f16, q8_0, file; "" for none):
+    # the hybrid llama.cpp engine's prefill file (PrefillFile.kind: bf16, f16, q8_0, no-repack, file; "" none):
     # a profile's prefill times were measured with it
     prefill: str = ""
 
@@ -542,9 +542,9 @@ def load_model(
     or ``llama.cpp`` (:func:`resolve_engine`); ``threads``: llama.cpp's; ``context``: the positions of llama.cpp's
     context, shared by its live requests (default: the model's training context, at most 8192; never more than
     it; a :class:`ConfigError` on the torch engine); ``prefill``: the llama.cpp engine's prefill file
-    (:mod:`adaptive.engine.prefill_file`: ``auto`` derives a BF16 copy of a quantized file where it fits in
-    memory, ``off``, a kind, or a path; the torch engine ignores it). Raises :class:`ModelNotFoundError`
-    naming what was tried.
+    (:mod:`adaptive.engine.prefill_file`: ``auto`` the faster of a BF16 copy and the file without repacked
+    layouts where it pays, measured once per machine; ``off``, a kind, or a path; the torch engine ignores it).
+    Raises :class:`ModelNotFoundError` naming what was tried.
     """
     dev = resolve_device("cpu" if str(device) == "auto" and weights not in ("auto", "dense") else device)
     if weights != "auto":

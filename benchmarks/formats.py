@@ -73,7 +73,7 @@ def torch_rates(spec: str, pp: int, repeats: int) -> dict:
 def handover_ms_per_1000(decode: Path, prefill: Path, threads: int, tokens: int = 1000) -> float:
     """Milliseconds to hand ``tokens`` positions of KV from a context over ``prefill`` to one over ``decode``."""
     from adaptive.engine.llamacpp import LlamaCppBackbone
-    from adaptive.engine.llamacpp_hybrid import load_seq_state, seq_state
+    from adaptive.engine.llamacpp_host import load_seq_state, seq_state
 
     bb = LlamaCppBackbone(decode, threads=threads, context=tokens + 64, sequences=2, prefill=prefill)
     other = bb.hybrid.prefill

@@ -284,6 +284,7 @@ class LlamaCppBackbone:
                  f"{path.stat().st_size / 2**20:.0f} MiB mapped beside {self.path.name}'s "
                  f"{self.path.stat().st_size / 2**20:.0f} MiB), decoded on {self.path.name}")
         return HybridPrefill(self, other)
+
     # -- what the engine reads ------------------------------------------------------------------
 
     @property

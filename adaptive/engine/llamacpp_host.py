@@ -12,6 +12,9 @@ holds decoding alone. With it, the only modules that touch llama-cpp-python.
   its tiles fault) and kept in ``$ADAPTIVE_CACHE/llama.cpp/``; :func:`probe` runs any such child.
 * :func:`mapped_resident`, :func:`release_mapped_file`: a GGUF file's resident pages, given back
   once llama.cpp has read (and repacked) its weights.
+* :func:`seq_state`, :func:`load_seq_state`: a sequence's cells written out of one context and read into
+  another (the hybrid engine's handover, :mod:`adaptive.engine.llamacpp_hybrid`); :func:`quantize`: llama.cpp's
+  quantizer, which derives a prefill file (:mod:`adaptive.engine.prefill_file`).
 """
 
 from __future__ import annotations
@@ -312,3 +315,37 @@ def release_mapped_file(path: str | Path) -> int:
         if madvise(start, end - start, advice) == 0:
             advised += end - start
     return advised
+
+
+class HandoverError(RuntimeError):
+    """llama.cpp refused a sequence's state (a context too full for its cells, or files of different models)."""
+
+
+def seq_state(lib, ctx, seq: int) -> ctypes.Array:
+    """The sequence's state in ``ctx`` (its cells' positions, keys and values), as a byte buffer."""
+    size = lib.llama_state_seq_get_size(ctx, seq)
+    buf = (ctypes.c_uint8 * size)()
+    got = lib.llama_state_seq_get_data(ctx, buf, size, seq)
+    if got != size:
+        raise HandoverError(f"llama.cpp wrote {got} of sequence {seq}'s {size} state bytes")
+    return buf
+
+
+def load_seq_state(lib, ctx, buf: ctypes.Array, seq: int) -> None:
+    """Replace sequence ``seq`` of ``ctx`` with the state in ``buf`` (:func:`seq_state` of another context)."""
+    if lib.llama_state_seq_set_data(ctx, buf, len(buf), seq) != len(buf):
+        raise HandoverError(f"llama.cpp could not read {len(buf)} state bytes into sequence {seq}")
+
+
+def quantize(src: Path, dst: Path, ftype: int, lib=None) -> int:
+    """Write ``src``'s weights as llama.cpp's file type ``ftype`` (``LLAMA_FTYPE``) to ``dst`` with its quantizer,
+    requantizing allowed (a quantized weight is dequantized first), on this process's CPUs: llama.cpp's return
+    code (0: written). llama.cpp's log of every tensor is silenced (:func:`init_backend`)."""
+    if lib is None:
+        lib = library()
+    init_backend(lib)
+    params = lib.llama_model_quantize_default_params()
+    params.nthread = default_threads()
+    params.ftype = ftype
+    params.allow_requantize = True
+    return int(lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)))

@@ -34,9 +34,9 @@ files' prompt rows round apart (measured and documented in docs/design.md).
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
+from adaptive.engine.llamacpp_host import load_seq_state, seq_state
 from adaptive.errors import ConfigError, ContextFullError
 
 if TYPE_CHECKING:  # the backbone module imports this one
@@ -46,26 +46,6 @@ if TYPE_CHECKING:  # the backbone module imports this one
 # short chunk's; from 8 tokens BF16 is faster than Q4_1 on the embedded model (2 cores: 16 tokens 33 against
 # 70 ms), and a prompt shorter than that costs little either way
 MIN_TOKENS = 8
-
-
-class HandoverError(RuntimeError):
-    """llama.cpp refused a sequence's state (a context too full for its cells, or files of different models)."""
-
-
-def seq_state(lib, ctx, seq: int) -> ctypes.Array:
-    """The sequence's state in ``ctx`` (its cells' positions, keys and values), as a byte buffer."""
-    size = lib.llama_state_seq_get_size(ctx, seq)
-    buf = (ctypes.c_uint8 * size)()
-    got = lib.llama_state_seq_get_data(ctx, buf, size, seq)
-    if got != size:
-        raise HandoverError(f"llama.cpp wrote {got} of sequence {seq}'s {size} state bytes")
-    return buf
-
-
-def load_seq_state(lib, ctx, buf: ctypes.Array, seq: int) -> None:
-    """Replace sequence ``seq`` of ``ctx`` with the state in ``buf`` (:func:`seq_state` of another context)."""
-    if lib.llama_state_seq_set_data(ctx, buf, len(buf), seq) != len(buf):
-        raise HandoverError(f"llama.cpp could not read {len(buf)} state bytes into sequence {seq}")
 
 
 class HybridPrefill:

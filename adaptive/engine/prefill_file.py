@@ -34,7 +34,6 @@ own kernels, the machine's threads), once per machine and file, the answers kept
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import platform
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
+from adaptive.engine.llamacpp_host import quantize
 from adaptive.errors import ConfigError, ModelNotFoundError
 from adaptive.workdir import cache_dir, cpu_name, read_json, write_json
 
@@ -210,19 +210,10 @@ def derive(decode_file: str | Path, kind: str, lib=None) -> Path:
     target = derived_path(src, kind)
     if target.is_file():
         return target
-    if lib is None:
-        from adaptive.engine.llamacpp_host import init_backend, library
-
-        lib = library()
-        init_backend(lib)  # llama.cpp's log (a line per tensor) silenced
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    params = lib.llama_model_quantize_default_params()
-    params.nthread = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    params.ftype = DERIVED_KINDS[kind][0]
-    params.allow_requantize = True
     try:
-        rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        rc = quantize(src, tmp, DERIVED_KINDS[kind][0], lib)
         if rc != 0 or not tmp.is_file():
             raise ConfigError(f"llama.cpp could not derive a {kind} copy of {src} (error {rc})")
         os.replace(tmp, target)
