@@ -130,13 +130,17 @@ def server_command(binary: Path, settings: ServerSettings, port: int) -> list[st
 
 
 def completion_request(ids: list[int], max_new_tokens: int, cache_prompt: bool = False,
-                       ignore_eos: bool = False) -> dict:
+                       ignore_eos: bool = False, sampling: dict | None = None) -> dict:
     """The ``/completion`` body: the prompt as token ids, greedy with every penalty and sampler off,
     the slot's cached prompt reused only with ``cache_prompt``, the generated token ids asked back
-    (all ``max_new_tokens`` of them with ``ignore_eos``)."""
+    (all ``max_new_tokens`` of them with ``ignore_eos``). ``sampling`` (``temperature``, ``top_p``, ``seed``):
+    sampled instead, from the model's own distribution but for ``top_p`` (``top_k`` and ``min_p`` off, as
+    ours)."""
+    s = sampling or {}
     return {"prompt": [int(t) for t in ids], "n_predict": int(max_new_tokens), "stream": False,
             "cache_prompt": bool(cache_prompt), "return_tokens": True,
-            "temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "seed": 0,
+            "temperature": float(s.get("temperature", 0.0)), "top_k": 0 if s else 1,
+            "top_p": float(s.get("top_p", 1.0)), "min_p": 0.0, "typical_p": 1.0, "seed": int(s.get("seed", 0)),
             "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0, "ignore_eos": bool(ignore_eos), "n_probs": 0}
 
@@ -206,15 +210,16 @@ class LlamaServer:
         return f"http://{HOST}:{self.port}"
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: set[int],
-                 fresh: bool = True, ignore_eos: bool = False) -> tuple[list[int], float]:
+                 fresh: bool = True, ignore_eos: bool = False, sampling: dict | None = None) -> tuple[list[int], float]:
         """Greedy tokens after ``ids`` (up to and including an EOS; ``ignore_eos``: all ``max_new_tokens``)
-        and the request's wall time in seconds. ``fresh=False``: the request goes on a conversation, so a
-        stateful speculation type keeps its pool."""
+        and the request's wall time in seconds; ``sampling``: sampled ones (:func:`completion_request`).
+        ``fresh=False``: the request goes on a conversation, so a stateful speculation type keeps its pool."""
         if self.settings.spec_type in STATEFUL_SPEC_TYPES and self._requests > 0 and fresh:
             self.start()  # untimed: a fresh n-gram pool, so this run cannot draft from an earlier one
         if self.proc is None:
             self.start()
-        body = json.dumps(completion_request(ids, max_new_tokens, self.settings.cache_prompt, ignore_eos)).encode()
+        body = json.dumps(completion_request(ids, max_new_tokens, self.settings.cache_prompt, ignore_eos,
+                                             sampling)).encode()
         t = time.perf_counter()
         status, data = self._call("POST", "/completion", body, timeout=self.settings.request_timeout_s)
         reply = json.loads(data)

@@ -134,10 +134,10 @@ def _fields(mine: list[dict], ref: list[dict]) -> dict:
     }
 
 
-def markdown(summary: dict, methods: list[str]) -> str:
+def markdown(summary: dict, methods: list[str], sampled: bool = False) -> str:
     """A table: one row per group (then overall), a ``speedup [interval] (tok/s)`` cell per method
     (the interval where it has a width: not the reference's own), and the acceptance /
-    tokens-per-step and equality figures below it."""
+    tokens-per-step and equality figures below it (``sampled``: a sampled run's, compared by no identity)."""
     groups = sorted({g for m in methods for g in summary[m]["by_category"]})
     head = "| group | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods) + "\n"
     lines = []
@@ -163,6 +163,8 @@ def markdown(summary: dict, methods: list[str]) -> str:
         if f["identical_to_ar"] is None:
             same = "other weights" + (f": first {f['agreement_tokens']:.0f} tokens agree on average"
                                       if f.get("agreement_tokens") is not None else "")
+            if sampled:
+                same = "sampled: the distribution tests"
         dms = "-" if f.get("draft_ms_per_token") is None else f"{f['draft_ms_per_token']:.2f}"
         agg = ("-" if f.get("aggregate_tokens_per_s") is None else f"{f['aggregate_tokens_per_s']:.1f}"
                + (f" ({f['aggregate_speedup']:.2f}x)" if f.get("aggregate_speedup") is not None else ""))

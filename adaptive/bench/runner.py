@@ -150,8 +150,22 @@ class BenchSettings:
     # MiB of prefix cache for our runtime methods (each method its own, kept across prompts as a server
     # keeps it), and llama-server's cache_prompt on; 0: every request prefilled whole (single turns' fairness)
     prefix_cache: float = 0.0
+    # sampling, the same for every method: 0 decodes greedily (outputs compared with ar's and audited); above,
+    # each prompt samples with seed ``seed + its index`` (the model's own distribution with top_p 1), and
+    # losslessness is the distribution tests' to show, not identity's (docs/benchmarks.md)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.prefix_cache < 0:
             raise ConfigError(f"prefix-cache must be >= 0 MiB, got {self.prefix_cache}")
         if self.max_new_tokens < 1:
@@ -160,6 +174,18 @@ class BenchSettings:
             raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
+
+
+# where a method decodes: those that decode greedily only (the HF baselines' and llama-cpp-python's loops)
+GREEDY_ONLY = ("hf", "llamacpp")
+
+
+def check_sampling(methods: Sequence[str], settings: BenchSettings) -> None:
+    """A :class:`ConfigError` naming the methods that cannot sample, where ``settings`` do."""
+    greedy_only = [m for m in methods if BENCH_METHODS[m].runs_on in GREEDY_ONLY]
+    if not settings.greedy and greedy_only:
+        raise ConfigError(f"method(s) {', '.join(greedy_only)} decode greedily only: leave them out of "
+                          f"--methods or bench at --temperature 0")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -299,12 +325,14 @@ class _Methods:
             if server.settings.cache_prompt:
                 server.start()
 
-    def run(self, method: str, messages, fresh: bool = True) -> dict:
+    def run(self, method: str, messages, fresh: bool = True, seed: int | None = None) -> dict:
         """One run of ``method`` on ``messages``. With a prefix cache, each of our runtime methods reads and
         writes only its own, kept across prompts as a server keeps it (no method starts from another's
         turns; what prompts share, the chat template's start, is reused as llama-server's slot reuses
-        it); ``fresh``: a new conversation (a stateful llama-server speculation type restarts)."""
+        it); ``fresh``: a new conversation (a stateful llama-server speculation type restarts); ``seed``: the
+        sampler's, where the settings sample (default: theirs)."""
         m = BENCH_METHODS[method]
+        self._seed = self.settings.seed if seed is None else seed
         if not self.settings.prefix_cache or m.runs_on not in ("runtime", "engines", "torch"):
             return self._run(method, messages, fresh)
         backbones = [self.lm.backbone] + ([self.other.backbone] if self.other is not None else [])
@@ -320,9 +348,15 @@ class _Methods:
             for bb, store in zip(backbones, saved):
                 bb.prefixes = store
 
+    def _sampling(self) -> dict:
+        """The runtimes' sampling options of this run (:meth:`run`'s seed)."""
+        st = self.settings
+        return {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "seed": self._seed}
+
     def _run(self, method: str, messages, fresh: bool) -> dict:
         m = BENCH_METHODS[method]
         n = self.settings.max_new_tokens
+        sampling = self._sampling()
         if m.runs_on == "hf":
             return self._hf(method, self.ids(messages), n)
         if m.runs_on == "llamacpp":
@@ -332,7 +366,7 @@ class _Methods:
         if m.runs_on == "llama-server":
             server = self.servers[method]
             ids = self.ids(messages)
-            out, dt = server.generate(ids, n, self.engine.eos, fresh=fresh)
+            out, dt = server.generate(ids, n, self.engine.eos, fresh=fresh, sampling=sampling)
             timings = server.last_timings
             drafted = None if m.drafter == "ar" else timings.get("draft_n", 0)
             accepted = None if m.drafter == "ar" else timings.get("draft_n_accepted", 0)
@@ -342,19 +376,20 @@ class _Methods:
                     "ttft_s": round(prompt_ms / 1e3, 5) if prompt_ms is not None else None,
                     "cached_tokens": max(len(ids) - int(prompt_n), 0) if prompt_n is not None else None}
         if m.runs_on == "engine":
-            cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4)
+            cfg = GenerationConfig(max_new_tokens=n, draft_len=PLD_DRAFT_LEN if m.drafter == "pld" else 4, **sampling)
             drafter = build_drafter(DrafterSpec(m.drafter), self.lm.backbone)
             return _from_result(self.engine.generate(self.ids(messages), cfg, drafter=drafter))
         if m.runs_on == "engines":
-            return _from_result(self.two.generate(messages, max_new_tokens=n, policy=m.policy))
+            return _from_result(self.two.generate(messages, max_new_tokens=n, policy=m.policy, **sampling))
         if m.runs_on == "torch":
             if m.policy is None:
-                out = _from_result(self.other.generate(self.ids(messages), GenerationConfig(max_new_tokens=n)))
+                out = _from_result(self.other.generate(self.ids(messages), GenerationConfig(max_new_tokens=n,
+                                                                                             **sampling)))
                 self._other_refs[tuple(self.ids(messages))] = out["token_ids"]
                 return out
-            return _from_result(self.torch_runtime.generate(messages, max_new_tokens=n, policy=m.policy))
+            return _from_result(self.torch_runtime.generate(messages, max_new_tokens=n, policy=m.policy, **sampling))
         runtime = self.runtimes[m.runtime_key]
-        return _from_result(runtime.generate(messages, max_new_tokens=n, policy=m.policy))
+        return _from_result(runtime.generate(messages, max_new_tokens=n, policy=m.policy, **sampling))
 
     @torch.inference_mode()
     def _hf(self, method: str, ids: list[int], n: int) -> dict:
@@ -441,6 +476,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
     missing = [m for m in methods if BENCH_METHODS[m].needs_profile]
     if missing and profile is None:
         raise ConfigError(f"method(s) {', '.join(missing)} need a calibration profile: pass --profile DIR")
+    check_sampling(methods, settings)
     if profile is not None:
         profile.check_model(lm.fingerprint())
     if settings.threads:
@@ -482,7 +518,7 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
             outs = {}
             for m in balanced_order(methods, k):  # interleaved: every method on this prompt before the next prompt
                 captured = runner.captures()
-                outs[m] = runner.run(m, messages, fresh=t == 0)
+                outs[m] = runner.run(m, messages, fresh=t == 0, seed=settings.seed + k)
                 if captured is not None and runner.captures() > captured:  # one-time work inside this run's time
                     outs[m]["graph_captures"] = runner.captures() - captured
                 if bar is not None:
@@ -503,7 +539,9 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                 if m == "ar":
                     ref = out["token_ids"]
                     replies[(p.id, t)] = runner.engine.text(ref)
-                    rec["identical"] = True
+                    rec["identical"] = True if settings.greedy else None
+                elif not settings.greedy:  # sampled: another draw of the same distribution, not a copy of ar's
+                    rec["identical"] = None
                 elif BENCH_METHODS[m].needs_two_engines and out["info"].get("engine", "torch") == "torch":
                     # decoded on the torch engine: lossless against plain decoding there
                     other_ref = runner.other_reference(ids)
@@ -537,7 +575,8 @@ def run_bench(lm, prompts: list[BenchPrompt], methods: list[str], settings: Benc
                      "prefix_cache_mib": settings.prefix_cache,
                      "threads": torch.get_num_threads() if lm.model is not None else lm.backbone.threads,
                      "prompts": len(items),
-                     "profile": str(profile.path) if profile is not None else None, "greedy": True,
+                     "profile": str(profile.path) if profile is not None else None, "greedy": settings.greedy,
+                     "temperature": settings.temperature, "top_p": settings.top_p, "seed": settings.seed,
                      "seconds": round(time.perf_counter() - t_start, 1)},
         "methods": {m: DESCRIPTIONS[m] for m in methods},
         "results": summary,

@@ -9,7 +9,7 @@ import click
 
 from adaptive.bench.data import ORDERS, SHARED_QUESTIONS, load_bench_prompts, mixed_stream
 from adaptive.bench.report import markdown, plot
-from adaptive.bench.runner import BENCH_METHODS, DISTILLED_KIND, BenchSettings, run_bench
+from adaptive.bench.runner import BENCH_METHODS, DISTILLED_KIND, BenchSettings, check_sampling, run_bench
 from adaptive.cli.common import (
     NameList,
     command,
@@ -35,6 +35,8 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
     "adaptive bench --data prompts.jsonl --profile my-profile --methods ar,early-exit,early-exit-fixed "
     "--markdown report.md --plot report.png",
     "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd --skip-first 16 --order mixed",
+    "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd,llama-server --skip-first 16 "
+    "--temperature 1.0 --seed 7",
     "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd,llama-server --all-turns "
     "--prefix-cache 256",
     "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,knn-ssd --shared-context 4 "
@@ -63,6 +65,13 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
               help="file: the prompts in file order (group after group); mixed: round-robin over the groups "
                    "(sorted names), a mixed-domain stream as KNN-SSD evaluates on.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Every method samples at this temperature (0: greedy, outputs compared with ar's and audited); "
+                   "above 0 each prompt samples with seed --seed plus its index, and losslessness is the "
+                   "distribution tests' to show, not identity's. The hf and llama.cpp methods decode greedily only.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling's mass, with --temperature (llama-server's top_k and min_p off).")
+@click.option("--seed", type=int, default=0, show_default=True, help="The first prompt's sampling seed.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unmeasured runs of every method first.")
 @click.option("--threads", type=int, default=None,
               help="threads of every engine: torch's and llama.cpp's (default: torch's; llama.cpp: the CPUs).")
@@ -77,8 +86,8 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 @click.option("--plot", "out_png", type=click.Path(dir_okay=False), default=None, help="Also write a PNG bar chart.")
 @quiet_option
 def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_first, no_group_mt_bench, all_turns,
-              shared_context, prefix_cache, order, max_new_tokens, warmup, threads, dtype, weights, engine, prefill,
-              device, out_json, out_md, out_png, quiet):
+              shared_context, prefix_cache, order, max_new_tokens, temperature, top_p, seed, warmup, threads, dtype,
+              weights, engine, prefill, device, out_json, out_md, out_png, quiet):
     """Measure speedup, acceptance and equality with ar per group, for each method.
 
     Conversations (--all-turns) and questions over one shared text (--shared-context) with
@@ -86,7 +95,9 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
     cache held, below the table.
     """
     method_list = ["ar", *(m for m in methods if m != "ar")]  # ar first: the reference
-    settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads, prefix_cache=prefix_cache)
+    settings = BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, threads=threads, prefix_cache=prefix_cache,
+                             temperature=temperature, top_p=top_p, seed=seed)
+    check_sampling(method_list, settings)  # before the model loads
     needs = [m for m in method_list if BENCH_METHODS[m].needs_profile]
     if needs and not profile_dir:
         raise click.UsageError(f"method(s) {', '.join(needs)} need --profile DIR (from adaptive calibrate)")
@@ -107,7 +118,7 @@ def bench_cmd(data_file, profile_dir, model_spec, methods, per_category, skip_fi
                               shared_context=shared_context, order=order)
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    table = markdown(report["results"], method_list)
+    table = markdown(report["results"], method_list, sampled=not settings.greedy)
     if out_md:
         Path(out_md).write_text(table, encoding="utf-8")
     if out_png:

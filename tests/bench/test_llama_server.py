@@ -146,6 +146,9 @@ def test_the_request_is_greedy_uncached_token_ids_and_asks_for_tokens_back():
     assert body["temperature"] == 0.0 and body["top_k"] == 1 and body["repeat_penalty"] == 1.0
     assert body["presence_penalty"] == body["frequency_penalty"] == body["dry_multiplier"] == 0.0
     assert json.loads(json.dumps(body)) == body
+    sampled = completion_request([1, 2, 3], 16, sampling={"temperature": 1.0, "top_p": 0.9, "seed": 5})
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"]) == (1.0, 0.9, 5)
+    assert sampled["top_k"] == 0 and sampled["min_p"] == 0.0  # the model's own distribution, as ours samples it
 
 
 def test_the_reply_is_cut_after_the_first_eos_and_at_max_new_tokens():

@@ -10,6 +10,7 @@ import pytest
 from adaptive.bench import runner
 from adaptive.bench.data import BenchPrompt
 from adaptive.bench.runner import BenchSettings, balanced_order, run_bench
+from adaptive.errors import ConfigError
 
 
 def test_balanced_order_rows_are_a_williams_design():
@@ -37,9 +38,9 @@ def test_the_bench_runs_each_prompt_s_methods_in_its_row_and_lists_them_in_order
     called = []
     run = runner._Methods.run
 
-    def logged(self, method, messages, fresh=True):
+    def logged(self, method, messages, fresh=True, seed=None):
         called.append((messages[-1]["content"], method))
-        return run(self, method, messages, fresh)
+        return run(self, method, messages, fresh, seed)
 
     monkeypatch.setattr(runner._Methods, "run", logged)
     prompts = [BenchPrompt(f"p{i}", "g", "g", (f"abc abc {i} abc",)) for i in range(3)]
@@ -85,3 +86,44 @@ def test_eagle_chain_is_the_eagle_policy_drafting_chains_in_a_runtime_of_its_own
     chain, eagle = runner.BENCH_METHODS["eagle-chain"], runner.BENCH_METHODS["eagle"]
     assert chain.policy == eagle.policy == "eagle" and eagle.tree and not chain.tree
     assert chain.runtime_key != eagle.runtime_key and chain.needs_profile
+
+
+def test_a_sampled_bench_seeds_each_prompt_and_compares_no_identity(tiny, monkeypatch):
+    """At a temperature above 0 every method samples, each prompt with seed --seed plus its index (the same for
+    every method on it): a run is reproduced by its seed, and no output is compared with ar's (the distribution
+    tests show losslessness there); methods that decode greedily only are refused before anything runs."""
+    seeds = []
+    run = runner._Methods.run
+
+    def logged(self, method, messages, fresh=True, seed=None):
+        seeds.append((method, seed))
+        return run(self, method, messages, fresh, seed)
+
+    monkeypatch.setattr(runner._Methods, "run", logged)
+    prompts = [BenchPrompt(f"p{i}", "g", "g", (f"abc abc {i} abc",)) for i in range(3)]
+    settings = BenchSettings(max_new_tokens=12, warmup=0, temperature=1.0, seed=7)
+    first = run_bench(tiny, prompts, ["ar", "pld"], settings, progress=False)
+    assert sorted(seeds) == sorted((m, 7 + k) for k in range(3) for m in ("ar", "pld"))
+    assert all(r["identical"] is None and "violation" not in r for r in first["runs"])
+    assert first["settings"]["greedy"] is False and first["settings"]["temperature"] == 1.0
+    assert first["results"]["pld"]["identical_to_ar"] is None and first["results"]["pld"]["lossless_violations"] == 0
+    methods = runner._Methods(tiny, None, BenchSettings(max_new_tokens=24, warmup=0, temperature=1.0), ["ar", "pld"])
+    try:
+        chat = [{"role": "user", "content": "abc abc 1 abc"}]
+        draws = {seed: methods.run("ar", chat, seed=seed)["token_ids"] for seed in range(6)}
+        assert methods.run("ar", chat, seed=3)["token_ids"] == draws[3]  # reproduced by its seed
+        assert len({tuple(d) for d in draws.values()}) > 1  # and sampled: other seeds, other draws
+        greedy_ar = runner._Methods(tiny, None, BenchSettings(max_new_tokens=24, warmup=0), ["ar"]).run("ar", chat)
+        assert any(d != greedy_ar["token_ids"] for d in draws.values())
+    finally:
+        methods.close()
+    greedy = run_bench(tiny, prompts, ["ar"], BenchSettings(max_new_tokens=12, warmup=0), progress=False)
+    assert greedy["settings"]["greedy"] is True and all(r["identical"] for r in greedy["runs"])
+    from adaptive.bench.report import markdown
+
+    assert "sampled: the distribution tests" in markdown(first["results"], ["ar", "pld"], sampled=True)
+    with pytest.raises(ConfigError, match="hf decode greedily only"):
+        run_bench(tiny, prompts, ["ar", "hf"], settings, progress=False)
+    for bad, match in ((dict(temperature=-1.0), "temperature must be >= 0"), (dict(top_p=0.0), "top-p must be")):
+        with pytest.raises(ConfigError, match=match):
+            BenchSettings(**bad)
