@@ -169,7 +169,8 @@ def markdown(summary: dict, methods: list[str], sampled: bool = False) -> str:
         agg = ("-" if f.get("aggregate_tokens_per_s") is None else f"{f['aggregate_tokens_per_s']:.1f}"
                + (f" ({f['aggregate_speedup']:.2f}x)" if f.get("aggregate_speedup") is not None else ""))
         pos = "/".join(f"{a:.2f}" for a in (f.get("position_acceptance") or [])[:4]) or "-"
-        detail.append(f"| {m} | {agg} | {mat} | {acc} | {pos} | {dms} | {same} | {f['lossless_violations']} |")
+        violations = "-" if sampled else f["lossless_violations"]  # sampled: no audit ran
+        detail.append(f"| {m} | {agg} | {mat} | {acc} | {pos} | {dms} | {same} | {violations} |")
     turns = sorted({t for m in methods for t in summary[m].get("ttft_by_turn") or {}}, key=int)
     if len(turns) > 1:  # conversations or shared texts: what the prefix caches saved at the first token
         detail += ["", "| method | " + " | ".join(f"TTFT turn {t} (s)" for t in turns)
