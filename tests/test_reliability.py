@@ -55,7 +55,7 @@ CAL = ["calibrate", "--quick", "--prompts-per-domain", "3", "--trials", "2", "--
 GEN = ["generate", "abc", "--dtype", "float32", "--max-new-tokens", "4", "--policy", "ar"]  # with --profile
 DEC = ["decode", "abc", "--dtype", "float32", "--max-new-tokens", "4", "--drafter", "ar"]
 SSD = ["decode", "abc", "--dtype", "float32", "--max-new-tokens", "4"]
-DIS = ["distill", "--dtype", "float32", "--quiet", "--steps", "2"]
+DIS = ["distill", "--drafter", "early-exit", "--dtype", "float32", "--quiet", "--steps", "2"]
 
 # id -> (argv builder (tmp, model_dir, tiny_profile) -> argv, expected text in the message)
 CASES = {

@@ -33,7 +33,8 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
 
 @command("distill", examples=(
     "adaptive distill --profile my-profile",
-    "adaptive distill --profile my-profile --data code.jsonl --data maths=maths.txt --divergence tvd --steps 600",
+    "adaptive distill --profile my-profile --drafter early-exit --data code.jsonl --data maths=maths.txt "
+    "--divergence tvd --steps 600",
     "adaptive distill --profile my-profile --drafter draft-model.gguf --data-source on-policy",
     "adaptive distill --profile my-profile --resume",
     "adaptive distill --profile my-profile --drafter eagle --data code.jsonl --data maths.txt --minutes 8",
@@ -41,10 +42,11 @@ EARLY_EXIT, EAGLE = "early-exit", "eagle"
 @model_option
 @click.option("--profile", "profile_dir", required=True, type=click.Path(),
               help="The profile to train for; the drafter is stored in it (atomically).")
-@click.option("--drafter", default=EARLY_EXIT, show_default=True, metavar="early-exit|eagle|MODEL",
-              help="early-exit: the first --exit-layer layers plus a trained exit block; eagle: a head over the "
-                   "target's hidden states (trained on the target's own continuations, with soft targets); or a "
-                   "separate draft model (a spec as for --model) sharing the target's tokenizer, fine-tuned whole.")
+@click.option("--drafter", default=EAGLE, show_default=True, metavar="eagle|early-exit|MODEL",
+              help="eagle: a head over the target's hidden states (trained on the target's own continuations, with "
+                   "soft targets); early-exit: the first --exit-layer layers plus a trained exit block (measured at "
+                   "0.99-1.00x: docs/history/2026-11-22-distillation.md); or a separate draft model (a spec as for "
+                   "--model) sharing the target's tokenizer, fine-tuned whole.")
 @click.option("--exit-layer", type=int, default=None, help="Layers the early-exit drafter runs [half the model's].")
 @click.option("--data", "data", multiple=True, type=NameEqualsPath(bare=True),
               help="Prompts to train on, one domain per file (JSONL or .txt); repeatable. "
@@ -115,6 +117,11 @@ def distill_cmd(model_spec, profile_dir, drafter, exit_layer, data, divergence, 
                                "draft model")
     if exit_layer is not None and drafter != EARLY_EXIT:
         raise click.UsageError(f"--exit-layer is for --drafter {EARLY_EXIT}")
+    base = DistillConfig()  # the early-exit and draft-model options' defaults
+    if drafter == EAGLE and (divergence != base.divergence or jsd_beta != base.jsd_beta
+                             or data_source != base.data_source or refresh_every != base.refresh_every):
+        raise click.UsageError(f"--divergence, --jsd-beta, --data-source and --refresh-every are for --drafter "
+                               f"{EARLY_EXIT} or a draft model (the eagle head trains on the target's continuations)")
     if drafter != EAGLE and (samples != HeadConfig.samples or temperature != HeadConfig.temperature
                              or head_width is not None):
         raise click.UsageError(f"--samples, --temperature and --head-width are for --drafter {EAGLE}")

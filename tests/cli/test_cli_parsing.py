@@ -34,6 +34,10 @@ def test_decode_offers_every_drafter_that_needs_no_profile(capsys):
     assert "early-exit" not in text.split("Drafters:")[1].split("Examples:")[0]
 
 
+def test_distill_trains_an_eagle_head_unless_told_otherwise():
+    assert _option("distill", "--drafter").default == "eagle"
+
+
 def test_generate_offers_every_policy(capsys):
     assert list(_option("generate", "--policy").type.choices) == list(POLICIES)
     assert _option("generate", "--profile").required
@@ -101,7 +105,10 @@ def test_invalid_combinations_do_not_parse(capsys, tmp_path, command, args, mess
     (["distill", "--profile", "p", "--data", "a="], "Invalid value for '--data': takes [NAME=]PATH"),
     (["distill", "--profile", "p", "--divergence", "kl"], "Invalid value for '--divergence'"),
     (["distill", "--profile", "p", "--drafter", "eagle", "--head-width", "0"], "Invalid value for '--head-width'"),
-    (["distill", "--profile", "p", "--head-width", "64"], "--head-width are for --drafter eagle"),
+    (["distill", "--profile", "p", "--drafter", "early-exit", "--head-width", "64"],
+     "--head-width are for --drafter eagle"),
+    (["distill", "--profile", "p", "--divergence", "tvd"], "--refresh-every are for --drafter early-exit or a draft"),
+    (["distill", "--profile", "p", "--exit-layer", "3"], "--exit-layer is for --drafter early-exit"),
     (["bench", "--data", "d.jsonl", "--methods", "ar,warp"], "unknown method(s) warp"),
     (["bench", "--data", "d.jsonl", "--methods", "ar,pld,ar"], "listed twice"),
     (["bench", "--data", "d.jsonl", "--methods", ","], "no method given"),

@@ -24,7 +24,8 @@ def test_distill_then_generate_and_bench(capsys, tiny_model_dir, tiny_profile, f
     prof = tmp_path / "prof"
     shutil.copytree(tiny_profile, prof)
     png = tmp_path / "curve.png"
-    out, err = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--exit-layer", "2",
+    out, err = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--drafter",
+                      "early-exit", "--exit-layer", "2",
                       "--data", str(files[0]), "--data", f"chat={files[1]}", "--data", str(files[2]),
                       "--divergence", "tvd", "--data-source", "teacher", "--steps", "12", "--eval-every", "6",
                       "--new-tokens", "8", "--lr", "3e-3", "--plot", str(png), "--dtype", "float32", "--json")
@@ -58,13 +59,13 @@ def test_distill_human_output_and_resume_message(capsys, tiny_model_dir, tiny_pr
     shutil.copytree(tiny_profile, prof)
     data = [x for f in files for x in ("--data", str(f))]
     out, err = run_ok(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--steps", "3",
-                      "--new-tokens", "6", "--dtype", "float32", "--quiet", *data)
+                      "--drafter", "early-exit", "--new-tokens", "6", "--dtype", "float32", "--quiet", *data)
     assert "held-out greedy agreement" in out and "stored in" in out
     assert (tmp_path / "prof.early-exit-distill.png").exists()
     (tmp_path / "prof.distill-early-exit.work").mkdir()
     (tmp_path / "prof.distill-early-exit.work" / "state.json").write_text("{}")
     code, _, err = run(capsys, "distill", "--model", str(tiny_model_dir), "--profile", str(prof), "--steps", "3",
-                       "--dtype", "float32", "--quiet", *data)
+                       "--drafter", "early-exit", "--dtype", "float32", "--quiet", *data)
     assert code == 1 and "pass --resume" in err.strip().splitlines()[-1]
 
 
