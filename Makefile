@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+comma := ,
 
 .PHONY: install demo test test-fast lint bench clean
 
@@ -30,8 +31,15 @@ test-fast: install  # the fast default tier, for iteration (a plain `pytest` run
 lint: install
 	$(BIN)/ruff check adaptive tests benchmarks examples
 
+# the shipped domains' prompts that `make demo` did not calibrate on (it takes the first 6 of each), on the
+# embedded model: our plain decoding, prompt lookup and llama-cpp-python's loop; with make demo's profile also
+# the routed runtime (its default member, and both engines choosing per request)
+PROFILED := $(wildcard adaptive-profile/engines.json)
+BENCH_ARGS := --methods ar,pld,llama.cpp$(if $(PROFILED),$(comma)knn-ssd$(comma)cascade$(comma)engines --profile adaptive-profile)
+
 bench: install
-	$(BIN)/python benchmarks/engine_bench.py
+	$(BIN)/adaptive bench --data builtin --skip-first 6 --per-category 3 $(BENCH_ARGS) \
+		--out bench-report.json --markdown bench-report.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -12,7 +12,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaptive.calibrate.prompts import builtin_domains
 from adaptive.calibrate.sources import PromptFileError, read_prompt_rows
+
+# ``--data builtin``: the shipped domains' prompts (adaptive/calibrate/prompts), each domain a group; `make demo`
+# calibrates on the first of each, so ``--skip-first`` past them leaves held-out ones
+BUILTIN = "builtin"
 
 ORDERS = ("file", "mixed")  # `adaptive bench --order`: as read, or :func:`mixed_stream`
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
@@ -59,6 +64,7 @@ def load_bench_prompts(path: str | Path, per_category: int | None = None, group_
     ``shared_context`` N > 0: the shared-document workload, only the RAG and summarization groups,
     each prompt asked N times, each time followed by one of :data:`SHARED_QUESTIONS` (separate
     requests sharing the prompt's text). A plain JSONL row with no ``category`` is in group ``default``.
+    ``path`` :data:`BUILTIN` (where no such file exists): the shipped domains' prompts, each domain a group.
     """
     if per_category is not None and per_category < 1:
         raise PromptFileError(f"per-category must be >= 1, got {per_category}")
@@ -70,7 +76,12 @@ def load_bench_prompts(path: str | Path, per_category: int | None = None, group_
     if skip_first < 0:
         raise PromptFileError(f"skip-first must be >= 0, got {skip_first}")
     path = Path(path)
-    rows = read_prompt_rows(path)
+    builtin = str(path) == BUILTIN and not path.exists()
+    if builtin:
+        rows = [{"prompt": p, "category": name, "question_id": f"{name}-{i}"}
+                for name, prompts in builtin_domains().items() for i, p in enumerate(prompts)]
+    else:
+        rows = read_prompt_rows(path)
     all_rows = []
     if all_turns and path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
         all_rows = [json.loads(line) for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
@@ -78,7 +89,7 @@ def load_bench_prompts(path: str | Path, per_category: int | None = None, group_
     seen: dict[str, int] = defaultdict(int)
     for i, row in enumerate(rows):
         category = str(row.get("category", "default"))
-        group = group_of(category, group_mt_bench)
+        group = category if builtin else group_of(category, group_mt_bench)  # a shipped domain is its own group
         if shared_context and group not in SHARED_GROUPS:
             continue
         seen[group] += 1

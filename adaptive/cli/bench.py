@@ -31,6 +31,7 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 
 @command("bench", examples=(
     "adaptive bench --data prompts.jsonl --methods ar,hf,pld",
+    "adaptive bench --data builtin --profile adaptive-profile --skip-first 6 --per-category 3 --methods ar,knn-ssd",
     "adaptive bench --data spec_bench.jsonl --profile my-profile --methods ar,hf-pld,knn-ssd,cascade --skip-first 16",
     "adaptive bench --data prompts.jsonl --profile my-profile --methods ar,early-exit,early-exit-fixed "
     "--markdown report.md --plot report.png",
@@ -44,7 +45,8 @@ DEFAULT_METHODS = ("ar", "hf", "ssd-static", "knn-ssd")
 ), terms=("Methods (* needs --profile)", {m.name + (" *" if m.needs_profile else ""): m.description
                                          for m in BENCH_METHODS.values()}))
 @click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
-              help="Spec-Bench JSONL (question_id, category, turns) or prompt JSONL (prompt, optional category).")
+              help="Spec-Bench JSONL (question_id, category, turns) or prompt JSONL (prompt, optional category); "
+                   "builtin: the shipped domains' prompts, a group each (make bench).")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
               help="Profile for the methods marked * below.")
 @model_option

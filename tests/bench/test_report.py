@@ -187,3 +187,19 @@ def test_each_speedup_comes_with_its_interval_over_prompts():
     assert "| **overall** | 1.00x (15.0) | 1.17x [1.00, 1.50] (17.5) | 1.00x [0.90, 1.05] (15.0) |" in md
     same = [dict(r, method="ssd2", tokens_per_s=2 * r["tokens_per_s"]) for r in RUNS if r["method"] == "ar"]
     assert summarize(RUNS + same, ["ar", "ssd2"])["ssd2"]["speedup_interval"] == [2.0, 2.0]  # no spread at all
+
+
+def test_builtin_data_is_the_shipped_domains_a_group_each(tmp_path, monkeypatch):
+    """``--data builtin`` (make bench): the shipped domains' prompts, each domain a group, the first of each
+    skipped as `make demo` calibrated on them; a file of that name in the working directory is read instead."""
+    from adaptive.bench.data import BUILTIN
+    from adaptive.calibrate.prompts import builtin_domains
+
+    domains = builtin_domains()
+    ps = load_bench_prompts(BUILTIN, per_category=2, skip_first=6)
+    assert sorted({p.group for p in ps}) == sorted(domains) and len(ps) == 2 * len(domains)
+    math = [p for p in ps if p.group == "math"]
+    assert [p.turns[0] for p in math] == domains["math"][6:8] and math[0].id == "math-6"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / BUILTIN).write_text("mine\n", encoding="utf-8")  # a text file: a prompt a line
+    assert [p.turns[0] for p in load_bench_prompts(BUILTIN)] == ["mine"]
