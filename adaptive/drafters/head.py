@@ -75,8 +75,8 @@ class DraftHead:
     """A drafter's LM head restricted to ``ids`` (``[V']``, distinct): ``weight`` is ``[V', hidden]``.
 
     Built once per request from the domain's precomputed rows plus the prompt's extra tokens;
-    :meth:`to_vocab` maps an index over the subset back to a token id, and :meth:`expand` turns a
-    distribution over the subset into one over the full vocabulary (zero elsewhere).
+    :meth:`expand_logits` turns logits over the subset into logits over the full vocabulary (``-inf``
+    elsewhere: probability zero).
     """
 
     ids: torch.Tensor
@@ -105,9 +105,6 @@ class DraftHead:
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
-
-    def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
-        return self.ids[index]
 
     def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V']`` logits over the subset -> ``[..., V]`` with ``-inf`` outside it.

@@ -81,10 +81,6 @@ class BigramTable:
         """``(successor, probability)`` of ``token``, or ``None`` if it has no entry."""
         return self._map.get(int(token))
 
-    def max_token(self) -> int:
-        """The largest id in the table (-1 when empty): checked against a model's vocabulary."""
-        return int(max(self.keys.max(initial=-1), self.succ.max(initial=-1)))
-
 
 def build_bigram_table(sequences: Iterable[Sequence[int]], min_count: int = 2) -> BigramTable:
     """Count adjacent pairs over ``sequences`` and keep each token's most frequent successor.
