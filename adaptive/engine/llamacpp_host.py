@@ -168,7 +168,7 @@ def extra_buffers_ok(gguf: str | Path) -> bool:
     if not path.is_file():
         return True  # nothing to probe: loading it fails with its own error
     version = importlib.import_module("llama_cpp").__version__
-    safe = probe(EXTRA_BUFFERS_FILE, f"{version}|{_machine()}|{_weight_kind(path)}", "extra_buffers_child", path,
+    safe = probe(EXTRA_BUFFERS_FILE, f"{version}|{machine()}|{_weight_kind(path)}", "extra_buffers_child", path,
                   f"llama.cpp's extra weight layouts on {path.name}", _FAULTS, {**os.environ, _EXTRA_BUFFERS_ENV: "1"})
     if safe is None:
         return False  # the probe itself failed (said): off for this process only
@@ -188,7 +188,7 @@ def _weight_kind(path: Path) -> str:
     return f"file type {file_type}" if isinstance(file_type, int) else f"{path}:{path.stat().st_size}"
 
 
-def _machine() -> str:
+def machine() -> str:
     """The host name, CPU model and kernel release: what an answer about this machine's kernels is kept under."""
     return f"{platform.node()}/{cpu_name()}/{platform.release()}"
 
@@ -203,7 +203,7 @@ def probe(cache_name: str, key: str, child: str, path: Path, what: str, answers:
     import subprocess
 
     cache = cache_dir() / "llama.cpp" / cache_name
-    known = _read_cache(cache)
+    known = read_cache(cache)
     if isinstance(known.get(key), bool):
         return known[key]
     try:
@@ -219,12 +219,13 @@ def probe(cache_name: str, key: str, child: str, path: Path, what: str, answers:
     else:
         say_once(f"probing {what} failed (exit {run.returncode}): {run.stderr.strip()[-300:]}")
         return None
-    _write_cache(cache, {**known, key: answer})  # a read-only cache: probed again next time
+    write_cache(cache, {**known, key: answer})  # a read-only cache: probed again next time
     return answer
 
 
-def _read_cache(path: Path) -> dict:
-    """A probe cache's object (``{}`` when missing, unreadable or not an object)."""
+def read_cache(path: Path) -> dict:
+    """A cache of answers about this machine (a probe's, measured prefill rates): its object (``{}`` when
+    missing, unreadable or not an object)."""
     try:
         known = read_json(path)
     except (OSError, ValueError):
@@ -232,8 +233,8 @@ def _read_cache(path: Path) -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _write_cache(path: Path, value: dict) -> None:
-    """Write a probe cache atomically; a read-only cache is left alone (probed again next time)."""
+def write_cache(path: Path, value: dict) -> None:
+    """Write a cache of answers atomically; a read-only cache is left alone (asked again next time)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, value)

@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from adaptive.engine.gguf_file import GGUFFormatError, read_gguf
-from adaptive.engine.llamacpp_host import quantize
+from adaptive.engine.llamacpp_host import machine, quantize, read_cache, write_cache
 from adaptive.errors import ConfigError, ModelNotFoundError
-from adaptive.workdir import cache_dir, cpu_name, read_json, write_json
+from adaptive.workdir import cache_dir
 
 # llama.cpp's LLAMA_FTYPE of each kind a prefill file may be derived in, and its bytes per weight
 PREFILL_KINDS = {"bf16": (32, 2.0), "f16": (1, 2.0), "q8_0": (7, 34 / 32)}
@@ -115,12 +114,10 @@ def resolve_prefill(decode_file: str | Path, mode: str = DEFAULT_PREFILL, lib=No
         copy = next((k for k in ("bf16", "q8_0") if fits_memory(decode_file, k)), None)
         rates = measured_rates(decode_file, [k for k in (copy, NO_REPACK) if k], rate, lib)
         paying = [k for k, r in rates.items() if k != "decode" and r >= PAYS * rates["decode"]]
-        for kind in rates:
-            if kind not in ("decode", NO_REPACK, *paying):
-                derived_path(decode_file, kind).unlink(missing_ok=True)  # derived to be measured: it does not pay
-        if not paying:
-            return None
-        return resolve_prefill(decode_file, max(paying, key=rates.get), lib)
+        chosen = max(paying, key=rates.get) if paying else None
+        if copy is not None and copy != chosen:
+            derived_path(decode_file, copy).unlink(missing_ok=True)  # derived to be measured, not taken
+        return None if chosen is None else resolve_prefill(decode_file, chosen, lib)
     return PrefillFile(derive(decode_file, mode, lib), mode)
 
 
@@ -130,8 +127,8 @@ def measured_rates(decode_file: str | Path, kinds: list[str], rate: Callable[[Pa
     of each candidate prefill file, measured once per machine and file (deriving the copies) and kept in
     :data:`RATES_FILE` beside the copies. ``rate(path, repack)``: one file's rate."""
     store = cache_dir() / "prefill" / RATES_FILE
-    key = f"{platform.node()}/{cpu_name()}/{os.cpu_count()}|{derived_path(decode_file, 'decode').name}"
-    known = _read_rates(store).get(key, {})
+    key = f"{machine()}/{os.cpu_count()}|{_file_key(decode_file)}"
+    known = dict(read_cache(store).get(key, {}))
     if not all(k in known for k in ("decode", *kinds)):
         if "decode" not in known:
             known["decode"] = round(rate(Path(decode_file), True), 1)
@@ -139,15 +136,8 @@ def measured_rates(decode_file: str | Path, kinds: list[str], rate: Callable[[Pa
             if kind not in known:
                 path = Path(decode_file) if kind == NO_REPACK else derive(decode_file, kind, lib)
                 known[kind] = round(rate(path, kind != NO_REPACK), 1)
-        write_json(store, {**_read_rates(store), key: known})  # with another process's answers since
+        write_cache(store, {**read_cache(store), key: known})  # with another process's answers since
     return {k: known[k] for k in ("decode", *kinds)}
-
-
-def _read_rates(path: Path) -> dict:
-    try:
-        return dict(read_json(path))
-    except (OSError, ValueError, TypeError):
-        return {}
 
 
 def file_type(path: str | Path) -> int | None:
@@ -193,10 +183,14 @@ def fits_memory(path: str | Path, kind: str, available: int | None = None) -> bo
 def derived_path(decode_file: str | Path, kind: str) -> Path:
     """Where ``decode_file``'s copy in ``kind`` is cached: keyed by the file's resolved path, size and
     modification time (a file replaced in place gets a new copy)."""
-    src = Path(decode_file).resolve()
+    return cache_dir() / "prefill" / f"{_file_key(decode_file)}.{kind}.gguf"
+
+
+def _file_key(path: str | Path) -> str:
+    """``STEM-HASH``: a file's stem and a hash of its resolved path, size and modification time."""
+    src = Path(path).resolve()
     st = src.stat()
-    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "prefill" / f"{src.stem}-{key}.{kind}.gguf"
+    return f"{src.stem}-{hashlib.sha256(f'{src}|{st.st_size}|{st.st_mtime_ns}'.encode()).hexdigest()[:12]}"
 
 
 def derive(decode_file: str | Path, kind: str, lib=None) -> Path:

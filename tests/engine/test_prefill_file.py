@@ -114,3 +114,17 @@ def test_a_prefill_rate_is_measured_on_llama_cpp(tiny_gguf):
 
     assert prefill_rate(tiny_gguf[0], tokens=32, repeats=1) > 0
     assert prefill_rate(tiny_gguf[0], repack=False, tokens=32, repeats=1) > 0
+
+
+def test_without_room_for_a_copy_the_file_without_repacking_is_still_measured_and_kept(tiny_gguf, tmp_path,
+                                                                                        monkeypatch):
+    """No copy fits the memory budget and nothing was derived yet (no prefill cache directory): the decode file
+    without repacking is measured, taken where it pays, and its rates written (the directory made for them)."""
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "fresh"))
+    monkeypatch.setattr(pf, "available_memory", lambda: 0)
+    monkeypatch.setattr(pf, "file_type", lambda path: 7)  # a quantized file, as far as auto asks
+    rate, calls = rates(tiny_gguf[0], no_repack=200.0)
+    got = pf.resolve_prefill(tiny_gguf[0], "auto", rate=rate)
+    assert got == pf.PrefillFile(tiny_gguf[0].resolve(), pf.NO_REPACK, repack=False) and len(calls) == 2
+    stored = json.loads((tmp_path / "fresh" / "prefill" / pf.RATES_FILE).read_text())
+    assert list(stored.values()) == [{"decode": 100.0, "no-repack": 200.0}]
